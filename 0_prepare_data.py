@@ -1,0 +1,99 @@
+#!/usr/bin/env python3
+"""Stage 0: list the images, split them into disjoint evaluation / calibration sets, and fill the
+uint8 preprocessing cache for the model's resize/crop.
+
+Reads:  ``$VAL_ROOT`` (ImageNet val, class folders or flat + LOC_val_solution.csv) or, when unset,
+        the embedded sample ``data/imagenet-sample-1k`` (1000 images, one per class).
+Writes: ``artifacts/splits.json``, ``artifacts/cache/{eval,calib}-<key>.npz``,
+        ``results/<model>/data.json``.
+Rerun:  ``python 0_prepare_data.py --model efficientnet_lite0``
+
+Splits. With several images per class, each class gives ``--calib-per-class`` images (default
+10) to calibration and up to ``--eval-per-class`` (default: all the rest) to evaluation. The
+embedded sample has one image per class, so a seeded ``--calib-fraction`` of the *classes*
+(default 0.1: 100 images) is held out for calibration and the other 900 images are evaluated.
+``--calib-fraction 0`` evaluates all 1000 images and leaves no calibration split (stage 4 then
+refuses to run). Images that cannot be decoded are named and dropped, never a crash mid-run.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import common
+
+
+def get_args_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data-root", type=Path, default=os.environ.get("VAL_ROOT") or None,
+                   help="image folder (default: $VAL_ROOT, else the embedded sample)")
+    p.add_argument("--labels-csv", type=Path, default=None,
+                   help="ground-truth CSV for a flat folder (default: LOC_val_solution.csv found "
+                        "beside or above the images)")
+    p.add_argument("--model", default=os.environ.get("MODEL", "mobilenet_v3_small"),
+                   help="model whose preprocessing fills the cache (default: $MODEL)")
+    p.add_argument("--eval-per-class", type=int, default=None,
+                   help="evaluation images per class (default: all not used for calibration)")
+    p.add_argument("--calib-per-class", type=int, default=10,
+                   help="calibration images per class when classes have several images")
+    p.add_argument("--calib-fraction", type=float, default=0.1,
+                   help="fraction of classes held out for calibration on one-image-per-class data")
+    p.add_argument("--seed", type=int, default=0, help="seed of the split")
+    return p
+
+
+def main(args: argparse.Namespace) -> dict:
+    """Write the split and caches; return the summary dict written to ``data.json``."""
+    started = time.time()
+    if not 0.0 <= args.calib_fraction < 1.0:
+        raise common.UsageError("--calib-fraction must be in [0, 1)")
+    if args.calib_per_class < 0 or (args.eval_per_class is not None and args.eval_per_class < 1):
+        raise common.UsageError("--calib-per-class must be >= 0 and --eval-per-class >= 1")
+    root = Path(args.data_root) if args.data_root else common.DEFAULT_DATA
+    spec = common.model_spec(args.model)
+    if not spec.classifier:
+        raise common.UsageError(f"--model {args.model} is not an ImageNet classifier: the data "
+                                "stage does not apply (export and parity use --input-shape)")
+    items, layout = common.list_images(root, args.labels_csv)
+    ev, ca = common.make_splits(items, args.eval_per_class, args.calib_per_class,
+                                args.calib_fraction, args.seed)
+    assert not {p for p, _ in ev} & {p for p, _ in ca}, "eval/calib overlap"
+    prep = spec.preprocessing()
+    split = {"data_root": str(root.resolve()), "layout": layout, "seed": args.seed,
+             "eval_per_class": args.eval_per_class, "calib_per_class": args.calib_per_class,
+             "calib_fraction": args.calib_fraction, "n_listed": len(items),
+             "eval": [list(i) for i in ev], "calib": [list(i) for i in ca], "unreadable": []}
+    caches = {}
+    for name in ("eval", "calib"):
+        if not split[name]:
+            continue
+        x, good, bad = common.preprocess_items(root, [tuple(i) for i in split[name]], prep,
+                                               desc=f"preprocess {name}")
+        for rel, err in bad:
+            print(f"WARNING: unreadable image dropped from {name}: {root / rel}: {err}",
+                  file=sys.stderr)
+        split["unreadable"] += [{"file": rel, "split": name, "error": err} for rel, err in bad]
+        split[name] = [list(i) for i in good]
+        caches[name] = (x, good)
+    common.write_json(common.splits_path(), split)
+    for name, (x, _) in caches.items():
+        common.save_cache(split, name, prep, x)
+    summary = {"stage": "0_prepare_data", "data_root": str(root), "layout": layout,
+               "n_listed": len(items), "n_eval": len(split["eval"]),
+               "n_calib": len(split["calib"]), "n_unreadable": len(split["unreadable"]),
+               "eval_classes": len({c for _, c in split["eval"]}),
+               "calib_classes": len({c for _, c in split["calib"]}),
+               "preprocessing": prep,
+               "provenance": common.provenance(args, [common.splits_path()], started)}
+    common.write_json(common.model_results(args.model) / "data.json", summary)
+    print(f"data: {layout} {root}: {summary['n_eval']} eval / {summary['n_calib']} calib images, "
+          f"{summary['n_unreadable']} unreadable -> {common.splits_path()}")
+    return summary
+
+
+if __name__ == "__main__":
+    common.cli(get_args_parser, main)

@@ -1,0 +1,159 @@
+#!/usr/bin/env python3
+"""Stage 8: collect ``results/<model>/*.json`` into ``REPORT.md`` and ``REPORT.csv``.
+
+Reads:  every results JSON of the model that describes a backend run (``backend`` key).
+Writes: ``results/<model>/REPORT.md``, ``results/<model>/REPORT.csv`` and a copy of the markdown
+        at ``results/REPORT.md`` (the last model reported).
+Rerun:  ``python 8_report.py --model efficientnet_lite0``
+
+Columns: backend, precision, top-1, top-5, delta top-1 (points vs the PyTorch FP32 row), mean ms,
+FPS, speedup (PyTorch FP32 mean ms on the same device / this row's mean ms; "n/a" when no PyTorch
+row ran on that device), size MB, cosine similarity and top-1 agreement (vs PyTorch FP32 logits).
+Rows that could not run (skipped / failed) are listed with the reason; numbers are only ever
+copied from the JSON of a real run.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import common
+
+COLUMNS = ["backend", "precision", "tag", "EP/device", "images", "top-1 %", "top-5 %",
+           "delta top-1", "mean ms", "FPS", "speedup", "size MB", "cosine sim", "top-1 agree %",
+           "status"]
+
+# Row order: the hops of the pipeline.
+_ORDER = {"PyTorch": 0, "ORT": 1, "TensorRT": 2}
+_PREC = {"FP32": 0, "FP16": 1, "INT8": 2, "INT4": 3}
+
+
+def load_rows(folder: Path) -> list[dict]:
+    """Results records in ``folder`` that describe a backend run, in pipeline order.
+
+    Raises:
+        StageError: a JSON file cannot be parsed (named).
+    """
+    rows = []
+    for f in sorted(folder.glob("*.json")):
+        try:
+            rec = json.loads(f.read_text())
+        except json.JSONDecodeError as e:
+            raise common.StageError(f"{f} is not valid JSON ({e}); rerun the stage that wrote it")
+        if isinstance(rec, dict) and "backend" in rec:
+            rec["_file"] = f.name
+            rows.append(rec)
+    rows.sort(key=lambda r: (_ORDER.get(r["backend"], 9), _PREC.get(r["precision"][:4], 9),
+                             r["tag"]))
+    return rows
+
+
+def _fmt(v, nd=2):
+    return "" if v is None else (f"{v:.{nd}f}" if isinstance(v, float) else str(v))
+
+
+def table_rows(rows: list[dict]) -> list[dict]:
+    """One dict per report row with the :data:`COLUMNS` keys (strings, ready to print)."""
+    base = next((r for r in rows if r["backend"] == "PyTorch" and r["status"] == "ok"
+                 and (r.get("accuracy") or {}).get("top1") is not None), None)
+    base_top1 = base["accuracy"]["top1"] if base else None
+    pt_ms = {r.get("device", "cpu"): r["latency"]["mean_ms"] for r in rows
+             if r["backend"] == "PyTorch" and r["status"] == "ok" and r.get("latency")}
+    out = []
+    for r in rows:
+        acc = r.get("accuracy") or {}
+        lat = r.get("latency") or {}
+        par = r.get("parity") or {}
+        dev = r.get("device", "cpu")
+        ep = r.get("ep_used") or r.get("device") or ""
+        ep = ep.replace("ExecutionProvider", " EP")
+        if r.get("cpu_fallback"):
+            ep += " (fallback)"
+        status = r["status"]
+        if r.get("reason"):
+            status += f": {r['reason'].splitlines()[0][:160]}"
+        cc = r.get("backend_cross_check")
+        if cc and cc.get("disagreement"):
+            status += (f"; BACKEND DISAGREEMENT: top-1 {cc['top1_unoptimized']:.1f}% with ORT "
+                       f"optimisations disabled ({cc['n']} images)")
+        top1 = acc.get("top1")
+        speed = (pt_ms[dev] / lat["mean_ms"]) if lat.get("mean_ms") and dev in pt_ms else None
+        out.append({
+            "backend": r["backend"], "precision": r["precision"], "tag": r["tag"],
+            "EP/device": ep, "images": _fmt(r.get("n_images")), "top-1 %": _fmt(top1),
+            "top-5 %": _fmt(acc.get("top5")),
+            "delta top-1": _fmt(top1 - base_top1) if top1 is not None and base_top1 is not None
+            else "",
+            "mean ms": _fmt(lat.get("mean_ms"), 3), "FPS": _fmt(lat.get("fps"), 1),
+            "speedup": f"{speed:.2f}x" if speed else ("n/a" if lat else ""),
+            "size MB": _fmt(r.get("size_mb")), "cosine sim": _fmt(par.get("cosine_mean"), 5),
+            "top-1 agree %": _fmt(par.get("top1_agreement"), 1), "status": status})
+    return out
+
+
+def render_markdown(model: str, rows: list[dict], data: dict | None) -> str:
+    """The report as markdown: a header naming model, data and machine, then the table."""
+    trs = table_rows(rows)
+    buf = io.StringIO()
+    buf.write(f"# Deployment report: {model}\n\n")
+    if data:
+        buf.write(f"Data: {data.get('n_eval')} eval images ({data.get('layout')}, "
+                  f"{data.get('data_root')}); {data.get('n_calib')} disjoint calibration images; "
+                  f"preprocessing {data.get('preprocessing')}.\n\n")
+    prov = next((r.get("provenance") for r in rows if r.get("provenance")), None)
+    if prov:
+        d, v = prov["device"], prov["versions"]
+        buf.write(f"Machine: {d.get('cpu')} ({d.get('cpu_count')} cores), GPU: "
+                  f"{d.get('gpu') or 'none'}; torch {v.get('torch')}, onnxruntime "
+                  f"{v.get('onnxruntime') or v.get('onnxruntime-gpu')}, modelopt "
+                  f"{v.get('nvidia-modelopt')}, TensorRT {v.get('tensorrt') or 'not installed'}; "
+                  f"git {prov.get('git_sha')}.\n\n")
+    buf.write("Latency: batch 1, mean of timed runs after warm-up (p50/p90/p99 in the JSON); "
+              "speedup vs PyTorch FP32 on the same device. Parity vs PyTorch FP32 logits.\n\n")
+    buf.write("| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS) + "\n")
+    for t in trs:
+        buf.write("| " + " | ".join(t[c].replace("|", "/") for c in COLUMNS) + " |\n")
+    return buf.getvalue()
+
+
+def get_args_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=os.environ.get("MODEL", "mobilenet_v3_small"))
+    return p
+
+
+def main(args: argparse.Namespace) -> Path:
+    started = time.time()
+    folder = common.model_results(args.model)
+    rows = load_rows(folder) if folder.is_dir() else []
+    if not rows:
+        raise common.StageError(f"no results in {folder}: run the stages first "
+                                "(bash run_all.sh)")
+    data_file = folder / "data.json"
+    data = json.loads(data_file.read_text()) if data_file.exists() else None
+    md = render_markdown(args.model, rows, data)
+    md += f"\nGenerated by `python 8_report.py --model {args.model}` in " \
+          f"{time.time() - started:.1f} s.\n"
+    out_md, out_csv = folder / "REPORT.md", folder / "REPORT.csv"
+    with common.atomic_path(out_md) as tmp:
+        tmp.write_text(md)
+    with common.atomic_path(out_csv) as tmp:
+        with open(tmp, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=COLUMNS)
+            w.writeheader()
+            w.writerows(table_rows(rows))
+    with common.atomic_path(common.results_dir() / "REPORT.md") as tmp:
+        shutil.copyfile(out_md, tmp)
+    print(md)
+    return out_md
+
+
+if __name__ == "__main__":
+    common.cli(get_args_parser, main)

@@ -1,0 +1,159 @@
+#!/usr/bin/env bash
+# The whole pipeline, stage by stage (Kaldi/ESPnet recipe style). First: source env.sh
+#
+#   bash run_all.sh                          # all stages for $MODEL (default mobilenet_v3_small)
+#   MODEL=efficientnet_lite0 bash run_all.sh
+#   bash run_all.sh --stage 3 --stop-stage 3 # rerun one stage
+#   bash run_all.sh --all-variants           # also the INT8 ablations of stage 5
+#
+# Stages: 0 data, 1 PyTorch baseline, 2 ONNX export, 3 ORT eval (FP32/FP16), 4 calibration data,
+# 5 INT8/INT4 quantization + ORT eval, 6 TensorRT engines, 7 TensorRT eval, 8 report.
+# Every stage writes results/<model>/*.json; stops at the first failing stage with its log tail.
+set -euo pipefail
+
+usage() {
+  sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'
+  echo "options: --stage N --stop-stage M --all-variants --limit N (first N eval images; smoke runs)"
+}
+
+stage=0
+stop_stage=8
+all_variants=0
+limit=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --stage) stage="${2:?--stage needs a number}"; shift 2 ;;
+    --stop-stage) stop_stage="${2:?--stop-stage needs a number}"; shift 2 ;;
+    --all-variants) all_variants=1; shift ;;
+    --limit) limit="${2:?--limit needs a number}"; shift 2 ;;
+    -h|--help) usage; exit 0 ;;
+    *) echo "run_all.sh: unknown option $1" >&2; usage >&2; exit 2 ;;
+  esac
+done
+for n in "$stage" "$stop_stage"; do
+  [[ "$n" =~ ^[0-8]$ ]] || { echo "run_all.sh: stages are 0..8, got $n" >&2; exit 2; }
+done
+
+cd "$(dirname "$0")"
+if [ -z "${PIPELINE_ROOT:-}" ] || ! python -c 'import torch, onnxruntime' 2>/dev/null; then
+  echo "run_all.sh: environment not set up: run  source env.sh  first" >&2
+  exit 2
+fi
+MODEL="${MODEL:-mobilenet_v3_small}"
+export MODEL
+ART="${ARTIFACTS:-artifacts}/$MODEL"
+ONNX_DIR="$ART/onnx"
+LOG_DIR="${ARTIFACTS:-artifacts}/logs/$MODEL"
+mkdir -p "$LOG_DIR"
+lim=()
+if [ -n "$limit" ]; then lim=(--limit "$limit"); fi
+
+# Run one command of a stage; on failure print its log tail and stop the pipeline.
+run() {
+  local log="$LOG_DIR/$1.log"; shift
+  if ! "$@" >"$log" 2>&1; then
+    echo "  FAILED: $*" >&2
+    tail -n 25 "$log" | sed 's/^/  | /' >&2
+    echo "  full log: $log" >&2
+    exit 1
+  fi
+  grep -v '^\[torch.onnx\]' "$log" | tail -n 3 | sed 's/^/  /'
+}
+
+# A stage whose script has not landed yet is reported and skipped (not an error).
+have() {
+  if [ -e "$1" ]; then return 0; fi
+  echo "  skipped: $1 is not in this checkout yet"
+  return 1
+}
+
+begin() { # begin N "what: inputs -> outputs"
+  stage_start=$SECONDS
+  echo "Stage $1: $2"
+}
+end() { echo "Stage $1: finished [elapsed=$((SECONDS - stage_start))s]"; }
+want() { [ "$stage" -le "$1" ] && [ "$stop_stage" -ge "$1" ]; }
+
+echo "run_all.sh: model=$MODEL stages $stage..$stop_stage $(date -u +%FT%TZ)"
+
+if want 0; then
+  begin 0 "prepare data: ${VAL_ROOT:-data/imagenet-sample-1k} -> ${ARTIFACTS:-artifacts}/splits.json + cache"
+  run 0_prepare_data python 0_prepare_data.py --model "$MODEL"
+  end 0
+fi
+
+if want 1; then
+  begin 1 "PyTorch FP32 baseline: eval split -> $ART/ref_logits.npz, results/$MODEL/pytorch_fp32_cpu.json"
+  run 1_pytorch_baseline python 1_pytorch_baseline.py --model "$MODEL" "${lim[@]}"
+  end 1
+fi
+
+if want 2; then
+  begin 2 "ONNX export: PyTorch -> $ONNX_DIR/fp32.onnx, fp16.onnx (+ parity check)"
+  run 2_export_onnx python 2_export_onnx.py --model "$MODEL"
+  end 2
+fi
+
+if want 3; then
+  begin 3 "ONNX Runtime eval: $ONNX_DIR/{fp32,fp16}.onnx -> results/$MODEL/ort_{fp32,fp16}.json"
+  for v in fp32 fp16; do
+    run "3_onnx_eval_$v" python 3_onnx_eval.py --model "$MODEL" --onnx "$ONNX_DIR/$v.onnx" \
+      --tag "ort_$v" "${lim[@]}"
+  done
+  end 3
+fi
+
+if want 4; then
+  begin 4 "calibration data: calib split -> $ART/calib.npz"
+  if have 4_make_calib.py; then
+    run 4_make_calib python 4_make_calib.py --model "$MODEL"
+  fi
+  end 4
+fi
+
+if want 5; then
+  begin 5 "quantization: $ONNX_DIR/fp32.onnx -> int8, int8_hp32, int4 (+ ORT eval of each)"
+  if have 5_quantize.sh; then
+    variants=(int8 int8_hp32)
+    if [ "$all_variants" = 1 ]; then
+      mapfile -t variants < <(bash 5_quantize.sh --list-all)
+    fi
+    for v in "${variants[@]}"; do
+      run "5_quantize_$v" bash 5_quantize.sh "$v"
+      run "3_onnx_eval_$v" python 3_onnx_eval.py --model "$MODEL" --onnx "$ONNX_DIR/$v.onnx" \
+        --tag "ort_$v" "${lim[@]}"
+    done
+  fi
+  if have 5b_quantize_int4.py; then
+    run 5b_quantize_int4 python 5b_quantize_int4.py --model "$MODEL"
+    run 3_onnx_eval_int4 python 3_onnx_eval.py --model "$MODEL" --onnx "$ONNX_DIR/int4.onnx" \
+      --tag ort_int4 "${lim[@]}"
+  fi
+  end 5
+fi
+
+if want 6; then
+  begin 6 "TensorRT engines: $ONNX_DIR/*.onnx -> $ART/engines/*.plan (skips without TensorRT)"
+  if have 6_build_engines.sh; then
+    run 6_build_engines bash 6_build_engines.sh
+  fi
+  end 6
+fi
+
+if want 7; then
+  begin 7 "TensorRT eval: $ART/engines/*.plan -> results/$MODEL/trt_*.json (skips without TensorRT)"
+  if have 7_trt_eval.py; then
+    for v in fp32 fp16 int8 int8_hp32 int4; do
+      run "7_trt_eval_$v" python 7_trt_eval.py --model "$MODEL" --engine "$ART/engines/$v.plan" \
+        --tag "trt_$v" "${lim[@]}"
+    done
+  fi
+  end 7
+fi
+
+if want 8; then
+  begin 8 "report: results/$MODEL/*.json -> results/$MODEL/REPORT.md, REPORT.csv, results/REPORT.md"
+  run 8_report python 8_report.py --model "$MODEL"
+  end 8
+  echo "report: ${RESULTS:-results}/$MODEL/REPORT.md"
+fi

@@ -1,0 +1,23 @@
+"""A user's own model for the ``--model package.module:factory`` path: not a classifier, two
+inputs (an image-like tensor and a token tensor) and two outputs."""
+import torch
+from torch import nn
+
+
+class TwoHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.proj = nn.Linear(16, 8)
+        self.head_a = nn.Linear(8, 4)
+        self.head_b = nn.Linear(8, 2)
+
+    def forward(self, image, tokens):
+        f = self.conv(image).mean(dim=(2, 3))          # [B, 8]
+        t = self.proj(tokens).relu().mean(dim=1)       # [B, 8]
+        return self.head_a(f + t), self.head_b(f * t)
+
+
+def two_head():
+    torch.manual_seed(0)
+    return TwoHead()
