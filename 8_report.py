@@ -92,14 +92,17 @@ def table_rows(rows: list[dict]) -> list[dict]:
             else "",
             "mean ms": _fmt(lat.get("mean_ms"), 3), "FPS": _fmt(lat.get("fps"), 1),
             "speedup": f"{speed:.2f}x" if speed else ("n/a" if lat else ""),
-            "size MB": _fmt(r.get("size_mb")), "cosine sim": _fmt(par.get("cosine_mean"), 5),
+            "size MB": _fmt(r.get("size_mb")),
+            "cosine sim": _fmt(par.get("cosine_mean"), 5) if par else
+            ("reference" if r.get("reference") else ""),
             "top-1 agree %": _fmt(par.get("top1_agreement"), 1), "status": status})
     return out
 
 
 def render_markdown(model: str, rows: list[dict], data: dict | None) -> str:
     """The report as markdown: a header naming model, data and machine, then the table."""
-    trs = table_rows(rows)
+    builds = [r for r in rows if r.get("stage") == "6_build_engines"]
+    trs = table_rows([r for r in rows if r.get("stage") != "6_build_engines"])
     buf = io.StringIO()
     buf.write(f"# Deployment report: {model}\n\n")
     if data:
@@ -119,6 +122,13 @@ def render_markdown(model: str, rows: list[dict], data: dict | None) -> str:
     buf.write("| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS) + "\n")
     for t in trs:
         buf.write("| " + " | ".join(t[c].replace("|", "/") for c in COLUMNS) + " |\n")
+    if builds:
+        buf.write("\nTensorRT engine builds (stage 6):\n\n| variant | status | detail |\n"
+                  "|---|---|---|\n")
+        for b in builds:
+            detail = (b.get("reason") or b.get("plan") or "").splitlines()
+            buf.write(f"| {b['tag'].removeprefix('trt_build_')} | {b['status']} | "
+                      f"{(detail[0] if detail else '')[:200].replace('|', '/')} |\n")
     return buf.getvalue()
 
 
@@ -148,7 +158,7 @@ def main(args: argparse.Namespace) -> Path:
         with open(tmp, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=COLUMNS)
             w.writeheader()
-            w.writerows(table_rows(rows))
+            w.writerows(table_rows([r for r in rows if r.get("stage") != "6_build_engines"]))
     with common.atomic_path(common.results_dir() / "REPORT.md") as tmp:
         shutil.copyfile(out_md, tmp)
     print(md)

@@ -1016,7 +1016,10 @@ def ort_eps_that_load() -> tuple[str | None, list[str], dict[str, str]]:
     g = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "probe",
                           [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
-    blob = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    # IR version 8 (ONNX 1.10): old enough for every ORT release this toolkit supports; a newer
+    # onnx package would otherwise stamp an IR version an older ORT refuses.
+    blob = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)],
+                             ir_version=8).SerializeToString()
     ok, failed = [], {}
     for ep in ort.get_available_providers():
         try:
