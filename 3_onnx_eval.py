@@ -55,7 +55,10 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--cross-check-tol", type=float, default=2.0,
                    help="top-1 difference (points) that counts as a backend disagreement")
     p.add_argument("--layerwise", action="store_true",
-                   help="also run the layer-wise comparison against the FP32 ONNX (layerwise.py)")
+                   help="also compare every layer with the FP32 ONNX on ORT CPU (layerwise.py); "
+                        "writes results/<model>/layerwise_<tag>/")
+    p.add_argument("--layerwise-images", type=int, default=8,
+                   help="eval images for --layerwise")
     return p
 
 
@@ -176,7 +179,15 @@ def main(args: argparse.Namespace) -> dict:
             import layerwise
         except ImportError as e:
             raise common.StageError("--layerwise needs layerwise.py beside this script") from e
-        layerwise.stage3_hook(args, onnx_path, precision)
+        ref_onnx = common.require(art / "onnx" / "fp32.onnx", "2_export_onnx.py")
+        feed = layerwise.load_feed(None,
+                                   args.model if spec.classifier else None,
+                                   args.layerwise_images, ref_onnx)
+        res = layerwise.run_layer_diff(
+            ref_onnx, onnx_path, feed, ep_b=args.ep, precision=precision.lower(),
+            opt_level=args.opt_level,
+            out_dir=common.model_results(args.model) / f"layerwise_{args.tag}")
+        print(layerwise.render_table(res, max_rows=40))
     return rec
 
 

@@ -51,6 +51,13 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=500, help="timed iterations")
     p.add_argument("--limit", type=int, default=None, help="evaluate the first N images only")
     p.add_argument("--device", type=int, default=0, help="CUDA device index")
+    p.add_argument("--layerwise", action="store_true",
+                   help="also compare every layer of the engine with ORT CPU FP32 "
+                        "(layerwise.py; marking outputs changes TensorRT's fusion)")
+    p.add_argument("--layerwise-images", type=int, default=8)
+    p.add_argument("--onnx", type=Path, default=None,
+                   help="ONNX the engine was built from (default: artifacts/<model>/onnx/"
+                        "<variant>.onnx), for --layerwise")
     return p
 
 
@@ -65,7 +72,7 @@ def _base_record(args, status: str, reason: str | None, started: float, **fields
     v = trt_tools.variant_for_engine(args.engine)
     rec = common.result_record(STAGE, "TensorRT", _precision(args), args.model, args.tag,
                                status=status, reason=reason, engine=args.engine,
-                               variant=v.name if v else None, **fields)
+                               variant=v.name if v else None, device="cuda", **fields)
     return rec
 
 
@@ -309,6 +316,32 @@ def main(args) -> None:
     p50 = lat.get("batch1", {}).get("p50_ms")
     print(f"{STAGE}: {args.tag}: {top1}, p50 {p50} ms (batch 1), reformat layers "
           f"{layers['reformat_layers']} -> {path}")
+    if args.layerwise:
+        layerwise_engine(args, variant)
+
+
+def layerwise_engine(args, variant) -> dict:
+    """Layer-wise comparison of the engine's ONNX through TensorRT against ORT CPU FP32.
+
+    Writes ``results/<model>/layerwise_<tag>/layerwise.{json,md,png}`` and prints the first
+    divergent layer with the rebuild commands that exist in the installed TensorRT.
+    """
+    import layerwise
+
+    art = common.model_artifacts(args.model)
+    ref_onnx = common.require(art / "onnx" / "fp32.onnx", "2_export_onnx.py")
+    onnx_b = args.onnx or (art / "onnx" / f"{variant.name}.onnx" if variant else None)
+    if onnx_b is None:
+        raise UsageError("--layerwise: give --onnx (cannot tell the engine's ONNX from its name)")
+    common.require(onnx_b, "the stage that wrote the engine's ONNX")
+    feed = layerwise.load_feed(None, args.model, args.layerwise_images, ref_onnx)
+    prec = _precision(args).lower()
+    res = layerwise.run_layer_diff(
+        ref_onnx, onnx_b, feed, b_engine=args.engine, precision=prec,
+        trt_build={"fp16": prec == "fp16", "int8": prec.startswith("int8")},
+        out_dir=common.model_results(args.model) / f"layerwise_{args.tag}")
+    print(layerwise.render_table(res, max_rows=40))
+    return res
 
 
 if __name__ == "__main__":

@@ -1,0 +1,1386 @@
+"""Layer-wise parity: which layer of a deployed model first disagrees with the reference?
+
+Three tools, one module (library + CLI):
+
+- ``diff``: run two versions of an ONNX graph with every intermediate tensor exposed as an output
+  (Polygraphy's "mark all", :class:`polygraphy.backend.onnx.ModifyOutputs` with
+  ``constants.MARK_ALL``), match tensors by name across the graphs (Q/DQ and Cast nodes looked
+  through), compare them in the reference graph's topological order (cosine similarity, max abs
+  and relative error, tolerances that depend on the precision) and name the first divergent
+  layer, together with whether its inputs still agreed ("this layer is wrong") or not ("the
+  error arrived from upstream"). Side A is the reference (ORT CPU FP32); side B is ORT on any EP,
+  the FP16 ONNX, a Q/DQ ONNX or a TensorRT engine.
+- ``torch-vs-onnx``: PyTorch module outputs (forward hooks) against the ONNX tensors of the same
+  module path, to catch export bugs before any runtime is blamed.
+- ``export-check``: the classic silent export bugs (batch-dependent outputs, batch frozen into
+  the graph, data-dependent shapes, HardSigmoid attributes that differ from PyTorch's).
+
+Reads: ONNX files (and optionally a TensorRT plan), an ``.npz`` of inputs or ``--model M --n N``
+eval images (``artifacts/splits.json`` via :func:`common.load_split`).
+Writes (``--out-dir``): ``layerwise.json``, ``layerwise.md`` (table), ``layerwise.png`` (cosine
+along the graph), all atomically.
+
+Rerun alone, e.g.::
+
+    python layerwise.py diff artifacts/M/onnx/fp32.onnx artifacts/M/onnx/int8.onnx \\
+        --model M --n 8 --out-dir results/M/layerwise_int8
+
+Exit status: 0 ok (also when the comparison finds a divergence, and when TensorRT is skipped),
+1 runtime failure, 2 usage error. ``--fail-on-divergence`` makes a divergence exit 1 (CI).
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+import common
+from common import StageError, UsageError
+
+# --------------------------------------------------------------------------------------------
+# Tolerances
+# --------------------------------------------------------------------------------------------
+#: Default per-precision tolerances. A tensor passes when
+#: ``cosine_min >= min_cosine`` AND ``max_abs_err <= atol + rtol * max|ref|``.
+#:
+#: Why these numbers (1 - cos ~= e^2 / 2 for a relative RMS error e):
+#:
+#: - ``fp32``: two FP32 runs differ only by summation order (~1e-7 relative per op, growing
+#:   slowly with depth), so cosine >= 0.9999 (e ~ 1.4 %) and rtol 1e-3 of the tensor's range
+#:   leave two orders of magnitude of margin and still flag a single wrong weight or op.
+#: - ``tf32``: TF32 (TensorRT's default for FP32 on Ampere+, ORT CUDA) rounds matmul/conv inputs
+#:   to a 10-bit mantissa (unit roundoff 4.9e-4); cosine >= 0.9995, rtol 5e-3.
+#: - ``fp16``: same 10-bit mantissa for every tensor plus FP16 accumulation in some kernels;
+#:   typical layer errors are 1e-3..1e-2 relative, so cosine >= 0.999 (e ~ 4.5 %) avoids false
+#:   alarms on deep CNNs while a wrong layer (cosine < 0.9 in practice) still fails. rtol 0.1:
+#:   measured on EfficientNet-Lite0 (fp16.onnx vs fp32.onnx, 8 real images), the ReLU6 (Clip)
+#:   outputs of a healthy FP16 model reach max abs errors of 4-7 % of max|ref| (single elements
+#:   near the clip point) at cosine 0.99998; 2e-2 flagged ten of them as divergent.
+#: - ``int8``: per-tensor INT8 steps are range/255 (0.4 %) per quantised tensor and accumulate
+#:   through the graph; healthy PTQ models keep per-layer cosine at 0.99..0.9999 (ORT's own
+#:   ``qdq_loss_debug`` reports the same statistic), so 0.98 is the alarm line. Max abs error is
+#:   dominated by single elements that cross a ReLU6/Clip threshold (an error of the whole
+#:   range on efficientnet_lite0 while cosine stays > 0.99), hence rtol 1.0: cosine decides,
+#:   max abs only catches errors larger than the tensor's range.
+#: - ``int4``: weight-only INT4 blocks (AWQ/RTN) have 16 levels; cosine >= 0.95, rtol 2.0.
+TOLERANCES: dict[str, dict[str, float]] = {
+    "fp32": {"min_cosine": 0.9999, "atol": 1e-5, "rtol": 1e-3},
+    "tf32": {"min_cosine": 0.9995, "atol": 1e-4, "rtol": 5e-3},
+    "fp16": {"min_cosine": 0.999, "atol": 1e-3, "rtol": 0.1},
+    "int8": {"min_cosine": 0.98, "atol": 1e-2, "rtol": 1.0},
+    "int4": {"min_cosine": 0.95, "atol": 1e-2, "rtol": 2.0},
+}
+
+# Ops whose output is the same tensor value as their (first) input in another precision or
+# representation: a tensor produced by one of them is matched to the tensor it came from.
+LOOK_THROUGH_OPS = {"QuantizeLinear", "DequantizeLinear", "Cast", "Identity"}
+
+# --------------------------------------------------------------------------------------------
+# TensorRT version rules for remedies (checked against NVIDIA's docs):
+# - trtexec --layerPrecisions/--layerOutputTypes/--precisionConstraints=obey exist in 8.6 and
+#   10.x (used together in NVIDIA/TensorRT issue #3941 for 8.6 and 10.0.1); they apply to weakly
+#   typed builds only (not with --stronglyTyped, not to explicitly quantised Q/DQ layers).
+# - --stronglyTyped exists in 10.x.
+# - TensorRT 11.x: "all networks are strongly typed"; --fp16/--int8/--best and the
+#   OBEY/PREFER_PRECISION_CONSTRAINTS builder flags are removed ("Migrating trtexec Usage from
+#   TensorRT 10.x to 11.x", "Removed Python APIs" pages, docs.nvidia.com/deeplearning/tensorrt/
+#   11.x/api/migration/). The remedy there is to change the ONNX: keep the layer in FP32 (cast
+#   it, e.g. ``python -m modelopt.onnx.autocast --nodes_to_exclude``) or drop its Q/DQ pair.
+# - --noTF32 (BuilderFlag.TF32 cleared) exists in 8.x, 10.x and 11.x (TF32 is not in the 11.x
+#   removed-API lists).
+# --------------------------------------------------------------------------------------------
+TRT_RULES: dict[int, dict[str, bool]] = {
+    # major: {flag: available}
+    8: {"layer_precisions": True, "strongly_typed": False, "no_tf32": True, "weak_flags": True},
+    10: {"layer_precisions": True, "strongly_typed": True, "no_tf32": True, "weak_flags": True},
+    11: {"layer_precisions": False, "strongly_typed": True, "no_tf32": True, "weak_flags": False},
+}
+
+MARKING_NOTE = ("Marking every tensor as an output prevents the fusions that would have "
+                "consumed it (TensorRT layer fusion, ORT QDQ->QLinear* and Conv+Act fusion), so "
+                "the marked run is not bit-identical to the deployed one; the unmarked model's "
+                "final outputs are compared separately under 'final_outputs'.")
+
+
+def tolerances_for(precision: str, overrides: dict[str, float] | None = None) -> dict[str, float]:
+    """Tolerances for ``precision`` (a key of :data:`TOLERANCES`) with ``overrides`` applied.
+
+    Raises:
+        UsageError: unknown precision.
+    """
+    if precision not in TOLERANCES:
+        raise UsageError(f"precision {precision!r}: choose one of {sorted(TOLERANCES)}")
+    tol = dict(TOLERANCES[precision])
+    for k, v in (overrides or {}).items():
+        if v is not None:
+            if k not in tol:
+                raise UsageError(f"tolerance {k!r}: choose from {sorted(tol)}")
+            tol[k] = float(v)
+    return tol
+
+
+# --------------------------------------------------------------------------------------------
+# Graph helpers
+# --------------------------------------------------------------------------------------------
+def load_onnx(path: Path | str, producer: str = "2_export_onnx.py"):
+    """Load an ONNX model with its external data. Raises StageError if it is missing/corrupt."""
+    import onnx
+
+    path = common.require(Path(path), producer)
+    try:
+        return onnx.load(str(path))
+    except Exception as e:  # noqa: BLE001 - protobuf DecodeError and friends
+        raise StageError(f"cannot read ONNX {path}: {e}") from e
+
+
+def detect_precision(model) -> str:
+    """Guess the numeric precision of an ONNX model.
+
+    Returns:
+        ``int4`` (DequantizeLinear of 4-bit data), ``int8`` (any Q/DQ node), ``fp16`` (most
+        float initializers are FLOAT16), else ``fp32``.
+    """
+    from onnx import TensorProto
+
+    ops = {n.op_type for n in model.graph.node}
+    inits = list(model.graph.initializer)
+    if any(t.data_type in (TensorProto.INT4, TensorProto.UINT4) for t in inits):
+        return "int4"
+    if ops & {"QuantizeLinear", "DequantizeLinear", "QLinearConv", "QLinearMatMul"}:
+        return "int8"
+    n16 = sum(t.data_type == TensorProto.FLOAT16 for t in inits)
+    n32 = sum(t.data_type == TensorProto.FLOAT for t in inits)
+    return "fp16" if n16 > n32 else "fp32"
+
+
+def _graph_maps(model):
+    """``(producer: tensor -> node index, initializer names, graph input names)``."""
+    producer = {}
+    for i, n in enumerate(model.graph.node):
+        for o in n.output:
+            if o:
+                producer[o] = i
+    inits = {t.name for t in model.graph.initializer}
+    inputs = {i.name for i in model.graph.input if i.name not in inits}
+    return producer, inits, inputs
+
+
+def lookthrough_aliases(model) -> dict[str, str]:
+    """Map every tensor of ``model`` to the tensor it represents once Q/DQ/Cast are ignored.
+
+    ``x -> QuantizeLinear -> x_QuantizeLinear_Output -> DequantizeLinear ->
+    x_DequantizeLinear_Output`` (ModelOpt's and ORT's naming) maps both outputs to ``x``;
+    ``y_pre_cast -> Cast -> y`` (ModelOpt's FP16 output cast) maps ``y`` to ``y_pre_cast``, and
+    onnxconverter-common's ``graph_input_cast_0`` maps to the graph input. The mapping follows
+    the graph, not the names, so it works whatever the tool calls the tensors.
+
+    Returns:
+        ``{tensor: root tensor}`` for tensors produced by a look-through op (others map to
+        themselves implicitly).
+    """
+    producer, _, _ = _graph_maps(model)
+    nodes = model.graph.node
+    alias: dict[str, str] = {}
+
+    def root(t: str) -> str:
+        seen = 0
+        while t in producer and nodes[producer[t]].op_type in LOOK_THROUGH_OPS and seen < 16:
+            t = nodes[producer[t]].input[0]
+            seen += 1
+        return t
+
+    for n in nodes:
+        if n.op_type in LOOK_THROUGH_OPS:
+            for o in n.output:
+                alias[o] = root(o)
+    return alias
+
+
+def mark_all_outputs(model):
+    """Copy of ``model`` with every node output marked as a graph output (Polygraphy's
+    ``ModifyOutputs(outputs=constants.MARK_ALL)``, which keeps the original outputs)."""
+    from polygraphy import constants
+    from polygraphy.backend.onnx import ModifyOutputs
+
+    return ModifyOutputs(model, outputs=constants.MARK_ALL, copy=True)()
+
+
+def _iter_chunks(feed: dict[str, np.ndarray], batch: int | None) -> Iterator[dict[str, np.ndarray]]:
+    """Split ``feed`` along axis 0 into chunks of ``batch`` samples (all inputs alike)."""
+    n = {len(v) for v in feed.values() if np.ndim(v) > 0}
+    if not batch or len(n) != 1:
+        yield feed
+        return
+    total = n.pop()
+    for i in range(0, total, batch):
+        yield {k: v[i:i + batch] for k, v in feed.items()}
+
+
+def _ort_session(model_or_path, ep: str, tmp: Path, opt_level: str):
+    """OrtRunner over a model (written to ``tmp`` if given as a ModelProto)."""
+    import onnx
+
+    if isinstance(model_or_path, (str, Path)):
+        path = Path(model_or_path)
+    else:
+        path = tmp / f"m{len(list(tmp.iterdir()))}.onnx"
+        big = model_or_path.ByteSize() > 1_500_000_000
+        onnx.save(model_or_path, str(path), save_as_external_data=big)
+    return common.OrtRunner(path, ep=ep, opt_level=opt_level)
+
+
+# --------------------------------------------------------------------------------------------
+# Statistics
+# --------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class TensorStat:
+    """Running comparison of one tensor over chunks of samples (float64 arithmetic).
+
+    ``cosines`` holds one cosine per sample (axis 0 = batch) or one per chunk when the tensor
+    has no batch axis; ``max_abs_err`` and ``ref_abs_max`` are maxima over all elements.
+    """
+
+    shape_a: tuple = ()
+    shape_b: tuple = ()
+    dtype_b: str = ""
+    cosines: list = dataclasses.field(default_factory=list)
+    max_abs_err: float = 0.0
+    sum_abs_err: float = 0.0
+    count: int = 0
+    ref_abs_max: float = 0.0
+    nonfinite_b: int = 0
+    mismatch: str | None = None
+    exact: bool | None = None
+
+    def update(self, a: np.ndarray, b: np.ndarray, n_batch: int) -> None:
+        a, b = np.asarray(a), np.asarray(b)
+        self.shape_a, self.shape_b, self.dtype_b = tuple(a.shape), tuple(b.shape), str(b.dtype)
+        if a.shape != b.shape:
+            if a.size == b.size:
+                b = b.reshape(a.shape)  # e.g. TensorRT's [N, C] vs [N, C, 1, 1]
+            else:
+                self.mismatch = f"shape {tuple(b.shape)} vs reference {tuple(a.shape)}"
+                return
+        if not (np.issubdtype(a.dtype, np.floating) or np.issubdtype(b.dtype, np.floating)):
+            # Integer tensors (shapes, indices, quantised values): exact, except that 8-bit
+            # quantised values may differ by one step (round-half-even vs away from zero).
+            diff = np.abs(a.astype(np.int64) - b.astype(np.int64)) if a.size else np.zeros(1)
+            step_ok = a.dtype.itemsize == 1 and diff.max() <= 1
+            eq = bool(diff.max() == 0 or step_ok)
+            self.exact = eq if self.exact is None else (self.exact and eq)
+            return
+        a64, b64 = a.astype(np.float64), b.astype(np.float64)
+        self.nonfinite_b += int((~np.isfinite(b64) & np.isfinite(a64)).sum())
+        per_sample = a64.ndim >= 2 and a64.shape[0] == n_batch
+        fa = a64.reshape(n_batch, -1) if per_sample else a64.reshape(1, -1)
+        fb = b64.reshape(n_batch, -1) if per_sample else b64.reshape(1, -1)
+        na, nb = np.linalg.norm(fa, axis=1), np.linalg.norm(fb, axis=1)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            cos = np.where((na == 0) & (nb == 0), 1.0, (fa * fb).sum(1) / np.maximum(na * nb, 1e-300))
+        self.cosines.extend(cos.tolist())
+        err = np.abs(a64 - b64)
+        if err.size:
+            self.max_abs_err = max(self.max_abs_err, float(np.max(err)))
+            self.sum_abs_err += float(np.sum(err))
+            self.ref_abs_max = max(self.ref_abs_max, float(np.max(np.abs(a64))))
+        self.count += err.size
+
+    def result(self, tol: dict[str, float]) -> dict:
+        """Summary dict with ``status`` ``pass``/``fail`` under ``tol``."""
+        out: dict[str, Any] = {"shape": list(self.shape_a), "dtype_b": self.dtype_b}
+        if self.mismatch:
+            return {**out, "status": "fail", "note": self.mismatch}
+        if self.exact is not None:
+            return {**out, "status": "pass" if self.exact else "fail", "exact_match": self.exact,
+                    "cosine_min": 1.0 if self.exact else 0.0}
+        cos = np.asarray(self.cosines, np.float64)
+        cmin = float(np.min(cos)) if cos.size else float("nan")
+        rel = self.max_abs_err / self.ref_abs_max if self.ref_abs_max > 0 else (
+            0.0 if self.max_abs_err == 0 else float("inf"))
+        ok = (np.isfinite(cmin) and cmin >= tol["min_cosine"] and self.nonfinite_b == 0
+              and np.isfinite(self.max_abs_err)
+              and self.max_abs_err <= tol["atol"] + tol["rtol"] * self.ref_abs_max)
+        res = {**out, "status": "pass" if ok else "fail", "cosine_min": cmin,
+               "cosine_mean": float(np.mean(cos)) if cos.size else float("nan"),
+               "max_abs_err": self.max_abs_err,
+               "mean_abs_err": self.sum_abs_err / self.count if self.count else float("nan"),
+               "rel_err": rel, "ref_abs_max": self.ref_abs_max}
+        if self.nonfinite_b:
+            res["note"] = f"{self.nonfinite_b} NaN/Inf values where the reference is finite"
+        return res
+
+
+def compare_outputs(ref: dict[str, np.ndarray], out: dict[str, np.ndarray],
+                    tol: dict[str, float]) -> dict[str, dict]:
+    """Compare final outputs by name (``out`` may lack some) with :class:`TensorStat`."""
+    res = {}
+    for name, a in ref.items():
+        if name not in out:
+            res[name] = {"status": "missing"}
+            continue
+        st = TensorStat()
+        st.update(a, out[name], len(a) if np.ndim(a) else 1)
+        res[name] = st.result(tol)
+    return res
+
+
+# --------------------------------------------------------------------------------------------
+# Collecting activations
+# --------------------------------------------------------------------------------------------
+def ort_activations(model_or_path, feed: dict[str, np.ndarray], *, ep: str = "cpu",
+                    batch: int | None = None, opt_level: str = "all", mark_all: bool = True
+                    ) -> Iterator[tuple[dict[str, np.ndarray], int]]:
+    """Yield ``(tensors, n_samples)`` per chunk of ``feed`` from ONNX Runtime.
+
+    Args:
+        model_or_path: ONNX path or ModelProto.
+        feed: ``{input name: array}``, batch on axis 0.
+        ep: ``cpu``/``cuda``/``trt`` (:data:`common.ORT_EPS`).
+        batch: chunk size (None: the whole feed at once).
+        mark_all: expose every intermediate tensor (else only the model's outputs).
+    """
+    model = model_or_path
+    if mark_all:
+        model = mark_all_outputs(load_onnx(model_or_path) if isinstance(model_or_path, (str, Path))
+                                 else model_or_path)
+    with tempfile.TemporaryDirectory(prefix="layerwise-") as tmp:
+        runner = _ort_session(model, ep, Path(tmp), opt_level)
+        for chunk in _iter_chunks(feed, batch):
+            n = len(next(iter(chunk.values())))
+            try:
+                yield runner.infer({k: v for k, v in chunk.items() if k in runner.input_names}), n
+            except Exception as e:  # noqa: BLE001 - ORT raises its own types
+                raise StageError(f"onnxruntime failed on {model_or_path if isinstance(model_or_path, (str, Path)) else 'model'}: {e}") from e
+
+
+def trt_available() -> tuple[bool, str | None]:
+    """``(True, version)`` if ``import tensorrt`` works, else ``(False, reason)``."""
+    try:
+        import tensorrt as trt  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - ImportError, missing libnvinfer (OSError)
+        return False, (f"TensorRT is not installed here (import tensorrt: {type(e).__name__}: "
+                       f"{e}); run on a CUDA host with tensorrt installed")
+    return True, trt.__version__
+
+
+def trt_activations(onnx_path: Path | str, feed: dict[str, np.ndarray], *,
+                    build: dict | None = None, batch: int | None = None,
+                    mark_all: bool = True, engine_path: Path | str | None = None
+                    ) -> Iterator[tuple[dict[str, np.ndarray], int]]:
+    """Yield ``(tensors, n_samples)`` per chunk from TensorRT via Polygraphy.
+
+    With ``mark_all`` an engine is built from ``onnx_path`` with every layer output marked
+    (``ModifyNetworkOutputs(outputs=MARK_ALL)``, the same as ``polygraphy run --trt
+    --trt-outputs mark all``); tensor names are the ONNX tensor names the parser keeps.
+    Without it, ``engine_path`` (a serialized plan) is run as deployed.
+
+    Args:
+        build: ``{"fp16": bool, "int8": bool, "tf32": bool, "strongly_typed": bool}`` for the
+            marked build; mirror the flags of the deployed engine.
+    Raises:
+        StageError: TensorRT missing (callers check :func:`trt_available` first) or fails.
+    """
+    ok, info = trt_available()
+    if not ok:
+        raise StageError(info)
+    from polygraphy import constants
+    from polygraphy.backend.common import BytesFromPath
+    from polygraphy.backend.trt import (CreateConfig, EngineFromBytes, EngineFromNetwork,
+                                        ModifyNetworkOutputs, NetworkFromOnnxPath, Profile,
+                                        TrtRunner)
+
+    build = dict(build or {})
+    if mark_all or engine_path is None:
+        major = int(info.split(".")[0])
+        rules = TRT_RULES.get(major, TRT_RULES[max(TRT_RULES)])
+        strongly = bool(build.pop("strongly_typed", not rules["weak_flags"]))
+        net = NetworkFromOnnxPath(str(onnx_path), strongly_typed=strongly or None)
+        if mark_all:
+            net = ModifyNetworkOutputs(net, outputs=constants.MARK_ALL)
+        # One optimisation profile spanning the chunk shapes (dynamic batch axis).
+        prof = Profile()
+        first = next(_iter_chunks(feed, batch))
+        for k, v in first.items():
+            prof.add(k, min=(1,) + v.shape[1:], opt=v.shape, max=v.shape)
+        flags = {k: v for k, v in build.items() if v is not None} if rules["weak_flags"] else {}
+        if strongly:
+            flags = {k: v for k, v in flags.items() if k == "tf32"}
+        engine = EngineFromNetwork(net, CreateConfig(profiles=[prof], **flags))
+    else:
+        engine = EngineFromBytes(BytesFromPath(str(engine_path)))
+    try:
+        with TrtRunner(engine) as runner:
+            for chunk in _iter_chunks(feed, batch):
+                out = runner.infer(chunk)
+                yield {k: np.asarray(v) for k, v in out.items()}, len(next(iter(chunk.values())))
+    except StageError:
+        raise
+    except Exception as e:  # noqa: BLE001 - TensorRT/Polygraphy errors
+        raise StageError(f"TensorRT failed: {type(e).__name__}: {e}") from e
+
+
+def trt_remedies(layer: str, onnx_path: Path | str, precision: str,
+                 trt_version: str | None, engine_path: Path | str | None = None) -> list[str]:
+    """Rebuild commands that may fix a wrong layer, limited to flags of ``trt_version``.
+
+    Args:
+        layer: the ONNX node name of the first divergent layer; TensorRT's ONNX parser names
+            layers after ONNX nodes, which is what ``--layerPrecisions`` matches.
+        precision: precision of the build (``fp32``/``fp16``/``int8``/...).
+        trt_version: installed TensorRT version (None: list the 10.x forms and say so).
+    Returns:
+        Human-readable suggestions, most specific first.
+    """
+    major = int(trt_version.split(".")[0]) if trt_version else 10
+    rules = TRT_RULES.get(major, TRT_RULES[11] if major > 11 else TRT_RULES[8])
+    save = f" --saveEngine={engine_path}" if engine_path else ""
+    base = f"trtexec --onnx={onnx_path}{save}"
+    out = []
+    if rules["layer_precisions"] and precision in ("fp16", "tf32", "fp32"):
+        prec = " --fp16" if precision == "fp16" else ""
+        out.append(f"{base}{prec} --layerPrecisions={layer}:fp32 --layerOutputTypes={layer}:fp32 "
+                   "--precisionConstraints=obey  # keep the layer in FP32 (weakly typed build)")
+    if precision in ("int8", "int4"):
+        out.append(f"remove the Q/DQ pairs feeding {layer} in the ONNX (or re-quantise with "
+                   f"ModelOpt, nodes_to_exclude=['{layer}']) and rebuild: {base}"
+                   + (" --stronglyTyped" if rules["strongly_typed"] else ""))
+    if not rules["layer_precisions"]:
+        out.append(f"TensorRT {trt_version} is strongly typed only (no --layerPrecisions/"
+                   f"--precisionConstraints): keep {layer} in FP32 in the ONNX, e.g. python -m "
+                   f"modelopt.onnx.autocast --onnx_path {onnx_path} --nodes_to_exclude {layer}, "
+                   "then rebuild")
+    if rules["no_tf32"] and precision in ("fp32", "tf32", "fp16"):
+        out.append(f"{base}{' --fp16' if precision == 'fp16' and rules['weak_flags'] else ''} "
+                   "--noTF32  # FP32 layers in true FP32 instead of TF32")
+    out.append(f"polygraphy run {onnx_path} --trt --onnxrt --trt-outputs mark all "
+               "--onnx-outputs mark all  # Polygraphy's own layer-wise cross-check")
+    if trt_version is None:
+        out.append("(TensorRT not installed here: commands use the 10.x flag set)")
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Layer-wise diff
+# --------------------------------------------------------------------------------------------
+def _b_name_for(ref_name: str, b_names: set[str], b_alias_inv: dict[str, list[str]]) -> str | None:
+    """Tensor of B that represents reference tensor ``ref_name`` (exact name first, then the
+    look-through aliases: the float tensor a Q/DQ or Cast chain was built from or leads to)."""
+    if ref_name in b_names:
+        return ref_name
+    for cand in b_alias_inv.get(ref_name, []):
+        if cand in b_names:
+            return cand
+    return None
+
+
+def _node_detail(a_model, b_model, node_name: str) -> dict:
+    """What differs between the node named ``node_name`` in A and B: op type, attributes and
+    (same-name or positional) weights. Empty fields mean "no difference found"."""
+    from onnx import helper, numpy_helper
+
+    def find(m):
+        return next((n for n in m.graph.node if n.name == node_name), None)
+
+    na, nb = find(a_model), find(b_model)
+    if na is None or nb is None:
+        return {"node_in_b": nb is not None}
+    det: dict[str, Any] = {"node_in_b": True, "op_type_a": na.op_type, "op_type_b": nb.op_type}
+    aa = {a.name: helper.get_attribute_value(a) for a in na.attribute}
+    ab = {a.name: helper.get_attribute_value(a) for a in nb.attribute}
+    det["attributes_differ"] = {k: [repr(aa.get(k)), repr(ab.get(k))]
+                                for k in set(aa) | set(ab) if repr(aa.get(k)) != repr(ab.get(k))}
+    ia = {t.name: t for t in a_model.graph.initializer}
+    ib = {t.name: t for t in b_model.graph.initializer}
+    b_alias = lookthrough_aliases(b_model)
+    wd = {}
+    for pos, name in enumerate(na.input):
+        if name not in ia or pos >= len(nb.input):
+            continue
+        bn = b_alias.get(nb.input[pos], nb.input[pos])
+        if bn not in ib:
+            continue
+        wa = numpy_helper.to_array(ia[name]).astype(np.float64)
+        wb = numpy_helper.to_array(ib[bn]).astype(np.float64)
+        if wa.shape != wb.shape:
+            wd[name] = f"shape {wb.shape} vs {wa.shape}"
+        elif not np.allclose(wa, wb, rtol=1e-2, atol=1e-3 * max(np.abs(wa).max(), 1e-12)):
+            wd[name] = f"max abs diff {np.abs(wa - wb).max():.4g} (|w|max {np.abs(wa).max():.4g})"
+    det["weights_differ"] = wd
+    return det
+
+
+def run_layer_diff(a_onnx: Path | str, b_onnx: Path | str, feed: dict[str, np.ndarray], *,
+                   ep_a: str = "cpu", ep_b: str = "cpu", b_engine: Path | str | None = None,
+                   b_trt: bool = False, trt_build: dict | None = None,
+                   tolerances: dict[str, float] | None = None, precision: str | None = None,
+                   batch: int | None = None, opt_level: str = "all",
+                   out_dir: Path | str | None = None, title: str | None = None) -> dict:
+    """Compare every intermediate tensor of two runs of an ONNX graph and name the first
+    divergent layer.
+
+    Args:
+        a_onnx: reference ONNX (run with ORT on ``ep_a``; normally the FP32 model on CPU).
+        b_onnx: candidate ONNX: the same file on another EP, the FP16 or Q/DQ model, or the
+            ONNX a TensorRT engine was built from.
+        feed: ``{input name: array}`` with the batch on axis 0; any dtypes/ranks (non-image
+            inputs are fine). Keys not in a model are ignored by it.
+        ep_a, ep_b: ORT execution providers (``cpu``/``cuda``/``trt``).
+        b_engine: serialized TensorRT plan of ``b_onnx``; implies ``b_trt``. Its unmarked
+            final outputs are compared as deployed.
+        b_trt: run side B through TensorRT (a marked-all engine built from ``b_onnx``).
+            Without ``tensorrt`` the result has ``status: "skipped"`` and a reason.
+        trt_build: builder flags for the marked engine, see :func:`trt_activations`.
+        tolerances: overrides of ``min_cosine``/``atol``/``rtol``.
+        precision: tolerance class (default: :func:`detect_precision` of B, ``tf32`` for FP32
+            on a GPU EP or TensorRT).
+        batch: run in chunks of this many samples (memory; None = all at once).
+        opt_level: ORT graph optimisation level for both sides.
+        out_dir: if given, write ``layerwise.json``/``.md``/``.png`` there.
+    Returns:
+        dict with ``status`` (``ok``/``skipped``), ``tolerances``, ``layers`` (one row per
+        reference node in topological order: ``index``, ``node``, ``op_type``, ``tensor``,
+        ``b_tensor``, ``status`` pass/fail/unmatched, metrics, ``inputs_agreed``),
+        ``first_divergent`` (row + ``inputs_agreed`` + ``verdict`` + node ``detail``) or None,
+        ``origins`` (failing nodes whose inputs all agreed), ``final_outputs`` (unmarked runs),
+        ``note`` and, for TensorRT, ``remedies``.
+    Raises:
+        StageError: a model cannot be loaded or run. UsageError: bad tolerance/precision.
+    """
+    t0 = time.time()
+    a_onnx, b_onnx = Path(a_onnx), Path(b_onnx)
+    a_model, b_model = load_onnx(a_onnx), load_onnx(b_onnx)
+    b_trt = b_trt or b_engine is not None
+    if precision is None:
+        precision = detect_precision(b_model)
+        if precision == "fp32" and (b_trt or ep_b in ("cuda", "trt", "tensorrt")):
+            precision = "tf32"
+    tol = tolerances_for(precision, tolerances)
+    backend_b = "TensorRT" if b_trt else f"ORT {common.ORT_EPS.get(ep_b, ep_b)}"
+    result: dict[str, Any] = {
+        "a": {"onnx": str(a_onnx), "backend": f"ORT {common.ORT_EPS.get(ep_a, ep_a)}"},
+        "b": {"onnx": str(b_onnx), "backend": backend_b,
+              "engine": str(b_engine) if b_engine else None},
+        "precision": precision, "tolerances": tol, "note": MARKING_NOTE,
+        "n_samples": int(len(next(iter(feed.values())))) if feed else 0,
+        "inputs": {k: [list(v.shape), str(v.dtype)] for k, v in feed.items()},
+    }
+    if b_trt:
+        ok, info = trt_available()
+        result["b"]["tensorrt"] = info if ok else None
+        if not ok:
+            result.update(status="skipped", reason=info, first_divergent=None, layers=[])
+            if out_dir:
+                write_reports(result, out_dir, title)
+            return result
+
+    # Unmarked final outputs: what the deployed model returns (fusions intact).
+    a_final = _collect(ort_activations(a_onnx, feed, ep=ep_a, batch=batch, opt_level=opt_level,
+                                       mark_all=False))
+    if b_trt:
+        b_final_iter = trt_activations(b_onnx, feed, build=trt_build, batch=batch,
+                                       mark_all=False, engine_path=b_engine)
+    else:
+        b_final_iter = ort_activations(b_onnx, feed, ep=ep_b, batch=batch, opt_level=opt_level,
+                                       mark_all=False)
+    result["final_outputs"] = compare_outputs(a_final, _collect(b_final_iter), tol)
+
+    # Marked runs, compared chunk by chunk so memory stays at one chunk of activations.
+    a_iter = ort_activations(a_model, feed, ep=ep_a, batch=batch, opt_level=opt_level)
+    b_iter = (trt_activations(b_onnx, feed, build=trt_build, batch=batch) if b_trt else
+              ort_activations(b_model, feed, ep=ep_b, batch=batch, opt_level=opt_level))
+    b_alias = lookthrough_aliases(b_model)
+    b_alias_inv: dict[str, list[str]] = {}
+    for t, r in b_alias.items():
+        b_alias_inv.setdefault(r, []).append(t)
+    stats: dict[str, TensorStat] = {}
+    b_of: dict[str, str | None] = {}
+    for (a_out, n), (b_out, _) in zip(a_iter, b_iter):
+        b_names = set(b_out)
+        for name, a_val in a_out.items():
+            if name not in b_of:
+                b_of[name] = _b_name_for(name, b_names, b_alias_inv)
+            bn = b_of[name]
+            if bn is None or bn not in b_out:
+                continue
+            stats.setdefault(name, TensorStat()).update(a_val, b_out[bn], n)
+
+    rows = _rows_from_stats(a_model, stats, b_of, tol)
+    result["layers"] = rows
+    _attach_verdict(result, a_model, b_model, rows)
+    if b_trt and result["first_divergent"]:
+        result["remedies"] = trt_remedies(result["first_divergent"]["node"], b_onnx, precision,
+                                          result["b"].get("tensorrt"), b_engine)
+    result["status"] = "ok"
+    result["wall_time_s"] = round(time.time() - t0, 3)
+    if out_dir:
+        write_reports(result, out_dir, title)
+    return result
+
+
+def _collect(it: Iterator[tuple[dict[str, np.ndarray], int]]) -> dict[str, np.ndarray]:
+    """Concatenate chunked outputs along axis 0."""
+    parts: dict[str, list[np.ndarray]] = {}
+    for out, _ in it:
+        for k, v in out.items():
+            parts.setdefault(k, []).append(np.asarray(v))
+    return {k: (np.concatenate(v) if len(v) > 1 and v[0].ndim else v[0]) for k, v in parts.items()}
+
+
+def _rows_from_stats(a_model, stats: dict[str, TensorStat], b_of: dict, tol: dict) -> list[dict]:
+    """One row per reference node output (topological order of the reference graph)."""
+    producer, inits, graph_inputs = _graph_maps(a_model)
+    rows = []
+    tensor_status: dict[str, str] = {}
+    # Tensors computed only from Shape/Size and constants (dynamic padding, reshape targets):
+    # compared like the others but left out of the table and plot, where they are noise.
+    const = {o for n in a_model.graph.node if n.op_type == "Constant" for o in n.output} | inits
+    shape_derived: set[str] = set()
+    for node in a_model.graph.node:
+        ins = [t for t in node.input if t and t not in const]
+        if node.op_type in ("Shape", "Size") or (
+                ins and all(t in shape_derived for t in ins)):
+            shape_derived.update(o for o in node.output if o)
+    for i, node in enumerate(a_model.graph.node):
+        if node.op_type == "Constant":
+            continue
+        for out in node.output:
+            if not out:
+                continue
+            if out in stats:
+                row = stats[out].result(tol)
+            else:
+                row = {"status": "unmatched", "note": "no counterpart in B (renamed, fused away "
+                       "or not exposed)"}
+            tensor_status[out] = row["status"]
+            inputs = [t for t in node.input if t and t not in inits]
+            agreed = []
+            for t in inputs:
+                if t in graph_inputs or (t in shape_derived and tensor_status.get(t) != "fail"):
+                    # shape arithmetic depends only on the (identical) input shapes
+                    agreed.append(True)
+                elif tensor_status.get(t) == "pass":
+                    agreed.append(True)
+                elif tensor_status.get(t) == "fail":
+                    agreed.append(False)
+                elif t in producer and a_model.graph.node[producer[t]].op_type == "Constant":
+                    agreed.append(True)
+                else:
+                    agreed.append(None)
+            inputs_agreed = (False if False in agreed else None if None in agreed else True)
+            rows.append({"index": len(rows), "node_index": i, "node": node.name or f"node_{i}",
+                         "op_type": node.op_type, "tensor": out, "b_tensor": b_of.get(out),
+                         "inputs": inputs, "inputs_agreed": inputs_agreed,
+                         "shape_only": out in shape_derived, **row})
+    return rows
+
+
+def _attach_verdict(result: dict, a_model, b_model, rows: list[dict]) -> None:
+    """Fill ``first_divergent``, ``origins`` and summary counts from the rows."""
+    fails = [r for r in rows if r["status"] == "fail"]
+    result["summary"] = {k: sum(r["status"] == k for r in rows if not r["shape_only"])
+                         for k in ("pass", "fail", "unmatched")}
+    result["summary"]["shape_rows"] = sum(r["shape_only"] for r in rows)
+    result["origins"] = [r["node"] for r in fails if r["inputs_agreed"] is True]
+    if not fails:
+        result["first_divergent"] = None
+        result["verdict"] = "all compared tensors agree within tolerance"
+        return
+    first = dict(fails[0])
+    if first["inputs_agreed"] is True and result.get("precision") in ("int8", "int4"):
+        verdict = (f"quantisation error first exceeds the {result['precision']} tolerance at "
+                   f"{first['node']} ({first['op_type']}): its inputs were within tolerance")
+    elif first["inputs_agreed"] is True:
+        verdict = (f"{first['node']} ({first['op_type']}) is wrong: its inputs agree with the "
+                   "reference, its output does not")
+    elif first["inputs_agreed"] is False:
+        verdict = f"{first['node']}: error arrived from upstream (its inputs already differ)"
+    else:
+        verdict = (f"{first['node']}: output differs; some inputs are not observable in B, so "
+                   "the error may have arrived from upstream")
+    first["verdict"] = verdict
+    first["detail"] = _node_detail(a_model, b_model, first["node"])
+    result["first_divergent"] = first
+    result["verdict"] = verdict
+
+
+# --------------------------------------------------------------------------------------------
+# Reports
+# --------------------------------------------------------------------------------------------
+def _fmt(v: Any, spec: str = ".6f") -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return "nan" if not np.isfinite(v) else format(v, spec)
+    return str(v)
+
+
+def render_table(result: dict, max_rows: int | None = None) -> str:
+    """Markdown: summary, first divergent layer, final outputs and the per-layer table."""
+    tol = result.get("tolerances", {})
+    lines = [f"# Layer-wise parity: {result['b'].get('backend')} {result.get('precision')} vs "
+             f"{result['a'].get('backend')} (reference)",
+             "", f"- A (reference): `{result['a']['onnx']}`", f"- B: `{result['b']['onnx']}`"
+             + (f" (engine `{result['b']['engine']}`)" if result["b"].get("engine") else ""),
+             f"- precision class: {result.get('precision')}; pass if cosine_min >= "
+             f"{tol.get('min_cosine')} and max_abs_err <= {tol.get('atol')} + {tol.get('rtol')}"
+             " * max|ref|", f"- samples: {result.get('n_samples')}"]
+    if result.get("status") == "skipped":
+        return "\n".join(lines + ["", f"**Skipped:** {result.get('reason')}", ""])
+    fd = result.get("first_divergent")
+    lines.append("")
+    if fd:
+        lines.append(f"**First divergent layer:** `{fd['node']}` ({fd['op_type']}, tensor "
+                     f"`{fd['tensor']}`), cosine_min {_fmt(fd.get('cosine_min'))}, inputs agreed: "
+                     f"{fd['inputs_agreed']}. {fd['verdict']}.")
+        det = fd.get("detail") or {}
+        if det.get("op_type_a") and det.get("op_type_a") != det.get("op_type_b"):
+            lines.append(f"- op type differs: {det['op_type_a']} (A) vs {det['op_type_b']} (B)")
+        for k, v in (det.get("weights_differ") or {}).items():
+            lines.append(f"- weight `{k}` differs: {v}")
+        for k, v in (det.get("attributes_differ") or {}).items():
+            lines.append(f"- attribute `{k}`: {v[0]} (A) vs {v[1]} (B)")
+        if result.get("origins") and len(result["origins"]) > 1:
+            lines.append(f"- other layers whose inputs agreed but output failed: "
+                         f"{', '.join('`%s`' % o for o in result['origins'][1:6])}"
+                         + (" ..." if len(result["origins"]) > 6 else ""))
+    else:
+        lines.append("**No divergent layer:** every compared tensor is within tolerance.")
+    for r in result.get("remedies", []):
+        lines.append(f"- try: `{r}`")
+    lines += ["", f"_{result.get('note', '')}_", "", "Final outputs (unmarked models):", "",
+              "| output | cosine_min | max_abs_err | status |", "|---|---|---|---|"]
+    for k, v in (result.get("final_outputs") or {}).items():
+        lines.append(f"| `{k}` | {_fmt(v.get('cosine_min'))} | {_fmt(v.get('max_abs_err'), '.4g')}"
+                     f" | {v.get('status')} |")
+    lines += ["", "| # | node | op | cosine_min | max_abs_err | rel_err | inputs agreed | status |",
+              "|---|---|---|---|---|---|---|---|"]
+    rows = [r for r in result.get("layers", []) if not r.get("shape_only")]
+    shown = rows if max_rows is None else rows[:max_rows]
+    first_idx = fd["index"] if fd else None
+    for r in shown:
+        mark = " **<- first**" if r["index"] == first_idx else ""
+        lines.append(f"| {r['index']} | `{r['node']}` | {r['op_type']} | {_fmt(r.get('cosine_min'))}"
+                     f" | {_fmt(r.get('max_abs_err'), '.4g')} | {_fmt(r.get('rel_err'), '.3g')} | "
+                     f"{r.get('inputs_agreed')} | {r['status']}{mark} |")
+    if len(shown) < len(rows):
+        lines.append(f"| ... | {len(rows) - len(shown)} more rows in layerwise.json | | | | | | |")
+    n_shape = len(result.get("layers", [])) - len(rows)
+    if n_shape:
+        lines.append(f"\n{n_shape} shape-computation rows (Shape/Gather/Concat on shapes) are "
+                     "left out here; they are in layerwise.json.")
+    return "\n".join(lines) + "\n"
+
+
+def plot_similarity(result: dict, path: Path | str, title: str | None = None) -> Path:
+    """PNG of cosine similarity (top) and 1 - cosine (log, bottom) along the reference graph's
+    topological order, with the tolerance line and the first divergent layer marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result.get("layers", [])
+            if r.get("cosine_min") is not None and not r.get("shape_only")]
+    x = np.arange(len(rows))  # compact: shape-arithmetic rows are not plotted
+    cos = np.array([r["cosine_min"] if r["cosine_min"] is not None else np.nan for r in rows],
+                   np.float64)
+    bad = np.array([r["status"] == "fail" for r in rows], bool)
+    tol = result["tolerances"]["min_cosine"]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(11, 6), sharex=True)
+    for ax, y in ((ax1, cos), (ax2, np.clip(1.0 - cos, 1e-12, None))):
+        ax.plot(x, y, "-", color="0.6", lw=0.8)
+        ax.scatter(x[~bad], y[~bad], s=10, color="tab:blue", label="pass")
+        ax.scatter(x[bad], y[bad], s=14, color="tab:red", label="fail")
+        ax.grid(alpha=0.3)
+    ax1.axhline(tol, color="tab:orange", ls="--", lw=1, label=f"min cosine {tol}")
+    ax2.axhline(1 - tol, color="tab:orange", ls="--", lw=1)
+    ax1.set_ylabel("cosine (min over samples)")
+    ax2.set_ylabel("1 - cosine")
+    ax2.set_yscale("log")
+    ax2.set_xlabel("layer (reference graph, topological order; shape arithmetic omitted)")
+    fd = result.get("first_divergent")
+    pos = next((k for k, r in enumerate(rows) if fd and r["index"] == fd["index"]), None)
+    if pos is not None:
+        for ax in (ax1, ax2):
+            ax.axvline(pos, color="tab:red", ls=":", lw=1)
+        ax1.annotate(f"first divergent: {fd['node']}", (pos, 1.0), fontsize=8,
+                     color="tab:red", xytext=(4, -12), textcoords="offset points")
+    ax1.legend(fontsize=8, loc="lower left")
+    ax1.set_title(title or f"{result['b']['backend']} ({Path(result['b']['onnx']).name}) vs "
+                  f"{result['a']['backend']} ({Path(result['a']['onnx']).name})", fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    with common.atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
+    plt.close(fig)
+    return path
+
+
+def write_reports(result: dict, out_dir: Path | str, title: str | None = None) -> dict[str, Path]:
+    """Write ``layerwise.json``, ``layerwise.md`` and (if there are rows) ``layerwise.png``
+    atomically into ``out_dir``; the paths are also stored in ``result["files"]``."""
+    out_dir = Path(out_dir)
+    files = {"json": out_dir / "layerwise.json", "md": out_dir / "layerwise.md"}
+    if result.get("layers"):
+        files["png"] = plot_similarity(result, out_dir / "layerwise.png", title)
+    result["files"] = {k: str(v) for k, v in files.items()}
+    with common.atomic_path(files["md"]) as tmp:
+        tmp.write_text(render_table(result))
+    common.write_json(files["json"], result)
+    return files
+
+
+# --------------------------------------------------------------------------------------------
+# PyTorch module vs ONNX node
+# --------------------------------------------------------------------------------------------
+def _unqualified(q: str) -> str:
+    """The scope atom the legacy TorchScript exporter uses for module ``q`` (``layer1.0`` stays
+    ``layer1.0``, ``layer1.0.conv1`` becomes ``conv1``), as in torch.onnx's
+    ``_unqualified_variable_name``."""
+    atoms = q.split(".")
+    for i in range(len(atoms) - 1, -1, -1):
+        if not atoms[i].isnumeric():
+            return ".".join(atoms[i:])
+    return q
+
+
+def node_module_paths(node, scope_to_module: dict[str, str]) -> list[str]:
+    """Module paths (outermost first) an exported node belongs to.
+
+    Dynamo exporter: node metadata ``pkg.torch.onnx.name_scopes`` (``['', 'se1', 'se1.fc1',
+    'conv2d_1']``). Legacy TorchScript exporter: the node name ``/se1/fc1/Conv`` (scope atoms,
+    see :func:`_unqualified`), resolved through ``scope_to_module``.
+    """
+    for p in node.metadata_props:
+        if p.key == "pkg.torch.onnx.name_scopes":
+            try:
+                scopes = ast.literal_eval(p.value)
+            except (ValueError, SyntaxError):
+                break
+            return [s for s in scopes[1:-1] if s]
+    name = node.name or ""
+    if not name.startswith("/"):
+        return []
+    parts = name.split("/")[1:-1]
+    paths = []
+    for k in range(1, len(parts) + 1):
+        q = scope_to_module.get("/" + "/".join(parts[:k]))
+        if q is not None:
+            paths.append(q)
+    return paths
+
+
+def torch_vs_onnx(model, onnx_path: Path | str, feed: dict[str, np.ndarray], *,
+                  tolerances: dict[str, float] | None = None, ep: str = "cpu",
+                  out_dir: Path | str | None = None) -> dict:
+    """Compare each PyTorch module's output with the ONNX tensor of the same module path.
+
+    The module of an ONNX node comes from the exporter (see :func:`node_module_paths`); the
+    module's ONNX output is the one tensor its nodes hand to nodes outside the module. Modules
+    without nodes of their own (BatchNorm folded into Conv, Dropout, Identity) pass their
+    output to the module they follow, so ``conv`` is compared after its folded BN.
+
+    Args:
+        model: ``torch.nn.Module`` in eval mode (CPU), the one exported to ``onnx_path``.
+        feed: ``{ONNX input name: array}``; passed positionally to ``model`` in this order.
+        tolerances: FP32 overrides (defaults: :data:`TOLERANCES` ``fp32``).
+    Returns:
+        dict with ``modules`` (rows in topological order of the ONNX tensor: ``module``,
+        ``tensor``, ``node``, metrics, ``status``), ``first_divergent`` (row or None),
+        ``unmapped`` (modules with an output but no single ONNX tensor), ``final_outputs``.
+    """
+    import torch
+
+    tol = tolerances_for("fp32", tolerances)
+    onnx_model = load_onnx(onnx_path)
+    named = dict(model.named_modules())
+    scope_to_module = _legacy_scopes(model)
+
+    nodes = list(onnx_model.graph.node)
+    node_mods = [node_module_paths(n, scope_to_module) for n in nodes]
+    owned: dict[str, list[int]] = {}
+    for i, mods in enumerate(node_mods):
+        for q in mods:
+            owned.setdefault(q, []).append(i)
+
+    # Forward hooks: outputs (cloned: in-place ReLU would overwrite them) and input identities.
+    outs: dict[str, Any] = {}
+    keep: list[Any] = []
+    first_in: dict[str, int] = {}
+    out_id: dict[str, int] = {}
+
+    def hook(name):
+        def fn(mod, inp, out):
+            if isinstance(out, torch.Tensor):
+                keep.append(out)
+                out_id[name] = id(out)
+                outs[name] = out.detach().clone().float().numpy()
+            if inp and isinstance(inp[0], torch.Tensor):
+                keep.append(inp[0])  # keep it alive so its id() is not reused
+                first_in[name] = id(inp[0])
+        return fn
+
+    handles = [m.register_forward_hook(hook(q)) for q, m in named.items() if q]
+    try:
+        with torch.inference_mode():
+            final = model(*[torch.from_numpy(np.ascontiguousarray(v)) for v in feed.values()])
+    finally:
+        for h in handles:
+            h.remove()
+    finals = final if isinstance(final, (tuple, list)) else [final]
+    ort_out = _collect(ort_activations(onnx_model, feed, ep=ep))
+
+    consumers: dict[str, set[int]] = {}
+    for i, n in enumerate(nodes):
+        for t in n.input:
+            consumers.setdefault(t, set()).add(i)
+    graph_outputs = {o.name for o in onnx_model.graph.output}
+    topo = {o: i for i, n in enumerate(nodes) for o in n.output}
+
+    rows, unmapped = [], []
+    for q in named:
+        if not q or q not in outs or q not in owned:
+            continue
+        idx = set(owned[q])
+        boundary = [o for i in sorted(idx) for o in nodes[i].output if o and (
+            o in graph_outputs or consumers.get(o, set()) - idx)]
+        # Follow node-less successors (folded BN, Dropout, Identity).
+        val, cur, seen = outs[q], q, 0
+        while seen < 8:
+            nxt = [m for m, src in first_in.items() if src == out_id.get(cur) and m not in owned
+                   and m in outs and not list(named[m].children()) and m != cur]
+            if not nxt:
+                break
+            cur, val, seen = nxt[0], outs[nxt[0]], seen + 1
+        cands = [o for o in boundary if o in ort_out and ort_out[o].shape == val.shape]
+        if len(cands) != 1:
+            unmapped.append({"module": q, "boundary": boundary[:4],
+                             "reason": "no single ONNX tensor of the module's output shape"})
+            continue
+        st = TensorStat()
+        st.update(val, ort_out[cands[0]], len(val) if val.ndim else 1)
+        r = st.result(tol)
+        rows.append({"module": q, "compared_as": cur, "type": type(named[q]).__name__,
+                     "tensor": cands[0], "node": nodes[topo[cands[0]]].name,
+                     "depth": q.count(".") + 1, "_topo": topo[cands[0]], **r})
+    rows.sort(key=lambda r: (r["_topo"], -r["depth"]))
+    for i, r in enumerate(rows):
+        r["index"] = i
+        r.pop("_topo")
+    out_names = [o.name for o in onnx_model.graph.output]
+    t_final = {n: f.detach().float().numpy() for n, f in zip(out_names, finals)
+               if isinstance(f, torch.Tensor)}
+    fails = [r for r in rows if r["status"] == "fail"]
+    result = {"onnx": str(onnx_path), "tolerances": tol, "modules": rows, "unmapped": unmapped,
+              "first_divergent": fails[0] if fails else None,
+              "final_outputs": compare_outputs(t_final, {k: v for k, v in ort_out.items()
+                                                         if k in t_final}, tol),
+              "status": "ok"}
+    if out_dir:
+        common.write_json(Path(out_dir) / "torch_vs_onnx.json", result)
+    return result
+
+
+def _legacy_scopes(model) -> dict[str, str]:
+    """``{legacy scope string: module path}`` built from the module tree (ancestors only)."""
+    out = {}
+
+    def walk(mod, prefix: str, scope: str):
+        for name, child in mod.named_children():
+            q = f"{prefix}.{name}" if prefix else name
+            s = f"{scope}/{_unqualified(q)}"
+            out[s] = q
+            walk(child, q, s)
+
+    walk(model, "", "")
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Export checks
+# --------------------------------------------------------------------------------------------
+HARDSIGMOID_TORCH = {"alpha": 1.0 / 6.0, "beta": 0.5}  # torch.nn.Hardsigmoid: relu6(x + 3) / 6
+DATA_DEPENDENT_OPS = {"NonZero", "Unique", "Compress", "TopK", "Loop", "If"}
+
+
+def _batched_feed(template: dict[str, np.ndarray], batch: int, seed: int) -> dict[str, np.ndarray]:
+    """Random feed like ``template`` with the batch axis set to ``batch`` (every row distinct).
+    Floats ~ N(0, 1) rescaled to the template's std/mean; integers in the template's range."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for k, v in template.items():
+        shape = (batch,) + tuple(v.shape[1:])
+        if np.issubdtype(v.dtype, np.floating):
+            mu, sd = float(v.mean()), float(v.std()) or 1.0
+            out[k] = (rng.standard_normal(shape) * sd + mu).astype(v.dtype)
+        elif v.dtype == np.bool_:
+            out[k] = rng.integers(0, 2, size=shape).astype(bool)
+        else:
+            lo, hi = int(v.min()), int(v.max()) + 1
+            out[k] = rng.integers(lo, max(hi, lo + 1), size=shape).astype(v.dtype)
+    return out
+
+
+def export_checks(model, onnx_path: Path | str, example_feed: dict[str, np.ndarray], *,
+                  batches: Sequence[int] = (1, 3), ep: str = "cpu",
+                  tolerances: dict[str, float] | None = None, seed: int = 0,
+                  out_path: Path | str | None = None) -> dict:
+    """Catch the classic silent export bugs before any parity run.
+
+    Checks (each ``pass``/``fail``/``warn``/``skip`` with a detail):
+
+    - ``batch_consistency``: for each batch size in ``batches`` (use 1 and >= 2) run random
+      distinct rows through ORT and PyTorch; fail if ORT errors, output rank/shape differs from
+      PyTorch's, the batch axis is not ``batch``, or values disagree (FP32 tolerances).
+      Catches ``x.view(1, -1)``, hard-coded reshapes and batch-dependent output ranks.
+    - ``frozen_batch``: graph inputs/outputs whose axis 0 is a fixed number while others are
+      dynamic, and Reshape targets that hard-code a leading size > 1... or 1 (warn).
+    - ``data_dependent``: two different inputs of the same batch must give the same output
+      shapes; ops whose output shape depends on values (NonZero, TopK, ...) are listed; values
+      are compared to PyTorch for both inputs (a row index traced to a constant fails here).
+    - ``hardsigmoid``: HardSigmoid ``alpha``/``beta`` against PyTorch's 1/6 and 0.5 (ONNX's
+      default alpha is 0.2, the classic silent bug); HardSwish has fixed attributes.
+
+    Args:
+        model: the exported ``torch.nn.Module`` (eval, CPU).
+        example_feed: ``{ONNX input name: array}`` (any batch) giving shapes/dtypes/ranges.
+    Returns:
+        ``{"status": "pass"|"fail", "checks": [...]}``; ``status`` is ``fail`` if any check
+        failed (warnings do not fail).
+    """
+    import torch
+
+    tol = tolerances_for("fp32", tolerances)
+    onnx_model = load_onnx(onnx_path)
+    out_names = [o.name for o in onnx_model.graph.output]
+    checks: list[dict] = []
+
+    def torch_run(feed):
+        with torch.inference_mode():
+            out = model(*[torch.from_numpy(np.ascontiguousarray(v)) for v in feed.values()])
+        outs = out if isinstance(out, (tuple, list)) else [out]
+        return {n: o.detach().float().numpy() for n, o in zip(out_names, outs)}
+
+    runner = common.OrtRunner(onnx_path, ep=ep)
+
+    def ort_run(feed):
+        return runner.infer({k: v for k, v in feed.items() if k in runner.input_names})
+
+    # 1. batch consistency ------------------------------------------------------------------
+    problems, shapes = [], {}
+    for b in batches:
+        feed = _batched_feed(example_feed, b, seed + b)
+        try:
+            t_out = torch_run(feed)
+        except Exception as e:  # noqa: BLE001 - the model itself rejects this batch size
+            problems.append(f"batch {b}: PyTorch itself fails ({str(e).splitlines()[0][:200]})")
+            continue
+        try:
+            o_out = ort_run(feed)
+        except Exception as e:  # noqa: BLE001 - ORT runtime errors (e.g. Reshape mismatch)
+            problems.append(f"batch {b}: onnxruntime fails ({str(e).splitlines()[0][:200]}): "
+                            "a size is frozen in the graph (x.view(1, -1), reshape to the "
+                            "export batch); use x.flatten(1) / x.view(x.size(0), -1)")
+            continue
+        shapes[b] = {k: list(v.shape) for k, v in o_out.items()}
+        for name, t in t_out.items():
+            o = o_out.get(name)
+            if o is None:
+                continue
+            if o.shape != t.shape:
+                problems.append(f"batch {b}: output {name} shape {list(o.shape)} vs PyTorch "
+                                f"{list(t.shape)}")
+                continue
+            if o.ndim and o.shape[0] != b:
+                problems.append(f"batch {b}: output {name} axis 0 is {o.shape[0]}, not the batch")
+            st = TensorStat()
+            st.update(t, o, b)
+            r = st.result(tol)
+            if r["status"] != "pass":
+                problems.append(f"batch {b}: output {name} differs from PyTorch (cosine_min "
+                                f"{r.get('cosine_min'):.6f}, max_abs_err {r.get('max_abs_err'):.3g})")
+    ranks = {b: {k: len(v) for k, v in s.items()} for b, s in shapes.items()}
+    if len({json.dumps(r, sort_keys=True) for r in ranks.values()}) > 1:
+        problems.append(f"output rank depends on the batch size: {ranks}")
+    checks.append({"check": "batch_consistency", "status": "fail" if problems else "pass",
+                   "batches": list(batches), "output_shapes": shapes,
+                   "detail": "; ".join(problems) or "ORT matches PyTorch at every batch size"})
+
+    # 2. frozen batch dimension -------------------------------------------------------------
+    def dim0(vi):
+        dims = vi.type.tensor_type.shape.dim
+        if not dims:
+            return None
+        d = dims[0]
+        return d.dim_param or (d.dim_value if d.HasField("dim_value") else None)
+
+    inits = {t.name for t in onnx_model.graph.initializer}
+    ins = {i.name: dim0(i) for i in onnx_model.graph.input if i.name not in inits}
+    outs = {o.name: dim0(o) for o in onnx_model.graph.output}
+    dyn_in = any(isinstance(v, str) for v in ins.values())
+    notes, status = [], "pass"
+    frozen_out = [k for k, v in outs.items() if isinstance(v, int)]
+    if dyn_in and frozen_out:
+        status = "fail"
+        notes.append(f"inputs have a dynamic batch axis but outputs {frozen_out} have a fixed "
+                     f"axis 0 ({[outs[k] for k in frozen_out]})")
+    if not dyn_in:
+        status = "warn"
+        notes.append(f"no input has a dynamic batch axis ({ins}); export with dynamic_axes / "
+                     "dynamic_shapes if batch > 1 is deployed")
+    from onnx import numpy_helper
+
+    init_arr = {t.name: t for t in onnx_model.graph.initializer}
+    const_out = {n.output[0]: n for n in onnx_model.graph.node if n.op_type == "Constant"}
+    concat_out = {n.output[0]: n for n in onnx_model.graph.node if n.op_type == "Concat"}
+
+    def const_value(name):
+        if name in init_arr:
+            return numpy_helper.to_array(init_arr[name])
+        if name in const_out and const_out[name].attribute[0].name == "value":
+            return numpy_helper.to_array(const_out[name].attribute[0].t)
+        if name in concat_out and concat_out[name].input:  # leading part only
+            return const_value(concat_out[name].input[0])
+        return None
+
+    for n in onnx_model.graph.node:
+        if n.op_type != "Reshape" or len(n.input) < 2:
+            continue
+        arr = const_value(n.input[1])
+        if arr is not None and arr.size and int(arr.reshape(-1)[0]) > 0 and dyn_in:
+            notes.append(f"Reshape {n.name} has a constant target {arr.tolist()} with a fixed "
+                         "leading size (batch frozen?)")
+            status = "fail" if status == "fail" else "warn"
+    checks.append({"check": "frozen_batch", "status": status, "input_axis0": ins,
+                   "output_axis0": outs, "detail": "; ".join(notes) or "batch axis is dynamic"})
+
+    # 3. data-dependent selection / shapes -------------------------------------------------------
+    b = max(batches)
+    dd_ops = sorted({n.op_type for n in onnx_model.graph.node} & DATA_DEPENDENT_OPS)
+    problems = []
+    seen_shapes = []
+    for s in (seed + 101, seed + 202):
+        feed = _batched_feed(example_feed, b, s)
+        try:
+            o_out = ort_run(feed)
+        except Exception as e:  # noqa: BLE001
+            problems.append(f"onnxruntime fails on a second input: {str(e).splitlines()[0][:200]}")
+            break
+        seen_shapes.append({k: list(v.shape) for k, v in o_out.items()})
+        t_out = torch_run(feed)
+        for name, t in t_out.items():
+            o = o_out.get(name)
+            if o is None or o.shape != t.shape:
+                problems.append(f"input seed {s}: output {name} shape "
+                                f"{None if o is None else list(o.shape)} vs PyTorch {list(t.shape)}")
+                continue
+            st = TensorStat()
+            st.update(t, o, b)
+            r = st.result(tol)
+            if r["status"] != "pass":
+                problems.append(f"input seed {s}: output {name} differs from PyTorch (cosine_min "
+                                f"{r.get('cosine_min'):.4f}): a data-dependent choice (argmax row, "
+                                ".item(), Python control flow) was traced as a constant")
+    if len(seen_shapes) == 2 and seen_shapes[0] != seen_shapes[1]:
+        problems.append(f"output shapes change with input values: {seen_shapes}")
+    checks.append({"check": "data_dependent", "status": "fail" if problems else (
+        "warn" if dd_ops else "pass"), "ops": dd_ops,
+        "detail": "; ".join(problems) or (f"ops with value-dependent output shapes: {dd_ops}"
+                                          if dd_ops else "outputs do not depend on values in shape")})
+
+    # 4. HardSigmoid / HardSwish attributes ----------------------------------------------------
+    from onnx import helper
+
+    bad = []
+    n_hs = 0
+    for n in onnx_model.graph.node:
+        if n.op_type == "HardSigmoid":
+            n_hs += 1
+            att = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+            alpha, beta = float(att.get("alpha", 0.2)), float(att.get("beta", 0.5))
+            if (abs(alpha - HARDSIGMOID_TORCH["alpha"]) > 1e-6
+                    or abs(beta - HARDSIGMOID_TORCH["beta"]) > 1e-6):
+                bad.append(f"{n.name}: alpha={alpha:.6g} beta={beta:.6g} (PyTorch: alpha=1/6="
+                           f"{HARDSIGMOID_TORCH['alpha']:.6g}, beta=0.5; ONNX default alpha is 0.2)")
+        elif n.op_type == "HardSwish":
+            n_hs += 1  # ONNX HardSwish fixes alpha=1/6, beta=0.5: same as torch.nn.Hardswish
+    checks.append({"check": "hardsigmoid", "status": "fail" if bad else ("pass" if n_hs else "skip"),
+                   "n_nodes": n_hs, "detail": "; ".join(bad) or (
+                       f"{n_hs} HardSigmoid/HardSwish nodes match PyTorch" if n_hs
+                       else "no HardSigmoid/HardSwish nodes")})
+    result = {"onnx": str(onnx_path), "status": "fail" if any(
+        c["status"] == "fail" for c in checks) else "pass", "checks": checks}
+    if out_path:
+        common.write_json(out_path, result)
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs for the CLI
+# --------------------------------------------------------------------------------------------
+def load_feed(npz: Path | str | None, model: str | None, n: int, onnx_path: Path | str,
+              input_shapes: Sequence[str] | None = None, seed: int = 0) -> dict[str, np.ndarray]:
+    """Inputs for a comparison.
+
+    Args:
+        npz: ``.npz`` whose keys are the model's input names (arrays with batch on axis 0).
+        model: ``--model`` name: the first ``n`` eval images, preprocessed and normalised as
+            every stage does (:func:`common.load_split`, :func:`common.normalize`).
+        onnx_path: the reference model (input names, and random inputs when neither is given).
+        input_shapes: ``--input-shape`` values for random inputs (:func:`common.parse_input_shapes`).
+    Raises:
+        UsageError: the npz keys do not match the model's inputs.
+    """
+    m = load_onnx(onnx_path)
+    inits = {t.name for t in m.graph.initializer}
+    names = [i.name for i in m.graph.input if i.name not in inits]
+    if npz:
+        path = common.require(Path(npz), "a previous stage (or np.savez) writing the inputs")
+        with np.load(path) as z:
+            feed = {k: z[k] for k in z.files}
+        missing = [k for k in names if k not in feed]
+        if missing:
+            if len(names) == 1 and len(feed) == 1:
+                return {names[0]: next(iter(feed.values()))}
+            raise UsageError(f"--inputs {npz}: keys {sorted(feed)} lack model inputs {missing}")
+        return {k: feed[k] for k in names}
+    if model:
+        spec = common.model_spec(model)
+        x, _, _ = common.load_split("eval", spec, limit=n)
+        if len(names) != 1:
+            raise UsageError(f"--model feeds one image input; the model has inputs {names}: "
+                             "use --inputs feed.npz")
+        return {names[0]: common.normalize(x, spec.mean, spec.std)}
+    shapes = common.parse_input_shapes(input_shapes)
+    if not shapes:
+        shapes = []
+        for i in m.graph.input:
+            if i.name in inits:
+                continue
+            dims = [d.dim_value if d.HasField("dim_value") else (n if k == 0 else 0)
+                    for k, d in enumerate(i.type.tensor_type.shape.dim)]
+            if any(d <= 0 for d in dims):
+                raise UsageError(f"input {i.name} has dynamic non-batch axes: pass --input-shape "
+                                 "or --inputs")
+            from onnx import helper
+
+            dt = np.dtype(helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type))
+            shapes.append((i.name, tuple(dims), str(dt)))
+    spec = common.ModelSpec("custom", "custom", classifier=False)
+    return common.example_inputs(spec, shapes, batch=n, seed=seed)
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------
+def get_args_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="layerwise.py", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def add_inputs(sp):
+        sp.add_argument("--inputs", type=Path, help=".npz of inputs (keys = input names)")
+        sp.add_argument("--model", help="take --n eval images of this model (splits.json)")
+        sp.add_argument("--n", type=int, default=8, help="samples (default 8)")
+        sp.add_argument("--input-shape", action="append", help="name:d0,d1,...[:dtype] for "
+                        "random inputs (non-image models)")
+        sp.add_argument("--out-dir", type=Path, help="write JSON/Markdown/PNG here")
+
+    d = sub.add_parser("diff", help="layer-wise comparison of two ONNX runs (or TensorRT)")
+    d.add_argument("a", type=Path, help="reference ONNX (FP32, ORT)")
+    d.add_argument("b", type=Path, help="candidate ONNX (FP16, Q/DQ, same file on another EP, "
+                   "or the ONNX of --engine-b)")
+    d.add_argument("--ep-a", default="cpu", choices=sorted(set(common.ORT_EPS)))
+    d.add_argument("--ep-b", default="cpu", choices=sorted(set(common.ORT_EPS)))
+    d.add_argument("--engine-b", type=Path, help="TensorRT plan built from B: compare through "
+                   "TensorRT (skipped cleanly without tensorrt)")
+    d.add_argument("--trt", action="store_true", help="side B through TensorRT (marked build)")
+    d.add_argument("--trt-fp16", action="store_true", help="build flag for the marked engine")
+    d.add_argument("--trt-int8", action="store_true", help="build flag for the marked engine")
+    d.add_argument("--precision", choices=sorted(TOLERANCES), help="tolerance class (default: "
+                   "detected from B)")
+    d.add_argument("--atol", type=float)
+    d.add_argument("--rtol", type=float)
+    d.add_argument("--min-cosine", type=float)
+    d.add_argument("--batch", type=int, default=8, help="samples per run (memory); 0 = all")
+    d.add_argument("--opt-level", default="all", choices=["disable", "basic", "extended", "all"])
+    d.add_argument("--max-rows", type=int, default=60, help="rows printed (all are in the JSON)")
+    d.add_argument("--fail-on-divergence", action="store_true", help="exit 1 on a divergence")
+    add_inputs(d)
+
+    t = sub.add_parser("torch-vs-onnx", help="PyTorch modules vs the exported ONNX nodes")
+    t.add_argument("--onnx", type=Path, required=True)
+    t.add_argument("--weights", type=Path, help="state dict (default: the model's weights)")
+    add_inputs(t)
+    t.set_defaults(n=2)
+
+    e = sub.add_parser("export-check", help="batch/frozen-shape/data-dependence/HardSigmoid "
+                       "checks of an exported ONNX")
+    e.add_argument("--onnx", type=Path, required=True)
+    e.add_argument("--weights", type=Path)
+    e.add_argument("--batches", default="1,3", help="batch sizes to run (default 1,3)")
+    add_inputs(e)
+    e.set_defaults(n=1)
+    return p
+
+
+def main(args) -> dict:
+    if args.cmd == "diff":
+        if args.inputs and args.model:
+            raise UsageError("give --inputs or --model, not both")
+        feed = load_feed(args.inputs, args.model, args.n, args.a, args.input_shape)
+        res = run_layer_diff(
+            args.a, args.b, feed, ep_a=args.ep_a, ep_b=args.ep_b, b_engine=args.engine_b,
+            b_trt=args.trt, trt_build={"fp16": args.trt_fp16 or None, "int8": args.trt_int8 or None},
+            tolerances={"atol": args.atol, "rtol": args.rtol, "min_cosine": args.min_cosine},
+            precision=args.precision, batch=args.batch or None, opt_level=args.opt_level,
+            out_dir=args.out_dir)
+        print(render_table(res, max_rows=args.max_rows))
+        if res.get("status") == "skipped":
+            print(f"SKIPPED: {res['reason']}", file=sys.stderr)
+        if args.out_dir:
+            print(f"wrote {', '.join(res.get('files', {}).values())}")
+        if args.fail_on_divergence and res.get("first_divergent"):
+            raise StageError(res["verdict"])
+        return res
+    if not args.model:
+        raise UsageError(f"{args.cmd} needs --model NAME (the PyTorch model that was exported)")
+    model, spec = common.build_model(args.model, args.weights)
+    if args.inputs or args.input_shape or not spec.classifier:
+        feed = load_feed(args.inputs, None, args.n, args.onnx, args.input_shape)
+    else:
+        feed = {load_onnx(args.onnx).graph.input[0].name: common.example_inputs(
+            spec, None, batch=args.n)["input"]}
+    if args.cmd == "torch-vs-onnx":
+        res = torch_vs_onnx(model, args.onnx, feed, out_dir=args.out_dir)
+        for r in res["modules"]:
+            print(f"{r['index']:4d} {r['module']:40s} {r['node']:40s} "
+                  f"cos {r.get('cosine_min', float('nan')):.6f} {r['status']}")
+        fd = res["first_divergent"]
+        print(f"first divergent module: {fd['module']} ({fd['node']})" if fd else
+              "every mapped module matches its ONNX tensor")
+        return res
+    try:
+        batches = tuple(int(b) for b in args.batches.split(","))
+    except ValueError as e:
+        raise UsageError(f"--batches {args.batches!r}: {e}") from e
+    res = export_checks(model, args.onnx, feed, batches=batches,
+                        out_path=args.out_dir / "export_check.json" if args.out_dir else None)
+    for c in res["checks"]:
+        print(f"{c['check']:18s} {c['status']:5s} {c['detail']}")
+    if res["status"] == "fail":
+        raise StageError("export check failed: fix the export before comparing runtimes")
+    return res
+
+
+if __name__ == "__main__":
+    common.cli(get_args_parser, main)
