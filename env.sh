@@ -16,6 +16,7 @@
 
 if [ -z "${BASH_VERSION:-}" ]; then
   echo "env.sh: needs bash (run: bash, then source env.sh)" >&2
+  # shellcheck disable=SC2317  # exit is reached when the file is executed, not sourced
   return 2 2>/dev/null || exit 2
 fi
 if [ "${BASH_SOURCE[0]}" = "$0" ]; then

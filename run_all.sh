@@ -41,12 +41,23 @@ if [ -z "${PIPELINE_ROOT:-}" ] || ! python -c 'import torch, onnxruntime' 2>/dev
 fi
 MODEL="${MODEL:-mobilenet_v3_small}"
 export MODEL
-ART="${ARTIFACTS:-artifacts}/$MODEL"
+MODEL_TAG="$(python -c 'import sys, common; print(common.model_tag(sys.argv[1]))' "$MODEL")"
+ART="${ARTIFACTS:-artifacts}/$MODEL_TAG"
 ONNX_DIR="$ART/onnx"
-LOG_DIR="${ARTIFACTS:-artifacts}/logs/$MODEL"
+LOG_DIR="${ARTIFACTS:-artifacts}/logs/$MODEL_TAG"
 mkdir -p "$LOG_DIR"
 lim=()
 if [ -n "$limit" ]; then lim=(--limit "$limit"); fi
+# A user's own model (MODEL=package.module:factory) is not an ImageNet classifier: it needs
+# INPUT_SHAPE="name:1,3,224,224 other:1,16:int64" and only stages 1-3 and 8 apply to it.
+custom=0
+shape_args=()
+if [[ "$MODEL" == *:* ]]; then
+  custom=1
+  [ -n "${INPUT_SHAPE:-}" ] || { echo "run_all.sh: MODEL=$MODEL is a custom model: set INPUT_SHAPE=\"name:d0,d1,...[:dtype] ...\"" >&2; exit 2; }
+  # shellcheck disable=SC2086  # INPUT_SHAPE is a space-separated list on purpose
+  for s in $INPUT_SHAPE; do shape_args+=(--input-shape "$s"); done
+fi
 
 # Run one command of a stage; on failure print its log tail and stop the pipeline.
 run() {
@@ -67,6 +78,12 @@ have() {
   return 1
 }
 
+# Stages that need ImageNet images do not apply to a custom model.
+classifier_only() {
+  if [ "$custom" = 1 ]; then echo "  not applicable: $MODEL is a custom (non-classifier) model"; return 1; fi
+  return 0
+}
+
 begin() { # begin N "what: inputs -> outputs"
   stage_start=$SECONDS
   echo "Stage $1: $2"
@@ -78,24 +95,26 @@ echo "run_all.sh: model=$MODEL stages $stage..$stop_stage $(date -u +%FT%TZ)"
 
 if want 0; then
   begin 0 "prepare data: ${VAL_ROOT:-data/imagenet-sample-1k} -> ${ARTIFACTS:-artifacts}/splits.json + cache"
-  run 0_prepare_data python 0_prepare_data.py --model "$MODEL"
+  if classifier_only; then
+    run 0_prepare_data python 0_prepare_data.py --model "$MODEL"
+  fi
   end 0
 fi
 
 if want 1; then
-  begin 1 "PyTorch FP32 baseline: eval split -> $ART/ref_logits.npz, results/$MODEL/pytorch_fp32_cpu.json"
-  run 1_pytorch_baseline python 1_pytorch_baseline.py --model "$MODEL" "${lim[@]}"
+  begin 1 "PyTorch FP32 baseline: eval split -> $ART/ref_logits.npz, results/$MODEL_TAG/pytorch_fp32_cpu.json"
+  run 1_pytorch_baseline python 1_pytorch_baseline.py --model "$MODEL" "${lim[@]}" "${shape_args[@]}"
   end 1
 fi
 
 if want 2; then
   begin 2 "ONNX export: PyTorch -> $ONNX_DIR/fp32.onnx, fp16.onnx (+ parity check)"
-  run 2_export_onnx python 2_export_onnx.py --model "$MODEL"
+  run 2_export_onnx python 2_export_onnx.py --model "$MODEL" "${shape_args[@]}"
   end 2
 fi
 
 if want 3; then
-  begin 3 "ONNX Runtime eval: $ONNX_DIR/{fp32,fp16}.onnx -> results/$MODEL/ort_{fp32,fp16}.json"
+  begin 3 "ONNX Runtime eval: $ONNX_DIR/{fp32,fp16}.onnx -> results/$MODEL_TAG/ort_{fp32,fp16}.json"
   for v in fp32 fp16; do
     run "3_onnx_eval_$v" python 3_onnx_eval.py --model "$MODEL" --onnx "$ONNX_DIR/$v.onnx" \
       --tag "ort_$v" "${lim[@]}"
@@ -105,7 +124,7 @@ fi
 
 if want 4; then
   begin 4 "calibration data: calib split -> $ART/calib.npz"
-  if have 4_make_calib.py; then
+  if classifier_only && have 4_make_calib.py; then
     run 4_make_calib python 4_make_calib.py --model "$MODEL"
   fi
   end 4
@@ -113,7 +132,7 @@ fi
 
 if want 5; then
   begin 5 "quantization: $ONNX_DIR/fp32.onnx -> int8, int8_hp32, int4 (+ ORT eval of each)"
-  if have 5_quantize.sh; then
+  if classifier_only && have 5_quantize.sh; then
     variants=(int8 int8_hp32)
     if [ "$all_variants" = 1 ]; then
       mapfile -t variants < <(bash 5_quantize.sh --list-all)
@@ -124,7 +143,7 @@ if want 5; then
         --tag "ort_$v" "${lim[@]}"
     done
   fi
-  if have 5b_quantize_int4.py; then
+  if [ "$custom" = 0 ] && have 5b_quantize_int4.py; then
     run 5b_quantize_int4 python 5b_quantize_int4.py --model "$MODEL"
     run 3_onnx_eval_int4 python 3_onnx_eval.py --model "$MODEL" --onnx "$ONNX_DIR/int4.onnx" \
       --tag ort_int4 "${lim[@]}"
@@ -134,15 +153,15 @@ fi
 
 if want 6; then
   begin 6 "TensorRT engines: $ONNX_DIR/*.onnx -> $ART/engines/*.plan (skips without TensorRT)"
-  if have 6_build_engines.sh; then
+  if classifier_only && have 6_build_engines.sh; then
     run 6_build_engines bash 6_build_engines.sh
   fi
   end 6
 fi
 
 if want 7; then
-  begin 7 "TensorRT eval: $ART/engines/*.plan -> results/$MODEL/trt_*.json (skips without TensorRT)"
-  if have 7_trt_eval.py; then
+  begin 7 "TensorRT eval: $ART/engines/*.plan -> results/$MODEL_TAG/trt_*.json (skips without TensorRT)"
+  if classifier_only && have 7_trt_eval.py; then
     for v in fp32 fp16 int8 int8_hp32 int4; do
       run "7_trt_eval_$v" python 7_trt_eval.py --model "$MODEL" --engine "$ART/engines/$v.plan" \
         --tag "trt_$v" "${lim[@]}"
@@ -152,8 +171,8 @@ if want 7; then
 fi
 
 if want 8; then
-  begin 8 "report: results/$MODEL/*.json -> results/$MODEL/REPORT.md, REPORT.csv, results/REPORT.md"
+  begin 8 "report: results/$MODEL_TAG/*.json -> results/$MODEL_TAG/REPORT.md, REPORT.csv, results/REPORT.md"
   run 8_report python 8_report.py --model "$MODEL"
   end 8
-  echo "report: ${RESULTS:-results}/$MODEL/REPORT.md"
+  echo "report: ${RESULTS:-results}/$MODEL_TAG/REPORT.md"
 fi

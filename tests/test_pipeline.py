@@ -444,3 +444,11 @@ def test_run_all_end_to_end(tmp_path):
         assert f"Stage {n}: finished" in p.stdout
     md = (tmp_path / "r" / "efficientnet_lite0" / "REPORT.md").read_text()
     assert "| PyTorch | FP32 |" in md and "| ORT | FP16 |" in md
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed")
+def test_shell_scripts_pass_shellcheck():
+    scripts = [str(p) for p in ROOT.glob("*.sh")] + [str(ROOT / ".ci" / "run")]
+    p = subprocess.run(["shellcheck", "-x", "-s", "bash", *scripts], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout
