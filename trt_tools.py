@@ -590,7 +590,12 @@ def build_command(onnx: Path | str, plan: Path | str, variant: str, trt_version:
         if v.kind == "fp16":
             cmd.append("--fp16")
         elif v.kind == "qdq":
+            # Weak typing ignores the ONNX's float types: the layers ModelOpt left in FP16
+            # (high-precision dtype fp16, the `int8` recipe) run in FP32 unless --fp16 is also
+            # given; the fp32 variant (`int8_hp32`) keeps them FP32 on purpose.
             cmd.append("--int8")
+            if v.name == "int8":
+                cmd.append("--fp16")
     elif major < 11 and v.kind in ("fp16", "qdq", "int4"):
         cmd.append("--stronglyTyped")
     if layer_info is not None:

@@ -297,7 +297,8 @@ def flags(c):
 
 
 @pytest.mark.parametrize("variant,expected", [
-    ("fp32", set()), ("fp16", {"--fp16"}), ("int8", {"--int8"}), ("int8_hp32", {"--int8"})])
+    ("fp32", set()), ("fp16", {"--fp16"}), ("int8", {"--int8", "--fp16"}),
+    ("int8_hp32", {"--int8"})])
 def test_commands_trt8(variant, expected):
     c = cmd(variant, V86)
     assert flags(c) & WEAK_FLAGS == expected
