@@ -50,8 +50,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--threads", type=int, default=0, help="ORT intra-op threads (0 = default)")
     p.add_argument("--limit", type=int, default=None, help="evaluate the first N images only")
-    p.add_argument("--cross-check-images", type=int, default=200,
-                   help="images for the Q/DQ backend cross-check (0 disables it)")
+    p.add_argument("--cross-check-images", type=int, default=-1,
+                   help="images for the Q/DQ backend cross-check (default -1: the whole eval "
+                        "split; 0 disables it)")
     p.add_argument("--cross-check-tol", type=float, default=2.0,
                    help="top-1 difference (points) that counts as a backend disagreement")
     p.add_argument("--layerwise", action="store_true",
@@ -93,7 +94,7 @@ def cross_check(path: Path, x, y, spec, input_name: str, logits_main: np.ndarray
     Returns:
         ``{"n", "top1_main", "top1_unoptimized", "top1_agreement", "disagreement": bool}``.
     """
-    n = min(n, len(y))
+    n = len(y) if n < 0 else min(n, len(y))
     with common.OrtRunner(path, "cpu", opt_level="disable") as r:
         ref = common.run_batched(r, x[:n], spec, input_name, batch)
     t_main = common.topk_accuracy(logits_main[:n], y[:n], (1,))["top1"]
@@ -126,6 +127,27 @@ def main(args: argparse.Namespace) -> dict:
         raise
     rec = common.result_record("3_onnx_eval", "ORT", precision, args.model, args.tag, **base,
                                ep_used=runner.used, cpu_fallback=runner.fallback_reason)
+    try:
+        return _evaluate(args, spec, onnx_path, precision, art, ref_path, runner, rec, started)
+    except Exception as e:
+        # ORT can load a model and still fail at the first run (e.g. a blocked
+        # DequantizeLinear whose axis disagrees with its scale): record why, then fail.
+        if isinstance(e, (common.UsageError, KeyboardInterrupt)):
+            raise
+        msg = f"{type(e).__name__}: {e}".splitlines()[0][:700]
+        failed = common.result_record("3_onnx_eval", "ORT", precision, args.model, args.tag,
+                                      status="failed", reason=f"inference failed: {msg}", **base,
+                                      ep_used=runner.used)
+        failed["provenance"] = common.provenance(args, [onnx_path], started)
+        common.write_result(args.model, args.tag, failed)
+        if isinstance(e, common.StageError):
+            raise
+        raise common.StageError(f"onnxruntime failed to run {onnx_path}: {msg}") from e
+
+
+def _evaluate(args, spec, onnx_path: Path, precision: str, art: Path, ref_path: Path, runner,
+              rec: dict, started: float) -> dict:
+    """Accuracy, parity, cross-check and latency of an open ORT session; writes the row."""
     with runner:
         if spec.classifier:
             with np.load(ref_path) as z:

@@ -1,0 +1,160 @@
+#!/usr/bin/env bash
+# Stage 5: INT8 (and the broken INT4 CLI reproduction) with the ModelOpt ONNX CLI, one variant
+# per command.
+#
+# Reads:  artifacts/<model>/onnx/fp32.onnx (2_export_onnx.py), artifacts/<model>/calib.npz
+#         (4_make_calib.py).
+# Writes: artifacts/<model>/onnx/<variant>.onnx, artifacts/<model>/onnx/<variant>.quant.log,
+#         results/<model>/quant_<variant>.json (wall time, exact command, ModelOpt warnings,
+#         `qdq_tools.py inspect` summary).
+# Rerun:  MODEL=efficientnet_lite0 ./5_quantize.sh int8
+#
+# Usage:  5_quantize.sh [--model M] VARIANT [VARIANT ...] | --default | --all-variants | --list
+# Env:    MODEL (default mobilenet_v3_small), EPS (calibration EP: cpu, cuda:0, trt; default
+#         cuda:0 when onnxruntime has the CUDA EP, else cpu), PYTHON (default: python).
+#
+# The depthwise list comes from the graph (qdq_tools.py list-depthwise --anchored: ^name$
+# regexes, because ModelOpt matches --nodes_to_exclude with re.match, a prefix match).
+set -euo pipefail
+cd "$(dirname "$0")"
+
+PYTHON=${PYTHON:-python}
+MODEL=${MODEL:-mobilenet_v3_small}
+
+# name|description (the flags live in variant_flags below)
+VARIANTS=(
+  "baseline|ModelOpt INT8 defaults: all default op types, entropy, fp16 high-precision dtype"
+  "int8|recipe: Conv+Gemm only, depthwise excluded, fp16 high-precision dtype"
+  "int8_hp32|recipe with fp32 high-precision dtype (scales kept fp32)"
+  "calib_max|ablation: baseline + --calibration_method max"
+  "fp32_only|ablation: baseline + --high_precision_dtype fp32"
+  "excl_stem|ablation: baseline + stem conv excluded"
+  "excl_dw|ablation: baseline + depthwise convs excluded"
+  "conv_gemm|ablation: baseline + --op_types_to_quantize Conv Gemm"
+  "excl_dw_hp32|ablation: fp32_only + depthwise convs excluded"
+  "conv_gemm_hp32|ablation: fp32_only + --op_types_to_quantize Conv Gemm"
+  "int4_cli_broken|INT4 via the CLI, default block 128 (awq_clip): reproduces the axis bug"
+)
+DEFAULT_VARIANTS=(baseline int8 int8_hp32)
+
+usage() {
+  echo "usage: $0 [--model M] VARIANT [VARIANT ...] | --default | --all-variants | --list" >&2
+  echo "variants:" >&2
+  local v
+  for v in "${VARIANTS[@]}"; do printf '  %-16s %s\n' "${v%%|*}" "${v#*|}" >&2; done
+  echo "--default = ${DEFAULT_VARIANTS[*]}; --all-variants = all of the above" >&2
+  exit 2
+}
+
+describe() {
+  local v
+  for v in "${VARIANTS[@]}"; do
+    if [[ ${v%%|*} == "$1" ]]; then echo "${v#*|}"; return 0; fi
+  done
+  return 1
+}
+
+selected=()
+while [[ $# -gt 0 ]]; do
+  case $1 in
+    --model) [[ $# -ge 2 ]] || usage; MODEL=$2; shift 2 ;;
+    --model=*) MODEL=${1#--model=}; shift ;;
+    --default) selected+=("${DEFAULT_VARIANTS[@]}"); shift ;;
+    --all-variants) for v in "${VARIANTS[@]}"; do selected+=("${v%%|*}"); done; shift ;;
+    --list) for v in "${VARIANTS[@]}"; do echo "${v%%|*}"; done; exit 0 ;;
+    -h|--help) usage ;;
+    -*) echo "$0: unknown option $1" >&2; usage ;;
+    *) describe "$1" >/dev/null || { echo "$0: unknown variant $1" >&2; usage; }
+       selected+=("$1"); shift ;;
+  esac
+done
+[[ ${#selected[@]} -gt 0 ]] || usage
+
+ONNX_DIR=${ARTIFACTS:-artifacts}/$MODEL/onnx
+SRC=$ONNX_DIR/fp32.onnx
+CALIB=${ARTIFACTS:-artifacts}/$MODEL/calib.npz
+[[ -f $SRC ]] || { echo "$0: FAILED: $SRC missing: run 2_export_onnx.py --model $MODEL" >&2; exit 1; }
+[[ -f $CALIB ]] || { echo "$0: FAILED: $CALIB missing: run 4_make_calib.py --model $MODEL" >&2; exit 1; }
+
+if [[ -z ${EPS:-} ]]; then
+  if "$PYTHON" -c 'import onnxruntime as o, sys; sys.exit("CUDAExecutionProvider" not in o.get_available_providers())' 2>/dev/null; then
+    EPS=cuda:0
+  else
+    EPS=cpu
+  fi
+fi
+
+# Graph-derived node lists (anchored regexes), read once.
+# (Command substitution, not <(...), so that a failing qdq_tools.py stops the script.)
+dw_out=$("$PYTHON" qdq_tools.py list-depthwise --names-only --anchored "$SRC")
+stem_out=$("$PYTHON" qdq_tools.py list-stem --names-only --anchored "$SRC")
+DW=()
+STEM=()
+[[ -z $dw_out ]] || mapfile -t DW <<<"$dw_out"
+[[ -z $stem_out ]] || mapfile -t STEM <<<"$stem_out"
+[[ ${#STEM[@]} -gt 0 ]] || { echo "$0: FAILED: no stem conv found in $SRC" >&2; exit 1; }
+echo "stage 5: $MODEL: ${#DW[@]} depthwise conv(s), stem ${STEM[*]}, calibration EP $EPS"
+
+# Sets FLAGS to the ModelOpt CLI flags of variant $1 (besides input/output/calibration data).
+variant_flags() {
+  local int8=(--quantize_mode int8 --calibration_data_path "$CALIB" --calibration_eps "$EPS")
+  local dw=()
+  [[ ${#DW[@]} -gt 0 ]] && dw=(--nodes_to_exclude "${DW[@]}")
+  case $1 in
+    baseline)        FLAGS=("${int8[@]}") ;;
+    int8)            FLAGS=("${int8[@]}" --op_types_to_quantize Conv Gemm "${dw[@]}"
+                            --high_precision_dtype fp16) ;;
+    int8_hp32)       FLAGS=("${int8[@]}" --op_types_to_quantize Conv Gemm "${dw[@]}"
+                            --high_precision_dtype fp32) ;;
+    calib_max)       FLAGS=("${int8[@]}" --calibration_method max) ;;
+    fp32_only)       FLAGS=("${int8[@]}" --high_precision_dtype fp32) ;;
+    excl_stem)       FLAGS=("${int8[@]}" --nodes_to_exclude "${STEM[@]}") ;;
+    excl_dw)         FLAGS=("${int8[@]}" "${dw[@]}") ;;
+    conv_gemm)       FLAGS=("${int8[@]}" --op_types_to_quantize Conv Gemm) ;;
+    excl_dw_hp32)    FLAGS=("${int8[@]}" --high_precision_dtype fp32 "${dw[@]}") ;;
+    conv_gemm_hp32)  FLAGS=("${int8[@]}" --high_precision_dtype fp32
+                            --op_types_to_quantize Conv Gemm) ;;
+    int4_cli_broken) FLAGS=(--quantize_mode int4 --calibration_data_path "$CALIB"
+                            --calibration_eps "$EPS") ;;
+    *) echo "$0: no flags for $1" >&2; exit 2 ;;
+  esac
+}
+
+# ModelOpt 0.47.0 rewrites the file given as --onnx_path (same bytes, new mtime): it gets a
+# private copy, so fp32.onnx is never written while another stage may be reading it.
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/5_quantize.XXXXXX")
+trap 'rm -rf "$WORK"' EXIT
+cp "$SRC" "$WORK/fp32.onnx"
+
+for variant in "${selected[@]}"; do
+  variant_flags "$variant"
+  out=$ONNX_DIR/$variant.onnx
+  log=$ONNX_DIR/$variant.quant.log
+  tmp=$ONNX_DIR/.tmp-$$-$variant.onnx
+  cmd=("$PYTHON" -m modelopt.onnx.quantization --onnx_path "$WORK/fp32.onnx" "${FLAGS[@]}"
+       --output_path "$tmp")
+  shown=$(printf '%q ' "${cmd[@]}")
+  shown=${shown//"$tmp"/"$out"}
+  shown=${shown//"$WORK/fp32.onnx"/"$SRC"}
+  echo "Stage 5: quantize $variant: $SRC + $CALIB -> $out"
+  start=$(date +%s.%N)
+  status=ok
+  if ! "${cmd[@]}" >"$log.tmp" 2>&1; then status=failed; fi
+  wall=$(awk -v a="$start" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
+  mv -f "$log.tmp" "$log"
+  if [[ $status == ok && -f $tmp ]]; then
+    mv -f "$tmp" "$out"
+  else
+    status=failed
+    rm -f "$tmp"
+  fi
+  "$PYTHON" qdq_tools.py record-quant --model "$MODEL" --variant "$variant" --onnx "$out" \
+    --source "$SRC" --calib "$CALIB" --log "$log" --wall-s "$wall" --status "$status" \
+    --description "$(describe "$variant")" --command "${shown% }"
+  if [[ $status != ok ]]; then
+    echo "$0: FAILED: ModelOpt failed on $variant; last lines of $log:" >&2
+    tail -n 20 "$log" >&2
+    exit 1
+  fi
+  echo "  finished $variant [elapsed=${wall}s] -> $out"
+done
