@@ -435,15 +435,21 @@ def test_run_all_end_to_end(tmp_path):
     """The whole pipeline as a user runs it (stages 0-8) on 64 real images of the embedded
     sample: it must finish, and the report must have the FP rows and the TensorRT rows as not run
     (no TensorRT here) or run."""
+    import sys
+
     env = dict(os.environ, ARTIFACTS=str(tmp_path / "a"), RESULTS=str(tmp_path / "r"),
-               MODEL="efficientnet_lite0", PIPELINE_ROOT=str(ROOT))
+               MODEL="efficientnet_lite0", PIPELINE_ROOT=str(ROOT),
+               PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
     p = subprocess.run(["bash", "run_all.sh", "--limit", "64"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=3000)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     for n in range(9):
         assert f"Stage {n}: finished" in p.stdout
     md = (tmp_path / "r" / "efficientnet_lite0" / "REPORT.md").read_text()
-    assert "| PyTorch | FP32 |" in md and "| ORT | FP16 |" in md
+    for row in ("| PyTorch | FP32 |", "| ORT | FP16 |", "| ORT | INT8 | ort_int8 |",
+                "| ORT | INT8 | ort_int8_hp32 |", "| ORT | INT4 | ort_int4 |"):
+        assert row in md, row
+    assert "| TensorRT |" in md  # run, or listed as skipped with the reason
 
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed")
