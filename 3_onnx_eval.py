@@ -134,7 +134,7 @@ def main(args: argparse.Namespace) -> dict:
         # DequantizeLinear whose axis disagrees with its scale): record why, then fail.
         if isinstance(e, (common.UsageError, KeyboardInterrupt)):
             raise
-        msg = f"{type(e).__name__}: {e}".splitlines()[0][:700]
+        msg = _short_ort_error(e)
         failed = common.result_record("3_onnx_eval", "ORT", precision, args.model, args.tag,
                                       status="failed", reason=f"inference failed: {msg}", **base,
                                       ep_used=runner.used)
@@ -143,6 +143,19 @@ def main(args: argparse.Namespace) -> dict:
         if isinstance(e, common.StageError):
             raise
         raise common.StageError(f"onnxruntime failed to run {onnx_path}: {msg}") from e
+
+
+def _short_ort_error(e: Exception) -> str:
+    """One line naming the failing node and ORT's own explanation (the end of its message)."""
+    import re
+
+    text = " ".join(str(e).split())
+    node = re.search(r"Name:'([^']+)'", text)
+    detail = text.split("Status Message:")[-1].strip()
+    if " was false. " in detail:  # ORT_ENFORCE: "<condition> was false. <explanation>"
+        detail = detail.split(" was false. ", 1)[1]
+    head = f"{type(e).__name__}" + (f" in node {node.group(1)}" if node else "")
+    return f"{head}: {detail[-300:]}"
 
 
 def _evaluate(args, spec, onnx_path: Path, precision: str, art: Path, ref_path: Path, runner,

@@ -32,6 +32,12 @@ COLUMNS = ["backend", "precision", "tag", "EP/device", "images", "top-1 %", "top
 # Row order: the hops of the pipeline.
 _ORDER = {"PyTorch": 0, "ORT": 1, "TensorRT": 2}
 _PREC = {"FP32": 0, "FP16": 1, "INT8": 2, "INT4": 3}
+# Within a precision: the default recipe variants first, then the ablations (alphabetical).
+_VARIANT_ORDER = {"baseline": 0, "int8": 1, "int8_hp32": 2}
+
+
+def _variant(tag: str) -> str:
+    return tag.split("_", 1)[1] if "_" in tag else tag
 
 
 def load_rows(folder: Path) -> list[dict]:
@@ -50,6 +56,7 @@ def load_rows(folder: Path) -> list[dict]:
             rec["_file"] = f.name
             rows.append(rec)
     rows.sort(key=lambda r: (_ORDER.get(r["backend"], 9), _PREC.get(r["precision"][:4], 9),
+                             _VARIANT_ORDER.get(r.get("variant") or _variant(r["tag"]), 9),
                              r["tag"]))
     return rows
 
@@ -77,7 +84,7 @@ def table_rows(rows: list[dict]) -> list[dict]:
             ep += " (fallback)"
         status = r["status"]
         if r.get("reason"):
-            status += f": {r['reason'].splitlines()[0][:160]}"
+            status += f": {r['reason'].splitlines()[0][:320]}"
         cc = r.get("backend_cross_check")
         if cc and cc.get("disagreement"):
             status += (f"; BACKEND DISAGREEMENT: top-1 {cc['top1_unoptimized']:.1f}% with ORT "

@@ -615,6 +615,10 @@ def run_layer_diff(a_onnx: Path | str, b_onnx: Path | str, feed: dict[str, np.nd
     rows = _rows_from_stats(a_model, stats, b_of, tol)
     result["layers"] = rows
     _attach_verdict(result, a_model, b_model, rows)
+    fd = result["first_divergent"]
+    if fd and not b_trt and precision in ("int8", "int4") and opt_level != "disable":
+        _backend_check(result, a_onnx, b_onnx, feed, ep_a=ep_a, ep_b=ep_b, tolerances=tolerances,
+                       precision=precision, batch=batch)
     if b_trt and result["first_divergent"]:
         result["remedies"] = trt_remedies(result["first_divergent"]["node"], b_onnx, precision,
                                           result["b"].get("tensorrt"), b_engine)
@@ -623,6 +627,30 @@ def run_layer_diff(a_onnx: Path | str, b_onnx: Path | str, feed: dict[str, np.nd
     if out_dir:
         write_reports(result, out_dir, title)
     return result
+
+
+def _backend_check(result: dict, a_onnx: Path, b_onnx: Path, feed: dict[str, np.ndarray],
+                   **kw) -> None:
+    """Rule out the backend before blaming quantisation: repeat a Q/DQ comparison with all ORT
+    graph optimisations disabled (the graph's reference semantics). If the divergence goes
+    away or moves later, ORT's optimiser, not the quantised graph, caused it (seen with ModelOpt
+    fp16 scales and ORT's ``WeightBiasQuantization``), and the verdict says so."""
+    ref = run_layer_diff(a_onnx, b_onnx, feed, opt_level="disable", **kw)
+    fd, fd_ref = result["first_divergent"], ref["first_divergent"]
+    check = {"opt_level": "disable",
+             "first_divergent": fd_ref["node"] if fd_ref else None,
+             "final_outputs": ref.get("final_outputs")}
+    result["backend_check"] = check
+    if fd_ref is None or fd_ref["index"] > fd["index"]:
+        where = (f"the first divergent layer becomes {fd_ref['node']}" if fd_ref else
+                 "no layer diverges")
+        fd["verdict"] = (f"ORT graph optimisations cause this divergence, not the quantised "
+                         f"graph: with them disabled {where} (compare 3_onnx_eval.py "
+                         f"--disable-optimizer WeightBiasQuantization). " + fd["verdict"])
+        result["verdict"] = fd["verdict"]
+        check["backend_caused"] = True
+    else:
+        check["backend_caused"] = False
 
 
 def _collect(it: Iterator[tuple[dict[str, np.ndarray], int]]) -> dict[str, np.ndarray]:
@@ -694,7 +722,13 @@ def _attach_verdict(result: dict, a_model, b_model, rows: list[dict]) -> None:
         result["verdict"] = "all compared tensors agree within tolerance"
         return
     first = dict(fails[0])
-    if first["inputs_agreed"] is True and result.get("precision") in ("int8", "int4"):
+    cos = first.get("cosine_min")
+    nonfinite = cos is None or (isinstance(cos, float) and not np.isfinite(cos))
+    if nonfinite:
+        verdict = (f"{first['node']} ({first['op_type']}) returns non-finite values (NaN/Inf)"
+                   + (" although its inputs agree with the reference" if first["inputs_agreed"]
+                      is True else ""))
+    elif first["inputs_agreed"] is True and result.get("precision") in ("int8", "int4"):
         verdict = (f"quantisation error first exceeds the {result['precision']} tolerance at "
                    f"{first['node']} ({first['op_type']}): its inputs were within tolerance")
     elif first["inputs_agreed"] is True:

@@ -361,3 +361,37 @@ def test_qdq_lookthrough_modelopt(cnn_model, tmp_path):
     res = layerwise.run_layer_diff(path, bad, feed)
     assert res["first_divergent"]["node"] == "/se1/fc2/Conv"
     assert res["first_divergent"]["inputs_agreed"] is True
+
+
+def test_qdq_divergence_blamed_on_ort_optimiser_when_unoptimised_run_agrees(cnn_model, tmp_path,
+                                                                           monkeypatch):
+    """A Q/DQ divergence that only exists with ORT graph optimisations on (as ModelOpt fp16
+    scales + ORT's WeightBiasQuantization produce on EfficientNet-Lite0) is reported as a
+    backend effect, not a quantisation error. The optimiser fault is simulated: B's outputs
+    of one node are corrupted unless the level is 'disable'."""
+    pytest.importorskip("modelopt.onnx.quantization")
+    from modelopt.onnx.quantization import quantize
+
+    _, path, feed = cnn_model
+    calib = np.random.default_rng(1).standard_normal((8, 3, 32, 32)).astype(np.float32)
+    q = tmp_path / "int8.onnx"
+    quantize(onnx_path=str(path), quantize_mode="int8", calibration_data={"input": calib},
+             output_path=str(q))
+    real = layerwise.ort_activations
+
+    def faulty(model_or_path, feed_, *, opt_level="all", **kw):
+        is_b = "DequantizeLinear" in str(getattr(model_or_path, "graph", "")) or \
+            str(model_or_path).endswith("int8.onnx")
+        for out, n in real(model_or_path, feed_, opt_level=opt_level, **kw):
+            if is_b and opt_level != "disable":
+                out = {k: (v * np.nan if k.startswith("/se1/fc2/") else v) for k, v in out.items()}
+            yield out, n
+
+    monkeypatch.setattr(layerwise, "ort_activations", faulty)
+    res = layerwise.run_layer_diff(path, q, feed)
+    assert res["first_divergent"]["node"] == "/se1/fc2/Conv"
+    assert res["backend_check"]["backend_caused"] is True
+    assert "ORT graph optimisations cause" in res["verdict"] and "NaN" in res["verdict"]
+    # Without the simulated optimiser fault the check does not run and blames nobody.
+    monkeypatch.setattr(layerwise, "ort_activations", real)
+    assert layerwise.run_layer_diff(path, q, feed).get("backend_check") is None
