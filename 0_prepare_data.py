@@ -62,11 +62,16 @@ def main(args: argparse.Namespace) -> dict:
     ev, ca = common.make_splits(items, args.eval_per_class, args.calib_per_class,
                                 args.calib_fraction, args.seed)
     assert not {p for p, _ in ev} & {p for p, _ in ca}, "eval/calib overlap"
+    ev, dup = common.drop_content_duplicates(root, ev, ca)
+    for rel in dup:
+        print(f"WARNING: eval image {root / rel} has the same bytes as a calibration image: "
+              "dropped from eval", file=sys.stderr)
     prep = spec.preprocessing()
     split = {"data_root": str(root.resolve()), "layout": layout, "seed": args.seed,
              "eval_per_class": args.eval_per_class, "calib_per_class": args.calib_per_class,
              "calib_fraction": args.calib_fraction, "n_listed": len(items),
-             "eval": [list(i) for i in ev], "calib": [list(i) for i in ca], "unreadable": []}
+             "eval": [list(i) for i in ev], "calib": [list(i) for i in ca], "unreadable": [],
+             "eval_dropped_same_bytes_as_calib": dup}
     caches = {}
     for name in ("eval", "calib"):
         if not split[name]:
@@ -85,6 +90,7 @@ def main(args: argparse.Namespace) -> dict:
     summary = {"stage": "0_prepare_data", "data_root": str(root), "layout": layout,
                "n_listed": len(items), "n_eval": len(split["eval"]),
                "n_calib": len(split["calib"]), "n_unreadable": len(split["unreadable"]),
+               "n_eval_dropped_duplicates": len(dup),
                "eval_classes": len({c for _, c in split["eval"]}),
                "calib_classes": len({c for _, c in split["calib"]}),
                "preprocessing": prep,

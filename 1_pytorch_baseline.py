@@ -118,7 +118,13 @@ def main(args: argparse.Namespace) -> dict:
                 raise common.UsageError(f"--model {args.model}: give --input-shape for a custom "
                                         "model (e.g. --input-shape x:1,3,224,224)")
             feed_ref = common.example_inputs(spec, shapes, batch=4, seed=0)
-            outs = runner.infer(feed_ref)
+            try:
+                outs = runner.infer(feed_ref)
+            except (TypeError, RuntimeError) as e:
+                raise common.UsageError(
+                    f"--model {args.model} does not run on --input-shape "
+                    f"{[f'{n}:{s}' for n, s, _ in shapes]}: {str(e).splitlines()[0]}; give one "
+                    "--input-shape per forward() argument, in order, with the right shapes") from e
             record.update(accuracy=None, reason_accuracy="not an ImageNet classifier",
                           outputs={k: list(v.shape) for k, v in outs.items()})
             if not args.no_save_reference:

@@ -112,8 +112,16 @@ def main(args: argparse.Namespace) -> dict:
     art = common.model_artifacts(args.model)
     base = dict(ep_requested=common.ORT_EPS[args.ep], onnx=str(onnx_path),
                 opt_level=args.opt_level, disabled_optimizers=args.disable_optimizer)
+    for name in ("limit", "batch_size", "latency_batch", "iters"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise common.UsageError(f"--{name.replace('_', '-')} must be >= 1 (got {v})")
+    data = None
     if spec.classifier:
         ref_path = common.require(art / "ref_logits.npz", "1_pytorch_baseline.py")
+        # Checked before any session exists, so a mismatch never overwrites a good row.
+        x, y, files = common.load_split("eval", spec, args.limit)
+        data = (x, y, aligned_reference(ref_path, files, args.limit))
     else:
         ref_path = common.require(art / "ref_outputs.npz", "1_pytorch_baseline.py --input-shape ...")
     try:
@@ -128,7 +136,7 @@ def main(args: argparse.Namespace) -> dict:
     rec = common.result_record("3_onnx_eval", "ORT", precision, args.model, args.tag, **base,
                                ep_used=runner.used, cpu_fallback=runner.fallback_reason)
     try:
-        return _evaluate(args, spec, onnx_path, precision, art, ref_path, runner, rec, started)
+        return _evaluate(args, spec, onnx_path, precision, ref_path, data, runner, rec, started)
     except Exception as e:
         # ORT can load a model and still fail at the first run (e.g. a blocked
         # DequantizeLinear whose axis disagrees with its scale): record why, then fail.
@@ -158,21 +166,37 @@ def _short_ort_error(e: Exception) -> str:
     return f"{head}: {detail[-300:]}"
 
 
-def _evaluate(args, spec, onnx_path: Path, precision: str, art: Path, ref_path: Path, runner,
+def aligned_reference(ref_path: Path, files: list[str], limit: int | None) -> np.ndarray:
+    """Reference logits ``[N, C]`` for the eval ``files``, matched by file name.
+
+    Raises:
+        StageError: the reference does not cover every file (stage 1 ran with a smaller
+            ``--limit`` or on another split); the message says which rerun fixes it.
+    """
+    with np.load(ref_path) as z:
+        logits, ref_files = z["logits"], [str(f) for f in z["files"]]
+    index = {f: i for i, f in enumerate(ref_files)}
+    missing = [f for f in files if f not in index]
+    if missing:
+        hint = (f"pass --limit {len(ref_files)} (or less), or rerun 1_pytorch_baseline.py "
+                "without --limit" if len(ref_files) < len(files) else
+                "rerun 1_pytorch_baseline.py after 0_prepare_data.py")
+        raise common.StageError(
+            f"{ref_path} covers {len(ref_files)} eval images but {len(missing)} of the "
+            f"{len(files)} asked for (--limit {limit}) are not among them: {hint}")
+    return logits[[index[f] for f in files]]
+
+
+def _evaluate(args, spec, onnx_path: Path, precision: str, ref_path: Path, data, runner,
               rec: dict, started: float) -> dict:
     """Accuracy, parity, cross-check and latency of an open ORT session; writes the row."""
     with runner:
         if spec.classifier:
-            with np.load(ref_path) as z:
-                ref_logits, ref_y = z["logits"], z["y"]
-            x, y, _ = common.load_split("eval", spec, args.limit)
-            if len(ref_y) < len(y) or not np.array_equal(ref_y[:len(y)], y):
-                raise common.StageError(f"{ref_path} was made for another eval split: rerun "
-                                        "1_pytorch_baseline.py after 0_prepare_data.py")
+            x, y, ref_logits = data
             inp = runner.input_names[0]
             logits = common.run_batched(runner, x, spec, inp, args.batch_size)
             acc = common.topk_accuracy(logits, y)
-            par = common.parity(ref_logits[:len(y)], logits)
+            par = common.parity(ref_logits, logits)
             rec.update(n_images=len(y), accuracy=acc, parity=par)
             feed = {inp: common.normalize(x[:args.latency_batch], spec.mean, spec.std)}
             if is_qdq(precision) and args.cross_check_images and args.opt_level != "disable":

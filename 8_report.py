@@ -40,6 +40,11 @@ def _variant(tag: str) -> str:
     return tag.split("_", 1)[1] if "_" in tag else tag
 
 
+def _sort_key(r: dict) -> tuple:
+    return (_ORDER.get(r["backend"], 9), _PREC.get(r["precision"][:4], 9),
+            _VARIANT_ORDER.get(r.get("variant") or _variant(r["tag"]), 9), r["tag"])
+
+
 def load_rows(folder: Path) -> list[dict]:
     """Results records in ``folder`` that describe a backend run, in pipeline order.
 
@@ -55,10 +60,23 @@ def load_rows(folder: Path) -> list[dict]:
         if isinstance(rec, dict) and "backend" in rec:
             rec["_file"] = f.name
             rows.append(rec)
-    rows.sort(key=lambda r: (_ORDER.get(r["backend"], 9), _PREC.get(r["precision"][:4], 9),
-                             _VARIANT_ORDER.get(r.get("variant") or _variant(r["tag"]), 9),
-                             r["tag"]))
+    rows.sort(key=_sort_key)
     return rows
+
+
+# Rows every classifier run should have, with the command that makes each.
+EXPECTED = [("PyTorch", "FP32", "pytorch_fp32_cpu", "1_pytorch_baseline.py"),
+            ("ORT", "FP32", "ort_fp32", "2_export_onnx.py, then 3_onnx_eval.py --tag ort_fp32"),
+            ("ORT", "FP16", "ort_fp16", "2_export_onnx.py, then 3_onnx_eval.py --tag ort_fp16")]
+
+
+def missing_rows(rows: list[dict], model: str) -> list[dict]:
+    """Placeholder rows (status "not run") for the expected rows that have no results JSON."""
+    have = {r["tag"] for r in rows}
+    return [common.result_record("8_report", b, p, model, tag, status="not run",
+                                 reason=f"no results/{common.model_tag(model)}/{tag}.json: "
+                                        f"run {cmd}")
+            for b, p, tag, cmd in EXPECTED if tag not in have]
 
 
 def _fmt(v, nd=2):
@@ -70,7 +88,8 @@ def table_rows(rows: list[dict]) -> list[dict]:
     base = next((r for r in rows if r["backend"] == "PyTorch" and r["status"] == "ok"
                  and (r.get("accuracy") or {}).get("top1") is not None), None)
     base_top1 = base["accuracy"]["top1"] if base else None
-    pt_ms = {r.get("device", "cpu"): r["latency"]["mean_ms"] for r in rows
+    # Speedup from medians (p50): robust to the stalls a shared machine adds to the mean.
+    pt_ms = {r.get("device", "cpu"): r["latency"]["p50_ms"] for r in rows
              if r["backend"] == "PyTorch" and r["status"] == "ok" and r.get("latency")}
     out = []
     for r in rows:
@@ -89,8 +108,11 @@ def table_rows(rows: list[dict]) -> list[dict]:
         if cc and cc.get("disagreement"):
             status += (f"; BACKEND DISAGREEMENT: top-1 {cc['top1_unoptimized']:.1f}% with ORT "
                        f"optimisations disabled ({cc['n']} images)")
+        if lat.get("mean_ms") and lat.get("p50_ms") and lat["mean_ms"] > 1.5 * lat["p50_ms"]:
+            status += (f"; noisy timing: mean {lat['mean_ms']:.1f} ms vs p50 "
+                       f"{lat['p50_ms']:.1f} ms (busy machine?)")
         top1 = acc.get("top1")
-        speed = (pt_ms[dev] / lat["mean_ms"]) if lat.get("mean_ms") and dev in pt_ms else None
+        speed = (pt_ms[dev] / lat["p50_ms"]) if lat.get("p50_ms") and dev in pt_ms else None
         out.append({
             "backend": r["backend"], "precision": r["precision"], "tag": r["tag"],
             "EP/device": ep, "images": _fmt(r.get("n_images")), "top-1 %": _fmt(top1),
@@ -115,7 +137,13 @@ def render_markdown(model: str, rows: list[dict], data: dict | None) -> str:
     if data:
         buf.write(f"Data: {data.get('n_eval')} eval images ({data.get('layout')}, "
                   f"{data.get('data_root')}); {data.get('n_calib')} disjoint calibration images; "
-                  f"preprocessing {data.get('preprocessing')}.\n\n")
+                  f"preprocessing {data.get('preprocessing')}.")
+        fewer = sorted({r["n_images"] for r in rows if r.get("n_images")
+                        and r["n_images"] != data.get("n_eval")})
+        if fewer:
+            buf.write(f" Some rows ran on fewer images ({', '.join(map(str, fewer))}: "
+                      "--limit): compare rows with the same image count only.")
+        buf.write("\n\n")
     prov = next((r.get("provenance") for r in rows if r.get("provenance")), None)
     if prov:
         d, v = prov["device"], prov["versions"]
@@ -125,7 +153,8 @@ def render_markdown(model: str, rows: list[dict], data: dict | None) -> str:
                   f"{v.get('nvidia-modelopt')}, TensorRT {v.get('tensorrt') or 'not installed'}; "
                   f"git {prov.get('git_sha')}.\n\n")
     buf.write("Latency: batch 1, mean of timed runs after warm-up (p50/p90/p99 in the JSON); "
-              "speedup vs PyTorch FP32 on the same device. Parity vs PyTorch FP32 logits.\n\n")
+              "speedup = PyTorch FP32 p50 / this row's p50, on the same device. Parity vs "
+              "PyTorch FP32 logits.\n\n")
     buf.write("| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS) + "\n")
     for t in trs:
         buf.write("| " + " | ".join(t[c].replace("|", "/") for c in COLUMNS) + " |\n")
@@ -153,6 +182,8 @@ def main(args: argparse.Namespace) -> Path:
     if not rows:
         raise common.StageError(f"no results in {folder}: run the stages first "
                                 "(bash run_all.sh)")
+    if common.model_spec(args.model).classifier:
+        rows = sorted(missing_rows(rows, args.model) + rows, key=_sort_key)
     data_file = folder / "data.json"
     data = json.loads(data_file.read_text()) if data_file.exists() else None
     md = render_markdown(args.model, rows, data)

@@ -571,6 +571,36 @@ def make_splits(items: Sequence[tuple[str, int]], eval_per_class: int | None,
     return sorted(ev), sorted(ca)
 
 
+def drop_content_duplicates(root: Path | str, eval_items: Sequence[tuple[str, int]],
+                            calib_items: Sequence[tuple[str, int]]
+                            ) -> tuple[list[tuple[str, int]], list[str]]:
+    """Remove from ``eval_items`` every image whose bytes equal a calibration image's (the same
+    file reachable under two names, e.g. symlinks or copies), so the splits are disjoint by
+    content, not only by path.
+
+    Returns:
+        ``(kept eval items, dropped relative paths)``.
+    """
+    root = Path(root)
+    seen = set()
+    for rel, _ in calib_items:
+        try:
+            seen.add(sha256_file(root / rel))
+        except OSError:
+            continue
+    kept, dropped = [], []
+    for rel, c in eval_items:
+        try:
+            dup = sha256_file(root / rel) in seen
+        except OSError:
+            dup = False  # unreadable files are reported by the decoder later
+        if dup:
+            dropped.append(rel)
+        else:
+            kept.append((rel, c))
+    return kept, dropped
+
+
 def load_splits() -> dict:
     """Read ``artifacts/splits.json`` (written by 0_prepare_data.py)."""
     return json.loads(require(splits_path(), "0_prepare_data.py").read_text())
@@ -949,9 +979,13 @@ def git_sha() -> str | None:
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
                              text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+        # Code changes make a result "dirty"; regenerated results/ (tracked) do not.
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--",
+                                ".", ":(exclude)results"],
                                cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
-        return (sha + ("+dirty" if dirty else "")) or None
+        if not re.fullmatch(r"[0-9a-f]{40}", sha):  # e.g. a copy of the tree without history
+            return None
+        return sha + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return None
 

@@ -22,10 +22,15 @@ all_variants=0
 limit=""
 while [ $# -gt 0 ]; do
   case "$1" in
-    --stage) stage="${2:?--stage needs a number}"; shift 2 ;;
-    --stop-stage) stop_stage="${2:?--stop-stage needs a number}"; shift 2 ;;
+    --stage|--stop-stage|--limit)
+      [ $# -ge 2 ] || { echo "run_all.sh: $1 needs a number" >&2; exit 2; }
+      case "$1" in
+        --stage) stage="$2" ;;
+        --stop-stage) stop_stage="$2" ;;
+        --limit) limit="$2" ;;
+      esac
+      shift 2 ;;
     --all-variants) all_variants=1; shift ;;
-    --limit) limit="${2:?--limit needs a number}"; shift 2 ;;
     -h|--help) usage; exit 0 ;;
     *) echo "run_all.sh: unknown option $1" >&2; usage >&2; exit 2 ;;
   esac
@@ -33,6 +38,12 @@ done
 for n in "$stage" "$stop_stage"; do
   [[ "$n" =~ ^[0-8]$ ]] || { echo "run_all.sh: stages are 0..8, got $n" >&2; exit 2; }
 done
+if [ "$stage" -gt "$stop_stage" ]; then
+  echo "run_all.sh: --stage $stage is after --stop-stage $stop_stage: nothing to run" >&2; exit 2
+fi
+if [ -n "$limit" ] && ! [[ "$limit" =~ ^[1-9][0-9]*$ ]]; then
+  echo "run_all.sh: --limit needs a positive integer, got '$limit'" >&2; exit 2
+fi
 
 cd "$(dirname "$0")"
 if [ -z "${PIPELINE_ROOT:-}" ] || ! python -c 'import torch, onnxruntime' 2>/dev/null; then
@@ -41,7 +52,13 @@ if [ -z "${PIPELINE_ROOT:-}" ] || ! python -c 'import torch, onnxruntime' 2>/dev
 fi
 MODEL="${MODEL:-mobilenet_v3_small}"
 export MODEL
+# Check the model name before any stage runs (a typo is a usage error, exit 2).
 MODEL_TAG="$(python -c 'import sys, common; print(common.model_tag(sys.argv[1]))' "$MODEL")"
+if ! python -c 'import sys, common; common.model_spec(sys.argv[1])' "$MODEL" 2>/dev/null; then
+  echo "run_all.sh: MODEL=$MODEL: unknown model; use mobilenet_v3_small, efficientnet_lite0," \
+    "a torchvision classifier name or package.module:factory (README, Models)" >&2
+  exit 2
+fi
 ART="${ARTIFACTS:-artifacts}/$MODEL_TAG"
 ONNX_DIR="$ART/onnx"
 LOG_DIR="${ARTIFACTS:-artifacts}/logs/$MODEL_TAG"
@@ -103,6 +120,17 @@ want() { [ "$stage" -le "$1" ] && [ "$stop_stage" -ge "$1" ]; }
 
 echo "run_all.sh: model=$MODEL stages $stage..$stop_stage $(date -u +%FT%TZ)"
 
+# A full run replaces the model's results: rows of an earlier run (other variants, another
+# machine) must not mix into this run's report. They are moved, not deleted.
+RES_DIR="${RESULTS:-results}/$MODEL_TAG"
+if [ "$stage" = 0 ] && [ "$stop_stage" = 8 ] && [ -d "$RES_DIR" ] && \
+   [ -n "$(ls -A "$RES_DIR" 2>/dev/null)" ]; then
+  prev="${ARTIFACTS:-artifacts}/previous_results/$MODEL_TAG-$(date -u +%Y%m%dT%H%M%SZ)"
+  mkdir -p "$(dirname "$prev")"
+  mv "$RES_DIR" "$prev"
+  echo "previous results of $MODEL moved to $prev"
+fi
+
 if want 0; then
   begin 0 "prepare data: ${VAL_ROOT:-data/imagenet-sample-1k} -> ${ARTIFACTS:-artifacts}/splits.json + cache"
   if classifier_only; then
@@ -112,7 +140,7 @@ if want 0; then
 fi
 
 if want 1; then
-  begin 1 "PyTorch FP32 baseline: eval split -> $ART/ref_logits.npz, results/$MODEL_TAG/pytorch_fp32_cpu.json"
+  begin 1 "PyTorch FP32 baseline: eval split -> $ART/ref_{logits,outputs}.npz, results/$MODEL_TAG/pytorch_fp32_cpu.json"
   run 1_pytorch_baseline python 1_pytorch_baseline.py --model "$MODEL" "${lim[@]}" "${shape_args[@]}"
   end 1
 fi

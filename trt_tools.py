@@ -82,7 +82,8 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("int8_hp32", "int8_hp32.onnx", "qdq", "INT8-hp32", _QUANT),
     Variant("int4", "int4.onnx", "int4", "INT4", _INT4),
     # Reproduces the INT4 parse failure of the CLI-quantised model on purpose (README).
-    Variant("int4_cli", "int4_cli_broken.onnx", "int4", "INT4-cli", _INT4, expected_failure=True),
+    Variant("int4_cli", "int4_cli_broken.onnx", "int4", "INT4-cli", "bash 5_quantize.sh int4_cli_broken",
+            expected_failure=True),
 )}
 DEFAULT_VARIANTS = tuple(VARIANTS)
 
@@ -847,6 +848,28 @@ def onnx_input(path: Path | str) -> tuple[str, list[int | None]]:
     raise StageError(f"{path}: the graph has no input")
 
 
+# Highest ONNX opset the ONNX parser of each TensorRT major supports (TensorRT 8.6 support
+# matrix / onnx-tensorrt "Supported ONNX opsets": 8.6 parses opsets up to 17; 10.x up to 20+).
+MAX_PARSER_OPSET = {8: 17}
+
+
+def opset_warning(path: Path | str, trt_version: Version | None) -> str | None:
+    """A warning when the ONNX file's default-domain opset is newer than the TensorRT
+    version's parser supports (8.x: 17), with the fix; None when fine or unknown."""
+    import onnx
+
+    if not trt_version or trt_version[0] not in MAX_PARSER_OPSET or not Path(path).exists():
+        return None
+    m = onnx.load(str(path), load_external_data=False)
+    opset = max((o.version for o in m.opset_import if o.domain in ("", "ai.onnx")), default=0)
+    limit = MAX_PARSER_OPSET[trt_version[0]]
+    if opset <= limit:
+        return None
+    return (f"{Path(path).name} uses ONNX opset {opset}; TensorRT {vstr(trt_version)}'s parser "
+            f"supports up to {limit}: export with `2_export_onnx.py --exporter legacy --opset "
+            f"{limit}` (and quantize that file) if the parser rejects it")
+
+
 # --------------------------------------------------------------------------------------------
 # Build driver (6_build_engines.sh)
 # --------------------------------------------------------------------------------------------
@@ -902,10 +925,17 @@ def _dry_run(args, variants: Sequence[str]) -> None:
     for var in variants:
         paths = engine_paths(args.model, var)
         name, shape, how = _input_spec(args, var)
+        dla = args.dla_core
+        if dla is not None and dla_allowed(ver, VARIANTS[var]):
+            print(f"# {var}: {dla_allowed(ver, VARIANTS[var])}: built for the GPU")
+            dla = None
+        warn = opset_warning(onnx_path(args.model, var), ver)
+        if warn:
+            print(f"# {var}: WARNING: {warn}")
         try:
             cmd = build_command(onnx_path(args.model, var), paths["plan"], var, ver,
                                 timing_cache=paths["cache"], layer_info=paths["layers"],
-                                mem_pool_mb=args.mem_pool_mb, dla_core=args.dla_core,
+                                mem_pool_mb=args.mem_pool_mb, dla_core=dla,
                                 input_name=name, input_shape=shape, min_batch=args.min_batch,
                                 opt_batch=args.opt_batch, max_batch=args.max_batch,
                                 no_tf32=args.no_tf32, trtexec=tool)
@@ -998,6 +1028,7 @@ def _build_one(args, var: str, det: Detected, jetson: dict | None) -> tuple[dict
     text = paths["log"].read_text(errors="replace")
     passed = p.returncode == 0 and "&&&& PASSED" in text and tmp_plan.exists()
     fields: dict[str, Any] = {
+        "opset_warning": opset_warning(src, det.version),
         "command": shlex.join(cmd), "returncode": p.returncode, "build_log": paths["log"],
         "build_wall_s": round(build_s, 2), "detected": det.as_dict(), "jetson": jetson,
         "dla_core": dla, "dla_note": dla_note,
@@ -1053,7 +1084,10 @@ def build_main(args) -> None:
         reason = f"{how}; engines not built (set TRTEXEC=/path/to/trtexec on a GPU machine)"
         print(f"{STAGE6}: SKIPPED: {reason}")
         for var in variants:
-            path = _write(args, var, _record(args, var, "skipped", reason, started))
+            src = onnx_path(args.model, var)
+            why = reason if src.exists() else (
+                f"{src} missing (made by {VARIANTS[var].producer}); and {reason}")
+            path = _write(args, var, _record(args, var, "skipped", why, started))
             print(f"  wrote {path}")
         return
     if args.variants:

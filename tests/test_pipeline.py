@@ -421,6 +421,37 @@ def test_env_sh_refuses_to_be_executed():
     assert p.returncode == 2 and "must be sourced" in p.stderr
 
 
+def test_stage3_reference_mismatch_keeps_existing_row(stage_env, tmp_path):
+    """After a smoke run (reference of 48 images), evaluating more images fails with the fix
+    (--limit or rerun stage 1) and leaves the good row alone; --limit 0 is a usage error."""
+    env = stage_env
+    art = Path(env["ARTIFACTS"]) / "efficientnet_lite0"
+    if not (art / "onnx" / "fp32.onnx").exists():
+        run_stage(["2_export_onnx.py", "--check-images", "8"], env)
+    run_stage(["1_pytorch_baseline.py", "--iters", "3", "--warmup", "1", "--limit", "48"], env)
+    row = Path(env["RESULTS"]) / "efficientnet_lite0" / "ort_keep.json"
+    args = ["3_onnx_eval.py", "--onnx", str(art / "onnx" / "fp32.onnx"), "--tag", "ort_keep",
+            "--iters", "2", "--warmup", "1"]
+    run_stage(args + ["--limit", "48"], env)
+    before = row.read_text()
+    p = run_stage(args + ["--limit", "64"], env, check=False)
+    assert p.returncode == 1 and "--limit 48" in p.stderr
+    assert row.read_text() == before
+    p = run_stage(args + ["--limit", "0"], env, check=False)
+    assert p.returncode == 2 and "--limit must be >= 1" in p.stderr
+    assert row.read_text() == before
+    row.unlink()
+
+
+def test_custom_model_wrong_inputs_is_usage_error(tmp_path):
+    env = dict(os.environ, ARTIFACTS=str(tmp_path / "a"), RESULTS=str(tmp_path / "r"),
+               PYTHONPATH=str(ROOT))
+    p = run_stage(["1_pytorch_baseline.py", "--model", "tests.custom_models:two_head",
+                   "--input-shape", "image:1,3,16,16", "--iters", "1", "--warmup", "0"], env,
+                  check=False)
+    assert p.returncode == 2 and "--input-shape per forward() argument" in p.stderr
+
+
 def test_run_all_usage_errors():
     p = subprocess.run(["bash", str(ROOT / "run_all.sh"), "--bogus"], capture_output=True,
                        text=True)
@@ -428,6 +459,18 @@ def test_run_all_usage_errors():
     p = subprocess.run(["bash", str(ROOT / "run_all.sh"), "--stage", "12"], capture_output=True,
                        text=True, env={**os.environ, "PIPELINE_ROOT": str(ROOT)})
     assert p.returncode == 2 and "0..8" in p.stderr
+    import sys
+
+    env = {**os.environ, "PIPELINE_ROOT": str(ROOT),
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    for args, msg in ((["--stage", "5", "--stop-stage", "2"], "nothing to run"),
+                      (["--limit"], "needs a number"), (["--limit", "abc"], "positive integer")):
+        p = subprocess.run(["bash", str(ROOT / "run_all.sh"), *args], capture_output=True,
+                           text=True, env=env)
+        assert p.returncode == 2 and msg in p.stderr, (args, p.stderr)
+    p = subprocess.run(["bash", str(ROOT / "run_all.sh")], capture_output=True, text=True,
+                       env={**env, "MODEL": "nosuchmodel"})
+    assert p.returncode == 2 and "unknown model" in p.stderr
 
 
 @pytest.mark.slow
@@ -458,3 +501,39 @@ def test_shell_scripts_pass_shellcheck():
     p = subprocess.run(["shellcheck", "-x", "-s", "bash", *scripts], cwd=ROOT,
                        capture_output=True, text=True)
     assert p.returncode == 0, p.stdout
+
+
+def test_splits_disjoint_by_content_not_only_path(tmp_path):
+    a = tmp_path / "a.JPEG"
+    a.write_bytes((DATA / "n01440764_tench.JPEG").read_bytes())
+    (tmp_path / "a_link.JPEG").symlink_to(a)
+    (tmp_path / "b.JPEG").write_bytes((DATA / "n01443537_goldfish.JPEG").read_bytes())
+    kept, dropped = common.drop_content_duplicates(
+        tmp_path, [("a_link.JPEG", 0), ("b.JPEG", 1)], [("a.JPEG", 0)])
+    assert kept == [("b.JPEG", 1)] and dropped == ["a_link.JPEG"]
+
+
+def test_run_all_full_run_moves_previous_results(tmp_path):
+    """A full run must not mix an earlier run's rows into its report: with a stale row present,
+    a partial run leaves it in place and a full run moves it to artifacts/previous_results/
+    (the full run is stopped right after, at stage 0, by a nonexistent VAL_ROOT)."""
+    import sys
+
+    res = tmp_path / "r" / "efficientnet_lite0"
+    res.mkdir(parents=True)
+    (res / "ort_stale.json").write_text("{}")
+    env = dict(os.environ, ARTIFACTS=str(tmp_path / "a"), RESULTS=str(tmp_path / "r"),
+               MODEL="efficientnet_lite0", PIPELINE_ROOT=str(ROOT),
+               PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    p = subprocess.run(["bash", "run_all.sh", "--stop-stage", "0"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    assert (res / "ort_stale.json").exists()  # partial run: rows stay in place
+    # A full run starts by moving them (stop it right after by making stage 0 fail).
+    env["VAL_ROOT"] = str(tmp_path / "nonexistent")
+    p = subprocess.run(["bash", "run_all.sh"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 1 and "previous results" in p.stdout
+    assert not (res / "ort_stale.json").exists()
+    moved = list((tmp_path / "a" / "previous_results").glob("efficientnet_lite0-*/ort_stale.json"))
+    assert len(moved) == 1

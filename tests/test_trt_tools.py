@@ -512,3 +512,51 @@ def test_trt_tools_imports_no_tensorrt():
     code = "import sys, trt_tools; assert 'tensorrt' not in sys.modules; print('ok')"
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert p.stdout.strip() == "ok", p.stderr
+
+
+def _onnx_with_opset(path: Path, opset: int) -> Path:
+    import onnx
+    from onnx import TensorProto, helper
+
+    g = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 3])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 3])])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)]), str(path))
+    return path
+
+
+def test_opset_warning_only_where_the_parser_is_older(tmp_path):
+    new = _onnx_with_opset(tmp_path / "m18.onnx", 18)
+    old = _onnx_with_opset(tmp_path / "m17.onnx", 17)
+    w = tt.opset_warning(new, (8, 6, 1))
+    assert w and "opset 18" in w and "--opset 17" in w
+    assert tt.opset_warning(old, (8, 6, 1)) is None
+    assert tt.opset_warning(new, (10, 3, 0)) is None
+
+
+def test_stage6_skip_names_missing_onnx(tmp_path):
+    """Without trtexec every row is skipped; a variant whose ONNX was never made says which
+    stage makes it, one whose ONNX exists only says trtexec is missing."""
+    if Path(tt.JETPACK_TRTEXEC).exists():
+        pytest.skip("trtexec is installed here")
+    _onnx_with_opset(tmp_path / "a" / "mobilenet_v3_small" / "onnx" / "fp32.onnx", 18)
+    p = subprocess.run(["bash", "6_build_engines.sh", "fp32", "int8"], cwd=ROOT,
+                       env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    res = tmp_path / "r" / "mobilenet_v3_small"
+    fp32 = json.loads((res / "trt_build_fp32.json").read_text())["reason"]
+    int8 = json.loads((res / "trt_build_int8.json").read_text())["reason"]
+    assert "missing" not in fp32 and "trtexec not found" in fp32
+    assert "int8.onnx missing" in int8 and "5_quantize.sh" in int8
+
+
+def test_dry_run_dla_builds_fp32_for_the_gpu(tmp_path):
+    p = subprocess.run(["bash", "6_build_engines.sh", "--dry-run", "--trt-version", "10.3.0",
+                        "--dla-core", "0", "fp32", "int8"], cwd=ROOT, env=_env(tmp_path),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("trtexec --onnx")]
+    fp32 = next(ln for ln in lines if "fp32.onnx" in ln)
+    int8 = next(ln for ln in lines if "int8.onnx" in ln)
+    assert "--useDLACore" not in fp32 and "--useDLACore=0" in int8 and "--allowGPUFallback" in int8
