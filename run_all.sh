@@ -5,6 +5,7 @@
 #   MODEL=efficientnet_lite0 bash run_all.sh
 #   bash run_all.sh --stage 3 --stop-stage 3 # rerun one stage
 #   bash run_all.sh --all-variants           # also the INT8 ablations of stage 5
+#   WEIGHTS=ckpt.pth bash run_all.sh         # a local state dict instead of the default weights
 #
 # Stages: 0 data, 1 PyTorch baseline, 2 ONNX export, 3 ORT eval (FP32/FP16), 4 calibration data,
 # 5 INT8/INT4 quantization + ORT eval, 6 TensorRT engines, 7 TensorRT eval, 8 report.
@@ -12,7 +13,7 @@
 set -euo pipefail
 
 usage() {
-  sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'
   echo "options: --stage N --stop-stage M --all-variants --limit N (first N eval images; smoke runs)"
 }
 
@@ -65,6 +66,12 @@ LOG_DIR="${ARTIFACTS:-artifacts}/logs/$MODEL_TAG"
 mkdir -p "$LOG_DIR"
 lim=()
 if [ -n "$limit" ]; then lim=(--limit "$limit"); fi
+# WEIGHTS=/path/state_dict.pth: a local checkpoint instead of the model's default weights.
+weights=()
+if [ -n "${WEIGHTS:-}" ]; then
+  [ -f "$WEIGHTS" ] || { echo "run_all.sh: WEIGHTS=$WEIGHTS: no such file" >&2; exit 2; }
+  weights=(--weights "$WEIGHTS")
+fi
 # A user's own model (MODEL=package.module:factory) is not an ImageNet classifier: it needs
 # INPUT_SHAPE="name:1,3,224,224 other:1,16:int64" and only stages 1-3 and 8 apply to it.
 custom=0
@@ -141,13 +148,13 @@ fi
 
 if want 1; then
   begin 1 "PyTorch FP32 baseline: eval split -> $ART/ref_{logits,outputs}.npz, results/$MODEL_TAG/pytorch_fp32_cpu.json"
-  run 1_pytorch_baseline python 1_pytorch_baseline.py --model "$MODEL" "${lim[@]}" "${shape_args[@]}"
+  run 1_pytorch_baseline python 1_pytorch_baseline.py --model "$MODEL" "${lim[@]}" "${shape_args[@]}" "${weights[@]}"
   end 1
 fi
 
 if want 2; then
   begin 2 "ONNX export: PyTorch -> $ONNX_DIR/fp32.onnx, fp16.onnx (+ parity check)"
-  run 2_export_onnx python 2_export_onnx.py --model "$MODEL" "${shape_args[@]}"
+  run 2_export_onnx python 2_export_onnx.py --model "$MODEL" "${shape_args[@]}" "${weights[@]}"
   end 2
 fi
 
