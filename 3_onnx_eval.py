@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -63,26 +64,6 @@ def get_args_parser() -> argparse.ArgumentParser:
     return p
 
 
-def detect_precision(path: Path) -> str:
-    """Precision label of an ONNX file: ``INT4`` (4-bit DequantizeLinear), ``INT8`` (Q/DQ),
-    ``FP16`` (most float initializers are float16) or ``FP32``."""
-    import onnx
-    from onnx import TensorProto
-
-    m = onnx.load(str(path), load_external_data=False)
-    init = {t.name: t for t in m.graph.initializer}
-    dq = [n for n in m.graph.node if n.op_type == "DequantizeLinear"]
-    four_bit = (TensorProto.INT4, TensorProto.UINT4)
-    if any(init[n.input[0]].data_type in four_bit for n in dq if n.input[0] in init):
-        return "INT4"
-    if any(n.op_type == "QuantizeLinear" for n in m.graph.node) or dq:
-        return "INT8"
-    floats = [t for t in m.graph.initializer if t.data_type in (TensorProto.FLOAT,
-                                                                 TensorProto.FLOAT16)]
-    n16 = sum(t.data_type == TensorProto.FLOAT16 for t in floats)
-    return "FP16" if floats and n16 > len(floats) / 2 else "FP32"
-
-
 def is_qdq(precision: str) -> bool:
     return precision.startswith("INT")
 
@@ -108,7 +89,8 @@ def main(args: argparse.Namespace) -> dict:
     started = time.time()
     spec = common.model_spec(args.model)
     onnx_path = common.require(args.onnx, "2_export_onnx.py / 5_quantize.sh (whichever makes it)")
-    precision = detect_precision(onnx_path) if args.precision == "auto" else args.precision
+    precision = (common.detect_precision(common.load_onnx(onnx_path, external=False))
+                 if args.precision == "auto" else args.precision)
     art = common.model_artifacts(args.model)
     base = dict(ep_requested=common.ORT_EPS[args.ep], onnx=str(onnx_path),
                 opt_level=args.opt_level, disabled_optimizers=args.disable_optimizer)
@@ -155,8 +137,6 @@ def main(args: argparse.Namespace) -> dict:
 
 def _short_ort_error(e: Exception) -> str:
     """One line naming the failing node and ORT's own explanation (the end of its message)."""
-    import re
-
     text = " ".join(str(e).split())
     node = re.search(r"Name:'([^']+)'", text)
     detail = text.split("Status Message:")[-1].strip()
@@ -167,24 +147,23 @@ def _short_ort_error(e: Exception) -> str:
 
 
 def aligned_reference(ref_path: Path, files: list[str], limit: int | None) -> np.ndarray:
-    """Reference logits ``[N, C]`` for the eval ``files``, matched by file name.
+    """Reference logits ``[N, C]`` for the eval ``files`` (:func:`common.align_reference`).
 
     Raises:
         StageError: the reference does not cover every file (stage 1 ran with a smaller
             ``--limit`` or on another split); the message says which rerun fixes it.
     """
-    with np.load(ref_path) as z:
-        logits, ref_files = z["logits"], [str(f) for f in z["files"]]
-    index = {f: i for i, f in enumerate(ref_files)}
-    missing = [f for f in files if f not in index]
-    if missing:
-        hint = (f"pass --limit {len(ref_files)} (or less), or rerun 1_pytorch_baseline.py "
-                "without --limit" if len(ref_files) < len(files) else
+    logits, mask = common.align_reference(ref_path, files)
+    if not mask.all():
+        with np.load(ref_path) as z:
+            n_ref = len(z["files"])
+        hint = (f"pass --limit {n_ref} (or less), or rerun 1_pytorch_baseline.py "
+                "without --limit" if n_ref < len(files) else
                 "rerun 1_pytorch_baseline.py after 0_prepare_data.py")
         raise common.StageError(
-            f"{ref_path} covers {len(ref_files)} eval images but {len(missing)} of the "
+            f"{ref_path} covers {n_ref} eval images but {int((~mask).sum())} of the "
             f"{len(files)} asked for (--limit {limit}) are not among them: {hint}")
-    return logits[[index[f] for f in files]]
+    return logits
 
 
 def _evaluate(args, spec, onnx_path: Path, precision: str, ref_path: Path, data, runner,

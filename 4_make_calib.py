@@ -39,25 +39,17 @@ def get_args_parser() -> argparse.ArgumentParser:
 
 
 def onnx_input(path: Path) -> tuple[str, np.dtype]:
-    """Name and numpy dtype of the single real input of an ONNX model (initializers that are
-    also listed as graph inputs, as old exporters do, are not inputs).
+    """Name and numpy dtype of the single real input of an ONNX model.
 
     Raises:
         StageError: the model has no input or more than one (calibration of multi-input models
             needs one array per input: not supported by this stage).
     """
-    import onnx
-    from onnx import helper
-
-    model = onnx.load(str(path), load_external_data=False)
-    inits = {i.name for i in model.graph.initializer}
-    inputs = [i for i in model.graph.input if i.name not in inits]
+    inputs = common.onnx_inputs(common.load_onnx(path, external=False))
     if len(inputs) != 1:
         raise common.StageError(f"{path}: {len(inputs)} graph inputs "
-                                f"({[i.name for i in inputs]}); stage 4 supports one image input")
-    inp = inputs[0]
-    dtype = np.dtype(helper.tensor_dtype_to_np_dtype(inp.type.tensor_type.elem_type))
-    return inp.name, dtype
+                                f"({[i[0] for i in inputs]}); stage 4 supports one image input")
+    return inputs[0][0], inputs[0][2]
 
 
 def check_disjoint(split: dict) -> None:

@@ -206,17 +206,6 @@ class TrtRunner:
             insp.get_engine_information(self.trt.LayerInformationFormat.JSON))
 
 
-def _align_reference(ref_path: Path, files: list[str]) -> tuple[np.ndarray | None, np.ndarray]:
-    """Reference logits for ``files`` (matched by file name) and a mask of matched rows."""
-    with np.load(ref_path) as z:
-        logits, rfiles = z["logits"], [str(f) for f in z["files"]]
-    index = {f: i for i, f in enumerate(rfiles)}
-    mask = np.array([f in index for f in files])
-    if not mask.any():
-        return None, mask
-    return logits[[index[f] for f in np.asarray(files)[mask]]].astype(np.float32), mask
-
-
 def main(args) -> None:
     started = time.time()
     if args.iters < 1 or args.warmup < 0 or args.batch < 1 or args.latency_batch < 1:
@@ -263,7 +252,7 @@ def main(args) -> None:
         # Accuracy pass (normalisation per batch, outside any timed region).
         logits = common.run_batched(r, x_u8, spec, in_name, batch)
         acc = common.topk_accuracy(logits, y) if spec.classifier else None
-        ref, mask = _align_reference(ref_path, files)
+        ref, mask = common.align_reference(ref_path, files)
         par = common.parity(ref, logits[mask]) if ref is not None else None
         par_n = int(mask.sum())
 

@@ -794,6 +794,75 @@ def file_size_mb(path: Path | str) -> float:
 
 
 # --------------------------------------------------------------------------------------------
+# ONNX files: loading, inputs, precision; reference logits
+# --------------------------------------------------------------------------------------------
+def load_onnx(path: Path | str, producer: str = "2_export_onnx.py / 5_quantize.sh",
+              external: bool = True):
+    """``onnx.load`` of an artifact (``external``: also its external weight data).
+
+    Raises:
+        StageError: the file is missing (naming ``producer``) or not a readable ONNX model.
+    """
+    import onnx
+
+    path = require(Path(path), producer)
+    try:
+        return onnx.load(str(path), load_external_data=external)
+    except Exception as e:  # noqa: BLE001 - protobuf DecodeError and friends
+        raise StageError(f"cannot read ONNX model {path}: {e}") from e
+
+
+def onnx_inputs(model) -> list[tuple[str, list[int | None], np.dtype]]:
+    """Real graph inputs of an ONNX model (initializers that old exporters also list as inputs
+    are skipped): ``(name, dims with None for dynamic ones, numpy dtype)`` each."""
+    from onnx import helper
+
+    inits = {i.name for i in model.graph.initializer}
+    out = []
+    for i in model.graph.input:
+        if i.name in inits:
+            continue
+        t = i.type.tensor_type
+        dims = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None
+                for d in t.shape.dim]
+        out.append((i.name, dims, np.dtype(helper.tensor_dtype_to_np_dtype(t.elem_type))))
+    return out
+
+
+def detect_precision(model) -> str:
+    """Precision label of an ONNX model: ``INT4`` (4-bit quantized data), ``INT8`` (any Q/DQ or
+    QLinear node), ``FP16`` (most float initializers are float16) or ``FP32``."""
+    from onnx import TensorProto
+
+    ops = {n.op_type for n in model.graph.node}
+    inits = list(model.graph.initializer)
+    if any(t.data_type in (TensorProto.INT4, TensorProto.UINT4) for t in inits):
+        return "INT4"
+    if ops & {"QuantizeLinear", "DequantizeLinear", "QLinearConv", "QLinearMatMul"}:
+        return "INT8"
+    n16 = sum(t.data_type == TensorProto.FLOAT16 for t in inits)
+    n32 = sum(t.data_type == TensorProto.FLOAT for t in inits)
+    return "FP16" if n16 > n32 else "FP32"
+
+
+def align_reference(ref_path: Path | str, files: Sequence[str]
+                    ) -> tuple[np.ndarray | None, np.ndarray]:
+    """Reference logits of ``ref_logits.npz`` for ``files``, matched by file name.
+
+    Returns:
+        ``(logits float32 [M, C] of the matched files in order, or None if none matched,
+        bool mask [len(files)] of the matched files)``.
+    """
+    with np.load(ref_path) as z:
+        logits, ref_files = z["logits"], [str(f) for f in z["files"]]
+    index = {f: i for i, f in enumerate(ref_files)}
+    mask = np.array([f in index for f in files], bool)
+    if not mask.any():
+        return None, mask
+    return logits[[index[f] for f in np.asarray(files)[mask]]].astype(np.float32), mask
+
+
+# --------------------------------------------------------------------------------------------
 # Runners: one small interface for PyTorch and ONNX Runtime (TensorRT lives in 7_trt_eval.py)
 # --------------------------------------------------------------------------------------------
 class TorchRunner:
@@ -838,8 +907,7 @@ ORT_EPS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider",
            "trt": "TensorrtExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
 
 
-def ort_session_options(level: str = "all", disabled_optimizers: Sequence[str] = (),
-                        threads: int = 0):
+def ort_session_options(level: str = "all", threads: int = 0):
     """``onnxruntime.SessionOptions`` with a named graph-optimisation level
     (``disable``/``basic``/``extended``/``all``) and intra-op threads (0 = ORT default)."""
     import onnxruntime as ort

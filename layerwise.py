@@ -130,35 +130,14 @@ def tolerances_for(precision: str, overrides: dict[str, float] | None = None) ->
 # --------------------------------------------------------------------------------------------
 # Graph helpers
 # --------------------------------------------------------------------------------------------
-def load_onnx(path: Path | str, producer: str = "2_export_onnx.py"):
-    """Load an ONNX model with its external data. Raises StageError if it is missing/corrupt."""
-    import onnx
-
-    path = common.require(Path(path), producer)
-    try:
-        return onnx.load(str(path))
-    except Exception as e:  # noqa: BLE001 - protobuf DecodeError and friends
-        raise StageError(f"cannot read ONNX {path}: {e}") from e
+def load_onnx(path: Path | str):
+    """The ONNX model at ``path`` with its external data (:func:`common.load_onnx`)."""
+    return common.load_onnx(path, "2_export_onnx.py")
 
 
 def detect_precision(model) -> str:
-    """Guess the numeric precision of an ONNX model.
-
-    Returns:
-        ``int4`` (DequantizeLinear of 4-bit data), ``int8`` (any Q/DQ node), ``fp16`` (most
-        float initializers are FLOAT16), else ``fp32``.
-    """
-    from onnx import TensorProto
-
-    ops = {n.op_type for n in model.graph.node}
-    inits = list(model.graph.initializer)
-    if any(t.data_type in (TensorProto.INT4, TensorProto.UINT4) for t in inits):
-        return "int4"
-    if ops & {"QuantizeLinear", "DequantizeLinear", "QLinearConv", "QLinearMatMul"}:
-        return "int8"
-    n16 = sum(t.data_type == TensorProto.FLOAT16 for t in inits)
-    n32 = sum(t.data_type == TensorProto.FLOAT for t in inits)
-    return "fp16" if n16 > n32 else "fp32"
+    """Tolerance class of an ONNX model: :func:`common.detect_precision`, lower-case."""
+    return common.detect_precision(model).lower()
 
 
 def _graph_maps(model):

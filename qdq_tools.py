@@ -49,14 +49,8 @@ QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
 # Graph helpers
 # --------------------------------------------------------------------------------------------
 def load_model(path: Path | str, external: bool = True):
-    """``onnx.load`` with a StageError naming the file when it is missing or unreadable."""
-    import onnx
-
-    path = common.require(Path(path), "2_export_onnx.py / 5_quantize.sh")
-    try:
-        return onnx.load(str(path), load_external_data=external)
-    except Exception as e:  # noqa: BLE001 - protobuf decode errors have several types
-        raise common.StageError(f"cannot read ONNX model {path}: {e}") from e
+    """The ONNX model at ``path`` (:func:`common.load_onnx`; ``external``: with weight data)."""
+    return common.load_onnx(path, "2_export_onnx.py / 5_quantize.sh", external)
 
 
 def constants(model) -> dict:

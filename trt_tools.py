@@ -833,19 +833,12 @@ def detect_with_loader_fix(trtexec: Path | str, env: Mapping[str, str] | None = 
 # ONNX input
 # --------------------------------------------------------------------------------------------
 def onnx_input(path: Path | str) -> tuple[str, list[int | None]]:
-    """Name and shape of the first graph input that is not an initializer (dynamic dims = None).
-    Reads the graph only (no external weight data)."""
-    import onnx
-
-    m = onnx.load(str(path), load_external_data=False)
-    inits = {i.name for i in m.graph.initializer}
-    for i in m.graph.input:
-        if i.name in inits:
-            continue
-        dims = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None
-                for d in i.type.tensor_type.shape.dim]
-        return i.name, dims
-    raise StageError(f"{path}: the graph has no input")
+    """Name and shape of the first real graph input (dynamic dims = None); reads the graph only
+    (no external weight data)."""
+    inputs = common.onnx_inputs(common.load_onnx(path, external=False))
+    if not inputs:
+        raise StageError(f"{path}: the graph has no input")
+    return inputs[0][0], inputs[0][1]
 
 
 # Highest ONNX opset the ONNX parser of each TensorRT major supports (TensorRT 8.6 support

@@ -328,15 +328,23 @@ def test_export_checks_catch_traced_row_selection(tmp_path):
 # ------------------------------------------------------------------------------------------
 # Q/DQ look-through on a model ModelOpt really quantized (~3 s; deselect with -k 'not modelopt')
 # ------------------------------------------------------------------------------------------
-def test_qdq_lookthrough_modelopt(cnn_model, tmp_path):
+@pytest.fixture(scope="module")
+def cnn_int8(cnn_model, tmp_path_factory):
+    """The SE CNN quantized once by ModelOpt INT8 (8 random calibration samples)."""
     pytest.importorskip("modelopt.onnx.quantization")
     from modelopt.onnx.quantization import quantize
 
-    _, path, feed = cnn_model
+    _, path, _ = cnn_model
     calib = np.random.default_rng(1).standard_normal((8, 3, 32, 32)).astype(np.float32)
-    q = tmp_path / "int8.onnx"
+    q = tmp_path_factory.mktemp("int8") / "int8.onnx"
     quantize(onnx_path=str(path), quantize_mode="int8", calibration_data={"input": calib},
              output_path=str(q))
+    return q
+
+
+def test_qdq_lookthrough_modelopt(cnn_model, cnn_int8, tmp_path):
+    _, path, feed = cnn_model
+    q = cnn_int8
     qm = onnx.load(str(q))
     assert any(n.op_type == "DequantizeLinear" for n in qm.graph.node)
     alias = layerwise.lookthrough_aliases(qm)
@@ -363,20 +371,14 @@ def test_qdq_lookthrough_modelopt(cnn_model, tmp_path):
     assert res["first_divergent"]["inputs_agreed"] is True
 
 
-def test_qdq_divergence_blamed_on_ort_optimiser_when_unoptimised_run_agrees(cnn_model, tmp_path,
+def test_qdq_divergence_blamed_on_ort_optimiser_when_unoptimised_run_agrees(cnn_model, cnn_int8,
                                                                            monkeypatch):
     """A Q/DQ divergence that only exists with ORT graph optimisations on (as ModelOpt fp16
     scales + ORT's WeightBiasQuantization produce on EfficientNet-Lite0) is reported as a
     backend effect, not a quantisation error. The optimiser fault is simulated: B's outputs
     of one node are corrupted unless the level is 'disable'."""
-    pytest.importorskip("modelopt.onnx.quantization")
-    from modelopt.onnx.quantization import quantize
-
     _, path, feed = cnn_model
-    calib = np.random.default_rng(1).standard_normal((8, 3, 32, 32)).astype(np.float32)
-    q = tmp_path / "int8.onnx"
-    quantize(onnx_path=str(path), quantize_mode="int8", calibration_data={"input": calib},
-             output_path=str(q))
+    q = cnn_int8
     real = layerwise.ort_activations
 
     def faulty(model_or_path, feed_, *, opt_level="all", **kw):
