@@ -268,7 +268,9 @@ def _load_checkpoint(path: Path):
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unpickling error is reported the same way
-        raise StageError(f"cannot load checkpoint {path}: {e}") from e
+        raise StageError(f"cannot load checkpoint {path} ({type(e).__name__}: {e}): --weights "
+                         "takes a state dict saved with torch.save(model.state_dict(), PATH)"
+                         ) from e
     for key in ("state_dict", "model", "model_state_dict"):
         if isinstance(obj, dict) and key in obj and isinstance(obj[key], dict):
             obj = obj[key]
@@ -451,8 +453,9 @@ def list_images(root: Path | str, labels_csv: Path | str | None = None
     """
     root = Path(root)
     if not root.is_dir():
-        raise StageError(f"data folder {root} does not exist (set VAL_ROOT, or unset it to use "
-                         f"the embedded sample {DEFAULT_DATA})")
+        what = "is not a folder" if root.exists() else "does not exist"
+        raise StageError(f"data folder {root} {what} (set VAL_ROOT to the ImageNet val folder, "
+                         f"or unset it to use the embedded sample {DEFAULT_DATA})")
     subdirs = sorted(d.name for d in root.iterdir() if d.is_dir() and _WNID.match(d.name))
     items: list[tuple[str, str]] = []
     if subdirs:
