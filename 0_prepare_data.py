@@ -27,15 +27,14 @@ import common
 
 
 def get_args_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = common.stage_parser(__doc__)
     p.add_argument("--data-root", type=Path, default=os.environ.get("VAL_ROOT") or None,
-                   help="image folder (default: $VAL_ROOT, else the embedded sample)")
+                   help="image folder (default: $VAL_ROOT, else the embedded sample "
+                        "data/imagenet-sample-1k)")
     p.add_argument("--labels-csv", type=Path, default=None,
                    help="ground-truth CSV for a flat folder (default: LOC_val_solution.csv found "
                         "beside or above the images)")
-    p.add_argument("--model", default=os.environ.get("MODEL", "mobilenet_v3_small"),
-                   help="model whose preprocessing fills the cache (default: $MODEL)")
+    common.add_shared_args(p, "model")
     p.add_argument("--eval-per-class", type=int, default=None,
                    help="evaluation images per class (default: all not used for calibration)")
     p.add_argument("--calib-per-class", type=int, default=10,

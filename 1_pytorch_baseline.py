@@ -24,22 +24,12 @@ import common
 
 
 def get_args_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=os.environ.get("MODEL", "mobilenet_v3_small"))
-    p.add_argument("--weights", default=None, help="local state-dict checkpoint")
-    p.add_argument("--random-init", action="store_true",
-                   help="random weights (structure tests only: accuracy is meaningless)")
+    p = common.stage_parser(__doc__)
+    common.add_shared_args(p, "model", "weights", "random_init", "input_shape")
     p.add_argument("--device", default=os.environ.get("TORCH_DEVICE", "cpu"),
-                   help="cpu or cuda[:i]")
-    p.add_argument("--batch-size", type=int, default=64, help="batch size for accuracy")
-    p.add_argument("--latency-batch", type=int, default=1)
-    p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--iters", type=int, default=200)
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
-    p.add_argument("--limit", type=int, default=None, help="evaluate the first N images only")
-    p.add_argument("--input-shape", action="append", default=None,
-                   help="custom models: name:d0,d1,...[:dtype], repeatable")
+                   help="cpu or cuda[:i] (default from $TORCH_DEVICE)")
+    common.add_shared_args(p, "batch_size", "limit", "latency_batch", "warmup", "iters",
+                           "threads")
     p.add_argument("--no-save-reference", action="store_true",
                    help="do not (over)write the reference logits (e.g. a CUDA latency run)")
     return p

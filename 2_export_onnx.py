@@ -30,20 +30,18 @@ import common
 
 
 def get_args_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=os.environ.get("MODEL", "mobilenet_v3_small"))
-    p.add_argument("--weights", default=None, help="local state-dict checkpoint")
-    p.add_argument("--random-init", action="store_true", help="random weights (tests only)")
-    p.add_argument("--exporter", choices=("dynamo", "legacy"), default="dynamo")
+    p = common.stage_parser(__doc__)
+    common.add_shared_args(p, "model", "weights", "random_init", "input_shape")
+    p.add_argument("--exporter", choices=("dynamo", "legacy"), default="dynamo",
+                   help="torch.onnx.export(dynamo=True) or the legacy TorchScript exporter")
     p.add_argument("--opset", type=int, default=None,
-                   help="ONNX opset (default 18 for dynamo, 17 for legacy)")
-    p.add_argument("--input-shape", action="append", default=None,
-                   help="custom models: name:d0,d1,...[:dtype], repeatable")
+                   help="ONNX opset (default: 18 for dynamo, 17 for legacy)")
     p.add_argument("--check-images", type=int, default=64,
                    help="eval images used for the parity check")
-    p.add_argument("--min-cosine-fp32", type=float, default=0.99999)
-    p.add_argument("--min-cosine-fp16", type=float, default=0.999)
+    p.add_argument("--min-cosine-fp32", type=float, default=0.99999,
+                   help="lowest per-image cosine similarity of the FP32 file vs PyTorch")
+    p.add_argument("--min-cosine-fp16", type=float, default=0.999,
+                   help="lowest per-image cosine similarity of the FP16 file vs PyTorch")
     p.add_argument("--no-fp16", action="store_true", help="export FP32 only")
     return p
 

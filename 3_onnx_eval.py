@@ -27,33 +27,29 @@ from pathlib import Path
 import numpy as np
 
 import common
+import onnx_graph
 
 
 def get_args_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = common.stage_parser(__doc__)
     p.add_argument("--onnx", type=Path, required=True, help="ONNX file to evaluate")
     p.add_argument("--tag", required=True, help="row id, e.g. ort_fp32 (results/<model>/<tag>.json)")
-    p.add_argument("--model", default=os.environ.get("MODEL", "mobilenet_v3_small"))
+    common.add_shared_args(p, "model")
     p.add_argument("--precision", default="auto",
-                   help="FP32/FP16/INT8/INT4 label for the report (default: read from the file)")
+                   help="FP32/FP16/INT8/INT4 label for the report (auto: read from the file)")
     p.add_argument("--ep", default=os.environ.get("ORT_EP", "cpu"), choices=sorted(common.ORT_EPS),
-                   help="execution provider to ask for (default $ORT_EP or cpu)")
+                   help="execution provider to ask for (default from $ORT_EP)")
     p.add_argument("--allow-cpu-fallback", action="store_true",
                    help="run on CPU (and record it) if the requested GPU EP cannot be used")
     p.add_argument("--opt-level", default="all", choices=("disable", "basic", "extended", "all"),
                    help="ORT graph optimisation level")
     p.add_argument("--disable-optimizer", action="append", default=[],
                    help="ORT optimizer to disable (repeatable), e.g. WeightBiasQuantization")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--latency-batch", type=int, default=1)
-    p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--iters", type=int, default=200)
-    p.add_argument("--threads", type=int, default=0, help="ORT intra-op threads (0 = default)")
-    p.add_argument("--limit", type=int, default=None, help="evaluate the first N images only")
+    common.add_shared_args(p, "batch_size", "limit", "latency_batch", "warmup", "iters",
+                           "threads")
     p.add_argument("--cross-check-images", type=int, default=-1,
-                   help="images for the Q/DQ backend cross-check (default -1: the whole eval "
-                        "split; 0 disables it)")
+                   help="images for the Q/DQ backend cross-check (-1: the whole eval split; "
+                        "0 disables it)")
     p.add_argument("--cross-check-tol", type=float, default=2.0,
                    help="top-1 difference (points) that counts as a backend disagreement")
     p.add_argument("--layerwise", action="store_true",
@@ -89,7 +85,7 @@ def main(args: argparse.Namespace) -> dict:
     started = time.time()
     spec = common.model_spec(args.model)
     onnx_path = common.require(args.onnx, "2_export_onnx.py / 5_quantize.sh (whichever makes it)")
-    precision = (common.detect_precision(common.load_onnx(onnx_path, external=False))
+    precision = (onnx_graph.detect_precision(onnx_graph.load(onnx_path, external=False))
                  if args.precision == "auto" else args.precision)
     art = common.model_artifacts(args.model)
     base = dict(ep_requested=common.ORT_EPS[args.ep], onnx=str(onnx_path),

@@ -22,12 +22,12 @@ from pathlib import Path
 import numpy as np
 
 import common
+import onnx_graph
 
 
 def get_args_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=os.environ.get("MODEL", "mobilenet_v3_small"))
+    p = common.stage_parser(__doc__)
+    common.add_shared_args(p, "model")
     p.add_argument("--onnx", type=Path, default=None,
                    help="ONNX model whose input name keys the npz (default: "
                         "artifacts/<model>/onnx/fp32.onnx)")
@@ -45,7 +45,7 @@ def onnx_input(path: Path) -> tuple[str, np.dtype]:
         StageError: the model has no input or more than one (calibration of multi-input models
             needs one array per input: not supported by this stage).
     """
-    inputs = common.onnx_inputs(common.load_onnx(path, external=False))
+    inputs = onnx_graph.inputs(onnx_graph.load(path, external=False))
     if len(inputs) != 1:
         raise common.StageError(f"{path}: {len(inputs)} graph inputs "
                                 f"({[i[0] for i in inputs]}); stage 4 supports one image input")

@@ -21,37 +21,22 @@ cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python}
 MODEL=${MODEL:-mobilenet_v3_small}
 
-# name|description (the flags live in variant_flags below)
-VARIANTS=(
-  "baseline|ModelOpt INT8 defaults: all default op types, entropy, fp16 high-precision dtype"
-  "int8|recipe: Conv+Gemm only, depthwise excluded, fp16 high-precision dtype"
-  "int8_hp32|recipe with fp32 high-precision dtype (scales kept fp32)"
-  "calib_max|ablation: baseline + --calibration_method max"
-  "fp32_only|ablation: baseline + --high_precision_dtype fp32"
-  "excl_stem|ablation: baseline + stem conv excluded"
-  "excl_dw|ablation: baseline + depthwise convs excluded"
-  "conv_gemm|ablation: baseline + --op_types_to_quantize Conv Gemm"
-  "excl_dw_hp32|ablation: fp32_only + depthwise convs excluded"
-  "conv_gemm_hp32|ablation: fp32_only + --op_types_to_quantize Conv Gemm"
-  "int4_cli_broken|INT4 via the CLI, default block 128 (awq_clip): reproduces the axis bug"
-)
-DEFAULT_VARIANTS=(baseline int8 int8_hp32)
-
+# The variants, their recipes and the default set come from the registry (variants.py).
 usage() {
   echo "usage: $0 [--model M] VARIANT [VARIANT ...] | --default | --all-variants | --list" >&2
-  echo "variants:" >&2
+  echo "variants (ModelOpt CLI; int4 is made by 5b_quantize_int4.py):" >&2
   local v
-  for v in "${VARIANTS[@]}"; do printf '  %-16s %s\n' "${v%%|*}" "${v#*|}" >&2; done
-  echo "--default = ${DEFAULT_VARIANTS[*]}; --all-variants = all of the above" >&2
+  for v in $("$PYTHON" variants.py list --stage 5 --all); do
+    [[ $v == int4 ]] || printf '  %-16s %s\n' "$v" "$("$PYTHON" variants.py describe "$v")" >&2
+  done
+  echo "--default = $(cli_variants --stage 5 | tr '\n' ' ')" >&2
+  echo "--all-variants = all of the above" >&2
   exit 2
 }
 
-describe() {
-  local v
-  for v in "${VARIANTS[@]}"; do
-    if [[ ${v%%|*} == "$1" ]]; then echo "${v#*|}"; return 0; fi
-  done
-  return 1
+# Stage-5 variants made by the ModelOpt CLI (int4 comes from 5b_quantize_int4.py).
+cli_variants() {
+  "$PYTHON" variants.py list "$@" | grep -vx int4
 }
 
 selected=()
@@ -59,20 +44,24 @@ while [[ $# -gt 0 ]]; do
   case $1 in
     --model) [[ $# -ge 2 ]] || usage; MODEL=$2; shift 2 ;;
     --model=*) MODEL=${1#--model=}; shift ;;
-    --default) selected+=("${DEFAULT_VARIANTS[@]}"); shift ;;
-    --all-variants) for v in "${VARIANTS[@]}"; do selected+=("${v%%|*}"); done; shift ;;
-    --list) for v in "${VARIANTS[@]}"; do echo "${v%%|*}"; done; exit 0 ;;
+    --default) mapfile -t -O "${#selected[@]}" selected < <(cli_variants --stage 5); shift ;;
+    --all-variants) mapfile -t -O "${#selected[@]}" selected < <(cli_variants --stage 5 --all)
+                    shift ;;
+    --list) cli_variants --stage 5 --all; exit 0 ;;
     -h|--help) usage ;;
     -*) echo "$0: unknown option $1" >&2; usage ;;
-    *) describe "$1" >/dev/null || { echo "$0: unknown variant $1" >&2; usage; }
+    *) cli_variants --stage 5 --all | grep -qx -- "$1" || {
+         echo "$0: unknown variant $1" >&2; usage; }
        selected+=("$1"); shift ;;
   esac
 done
 [[ ${#selected[@]} -gt 0 ]] || usage
 
-ONNX_DIR=${ARTIFACTS:-artifacts}/$MODEL/onnx
+# The same artifact folder every stage uses (package.module:factory -> package.module-factory).
+ART=$("$PYTHON" -c 'import sys, common; print(common.model_artifacts(sys.argv[1]))' "$MODEL")
+ONNX_DIR=$ART/onnx
 SRC=$ONNX_DIR/fp32.onnx
-CALIB=${ARTIFACTS:-artifacts}/$MODEL/calib.npz
+CALIB=$ART/calib.npz
 [[ -f $SRC ]] || { echo "$0: FAILED: $SRC missing: run 2_export_onnx.py --model $MODEL" >&2; exit 1; }
 [[ -f $CALIB ]] || { echo "$0: FAILED: $CALIB missing: run 4_make_calib.py --model $MODEL" >&2; exit 1; }
 
@@ -95,31 +84,6 @@ STEM=()
 [[ ${#STEM[@]} -gt 0 ]] || { echo "$0: FAILED: no stem conv found in $SRC" >&2; exit 1; }
 echo "stage 5: $MODEL: ${#DW[@]} depthwise conv(s), stem ${STEM[*]}, calibration EP $EPS"
 
-# Sets FLAGS to the ModelOpt CLI flags of variant $1 (besides input/output/calibration data).
-variant_flags() {
-  local int8=(--quantize_mode int8 --calibration_data_path "$CALIB" --calibration_eps "$EPS")
-  local dw=()
-  [[ ${#DW[@]} -gt 0 ]] && dw=(--nodes_to_exclude "${DW[@]}")
-  case $1 in
-    baseline)        FLAGS=("${int8[@]}") ;;
-    int8)            FLAGS=("${int8[@]}" --op_types_to_quantize Conv Gemm "${dw[@]}"
-                            --high_precision_dtype fp16) ;;
-    int8_hp32)       FLAGS=("${int8[@]}" --op_types_to_quantize Conv Gemm "${dw[@]}"
-                            --high_precision_dtype fp32) ;;
-    calib_max)       FLAGS=("${int8[@]}" --calibration_method max) ;;
-    fp32_only)       FLAGS=("${int8[@]}" --high_precision_dtype fp32) ;;
-    excl_stem)       FLAGS=("${int8[@]}" --nodes_to_exclude "${STEM[@]}") ;;
-    excl_dw)         FLAGS=("${int8[@]}" "${dw[@]}") ;;
-    conv_gemm)       FLAGS=("${int8[@]}" --op_types_to_quantize Conv Gemm) ;;
-    excl_dw_hp32)    FLAGS=("${int8[@]}" --high_precision_dtype fp32 "${dw[@]}") ;;
-    conv_gemm_hp32)  FLAGS=("${int8[@]}" --high_precision_dtype fp32
-                            --op_types_to_quantize Conv Gemm) ;;
-    int4_cli_broken) FLAGS=(--quantize_mode int4 --calibration_data_path "$CALIB"
-                            --calibration_eps "$EPS") ;;
-    *) echo "$0: no flags for $1" >&2; exit 2 ;;
-  esac
-}
-
 # ModelOpt 0.47.0 rewrites the file given as --onnx_path (same bytes, new mtime): it gets a
 # private copy, so fp32.onnx is never written while another stage may be reading it.
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/5_quantize.XXXXXX")
@@ -127,7 +91,9 @@ trap 'rm -rf "$WORK"' EXIT
 cp "$SRC" "$WORK/fp32.onnx"
 
 for variant in "${selected[@]}"; do
-  variant_flags "$variant"
+  flags_out=$("$PYTHON" variants.py modelopt-args "$variant" --calib "$CALIB" --eps "$EPS" \
+    --depthwise "${DW[@]}" --stem "${STEM[@]}")
+  mapfile -t FLAGS <<<"$flags_out"
   out=$ONNX_DIR/$variant.onnx
   log=$ONNX_DIR/$variant.quant.log
   tmp=$ONNX_DIR/.tmp-$$-$variant.onnx
@@ -150,7 +116,7 @@ for variant in "${selected[@]}"; do
   fi
   "$PYTHON" qdq_tools.py record-quant --model "$MODEL" --variant "$variant" --onnx "$out" \
     --source "$SRC" --calib "$CALIB" --log "$log" --wall-s "$wall" --status "$status" \
-    --description "$(describe "$variant")" --command "${shown% }"
+    --description "$("$PYTHON" variants.py describe "$variant")" --command "${shown% }"
   if [[ $status != ok ]]; then
     echo "$0: FAILED: ModelOpt failed on $variant; last lines of $log:" >&2
     tail -n 20 "$log" >&2

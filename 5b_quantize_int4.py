@@ -29,34 +29,35 @@ from pathlib import Path
 import numpy as np
 
 import common
+import onnx_graph
 import qdq_tools
 
 DEFAULT_CANDIDATES = (128, 64, 32, 16)
 
 
 def get_args_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=os.environ.get("MODEL", "mobilenet_v3_small"))
+    p = common.stage_parser(__doc__)
+    common.add_shared_args(p, "model")
     p.add_argument("--onnx", type=Path, default=None,
-                   help="float model (default artifacts/<model>/onnx/fp32.onnx)")
+                   help="float model (default: artifacts/<model>/onnx/fp32.onnx)")
     p.add_argument("--output", type=Path, default=None,
-                   help="output (default artifacts/<model>/onnx/int4.onnx)")
+                   help="output (default: artifacts/<model>/onnx/int4.onnx)")
     p.add_argument("--calib", type=Path, default=None,
-                   help="calibration npz (default artifacts/<model>/calib.npz)")
+                   help="calibration npz (default: artifacts/<model>/calib.npz)")
     p.add_argument("--block-size", type=int, default=None,
                    help="override the automatic choice (must divide every quantized K)")
     p.add_argument("--block-candidates", type=int, nargs="+", default=list(DEFAULT_CANDIDATES),
                    help="block sizes tried in order; the first dividing every K wins")
-    p.add_argument("--calibration-method", choices=("awq_clip", "rtn_dq"), default="awq_clip")
+    p.add_argument("--calibration-method", choices=("awq_clip", "rtn_dq"), default="awq_clip",
+                   help="ModelOpt INT4 method: awq_clip (needs calibration data) or rtn_dq")
     p.add_argument("--eps", default=os.environ.get("EPS", "cpu"),
-                   help="calibration execution provider for ModelOpt (default $EPS or cpu)")
+                   help="calibration execution provider for ModelOpt (default from $EPS)")
     p.add_argument("--no-repair", action="store_true",
                    help="keep ModelOpt's axis as written (reproduces the ORT failure)")
     p.add_argument("--no-eval", action="store_true", help="skip 3_onnx_eval.py")
     p.add_argument("--eval-ep", default="cpu", help="EP for the evaluation (blocked "
                    "DequantizeLinear runs on ORT's CPU EP)")
-    p.add_argument("--limit", type=int, default=None, help="evaluate the first N images only")
+    common.add_shared_args(p, "limit")
     return p
 
 
@@ -68,7 +69,7 @@ def quantized_k_dims(model) -> list[dict]:
         ``[{"node", "op", "weight", "shape", "k"}]``; for Gemm ``K = shape[1]`` if ``transB``
         else ``shape[0]``; for MatMul ``K = shape[-2]``.
     """
-    consts = qdq_tools.constants(model)
+    consts = onnx_graph.constants(model)
     out = []
     for n in model.graph.node:
         if n.op_type not in ("Gemm", "MatMul") or len(n.input) < 2 or n.input[1] not in consts:
@@ -77,7 +78,7 @@ def quantized_k_dims(model) -> list[dict]:
         if len(shape) < 2:
             continue
         if n.op_type == "Gemm":
-            k = shape[1] if int(qdq_tools.attr(n, "transB", 0)) else shape[0]
+            k = shape[1] if int(onnx_graph.attr(n, "transB", 0)) else shape[0]
         else:
             k = shape[-2]
         out.append({"node": n.name, "op": n.op_type, "weight": n.input[1],
@@ -116,7 +117,7 @@ def verify_repairs(model, fixed: list[dict]) -> list[dict]:
     record whether the result is finite and the median over blocks of max |q - zp|
     (``block_qmax_median``: about 7 for symmetric INT4 max-scaling when blocks and scales
     belong together). The decisive check against the float weights is :func:`weight_cosine`."""
-    consts = qdq_tools.constants(model)
+    consts = onnx_graph.constants(model)
     nodes = {n.name: n for n in model.graph.node}
     for rec in fixed:
         n = nodes[rec["name"]]
@@ -145,9 +146,9 @@ def weight_cosine(src_model, q_model, fixed: list[dict]) -> None:
     """Add ``cosine_vs_float`` to each repaired record: the dequantized INT4 weight against the
     float weight of the same Gemm/MatMul in the source model (the decisive check that the new
     axis is the one the data were quantized on)."""
-    src = qdq_tools.constants(src_model)
-    qc = qdq_tools.constants(q_model)
-    cons = qdq_tools.consumers(q_model)
+    src = onnx_graph.constants(src_model)
+    qc = onnx_graph.constants(q_model)
+    cons = onnx_graph.consumers(q_model)
     src_nodes = {n.name: n for n in src_model.graph.node}
     qnodes = {n.name: n for n in q_model.graph.node}
     for rec in fixed:
@@ -215,7 +216,7 @@ def main(args: argparse.Namespace) -> dict:
     if args.calibration_method == "awq_clip":
         calib = common.require(Path(args.calib or common.model_artifacts(args.model)
                                     / "calib.npz"), "4_make_calib.py")
-    src_model = qdq_tools.load_model(src)
+    src_model = onnx_graph.load(src)
     ks = quantized_k_dims(src_model)
     block = choose_block_size([k["k"] for k in ks], args.block_size, args.block_candidates)
     print(f"int4: {len(ks)} Gemm/MatMul, K = {sorted({k['k'] for k in ks})} -> block {block}"

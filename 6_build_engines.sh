@@ -8,7 +8,7 @@
 #
 # Usage: bash 6_build_engines.sh [--model M] [--mem-pool-mb N] [--dla-core N] [VARIANT...]
 #        bash 6_build_engines.sh --dry-run --trt-version 10.3.0     # print the command lines only
-# Variants: fp32 fp16 int8 int8_hp32 int4 int4_cli (int4_cli reproduces the INT4 parse failure).
+# Variants: python variants.py list --stage 6 (int4_cli_broken reproduces the INT4 parse failure).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 if [ -n "${PYTHON:-}" ]; then

@@ -231,7 +231,7 @@ def main(args) -> None:
         else None
     if not Path(args.engine).exists() and build_row is not None and build_row.exists():
         # Stage 6 ran and did not produce this engine on purpose (e.g. INT4 on TensorRT 8.x,
-        # the int4_cli reproduction): report that instead of failing the pipeline.
+        # the int4_cli_broken reproduction): report that instead of failing the pipeline.
         row = json.loads(build_row.read_text())
         if row.get("status") != "ok":
             _skip(args, f"engine not built by 6_build_engines.sh ({row.get('status')}: "

@@ -24,25 +24,25 @@ import time
 from pathlib import Path
 
 import common
+import variants
 
 COLUMNS = ["backend", "precision", "tag", "EP/device", "images", "top-1 %", "top-5 %",
            "delta top-1", "mean ms", "FPS", "speedup", "size MB", "cosine sim", "top-1 agree %",
            "status"]
 
-# Row order: the hops of the pipeline.
+# Row order: the hops of the pipeline, then precision, then the variant registry's order.
 _ORDER = {"PyTorch": 0, "ORT": 1, "TensorRT": 2}
-_PREC = {"FP32": 0, "FP16": 1, "INT8": 2, "INT4": 3}
-# Within a precision: the default recipe variants first, then the ablations (alphabetical).
-_VARIANT_ORDER = {"baseline": 0, "int8": 1, "int8_hp32": 2}
 
 
-def _variant(tag: str) -> str:
-    return tag.split("_", 1)[1] if "_" in tag else tag
+def _variant(r: dict) -> str:
+    """Variant name of a row: its ``variant`` field, else the tag without the backend prefix."""
+    tag = r["tag"]
+    return r.get("variant") or (tag.split("_", 1)[1] if "_" in tag else tag)
 
 
 def _sort_key(r: dict) -> tuple:
-    return (_ORDER.get(r["backend"], 9), _PREC.get(r["precision"][:4], 9),
-            _VARIANT_ORDER.get(r.get("variant") or _variant(r["tag"]), 9), r["tag"])
+    return (_ORDER.get(r["backend"], 9), variants.PRECISION_ORDER.get(r["precision"][:4], 9),
+            variants.order(_variant(r)), r["tag"])
 
 
 def load_rows(folder: Path) -> list[dict]:
@@ -177,9 +177,8 @@ def render_markdown(model: str, rows: list[dict], data: dict | None,
 
 
 def get_args_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=os.environ.get("MODEL", "mobilenet_v3_small"))
+    p = common.stage_parser(__doc__)
+    common.add_shared_args(p, "model")
     return p
 
 

@@ -13,6 +13,7 @@ Conventions
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import datetime as _dt
@@ -65,6 +66,92 @@ def cli(get_args_parser: Callable[[], Any], main: Callable[[Any], Any]) -> None:
     except StageError as e:
         print(f"{parser.prog}: FAILED: {e}", file=sys.stderr)
         sys.exit(1)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` keeps the description's line breaks and shows every flag's default (unless
+    the help text already says it, the flag is a switch, or the default is None)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if ("default" in text or action.default in (None, False, argparse.SUPPRESS)
+                or isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))):
+            return text
+        return super()._get_help_string(action)
+
+
+def stage_parser(doc: str, prog: str | None = None) -> argparse.ArgumentParser:
+    """An argument parser whose description is the whole module docstring ``doc`` (what the
+    stage reads, writes and how to rerun it, in whole sentences) and whose help shows defaults.
+    """
+    return argparse.ArgumentParser(prog=prog, description=doc.strip(),
+                                   formatter_class=HelpFormatter)
+
+
+def default_model() -> str:
+    """``$MODEL``, else the default model ``mobilenet_v3_small``."""
+    return os.environ.get("MODEL") or DEFAULT_MODEL
+
+
+DEFAULT_MODEL = "mobilenet_v3_small"
+
+# Flags shared by several stages, declared once (name -> (flags, add_argument kwargs)). Help
+# texts say what the flag does; the formatter appends the default.
+_SHARED_FLAGS: dict[str, tuple[tuple[str, ...], Callable[[], dict]]] = {
+    "model": (("--model",), lambda: dict(
+        default=default_model(),
+        help="mobilenet_v3_small, efficientnet_lite0, a torchvision classifier or "
+             "package.module:factory (default from $MODEL)")),
+    "weights": (("--weights",), lambda: dict(
+        default=None, help="local state-dict checkpoint (torch.save(model.state_dict(), PATH)) "
+                           "instead of the model's default weights")),
+    "random_init": (("--random-init",), lambda: dict(
+        action="store_true", help="random weights: structure runs only, accuracy is meaningless")),
+    "input_shape": (("--input-shape",), lambda: dict(
+        action="append", default=None, metavar="NAME:D0,D1,...[:DTYPE]",
+        help="custom models: one per forward() argument, in order; the first axis is the batch "
+             "(repeatable)")),
+    "limit": (("--limit",), lambda: dict(
+        type=int, default=None, help="use the first N evaluation images only (smoke runs)")),
+    "batch_size": (("--batch-size",), lambda: dict(
+        type=int, default=64, help="batch size of the accuracy pass (capped at the largest "
+                                   "batch the model or engine accepts)")),
+    "latency_batch": (("--latency-batch",), lambda: dict(
+        type=int, default=1, help="batch size of the latency measurement")),
+    "warmup": (("--warmup",), lambda: dict(
+        type=int, default=20, help="untimed iterations before timing")),
+    "iters": (("--iters",), lambda: dict(type=int, default=200, help="timed iterations")),
+    "threads": (("--threads",), lambda: dict(
+        type=int, default=0, help="intra-op CPU threads of the backend (0 = its default)")),
+}
+
+
+def add_shared_args(parser: argparse.ArgumentParser, *names: str) -> argparse.ArgumentParser:
+    """Add the shared flags ``names`` (keys of ``_SHARED_FLAGS``: ``model``, ``weights``,
+    ``random_init``, ``input_shape``, ``limit``, ``batch_size``, ``latency_batch``, ``warmup``,
+    ``iters``, ``threads``) to ``parser`` and return it.
+
+    Raises:
+        KeyError: an unknown flag name (a programming error).
+    """
+    for n in names:
+        flags, kwargs = _SHARED_FLAGS[n]
+        parser.add_argument(*flags, **kwargs())
+    return parser
+
+
+def check_positive(args: Any, *names: str, allow_zero: Sequence[str] = ()) -> None:
+    """Raise :class:`UsageError` unless each numeric flag ``names`` of ``args`` is >= 1 (or >= 0
+    for those in ``allow_zero``); None values are skipped.
+
+    Raises:
+        UsageError: naming the flag and the value.
+    """
+    for n in names:
+        v = getattr(args, n, None)
+        low = 0 if n in allow_zero else 1
+        if v is not None and v < low:
+            raise UsageError(f"--{n.replace('_', '-')} must be >= {low} (got {v})")
 
 
 def require(path: Path, producer: str) -> Path:
@@ -797,57 +884,8 @@ def file_size_mb(path: Path | str) -> float:
 
 
 # --------------------------------------------------------------------------------------------
-# ONNX files: loading, inputs, precision; reference logits
+# Reference logits (ONNX graph helpers live in onnx_graph.py)
 # --------------------------------------------------------------------------------------------
-def load_onnx(path: Path | str, producer: str = "2_export_onnx.py / 5_quantize.sh",
-              external: bool = True):
-    """``onnx.load`` of an artifact (``external``: also its external weight data).
-
-    Raises:
-        StageError: the file is missing (naming ``producer``) or not a readable ONNX model.
-    """
-    import onnx
-
-    path = require(Path(path), producer)
-    try:
-        return onnx.load(str(path), load_external_data=external)
-    except Exception as e:  # noqa: BLE001 - protobuf DecodeError and friends
-        raise StageError(f"cannot read ONNX model {path}: {e}") from e
-
-
-def onnx_inputs(model) -> list[tuple[str, list[int | None], np.dtype]]:
-    """Real graph inputs of an ONNX model (initializers that old exporters also list as inputs
-    are skipped): ``(name, dims with None for dynamic ones, numpy dtype)`` each."""
-    from onnx import helper
-
-    inits = {i.name for i in model.graph.initializer}
-    out = []
-    for i in model.graph.input:
-        if i.name in inits:
-            continue
-        t = i.type.tensor_type
-        dims = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None
-                for d in t.shape.dim]
-        out.append((i.name, dims, np.dtype(helper.tensor_dtype_to_np_dtype(t.elem_type))))
-    return out
-
-
-def detect_precision(model) -> str:
-    """Precision label of an ONNX model: ``INT4`` (4-bit quantized data), ``INT8`` (any Q/DQ or
-    QLinear node), ``FP16`` (most float initializers are float16) or ``FP32``."""
-    from onnx import TensorProto
-
-    ops = {n.op_type for n in model.graph.node}
-    inits = list(model.graph.initializer)
-    if any(t.data_type in (TensorProto.INT4, TensorProto.UINT4) for t in inits):
-        return "INT4"
-    if ops & {"QuantizeLinear", "DequantizeLinear", "QLinearConv", "QLinearMatMul"}:
-        return "INT8"
-    n16 = sum(t.data_type == TensorProto.FLOAT16 for t in inits)
-    n32 = sum(t.data_type == TensorProto.FLOAT for t in inits)
-    return "FP16" if n16 > n32 else "FP32"
-
-
 def align_reference(ref_path: Path | str, files: Sequence[str]
                     ) -> tuple[np.ndarray | None, np.ndarray]:
     """Reference logits of ``ref_logits.npz`` for ``files``, matched by file name.

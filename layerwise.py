@@ -43,6 +43,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 import common
+import onnx_graph
 from common import StageError, UsageError
 
 # --------------------------------------------------------------------------------------------
@@ -130,28 +131,6 @@ def tolerances_for(precision: str, overrides: dict[str, float] | None = None) ->
 # --------------------------------------------------------------------------------------------
 # Graph helpers
 # --------------------------------------------------------------------------------------------
-def load_onnx(path: Path | str):
-    """The ONNX model at ``path`` with its external data (:func:`common.load_onnx`)."""
-    return common.load_onnx(path, "2_export_onnx.py")
-
-
-def detect_precision(model) -> str:
-    """Tolerance class of an ONNX model: :func:`common.detect_precision`, lower-case."""
-    return common.detect_precision(model).lower()
-
-
-def _graph_maps(model):
-    """``(producer: tensor -> node index, initializer names, graph input names)``."""
-    producer = {}
-    for i, n in enumerate(model.graph.node):
-        for o in n.output:
-            if o:
-                producer[o] = i
-    inits = {t.name for t in model.graph.initializer}
-    inputs = {i.name for i in model.graph.input if i.name not in inits}
-    return producer, inits, inputs
-
-
 def lookthrough_aliases(model) -> dict[str, str]:
     """Map every tensor of ``model`` to the tensor it represents once Q/DQ/Cast are ignored.
 
@@ -165,31 +144,21 @@ def lookthrough_aliases(model) -> dict[str, str]:
         ``{tensor: root tensor}`` for tensors produced by a look-through op (others map to
         themselves implicitly).
     """
-    producer, _, _ = _graph_maps(model)
-    nodes = model.graph.node
+    producer = onnx_graph.producers(model)
     alias: dict[str, str] = {}
 
     def root(t: str) -> str:
         seen = 0
-        while t in producer and nodes[producer[t]].op_type in LOOK_THROUGH_OPS and seen < 16:
-            t = nodes[producer[t]].input[0]
+        while t in producer and producer[t].op_type in LOOK_THROUGH_OPS and seen < 16:
+            t = producer[t].input[0]
             seen += 1
         return t
 
-    for n in nodes:
+    for n in model.graph.node:
         if n.op_type in LOOK_THROUGH_OPS:
             for o in n.output:
                 alias[o] = root(o)
     return alias
-
-
-def mark_all_outputs(model):
-    """Copy of ``model`` with every node output marked as a graph output (Polygraphy's
-    ``ModifyOutputs(outputs=constants.MARK_ALL)``, which keeps the original outputs)."""
-    from polygraphy import constants
-    from polygraphy.backend.onnx import ModifyOutputs
-
-    return ModifyOutputs(model, outputs=constants.MARK_ALL, copy=True)()
 
 
 def _iter_chunks(feed: dict[str, np.ndarray], batch: int | None) -> Iterator[dict[str, np.ndarray]]:
@@ -323,12 +292,12 @@ def ort_activations(model_or_path, feed: dict[str, np.ndarray], *, ep: str = "cp
         model_or_path: ONNX path or ModelProto.
         feed: ``{input name: array}``, batch on axis 0.
         ep: ``cpu``/``cuda``/``trt`` (:data:`common.ORT_EPS`).
-        batch: chunk size (None: the whole feed at once).
+        batch: chunk size (default: the whole feed at once).
         mark_all: expose every intermediate tensor (else only the model's outputs).
     """
     model = model_or_path
     if mark_all:
-        model = mark_all_outputs(load_onnx(model_or_path) if isinstance(model_or_path, (str, Path))
+        model = onnx_graph.mark_all_outputs(onnx_graph.load(model_or_path) if isinstance(model_or_path, (str, Path))
                                  else model_or_path)
     with tempfile.TemporaryDirectory(prefix="layerwise-") as tmp:
         runner = _ort_session(model, ep, Path(tmp), opt_level)
@@ -414,7 +383,7 @@ def trt_remedies(layer: str, onnx_path: Path | str, precision: str,
         layer: the ONNX node name of the first divergent layer; TensorRT's ONNX parser names
             layers after ONNX nodes, which is what ``--layerPrecisions`` matches.
         precision: precision of the build (``fp32``/``fp16``/``int8``/...).
-        trt_version: installed TensorRT version (None: list the 10.x forms and say so).
+        trt_version: installed TensorRT version (default: list the 10.x forms and say so).
     Returns:
         Human-readable suggestions, most specific first.
     """
@@ -463,8 +432,6 @@ def _b_name_for(ref_name: str, b_names: set[str], b_alias_inv: dict[str, list[st
 def _node_detail(a_model, b_model, node_name: str) -> dict:
     """What differs between the node named ``node_name`` in A and B: op type, attributes and
     (same-name or positional) weights. Empty fields mean "no difference found"."""
-    from onnx import helper, numpy_helper
-
     def find(m):
         return next((n for n in m.graph.node if n.name == node_name), None)
 
@@ -472,12 +439,10 @@ def _node_detail(a_model, b_model, node_name: str) -> dict:
     if na is None or nb is None:
         return {"node_in_b": nb is not None}
     det: dict[str, Any] = {"node_in_b": True, "op_type_a": na.op_type, "op_type_b": nb.op_type}
-    aa = {a.name: helper.get_attribute_value(a) for a in na.attribute}
-    ab = {a.name: helper.get_attribute_value(a) for a in nb.attribute}
+    aa, ab = onnx_graph.attrs(na), onnx_graph.attrs(nb)
     det["attributes_differ"] = {k: [repr(aa.get(k)), repr(ab.get(k))]
                                 for k in set(aa) | set(ab) if repr(aa.get(k)) != repr(ab.get(k))}
-    ia = {t.name: t for t in a_model.graph.initializer}
-    ib = {t.name: t for t in b_model.graph.initializer}
+    ia, ib = onnx_graph.constants(a_model), onnx_graph.constants(b_model)
     b_alias = lookthrough_aliases(b_model)
     wd = {}
     for pos, name in enumerate(na.input):
@@ -486,8 +451,7 @@ def _node_detail(a_model, b_model, node_name: str) -> dict:
         bn = b_alias.get(nb.input[pos], nb.input[pos])
         if bn not in ib:
             continue
-        wa = numpy_helper.to_array(ia[name]).astype(np.float64)
-        wb = numpy_helper.to_array(ib[bn]).astype(np.float64)
+        wa, wb = ia[name].astype(np.float64), ib[bn].astype(np.float64)
         if wa.shape != wb.shape:
             wd[name] = f"shape {wb.shape} vs {wa.shape}"
         elif not np.allclose(wa, wb, rtol=1e-2, atol=1e-3 * max(np.abs(wa).max(), 1e-12)):
@@ -535,10 +499,10 @@ def run_layer_diff(a_onnx: Path | str, b_onnx: Path | str, feed: dict[str, np.nd
     """
     t0 = time.time()
     a_onnx, b_onnx = Path(a_onnx), Path(b_onnx)
-    a_model, b_model = load_onnx(a_onnx), load_onnx(b_onnx)
+    a_model, b_model = onnx_graph.load(a_onnx), onnx_graph.load(b_onnx)
     b_trt = b_trt or b_engine is not None
     if precision is None:
-        precision = detect_precision(b_model)
+        precision = onnx_graph.detect_precision(b_model).lower()
         if precision == "fp32" and (b_trt or ep_b in ("cuda", "trt", "tensorrt")):
             precision = "tf32"
     tol = tolerances_for(precision, tolerances)
@@ -643,7 +607,9 @@ def _collect(it: Iterator[tuple[dict[str, np.ndarray], int]]) -> dict[str, np.nd
 
 def _rows_from_stats(a_model, stats: dict[str, TensorStat], b_of: dict, tol: dict) -> list[dict]:
     """One row per reference node output (topological order of the reference graph)."""
-    producer, inits, graph_inputs = _graph_maps(a_model)
+    producer = onnx_graph.producers(a_model)
+    inits = {t.name for t in a_model.graph.initializer}
+    graph_inputs = {name for name, _, _ in onnx_graph.inputs(a_model)}
     rows = []
     tensor_status: dict[str, str] = {}
     # Tensors computed only from Shape/Size and constants (dynamic padding, reshape targets):
@@ -677,7 +643,7 @@ def _rows_from_stats(a_model, stats: dict[str, TensorStat], b_of: dict, tol: dic
                     agreed.append(True)
                 elif tensor_status.get(t) == "fail":
                     agreed.append(False)
-                elif t in producer and a_model.graph.node[producer[t]].op_type == "Constant":
+                elif t in producer and producer[t].op_type == "Constant":
                     agreed.append(True)
                 else:
                     agreed.append(None)
@@ -913,7 +879,7 @@ def torch_vs_onnx(model, onnx_path: Path | str, feed: dict[str, np.ndarray], *,
     import torch
 
     tol = tolerances_for("fp32", tolerances)
-    onnx_model = load_onnx(onnx_path)
+    onnx_model = onnx_graph.load(onnx_path)
     named = dict(model.named_modules())
     scope_to_module = _legacy_scopes(model)
 
@@ -1072,7 +1038,7 @@ def export_checks(model, onnx_path: Path | str, example_feed: dict[str, np.ndarr
     import torch
 
     tol = tolerances_for("fp32", tolerances)
-    onnx_model = load_onnx(onnx_path)
+    onnx_model = onnx_graph.load(onnx_path)
     out_names = [o.name for o in onnx_model.graph.output]
     checks: list[dict] = []
 
@@ -1252,7 +1218,7 @@ def load_feed(npz: Path | str | None, model: str | None, n: int, onnx_path: Path
     Raises:
         UsageError: the npz keys do not match the model's inputs.
     """
-    m = load_onnx(onnx_path)
+    m = onnx_graph.load(onnx_path)
     inits = {t.name for t in m.graph.initializer}
     names = [i.name for i in m.graph.input if i.name not in inits]
     if npz:
@@ -1371,7 +1337,7 @@ def main(args) -> dict:
     if args.inputs or args.input_shape or not spec.classifier:
         feed = load_feed(args.inputs, None, args.n, args.onnx, args.input_shape)
     else:
-        feed = {load_onnx(args.onnx).graph.input[0].name: common.example_inputs(
+        feed = {onnx_graph.load(args.onnx).graph.input[0].name: common.example_inputs(
             spec, None, batch=args.n)["input"]}
     if args.cmd == "torch-vs-onnx":
         res = torch_vs_onnx(model, args.onnx, feed, out_dir=args.out_dir)

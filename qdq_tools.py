@@ -39,55 +39,16 @@ from pathlib import Path
 import numpy as np
 
 import common
+import onnx_graph
+from onnx_graph import QDQ_OPS, attr, constants, consumers, producers
 
 FP16_MIN_SUBNORMAL = float(np.finfo(np.float16).smallest_subnormal)  # 5.96e-08
 FP16_MIN_NORMAL = float(np.finfo(np.float16).tiny)  # 6.10e-05
-QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
 
 
 # --------------------------------------------------------------------------------------------
 # Graph helpers
 # --------------------------------------------------------------------------------------------
-def load_model(path: Path | str, external: bool = True):
-    """The ONNX model at ``path`` (:func:`common.load_onnx`; ``external``: with weight data)."""
-    return common.load_onnx(path, "2_export_onnx.py / 5_quantize.sh", external)
-
-
-def constants(model) -> dict:
-    """``{tensor name: numpy array}`` for initializers and Constant-node outputs."""
-    from onnx import numpy_helper
-
-    out = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
-    for n in model.graph.node:
-        if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value":
-            out[n.output[0]] = numpy_helper.to_array(n.attribute[0].t)
-    return out
-
-
-def attr(node, name: str, default=None):
-    """Value of attribute ``name`` of ``node`` (``default`` if absent)."""
-    from onnx import helper
-
-    for a in node.attribute:
-        if a.name == name:
-            return helper.get_attribute_value(a)
-    return default
-
-
-def producers(model) -> dict:
-    """``{tensor name: node}`` for every node output."""
-    return {o: n for n in model.graph.node for o in n.output}
-
-
-def consumers(model) -> dict:
-    """``{tensor name: [nodes that read it]}``."""
-    out: dict = defaultdict(list)
-    for n in model.graph.node:
-        for i in n.input:
-            out[i].append(n)
-    return out
-
-
 def weight_shape(model, node, consts: dict | None = None) -> tuple[int, ...] | None:
     """Shape of a Conv/Gemm/MatMul weight (second input), looking through a DequantizeLinear."""
     consts = constants(model) if consts is None else consts
@@ -404,7 +365,7 @@ def activation_stats(onnx_path: Path, calib: Path, batch: int = 10, sample: int 
     import onnxruntime as ort
     from onnx import TensorProto
 
-    model = load_model(onnx_path)
+    model = onnx_graph.load(onnx_path)
     if any(n.op_type in QDQ_OPS for n in model.graph.node):
         raise common.UsageError(f"{onnx_path} has Q/DQ nodes: act-stats needs the float model")
     model = onnx.shape_inference.infer_shapes(model)
@@ -512,7 +473,7 @@ def record_quant(args: argparse.Namespace) -> dict:
            "command": args.command, "log": str(args.log), "description": args.description,
            "warnings": log_warnings(args.log) if Path(args.log).exists() else []}
     if args.status == "ok" and onnx_path.exists():
-        rep = inspect_model(load_model(onnx_path))
+        rep = inspect_model(onnx_graph.load(onnx_path))
         rep.pop("_helper", None)
         rec["inspect"] = rep
         rec["size_mb"] = common.file_size_mb(onnx_path)
@@ -593,7 +554,7 @@ def main(args: argparse.Namespace):
     if not args.cmd:
         raise common.UsageError("give a subcommand")
     if args.cmd in ("list-depthwise", "list-stem"):
-        model = load_model(args.onnx, external=False)
+        model = onnx_graph.load(args.onnx, external=False)
         nodes = list_depthwise(model) if args.cmd == "list-depthwise" else list_stem(model)
         _print_nodes(nodes, args.names_only, args.anchored)
         if not args.names_only:
@@ -602,7 +563,7 @@ def main(args: argparse.Namespace):
             raise common.StageError(f"{args.cmd}: found {len(nodes)}, expected {args.expect}")
         return nodes
     if args.cmd == "fix-int4-axis":
-        model = load_model(args.onnx)
+        model = onnx_graph.load(args.onnx)
         report = check_blocked_dq(model)
         for r in report:
             print(f"{r['name']}: axis={r['axis']} block={r['block_size']} x {r['x_shape']} "
@@ -624,7 +585,7 @@ def main(args: argparse.Namespace):
         print(f"repaired {len(fixed)} node(s) -> {out}")
         return fixed
     if args.cmd == "inspect":
-        rep = inspect_model(load_model(args.onnx))
+        rep = inspect_model(onnx_graph.load(args.onnx))
         rep.pop("_helper", None)
         print_inspect(rep, args.onnx)
         if args.json:

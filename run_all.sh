@@ -160,7 +160,9 @@ fi
 
 if want 3; then
   begin 3 "ONNX Runtime eval: $ONNX_DIR/{fp32,fp16}.onnx -> results/$MODEL_TAG/ort_{fp32,fp16}.json"
-  for v in fp32 fp16; do
+  export_out="$(python variants.py list --stage 3)"
+  mapfile -t export_variants <<<"$export_out"
+  for v in "${export_variants[@]}"; do
     run "3_onnx_eval_$v" python 3_onnx_eval.py --model "$MODEL" --onnx "$ONNX_DIR/$v.onnx" \
       --tag "ort_$v" "${lim[@]}"
   done
@@ -176,13 +178,15 @@ if want 4; then
 fi
 
 if want 5; then
-  begin 5 "quantization: $ONNX_DIR/fp32.onnx -> baseline, int8, int8_hp32, int4 (+ ORT eval of each)"
+  begin 5 "quantization: $ONNX_DIR/fp32.onnx -> $(python variants.py list --stage 5 | tr '\n' ' ')(+ ORT eval of each)"
   if classifier_only && have 5_quantize.sh; then
-    variants=(baseline int8 int8_hp32)
-    if [ "$all_variants" = 1 ]; then
-      mapfile -t variants < <(bash 5_quantize.sh --list)
-    fi
+    # Stage-5 variants from the registry (variants.py); int4 is made by 5b below.
+    all_flag=()
+    if [ "$all_variants" = 1 ]; then all_flag=(--all); fi
+    variants_out="$(python variants.py list --stage 5 "${all_flag[@]}")"
+    mapfile -t variants <<<"$variants_out"
     for v in "${variants[@]}"; do
+      [ "$v" != int4 ] || continue
       run "5_quantize_$v" bash 5_quantize.sh --model "$MODEL" "$v"
       if [ "$v" = int4_cli_broken ]; then
         # Reproduces ModelOpt 0.47.0's INT4 axis bug on purpose: ORT must refuse to run it.
@@ -213,7 +217,9 @@ fi
 if want 7; then
   begin 7 "TensorRT eval: $ART/engines/*.plan -> results/$MODEL_TAG/trt_*.json (skips without TensorRT)"
   if classifier_only && have 7_trt_eval.py; then
-    for v in fp32 fp16 int8 int8_hp32 int4; do
+    trt_out="$(python variants.py list --stage 7)"
+    mapfile -t trt_variants <<<"$trt_out"
+    for v in "${trt_variants[@]}"; do
       run "7_trt_eval_$v" python 7_trt_eval.py --model "$MODEL" --engine "$ART/engines/$v.plan" \
         --tag "trt_$v" "${lim[@]}"
     done

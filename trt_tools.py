@@ -42,50 +42,16 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 import common
+import onnx_graph
+import variants
 from common import StageError, UsageError
 
 # --------------------------------------------------------------------------------------------
-# Variants
+# Variants (the registry is variants.py)
 # --------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Variant:
-    """One engine variant.
-
-    Attributes:
-        name: variant name on the command line (also the plan/log file stem).
-        onnx: file name under ``artifacts/<model>/onnx/``.
-        kind: ``fp32`` (plain FP32 graph), ``fp16`` (FP16-typed graph), ``qdq`` (INT8 Q/DQ
-            graph) or ``int4`` (INT4 weight-only Q/DQ graph). Decides the precision flags.
-        precision: label for results (``FP32``, ``FP16``, ``INT8``, ``INT4``, with suffix).
-        producer: the stage that writes the ONNX file.
-        expected_failure: the build is meant to fail (a reproduction, not a deliverable).
-    """
-
-    name: str
-    onnx: str
-    kind: str
-    precision: str
-    producer: str
-    expected_failure: bool = False
-
-
-# The stages that write each ONNX file (named in "missing input" errors).
-_EXPORT = "2_export_onnx.py"
-_QUANT = "5_quantize.sh"
-_INT4 = "5b_quantize_int4.py"
-VARIANTS: dict[str, Variant] = {v.name: v for v in (
-    Variant("fp32", "fp32.onnx", "fp32", "FP32", _EXPORT),
-    Variant("fp16", "fp16.onnx", "fp16", "FP16", _EXPORT),
-    Variant("int8", "int8.onnx", "qdq", "INT8", _QUANT),
-    Variant("int8_hp32", "int8_hp32.onnx", "qdq", "INT8-hp32", _QUANT),
-    Variant("int4", "int4.onnx", "int4", "INT4", _INT4),
-    # Reproduces the INT4 parse failure of the CLI-quantised model on purpose (README).
-    Variant("int4_cli", "int4_cli_broken.onnx", "int4", "INT4-cli", "bash 5_quantize.sh int4_cli_broken",
-            expected_failure=True),
-)}
-DEFAULT_VARIANTS = tuple(VARIANTS)
+VARIANTS = variants.VARIANTS
+Variant = variants.Variant
+DEFAULT_VARIANTS = tuple(v.name for v in variants.for_stage(6))
 
 
 def variant_for_engine(path: Path | str) -> Variant | None:
@@ -592,10 +558,10 @@ def build_command(onnx: Path | str, plan: Path | str, variant: str, trt_version:
             cmd.append("--fp16")
         elif v.kind == "qdq":
             # Weak typing ignores the ONNX's float types: the layers ModelOpt left in FP16
-            # (high-precision dtype fp16, the `int8` recipe) run in FP32 unless --fp16 is also
-            # given; the fp32 variant (`int8_hp32`) keeps them FP32 on purpose.
+            # (high-precision dtype fp16, e.g. the `int8` recipe) run in FP32 unless --fp16 is
+            # also given; fp32 high-precision variants (`int8_hp32`) keep them FP32 on purpose.
             cmd.append("--int8")
-            if v.name == "int8":
+            if v.high_precision_fp16:
                 cmd.append("--fp16")
     elif major < 11 and v.kind in ("fp16", "qdq", "int4"):
         cmd.append("--stronglyTyped")
@@ -835,7 +801,7 @@ def detect_with_loader_fix(trtexec: Path | str, env: Mapping[str, str] | None = 
 def onnx_input(path: Path | str) -> tuple[str, list[int | None]]:
     """Name and shape of the first real graph input (dynamic dims = None); reads the graph only
     (no external weight data)."""
-    inputs = common.onnx_inputs(common.load_onnx(path, external=False))
+    inputs = onnx_graph.inputs(onnx_graph.load(path, external=False))
     if not inputs:
         raise StageError(f"{path}: the graph has no input")
     return inputs[0][0], inputs[0][1]
@@ -883,7 +849,7 @@ def engine_paths(model: str, variant: str) -> dict[str, Path]:
 
 def onnx_path(model: str, variant: str) -> Path:
     """``artifacts/<model>/onnx/<file>`` of ``variant``."""
-    return common.model_artifacts(model) / "onnx" / VARIANTS[variant].onnx
+    return common.model_artifacts(model) / "onnx" / VARIANTS[variant].onnx_file
 
 
 def _record(args, variant: str, status: str, reason: str | None, started: float,

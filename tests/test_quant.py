@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import common  # noqa: E402
+import onnx_graph  # noqa: E402
 import qdq_tools  # noqa: E402
 
 make_calib = importlib.import_module("4_make_calib")
@@ -226,7 +227,7 @@ def test_stage5b_end_to_end_block_override_repair_and_record(tmp_path, monkeypat
     assert rec["block_size"] == 32 and rec["block_size_source"] == "override"
     q = onnx.load(str(out))
     dq = [n for n in q.graph.node if n.op_type == "DequantizeLinear"]
-    assert [qdq_tools.attr(n, "block_size") for n in dq] == [32]
+    assert [onnx_graph.attr(n, "block_size") for n in dq] == [32]
     assert [r["name"] for r in rec["repaired"]] == [dq[0].name]
     assert rec["repaired"][0]["cosine_vs_float"] > 0.99
     assert all(r["status"] == "ok" for r in rec["blocked_dq_after"])
@@ -344,11 +345,11 @@ def mnv3_random_onnx(tmp_path_factory):
 def test_list_depthwise_finds_the_11_of_mobilenet_v3_small(mnv3_random_onnx):
     path, n_grouped = mnv3_random_onnx
     assert n_grouped == 11  # torchvision's module tree: the reference count
-    model = qdq_tools.load_model(path)
+    model = onnx_graph.load(path)
     dw = qdq_tools.list_depthwise(model)
     assert len(dw) == 11 and all(d["depthwise"] for d in dw)
     convs = [n for n in model.graph.node if n.op_type == "Conv"]
-    assert {d["name"] for d in dw} == {n.name for n in convs if qdq_tools.attr(n, "group", 1) > 1}
+    assert {d["name"] for d in dw} == {n.name for n in convs if onnx_graph.attr(n, "group", 1) > 1}
     out = subprocess.run([sys.executable, "qdq_tools.py", "list-depthwise", "--names-only",
                           "--expect", "11", str(path)], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.split() == [d["name"] for d in dw]
@@ -364,7 +365,7 @@ def test_list_depthwise_expect_mismatch_fails(mnv3_random_onnx):
 
 def test_list_depthwise_grouped_vs_depthwise_and_anchored_names(tmp_path):
     path = _save(conv_model(), tmp_path / "m.onnx")
-    dw = qdq_tools.list_depthwise(qdq_tools.load_model(path))
+    dw = qdq_tools.list_depthwise(onnx_graph.load(path))
     assert [(d["name"], d["depthwise"]) for d in dw] == [("dw", True), ("grouped", False)]
     out = subprocess.run([sys.executable, "qdq_tools.py", "list-depthwise", "--names-only",
                           "--anchored", str(path)], cwd=ROOT, capture_output=True, text=True)
@@ -384,7 +385,7 @@ def test_efficientnet_lite0_depthwise_count(tmp_path):
     path = tmp_path / "lite0.onnx"
     torch.onnx.export(model, (torch.zeros(1, 3, 224, 224),), str(path), input_names=["input"],
                       output_names=["logits"], opset_version=17, dynamo=False)
-    dw = qdq_tools.list_depthwise(qdq_tools.load_model(path, external=False))
+    dw = qdq_tools.list_depthwise(onnx_graph.load(path, external=False))
     assert len(dw) == 16 and all(d["depthwise"] for d in dw)
 
 

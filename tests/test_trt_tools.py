@@ -308,7 +308,7 @@ def test_commands_trt8(variant, expected):
     assert not any(a.startswith(REMOVED_IN_10) for a in c)
 
 
-@pytest.mark.parametrize("variant", ["int4", "int4_cli"])
+@pytest.mark.parametrize("variant", ["int4", "int4_cli_broken"])
 def test_commands_trt8_int4_unsupported(variant):
     with pytest.raises(tt.UnsupportedVariant):
         cmd(variant, V86)
@@ -317,7 +317,7 @@ def test_commands_trt8_int4_unsupported(variant):
 @pytest.mark.parametrize("version", [V103, V1016])
 @pytest.mark.parametrize("variant,strong", [
     ("fp32", False), ("fp16", True), ("int8", True), ("int8_hp32", True), ("int4", True),
-    ("int4_cli", True)])
+    ("int4_cli_broken", True)])
 def test_commands_trt10(version, variant, strong):
     c = cmd(variant, version)
     assert ("--stronglyTyped" in c) == strong
@@ -339,9 +339,9 @@ def test_commands_trt11_never_weak_flags(variant):
 
 
 def test_commands_source_is_int4_cli_broken():
-    c = cmd("int4_cli", V103)
-    assert "--onnx=o/int4_cli.onnx" in c  # the path given is used as is
-    assert tt.onnx_path("m", "int4_cli").name == "int4_cli_broken.onnx"
+    c = cmd("int4_cli_broken", V103)
+    assert "--onnx=o/int4_cli_broken.onnx" in c  # the path given is used as is
+    assert tt.onnx_path("m", "int4_cli_broken").name == "int4_cli_broken.onnx"
 
 
 def test_commands_dynamic_shapes_and_static():
@@ -442,13 +442,13 @@ def test_stage6_skips_without_trtexec(tmp_path):
     assert p.returncode == 0, p.stderr
     assert "SKIPPED" in p.stdout and "trtexec not found" in p.stdout
     rows = sorted((tmp_path / "r" / "mobilenet_v3_small").glob("trt_build_*.json"))
-    assert [r.stem for r in rows] == sorted(f"trt_build_{v}" for v in tt.VARIANTS)
+    assert [r.stem for r in rows] == sorted(f"trt_build_{v}" for v in tt.DEFAULT_VARIANTS)
     for r in rows:
         rec = json.loads(r.read_text())
         assert rec["status"] == "skipped" and "trtexec not found" in rec["reason"]
         assert rec["backend"] == "TensorRT" and rec["stage"] == "6_build_engines"
         assert not any(k in rec for k in ("trtexec_perf", "latency", "size_mb"))  # no numbers
-    assert json.loads((tmp_path / "r/mobilenet_v3_small/trt_build_int4_cli.json").read_text()
+    assert json.loads((tmp_path / "r/mobilenet_v3_small/trt_build_int4_cli_broken.json").read_text()
                       )["expected_failure"] is True
     assert not (tmp_path / "a" / "mobilenet_v3_small" / "engines").exists()
 

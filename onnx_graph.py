@@ -1,0 +1,129 @@
+"""ONNX graph helpers shared by every tool: loading, graph inputs, precision, constants,
+attributes, producers/consumers, and marking every tensor as an output.
+
+Nothing here runs a model. Each function takes an ``onnx.ModelProto`` (or a path for
+:func:`load`) and reads its main graph; subgraphs (If/Loop bodies) are not walked.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from common import StageError, require
+
+QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
+
+
+def load(path: Path | str, producer: str = "2_export_onnx.py / 5_quantize.sh",
+         external: bool = True):
+    """``onnx.load`` of an artifact (``external``: also its external weight data).
+
+    Args:
+        path: the ONNX file.
+        producer: the command that writes it, named when the file is missing.
+    Raises:
+        StageError: the file is missing (naming ``producer``) or not a readable ONNX model.
+    """
+    import onnx
+
+    path = require(Path(path), producer)
+    try:
+        return onnx.load(str(path), load_external_data=external)
+    except Exception as e:  # noqa: BLE001 - protobuf DecodeError and friends
+        raise StageError(f"cannot read ONNX model {path}: {e}") from e
+
+
+def inputs(model) -> list[tuple[str, list[int | None], np.dtype]]:
+    """Real graph inputs (initializers that old exporters also list as inputs are skipped).
+
+    Returns:
+        ``[(name, dims with None for dynamic ones, numpy dtype)]`` in graph order.
+    """
+    from onnx import helper
+
+    inits = {i.name for i in model.graph.initializer}
+    out = []
+    for i in model.graph.input:
+        if i.name in inits:
+            continue
+        t = i.type.tensor_type
+        dims = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None
+                for d in t.shape.dim]
+        out.append((i.name, dims, np.dtype(helper.tensor_dtype_to_np_dtype(t.elem_type))))
+    return out
+
+
+def opset(model, domain: str = "") -> int:
+    """Opset version the model imports for ``domain`` (default ONNX domain), 0 if none."""
+    doms = ("", "ai.onnx") if domain in ("", "ai.onnx") else (domain,)
+    return max((o.version for o in model.opset_import if o.domain in doms), default=0)
+
+
+def detect_precision(model) -> str:
+    """Precision label of an ONNX model: ``INT4`` (4-bit quantized data), ``INT8`` (any Q/DQ or
+    QLinear node), ``FP16`` (most float initializers are float16) or ``FP32``."""
+    from onnx import TensorProto
+
+    ops = {n.op_type for n in model.graph.node}
+    inits = list(model.graph.initializer)
+    if any(t.data_type in (TensorProto.INT4, TensorProto.UINT4) for t in inits):
+        return "INT4"
+    if ops & {"QuantizeLinear", "DequantizeLinear", "QLinearConv", "QLinearMatMul"}:
+        return "INT8"
+    n16 = sum(t.data_type == TensorProto.FLOAT16 for t in inits)
+    n32 = sum(t.data_type == TensorProto.FLOAT for t in inits)
+    return "FP16" if n16 > n32 else "FP32"
+
+
+def constants(model) -> dict[str, np.ndarray]:
+    """``{tensor name: numpy array}`` for initializers and Constant-node outputs (``value``)."""
+    from onnx import numpy_helper
+
+    out = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    for n in model.graph.node:
+        if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value":
+            out[n.output[0]] = numpy_helper.to_array(n.attribute[0].t)
+    return out
+
+
+def attr(node, name: str, default: Any = None) -> Any:
+    """Value of attribute ``name`` of ``node`` (``default`` if absent)."""
+    from onnx import helper
+
+    for a in node.attribute:
+        if a.name == name:
+            return helper.get_attribute_value(a)
+    return default
+
+
+def attrs(node) -> dict[str, Any]:
+    """All attributes of ``node`` as ``{name: value}``."""
+    from onnx import helper
+
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def producers(model) -> dict:
+    """``{tensor name: node that writes it}`` for every non-empty node output."""
+    return {o: n for n in model.graph.node for o in n.output if o}
+
+
+def consumers(model) -> dict:
+    """``{tensor name: [nodes that read it]}`` (a defaultdict: unknown names give ``[]``)."""
+    out: dict = defaultdict(list)
+    for n in model.graph.node:
+        for i in n.input:
+            out[i].append(n)
+    return out
+
+
+def mark_all_outputs(model):
+    """Copy of ``model`` with every node output marked as a graph output (Polygraphy's
+    ``ModifyOutputs(outputs=constants.MARK_ALL)``, which keeps the original outputs)."""
+    from polygraphy import constants as pg_constants
+    from polygraphy.backend.onnx import ModifyOutputs
+
+    return ModifyOutputs(model, outputs=pg_constants.MARK_ALL, copy=True)()
