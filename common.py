@@ -1028,6 +1028,37 @@ class OrtRunner:
         return dict(zip(self.output_names, outs))
 
 
+def feed_batch_size(static_batches: Sequence[int | None], requested: int | None,
+                    n_samples: int | None = None) -> int | None:
+    """Samples per run for a tool that feeds ``n_samples`` samples to one or more models.
+
+    The rule: a model whose inputs have a static batch ``b`` (``onnx_graph.static_batch``) is
+    fed exactly ``b`` samples per run, whatever was requested (a batch-1 export gets one sample
+    at a time, as ModelOpt's calibrator does); models with a dynamic batch take ``requested``
+    (None = all samples at once).
+
+    Args:
+        static_batches: the static batch of each model fed (None = dynamic).
+        requested: the batch asked for (``--batch``, or the batch of ``--input-shape``).
+        n_samples: total samples, to say how many a static batch leaves out.
+    Returns:
+        the batch per run (None = everything in one run).
+    Raises:
+        UsageError: the models have different static batches (no common batch exists).
+    """
+    fixed = {b for b in static_batches if b is not None}
+    if len(fixed) > 1:
+        raise UsageError(f"the models have different static batch sizes {sorted(fixed)}: no "
+                         "batch fits both; re-export one of them with a dynamic batch axis")
+    if not fixed:
+        return requested
+    b = fixed.pop()
+    if n_samples is not None and n_samples % b:
+        print(f"note: static batch {b}: the last {n_samples % b} of {n_samples} samples are "
+              "not fed (a run needs exactly that many)", file=sys.stderr)
+    return b
+
+
 def run_batched(runner, x_u8: np.ndarray, spec: ModelSpec, input_name: str, batch: int = 64
                 ) -> np.ndarray:
     """Logits of all images: normalise per batch (outside any timed region) and run.

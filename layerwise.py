@@ -12,8 +12,9 @@ Three tools, one module (library + CLI):
   the FP16 ONNX, a Q/DQ ONNX or a TensorRT engine.
 - ``torch-vs-onnx``: PyTorch module outputs (forward hooks) against the ONNX tensors of the same
   module path, to catch export bugs before any runtime is blamed.
-- ``export-check``: the classic silent export bugs (batch-dependent outputs, batch frozen into
-  the graph, data-dependent shapes, HardSigmoid attributes that differ from PyTorch's).
+- ``export-check``: the silent export bugs (batch-dependent outputs, batch frozen into the
+  graph, data-dependent paths, HardSigmoid attributes); a thin front end of
+  ``python export_checks.py check``, where the checks live.
 
 Reads: ONNX files (and optionally a TensorRT plan), an ``.npz`` of inputs or ``--model M --n N``
 eval images (``artifacts/splits.json`` via :func:`common.load_split`).
@@ -33,7 +34,6 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
-import json
 import sys
 import tempfile
 import time
@@ -93,8 +93,9 @@ LOOK_THROUGH_OPS = {"QuantizeLinear", "DequantizeLinear", "Cast", "Identity"}
 # - TensorRT 11.x: "all networks are strongly typed"; --fp16/--int8/--best and the
 #   OBEY/PREFER_PRECISION_CONSTRAINTS builder flags are removed ("Migrating trtexec Usage from
 #   TensorRT 10.x to 11.x", "Removed Python APIs" pages, docs.nvidia.com/deeplearning/tensorrt/
-#   11.x/api/migration/). The remedy there is to change the ONNX: keep the layer in FP32 (cast
-#   it, e.g. ``python -m modelopt.onnx.autocast --nodes_to_exclude``) or drop its Q/DQ pair.
+#   11.x/api/migration/). The remedy there is to change the ONNX: keep the layer in FP32
+#   (``python export_checks.py fp16 ... --keep-fp32 LAYER``, which writes ``fp16.onnx`` with FP32
+#   I/O for stage 6) or drop its Q/DQ pair.
 # - --noTF32 (BuilderFlag.TF32 cleared) exists in 8.x, 10.x and 11.x (TF32 is not in the 11.x
 #   removed-API lists).
 # --------------------------------------------------------------------------------------------
@@ -292,7 +293,9 @@ def ort_activations(model_or_path, feed: dict[str, np.ndarray], *, ep: str = "cp
         model_or_path: ONNX path or ModelProto.
         feed: ``{input name: array}``, batch on axis 0.
         ep: ``cpu``/``cuda``/``trt`` (:data:`common.ORT_EPS`).
-        batch: chunk size (default: the whole feed at once).
+        batch: chunk size (default: the whole feed at once); see :func:`feed_plan` for a model
+            with a static batch. Float32 inputs are cast to float16 where the model declares
+            float16 inputs.
         mark_all: expose every intermediate tensor (else only the model's outputs).
     """
     model = model_or_path
@@ -301,10 +304,15 @@ def ort_activations(model_or_path, feed: dict[str, np.ndarray], *, ep: str = "cp
                                  else model_or_path)
     with tempfile.TemporaryDirectory(prefix="layerwise-") as tmp:
         runner = _ort_session(model, ep, Path(tmp), opt_level)
+        half = {i.name for i in runner.session.get_inputs() if i.type == "tensor(float16)"}
         for chunk in _iter_chunks(feed, batch):
             n = len(next(iter(chunk.values())))
+            # A candidate with FP16 inputs (e.g. converted without keep_io_types) gets the same
+            # samples cast to FP16; every other input is passed as given.
+            chunk = {k: (v.astype(np.float16) if k in half and v.dtype == np.float32 else v)
+                     for k, v in chunk.items() if k in runner.input_names}
             try:
-                yield runner.infer({k: v for k, v in chunk.items() if k in runner.input_names}), n
+                yield runner.infer(chunk), n
             except Exception as e:  # noqa: BLE001 - ORT raises its own types
                 raise StageError(f"onnxruntime failed on {model_or_path if isinstance(model_or_path, (str, Path)) else 'model'}: {e}") from e
 
@@ -375,6 +383,46 @@ def trt_activations(onnx_path: Path | str, feed: dict[str, np.ndarray], *,
         raise StageError(f"TensorRT failed: {type(e).__name__}: {e}") from e
 
 
+def fp16_remedy_command(layer: str, onnx_path: Path | str) -> list[str]:
+    """Commands that keep ``layer`` in FP32 in the FP16 ONNX and rebuild its engine.
+
+    The FP16 file is remade from its FP32 source by ``export_checks.py fp16`` (the converter of
+    stage 2: FP32 inputs/outputs, ``--keep-fp32`` nodes computed in FP32, checked before it is
+    installed) under the pipeline's name ``fp16.onnx`` (variant ``fp16`` of ``variants.py``), so
+    stage 6 rebuilds it and stages 3/7 evaluate it as before.
+
+    The layer's consumers are kept in FP32 too (when the FP32 file is there to read them):
+    onnxconverter-common casts a kept node's output back to FP16 for every other consumer.
+
+    Args:
+        layer: ONNX node name (TensorRT's ONNX parser names layers after nodes).
+        onnx_path: the ONNX the engine was built from (``artifacts/<model>/onnx/fp16.onnx``, or
+            the FP32 file built with ``--fp16`` on TensorRT 8.x/10.x).
+    Returns:
+        the command lines (the first writes the file, the second rebuilds the engine).
+    """
+    import variants
+
+    onnx_path = Path(onnx_path)
+    fp16 = variants.get("fp16").onnx_file
+    fp32 = variants.get("fp32").onnx_file
+    src = onnx_path if onnx_path.name == fp32 else onnx_path.with_name(fp32)
+    dst = onnx_path.with_name(fp16)
+    art = onnx_path.parent.parent
+    calib = art / "calib.npz"
+    inputs = f" --inputs {calib}" if calib.exists() else ""
+    keep = [layer]
+    if src.exists():  # the layer's consumers too, or its output is cast back to FP16 for them
+        import export_checks
+
+        m = onnx_graph.load(src, external=False)
+        node = next((n for n in m.graph.node if n.name == layer), None)
+        if node is not None:
+            keep = export_checks.keep_fp32_nodes(m, [o for o in node.output if o]) or keep
+    return [f"python export_checks.py fp16 {src} -o {dst} --keep-fp32 {','.join(keep)}{inputs}",
+            f"bash 6_build_engines.sh --model {art.name} fp16"]
+
+
 def trt_remedies(layer: str, onnx_path: Path | str, precision: str,
                  trt_version: str | None, engine_path: Path | str | None = None) -> list[str]:
     """Rebuild commands that may fix a wrong layer, limited to flags of ``trt_version``.
@@ -385,7 +433,8 @@ def trt_remedies(layer: str, onnx_path: Path | str, precision: str,
         precision: precision of the build (``fp32``/``fp16``/``int8``/...).
         trt_version: installed TensorRT version (default: list the 10.x forms and say so).
     Returns:
-        Human-readable suggestions, most specific first.
+        Human-readable suggestions, most specific first. For FP16 they include the ONNX-level
+        fix (:func:`fp16_remedy_command`), which writes a file the pipeline picks up.
     """
     major = int(trt_version.split(".")[0]) if trt_version else 10
     rules = TRT_RULES.get(major, TRT_RULES[11] if major > 11 else TRT_RULES[8])
@@ -400,11 +449,15 @@ def trt_remedies(layer: str, onnx_path: Path | str, precision: str,
         out.append(f"remove the Q/DQ pairs feeding {layer} in the ONNX (or re-quantise with "
                    f"ModelOpt, nodes_to_exclude=['{layer}']) and rebuild: {base}"
                    + (" --stronglyTyped" if rules["strongly_typed"] else ""))
-    if not rules["layer_precisions"]:
+    if precision == "fp16":
+        why = (f"TensorRT {trt_version} is strongly typed only (no --layerPrecisions/"
+               "--precisionConstraints): " if not rules["layer_precisions"] else "")
+        cmds = fp16_remedy_command(layer, onnx_path)
+        out.append(f"{why}keep {layer} in FP32 in the ONNX (FP32 inputs/outputs, same file "
+                   f"name, variant fp16): {cmds[0]}  # then: {cmds[1]}")
+    elif not rules["layer_precisions"]:
         out.append(f"TensorRT {trt_version} is strongly typed only (no --layerPrecisions/"
-                   f"--precisionConstraints): keep {layer} in FP32 in the ONNX, e.g. python -m "
-                   f"modelopt.onnx.autocast --onnx_path {onnx_path} --nodes_to_exclude {layer}, "
-                   "then rebuild")
+                   f"--precisionConstraints): keep {layer} in FP32 in the ONNX, then rebuild")
     if rules["no_tf32"] and precision in ("fp32", "tf32", "fp16"):
         out.append(f"{base}{' --fp16' if precision == 'fp16' and rules['weak_flags'] else ''} "
                    "--noTF32  # FP32 layers in true FP32 instead of TF32")
@@ -484,7 +537,8 @@ def run_layer_diff(a_onnx: Path | str, b_onnx: Path | str, feed: dict[str, np.nd
         tolerances: overrides of ``min_cosine``/``atol``/``rtol``.
         precision: tolerance class (default: :func:`detect_precision` of B, ``tf32`` for FP32
             on a GPU EP or TensorRT).
-        batch: run in chunks of this many samples (memory; None = all at once).
+        batch: run in chunks of this many samples (memory; None = all at once); a model with a
+            static batch is fed exactly that many (:func:`feed_plan`).
         opt_level: ORT graph optimisation level for both sides.
         out_dir: if given, write ``layerwise.json``/``.md``/``.png`` there.
     Returns:
@@ -500,6 +554,7 @@ def run_layer_diff(a_onnx: Path | str, b_onnx: Path | str, feed: dict[str, np.nd
     t0 = time.time()
     a_onnx, b_onnx = Path(a_onnx), Path(b_onnx)
     a_model, b_model = onnx_graph.load(a_onnx), onnx_graph.load(b_onnx)
+    feed, batch = feed_plan(feed, [a_model, b_model], batch)  # a static batch decides
     b_trt = b_trt or b_engine is not None
     if precision is None:
         precision = onnx_graph.detect_precision(b_model).lower()
@@ -880,6 +935,7 @@ def torch_vs_onnx(model, onnx_path: Path | str, feed: dict[str, np.ndarray], *,
 
     tol = tolerances_for("fp32", tolerances)
     onnx_model = onnx_graph.load(onnx_path)
+    feed, batch = feed_plan(feed, [onnx_model], None)  # a static batch is fed as it is
     named = dict(model.named_modules())
     scope_to_module = _legacy_scopes(model)
 
@@ -915,7 +971,7 @@ def torch_vs_onnx(model, onnx_path: Path | str, feed: dict[str, np.ndarray], *,
         for h in handles:
             h.remove()
     finals = final if isinstance(final, (tuple, list)) else [final]
-    ort_out = _collect(ort_activations(onnx_model, feed, ep=ep))
+    ort_out = _collect(ort_activations(onnx_model, feed, ep=ep, batch=batch))
 
     consumers: dict[str, set[int]] = {}
     for i, n in enumerate(nodes):
@@ -984,243 +1040,30 @@ def _legacy_scopes(model) -> dict[str, str]:
 
 
 # --------------------------------------------------------------------------------------------
-# Export checks
-# --------------------------------------------------------------------------------------------
-HARDSIGMOID_TORCH = {"alpha": 1.0 / 6.0, "beta": 0.5}  # torch.nn.Hardsigmoid: relu6(x + 3) / 6
-DATA_DEPENDENT_OPS = {"NonZero", "Unique", "Compress", "TopK", "Loop", "If"}
-
-
-def _batched_feed(template: dict[str, np.ndarray], batch: int, seed: int) -> dict[str, np.ndarray]:
-    """Random feed like ``template`` with the batch axis set to ``batch`` (every row distinct).
-    Floats ~ N(0, 1) rescaled to the template's std/mean; integers in the template's range."""
-    rng = np.random.default_rng(seed)
-    out = {}
-    for k, v in template.items():
-        shape = (batch,) + tuple(v.shape[1:])
-        if np.issubdtype(v.dtype, np.floating):
-            mu, sd = float(v.mean()), float(v.std()) or 1.0
-            out[k] = (rng.standard_normal(shape) * sd + mu).astype(v.dtype)
-        elif v.dtype == np.bool_:
-            out[k] = rng.integers(0, 2, size=shape).astype(bool)
-        else:
-            lo, hi = int(v.min()), int(v.max()) + 1
-            out[k] = rng.integers(lo, max(hi, lo + 1), size=shape).astype(v.dtype)
-    return out
-
-
-def export_checks(model, onnx_path: Path | str, example_feed: dict[str, np.ndarray], *,
-                  batches: Sequence[int] = (1, 3), ep: str = "cpu",
-                  tolerances: dict[str, float] | None = None, seed: int = 0,
-                  out_path: Path | str | None = None) -> dict:
-    """Catch the classic silent export bugs before any parity run.
-
-    Checks (each ``pass``/``fail``/``warn``/``skip`` with a detail):
-
-    - ``batch_consistency``: for each batch size in ``batches`` (use 1 and >= 2) run random
-      distinct rows through ORT and PyTorch; fail if ORT errors, output rank/shape differs from
-      PyTorch's, the batch axis is not ``batch``, or values disagree (FP32 tolerances).
-      Catches ``x.view(1, -1)``, hard-coded reshapes and batch-dependent output ranks.
-    - ``frozen_batch``: graph inputs/outputs whose axis 0 is a fixed number while others are
-      dynamic, and Reshape targets that hard-code a leading size > 1... or 1 (warn).
-    - ``data_dependent``: two different inputs of the same batch must give the same output
-      shapes; ops whose output shape depends on values (NonZero, TopK, ...) are listed; values
-      are compared to PyTorch for both inputs (a row index traced to a constant fails here).
-    - ``hardsigmoid``: HardSigmoid ``alpha``/``beta`` against PyTorch's 1/6 and 0.5 (ONNX's
-      default alpha is 0.2, the classic silent bug); HardSwish has fixed attributes.
-
-    Args:
-        model: the exported ``torch.nn.Module`` (eval, CPU).
-        example_feed: ``{ONNX input name: array}`` (any batch) giving shapes/dtypes/ranges.
-    Returns:
-        ``{"status": "pass"|"fail", "checks": [...]}``; ``status`` is ``fail`` if any check
-        failed (warnings do not fail).
-    """
-    import torch
-
-    tol = tolerances_for("fp32", tolerances)
-    onnx_model = onnx_graph.load(onnx_path)
-    out_names = [o.name for o in onnx_model.graph.output]
-    checks: list[dict] = []
-
-    def torch_run(feed):
-        with torch.inference_mode():
-            out = model(*[torch.from_numpy(np.ascontiguousarray(v)) for v in feed.values()])
-        outs = out if isinstance(out, (tuple, list)) else [out]
-        return {n: o.detach().float().numpy() for n, o in zip(out_names, outs)}
-
-    runner = common.OrtRunner(onnx_path, ep=ep)
-
-    def ort_run(feed):
-        return runner.infer({k: v for k, v in feed.items() if k in runner.input_names})
-
-    # 1. batch consistency ------------------------------------------------------------------
-    problems, shapes = [], {}
-    for b in batches:
-        feed = _batched_feed(example_feed, b, seed + b)
-        try:
-            t_out = torch_run(feed)
-        except Exception as e:  # noqa: BLE001 - the model itself rejects this batch size
-            problems.append(f"batch {b}: PyTorch itself fails ({str(e).splitlines()[0][:200]})")
-            continue
-        try:
-            o_out = ort_run(feed)
-        except Exception as e:  # noqa: BLE001 - ORT runtime errors (e.g. Reshape mismatch)
-            problems.append(f"batch {b}: onnxruntime fails ({str(e).splitlines()[0][:200]}): "
-                            "a size is frozen in the graph (x.view(1, -1), reshape to the "
-                            "export batch); use x.flatten(1) / x.view(x.size(0), -1)")
-            continue
-        shapes[b] = {k: list(v.shape) for k, v in o_out.items()}
-        for name, t in t_out.items():
-            o = o_out.get(name)
-            if o is None:
-                continue
-            if o.shape != t.shape:
-                problems.append(f"batch {b}: output {name} shape {list(o.shape)} vs PyTorch "
-                                f"{list(t.shape)}")
-                continue
-            if o.ndim and o.shape[0] != b:
-                problems.append(f"batch {b}: output {name} axis 0 is {o.shape[0]}, not the batch")
-            st = TensorStat()
-            st.update(t, o, b)
-            r = st.result(tol)
-            if r["status"] != "pass":
-                problems.append(f"batch {b}: output {name} differs from PyTorch (cosine_min "
-                                f"{r.get('cosine_min'):.6f}, max_abs_err {r.get('max_abs_err'):.3g})")
-    ranks = {b: {k: len(v) for k, v in s.items()} for b, s in shapes.items()}
-    if len({json.dumps(r, sort_keys=True) for r in ranks.values()}) > 1:
-        problems.append(f"output rank depends on the batch size: {ranks}")
-    checks.append({"check": "batch_consistency", "status": "fail" if problems else "pass",
-                   "batches": list(batches), "output_shapes": shapes,
-                   "detail": "; ".join(problems) or "ORT matches PyTorch at every batch size"})
-
-    # 2. frozen batch dimension -------------------------------------------------------------
-    def dim0(vi):
-        dims = vi.type.tensor_type.shape.dim
-        if not dims:
-            return None
-        d = dims[0]
-        return d.dim_param or (d.dim_value if d.HasField("dim_value") else None)
-
-    inits = {t.name for t in onnx_model.graph.initializer}
-    ins = {i.name: dim0(i) for i in onnx_model.graph.input if i.name not in inits}
-    outs = {o.name: dim0(o) for o in onnx_model.graph.output}
-    dyn_in = any(isinstance(v, str) for v in ins.values())
-    notes, status = [], "pass"
-    frozen_out = [k for k, v in outs.items() if isinstance(v, int)]
-    if dyn_in and frozen_out:
-        status = "fail"
-        notes.append(f"inputs have a dynamic batch axis but outputs {frozen_out} have a fixed "
-                     f"axis 0 ({[outs[k] for k in frozen_out]})")
-    if not dyn_in:
-        status = "warn"
-        notes.append(f"no input has a dynamic batch axis ({ins}); export with dynamic_axes / "
-                     "dynamic_shapes if batch > 1 is deployed")
-    from onnx import numpy_helper
-
-    init_arr = {t.name: t for t in onnx_model.graph.initializer}
-    const_out = {n.output[0]: n for n in onnx_model.graph.node if n.op_type == "Constant"}
-    concat_out = {n.output[0]: n for n in onnx_model.graph.node if n.op_type == "Concat"}
-
-    def const_value(name):
-        if name in init_arr:
-            return numpy_helper.to_array(init_arr[name])
-        if name in const_out and const_out[name].attribute[0].name == "value":
-            return numpy_helper.to_array(const_out[name].attribute[0].t)
-        if name in concat_out and concat_out[name].input:  # leading part only
-            return const_value(concat_out[name].input[0])
-        return None
-
-    for n in onnx_model.graph.node:
-        if n.op_type != "Reshape" or len(n.input) < 2:
-            continue
-        arr = const_value(n.input[1])
-        if arr is not None and arr.size and int(arr.reshape(-1)[0]) > 0 and dyn_in:
-            notes.append(f"Reshape {n.name} has a constant target {arr.tolist()} with a fixed "
-                         "leading size (batch frozen?)")
-            status = "fail" if status == "fail" else "warn"
-    checks.append({"check": "frozen_batch", "status": status, "input_axis0": ins,
-                   "output_axis0": outs, "detail": "; ".join(notes) or "batch axis is dynamic"})
-
-    # 3. data-dependent selection / shapes -------------------------------------------------------
-    b = max(batches)
-    dd_ops = sorted({n.op_type for n in onnx_model.graph.node} & DATA_DEPENDENT_OPS)
-    problems = []
-    seen_shapes = []
-    for s in (seed + 101, seed + 202):
-        feed = _batched_feed(example_feed, b, s)
-        try:
-            o_out = ort_run(feed)
-        except Exception as e:  # noqa: BLE001
-            problems.append(f"onnxruntime fails on a second input: {str(e).splitlines()[0][:200]}")
-            break
-        seen_shapes.append({k: list(v.shape) for k, v in o_out.items()})
-        t_out = torch_run(feed)
-        for name, t in t_out.items():
-            o = o_out.get(name)
-            if o is None or o.shape != t.shape:
-                problems.append(f"input seed {s}: output {name} shape "
-                                f"{None if o is None else list(o.shape)} vs PyTorch {list(t.shape)}")
-                continue
-            st = TensorStat()
-            st.update(t, o, b)
-            r = st.result(tol)
-            if r["status"] != "pass":
-                problems.append(f"input seed {s}: output {name} differs from PyTorch (cosine_min "
-                                f"{r.get('cosine_min'):.4f}): a data-dependent choice (argmax row, "
-                                ".item(), Python control flow) was traced as a constant")
-    if len(seen_shapes) == 2 and seen_shapes[0] != seen_shapes[1]:
-        problems.append(f"output shapes change with input values: {seen_shapes}")
-    checks.append({"check": "data_dependent", "status": "fail" if problems else (
-        "warn" if dd_ops else "pass"), "ops": dd_ops,
-        "detail": "; ".join(problems) or (f"ops with value-dependent output shapes: {dd_ops}"
-                                          if dd_ops else "outputs do not depend on values in shape")})
-
-    # 4. HardSigmoid / HardSwish attributes ----------------------------------------------------
-    from onnx import helper
-
-    bad = []
-    n_hs = 0
-    for n in onnx_model.graph.node:
-        if n.op_type == "HardSigmoid":
-            n_hs += 1
-            att = {a.name: helper.get_attribute_value(a) for a in n.attribute}
-            alpha, beta = float(att.get("alpha", 0.2)), float(att.get("beta", 0.5))
-            if (abs(alpha - HARDSIGMOID_TORCH["alpha"]) > 1e-6
-                    or abs(beta - HARDSIGMOID_TORCH["beta"]) > 1e-6):
-                bad.append(f"{n.name}: alpha={alpha:.6g} beta={beta:.6g} (PyTorch: alpha=1/6="
-                           f"{HARDSIGMOID_TORCH['alpha']:.6g}, beta=0.5; ONNX default alpha is 0.2)")
-        elif n.op_type == "HardSwish":
-            n_hs += 1  # ONNX HardSwish fixes alpha=1/6, beta=0.5: same as torch.nn.Hardswish
-    checks.append({"check": "hardsigmoid", "status": "fail" if bad else ("pass" if n_hs else "skip"),
-                   "n_nodes": n_hs, "detail": "; ".join(bad) or (
-                       f"{n_hs} HardSigmoid/HardSwish nodes match PyTorch" if n_hs
-                       else "no HardSigmoid/HardSwish nodes")})
-    result = {"onnx": str(onnx_path), "status": "fail" if any(
-        c["status"] == "fail" for c in checks) else "pass", "checks": checks}
-    if out_path:
-        common.write_json(out_path, result)
-    return result
-
-
-# --------------------------------------------------------------------------------------------
 # Inputs for the CLI
 # --------------------------------------------------------------------------------------------
 def load_feed(npz: Path | str | None, model: str | None, n: int, onnx_path: Path | str,
               input_shapes: Sequence[str] | None = None, seed: int = 0) -> dict[str, np.ndarray]:
-    """Inputs for a comparison.
+    """Inputs for a comparison: ``n`` samples (batch on axis 0), whatever batch the model runs
+    at (see :func:`feed_plan` for how they are fed).
 
     Args:
-        npz: ``.npz`` whose keys are the model's input names (arrays with batch on axis 0).
-        model: ``--model`` name: the first ``n`` eval images, preprocessed and normalised as
-            every stage does (:func:`common.load_split`, :func:`common.normalize`).
+        npz: ``.npz`` whose keys are the model's input names (arrays with batch on axis 0);
+            all its samples are used (``n`` is ignored).
+        model: ``--model`` name: for an image classifier the first ``n`` eval images,
+            preprocessed and normalised as every stage does (:func:`common.load_split`,
+            :func:`common.normalize`); a custom model gets random inputs.
         onnx_path: the reference model (input names, and random inputs when neither is given).
-        input_shapes: ``--input-shape`` values for random inputs (:func:`common.parse_input_shapes`).
+        input_shapes: ``--input-shape`` values for random inputs (:func:`common.parse_input_shapes`);
+            their first dimension is the batch per run (:func:`input_shape_batch`), not the
+            number of samples.
     Raises:
-        UsageError: the npz keys do not match the model's inputs.
+        UsageError: the npz keys do not match the model's inputs, or an image classifier's
+            ONNX has several inputs.
     """
     m = onnx_graph.load(onnx_path)
-    inits = {t.name for t in m.graph.initializer}
-    names = [i.name for i in m.graph.input if i.name not in inits]
+    ins = onnx_graph.inputs(m)
+    names = [name for name, _, _ in ins]
     if npz:
         path = common.require(Path(npz), "a previous stage (or np.savez) writing the inputs")
         with np.load(path) as z:
@@ -1231,30 +1074,61 @@ def load_feed(npz: Path | str | None, model: str | None, n: int, onnx_path: Path
                 return {names[0]: next(iter(feed.values()))}
             raise UsageError(f"--inputs {npz}: keys {sorted(feed)} lack model inputs {missing}")
         return {k: feed[k] for k in names}
-    if model:
-        spec = common.model_spec(model)
-        x, _, _ = common.load_split("eval", spec, limit=n)
+    spec = common.model_spec(model) if model else None
+    if spec is not None and spec.classifier:  # a custom model gets random inputs (below)
         if len(names) != 1:
-            raise UsageError(f"--model feeds one image input; the model has inputs {names}: "
-                             "use --inputs feed.npz")
+            raise UsageError(f"--model {model} feeds eval images to an image classifier with one "
+                             f"input; this model has inputs {names}: use --inputs feed.npz or "
+                             "--input-shape")
+        x, _, _ = common.load_split("eval", spec, limit=n)
         return {names[0]: common.normalize(x, spec.mean, spec.std)}
     shapes = common.parse_input_shapes(input_shapes)
     if not shapes:
-        shapes = []
-        for i in m.graph.input:
-            if i.name in inits:
-                continue
-            dims = [d.dim_value if d.HasField("dim_value") else (n if k == 0 else 0)
-                    for k, d in enumerate(i.type.tensor_type.shape.dim)]
-            if any(d <= 0 for d in dims):
-                raise UsageError(f"input {i.name} has dynamic non-batch axes: pass --input-shape "
+        for name, dims, dt in ins:
+            dims = [d if d is not None else (1 if k == 0 else None) for k, d in enumerate(dims)]
+            if any(d is None for d in dims):
+                raise UsageError(f"input {name} has dynamic non-batch axes: pass --input-shape "
                                  "or --inputs")
-            from onnx import helper
-
-            dt = np.dtype(helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type))
-            shapes.append((i.name, tuple(dims), str(dt)))
+            shapes.append((name, tuple(dims), str(dt)))
     spec = common.ModelSpec("custom", "custom", classifier=False)
     return common.example_inputs(spec, shapes, batch=n, seed=seed)
+
+
+def input_shape_batch(input_shapes: Sequence[str] | None) -> int | None:
+    """The batch written in ``--input-shape`` values (their first dimension; None without any).
+
+    Raises:
+        UsageError: the values disagree on the batch.
+    """
+    batches = {shape[0] for _, shape, _ in common.parse_input_shapes(input_shapes) if shape}
+    if len(batches) > 1:
+        raise UsageError(f"--input-shape values disagree on the batch (first dimension): "
+                         f"{sorted(batches)}")
+    return batches.pop() if batches else None
+
+
+def feed_plan(feed: dict[str, np.ndarray], models: Sequence[Any], requested: int | None
+              ) -> tuple[dict[str, np.ndarray], int | None]:
+    """How to feed ``feed`` to every model of ``models`` (ONNX paths or ModelProtos): the batch
+    per run is a model's static batch when it has one (one sample at a time for a batch-1
+    export), else ``requested`` (:func:`common.feed_batch_size`); with a static batch, samples
+    that do not fill a last run are left out (said on stderr).
+
+    Returns:
+        ``(feed, batch per run or None for all at once)``.
+    Raises:
+        UsageError: the models have different static batches.
+    """
+    statics = [onnx_graph.static_batch(onnx_graph.load(m) if isinstance(m, (str, Path)) else m)
+               for m in models]
+    n = len(next(iter(feed.values()))) if feed else 0
+    batch = common.feed_batch_size(statics, requested, n)
+    if any(s is not None for s in statics) and batch:
+        keep = n - n % batch
+        if keep == 0:
+            raise UsageError(f"the model takes exactly {batch} samples per run; only {n} given")
+        feed = {k: v[:keep] for k, v in feed.items()}
+    return feed, batch
 
 
 # --------------------------------------------------------------------------------------------
@@ -1290,7 +1164,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     d.add_argument("--atol", type=float)
     d.add_argument("--rtol", type=float)
     d.add_argument("--min-cosine", type=float)
-    d.add_argument("--batch", type=int, default=8, help="samples per run (memory); 0 = all")
+    d.add_argument("--batch", type=int, default=None,
+                   help="samples per run (memory; default 8, or the batch of --input-shape; "
+                        "0 = all); a model with a static batch is fed exactly that many")
     d.add_argument("--opt-level", default="all", choices=["disable", "basic", "extended", "all"])
     d.add_argument("--max-rows", type=int, default=60, help="rows printed (all are in the JSON)")
     d.add_argument("--fail-on-divergence", action="store_true", help="exit 1 on a divergence")
@@ -1302,13 +1178,16 @@ def get_args_parser() -> argparse.ArgumentParser:
     add_inputs(t)
     t.set_defaults(n=2)
 
-    e = sub.add_parser("export-check", help="batch/frozen-shape/data-dependence/HardSigmoid "
-                       "checks of an exported ONNX")
+    e = sub.add_parser("export-check", help="export checks of an exported ONNX against its "
+                       "PyTorch model (same as: python export_checks.py check)")
     e.add_argument("--onnx", type=Path, required=True)
     e.add_argument("--weights", type=Path)
-    e.add_argument("--batches", default="1,3", help="batch sizes to run (default 1,3)")
+    e.add_argument("--batches", default=None, help="batch sizes to compare (default: 1 and "
+                   "--n; a static batch is used as it is)")
+    e.add_argument("--min-cosine", type=float, default=0.99999,
+                   help="lowest cosine similarity per sample against PyTorch (default 0.99999)")
     add_inputs(e)
-    e.set_defaults(n=1)
+    e.set_defaults(n=4)
     return p
 
 
@@ -1317,11 +1196,14 @@ def main(args) -> dict:
         if args.inputs and args.model:
             raise UsageError("give --inputs or --model, not both")
         feed = load_feed(args.inputs, args.model, args.n, args.a, args.input_shape)
+        batch = args.batch if args.batch is not None else (input_shape_batch(args.input_shape)
+                                                           or 8)
+        feed, batch = feed_plan(feed, [args.a, args.b], batch or None)
         res = run_layer_diff(
             args.a, args.b, feed, ep_a=args.ep_a, ep_b=args.ep_b, b_engine=args.engine_b,
             b_trt=args.trt, trt_build={"fp16": args.trt_fp16 or None, "int8": args.trt_int8 or None},
             tolerances={"atol": args.atol, "rtol": args.rtol, "min_cosine": args.min_cosine},
-            precision=args.precision, batch=args.batch or None, opt_level=args.opt_level,
+            precision=args.precision, batch=batch, opt_level=args.opt_level,
             out_dir=args.out_dir)
         print(render_table(res, max_rows=args.max_rows))
         if res.get("status") == "skipped":
@@ -1331,6 +1213,15 @@ def main(args) -> dict:
         if args.fail_on_divergence and res.get("first_divergent"):
             raise StageError(res["verdict"])
         return res
+    if args.cmd == "export-check":  # the checks live in export_checks.py
+        import export_checks
+
+        if args.out_dir:
+            args.json = args.out_dir / "export_check.json"
+        else:
+            args.json = None
+        args.cmd = "check"
+        return export_checks.main(args)
     if not args.model:
         raise UsageError(f"{args.cmd} needs --model NAME (the PyTorch model that was exported)")
     model, spec = common.build_model(args.model, args.weights)
@@ -1339,25 +1230,13 @@ def main(args) -> dict:
     else:
         feed = {onnx_graph.load(args.onnx).graph.input[0].name: common.example_inputs(
             spec, None, batch=args.n)["input"]}
-    if args.cmd == "torch-vs-onnx":
-        res = torch_vs_onnx(model, args.onnx, feed, out_dir=args.out_dir)
-        for r in res["modules"]:
-            print(f"{r['index']:4d} {r['module']:40s} {r['node']:40s} "
-                  f"cos {r.get('cosine_min', float('nan')):.6f} {r['status']}")
-        fd = res["first_divergent"]
-        print(f"first divergent module: {fd['module']} ({fd['node']})" if fd else
-              "every mapped module matches its ONNX tensor")
-        return res
-    try:
-        batches = tuple(int(b) for b in args.batches.split(","))
-    except ValueError as e:
-        raise UsageError(f"--batches {args.batches!r}: {e}") from e
-    res = export_checks(model, args.onnx, feed, batches=batches,
-                        out_path=args.out_dir / "export_check.json" if args.out_dir else None)
-    for c in res["checks"]:
-        print(f"{c['check']:18s} {c['status']:5s} {c['detail']}")
-    if res["status"] == "fail":
-        raise StageError("export check failed: fix the export before comparing runtimes")
+    res = torch_vs_onnx(model, args.onnx, feed, out_dir=args.out_dir)
+    for r in res["modules"]:
+        print(f"{r['index']:4d} {r['module']:40s} {r['node']:40s} "
+              f"cos {r.get('cosine_min', float('nan')):.6f} {r['status']}")
+    fd = res["first_divergent"]
+    print(f"first divergent module: {fd['module']} ({fd['node']})" if fd else
+          "every mapped module matches its ONNX tensor")
     return res
 
 

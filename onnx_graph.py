@@ -56,6 +56,19 @@ def inputs(model) -> list[tuple[str, list[int | None], np.dtype]]:
     return out
 
 
+def static_batch(model) -> int | None:
+    """The fixed batch (axis 0) of the model's real inputs, or None when any input's axis 0 is
+    dynamic (symbolic or unknown) or the inputs disagree. Inputs of rank 0 are ignored.
+
+    Returns:
+        e.g. ``1`` for a file exported with a static ``[1, 3, 224, 224]`` input.
+    """
+    sizes = {dims[0] for _, dims, _ in inputs(model) if dims}
+    if len(sizes) != 1 or None in sizes:
+        return None
+    return sizes.pop()
+
+
 def opset(model, domain: str = "") -> int:
     """Opset version the model imports for ``domain`` (default ONNX domain), 0 if none."""
     doms = ("", "ai.onnx") if domain in ("", "ai.onnx") else (domain,)

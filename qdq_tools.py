@@ -18,9 +18,10 @@ Subcommands
   quantization (and the products ``act_scale * weight_scale`` that ORT's
   ``WeightBiasQuantization`` optimiser would form: in fp16 they underflow and predict an ORT-only
   collapse), and which compute nodes stay float.
-- ``act-stats ONNX --calib NPZ [--top N] [--json PATH]``: per-tensor activation max |x|, p99.9 of
-  |x| and their ratio on the calibration set, worst first (why one per-tensor INT8 scale fails),
-  plus for 4-D tensors the spread of per-channel max.
+- ``act-stats ONNX --calib NPZ [--top N] [--batch B] [--json PATH]``: per-tensor activation
+  max |x|, p99.9 of |x| and their ratio on the calibration set, worst first (why one per-tensor
+  INT8 scale fails), for 4-D tensors the spread of per-channel max, and an FP16 flag (max above
+  65504, or most of the mass below FP16's smallest normal). A static batch is respected.
 - ``layer-diff A B [args...]``: delegated to ``layerwise.py`` (imported lazily).
 - ``record-quant``: write ``results/<model>/quant_<variant>.json`` (used by 5_quantize.sh).
 
@@ -351,56 +352,48 @@ def activation_stats(onnx_path: Path, calib: Path, batch: int = 10, sample: int 
                      limit: int | None = None, seed: int = 0) -> list[dict]:
     """Per-tensor activation statistics of a float ONNX model over the calibration data.
 
-    Every float node output becomes a graph output; ``max`` is the exact max |x| over all
-    images; ``p99.9`` is the 99.9th percentile of |x| estimated from a seeded sample of up to
-    ``sample`` values per batch (exact for tensors smaller than that). For 4-D tensors
-    ``channel_spread`` is max over channels of max |x| divided by the median over channels: the
-    spread one per-tensor scale has to cover.
+    Every node output is marked as a graph output (``onnx_graph.mark_all_outputs`` through
+    ``layerwise.ort_activations``, graph optimisations off) and the npz samples are fed in runs
+    the model accepts (a static batch is fed exactly; ``layerwise.feed_plan``). ``max`` is the
+    exact max |x| over all samples; ``p99.9`` is the 99.9th percentile of |x| estimated from a
+    seeded sample of up to ``sample`` values per run (exact for smaller tensors). For 4-D
+    tensors ``channel_spread`` is max over channels of max |x| divided by the median over
+    channels: the spread one per-tensor scale has to cover. ``fp16`` flags what FP16 cannot
+    hold: ``overflow`` (max |x| > 65504) or ``underflow`` (most of the L1 mass below FP16's
+    smallest normal 6.1e-5), thresholds of ``export_checks``.
 
+    Args:
+        calib: npz keyed by input name (``4_make_calib.py``, or your samples).
+        batch: samples per run for a dynamic batch.
+        limit: use the first ``limit`` samples only.
     Returns:
-        ``[{"tensor", "producer", "consumers", "max", "p99.9", "ratio", "channel_spread"}]``
-        sorted by ``ratio`` (worst first).
+        ``[{"tensor", "producer", "consumers", "max", "p99.9", "ratio", "channel_spread",
+        "fp16"}]`` sorted by ``ratio`` (worst first).
+    Raises:
+        UsageError: a Q/DQ model, or npz keys that do not match the model's inputs.
     """
-    import onnx
-    import onnxruntime as ort
-    from onnx import TensorProto
+    import export_checks
+    import layerwise
 
     model = onnx_graph.load(onnx_path)
     if any(n.op_type in QDQ_OPS for n in model.graph.node):
         raise common.UsageError(f"{onnx_path} has Q/DQ nodes: act-stats needs the float model")
-    model = onnx.shape_inference.infer_shapes(model)
-    types = {v.name: v.type.tensor_type.elem_type for v in
-             list(model.graph.value_info) + list(model.graph.output)}
     prod = producers(model)
     cons = consumers(model)
-    existing = {o.name for o in model.graph.output}
-    names = [o for n in model.graph.node if n.op_type != "Constant" for o in n.output
-             if types.get(o) in (TensorProto.FLOAT, TensorProto.FLOAT16) and o not in existing]
-    for nm in names:
-        model.graph.output.append(onnx.helper.make_tensor_value_info(nm, types[nm], None))
-    names = names + list(existing)
-    so = common.ort_session_options("disable")
-    sess = ort.InferenceSession(model.SerializeToString(), so,
-                                providers=["CPUExecutionProvider"])
-    in_name = sess.get_inputs()[0].name
-    with np.load(common.require(calib, "4_make_calib.py")) as z:
-        if in_name not in z.files:
-            raise common.StageError(f"{calib} has keys {z.files}, the model's input is "
-                                    f"{in_name!r}: rerun 4_make_calib.py")
-        x = z[in_name]
+    feed = layerwise.load_feed(common.require(Path(calib), "4_make_calib.py"), None, 0, onnx_path)
     if limit:
-        x = x[:limit]
+        feed = {k: v[:limit] for k, v in feed.items()}
+    feed, run_batch = layerwise.feed_plan(feed, [model], batch)
     rng = np.random.default_rng(seed)
-    amax = defaultdict(float)
     samples = defaultdict(list)
     chmax: dict[str, np.ndarray] = {}
-    for i in range(0, len(x), batch):
-        outs = sess.run(names, {in_name: x[i:i + batch]})
-        for nm, a in zip(names, outs):
-            a = np.abs(np.asarray(a, np.float32))
-            if a.size == 0:
+    ranges: dict[str, export_checks._RangeStat] = {}
+    for outs, _ in layerwise.ort_activations(model, feed, batch=run_batch, opt_level="disable"):
+        for nm, a in outs.items():
+            if not np.issubdtype(np.asarray(a).dtype, np.floating) or np.size(a) == 0:
                 continue
-            amax[nm] = max(amax[nm], float(a.max()))
+            ranges.setdefault(nm, export_checks._RangeStat()).update(a)
+            a = np.abs(np.asarray(a, np.float32))
             flat = a.ravel()
             samples[nm].append(flat if flat.size <= sample else
                                flat[rng.integers(0, flat.size, sample)])
@@ -408,21 +401,24 @@ def activation_stats(onnx_path: Path, calib: Path, batch: int = 10, sample: int 
                 c = a.max(axis=(0, 2, 3))
                 chmax[nm] = c if nm not in chmax else np.maximum(chmax[nm], c)
     rows = []
-    for nm in names:
-        if nm not in samples:
-            continue
+    for nm, st in ranges.items():
         p = float(np.percentile(np.concatenate(samples[nm]), 99.9))
         spread = None
         if nm in chmax and np.median(chmax[nm]) > 0:
             spread = float(chmax[nm].max() / np.median(chmax[nm]))
+        flag = None
+        if st.amax > export_checks.FP16_MAX:
+            flag = "overflow"
+        elif st.l1 > 0 and st.l1_small / st.l1 > export_checks.UNDERFLOW_MASS_SHARE:
+            flag = "underflow"
         rows.append({"tensor": nm,
                      "producer": f"{prod[nm].op_type}:{prod[nm].name}" if nm in prod else "input",
                      "consumers": sorted({f"{c.op_type}" + (
                          f"(group={attr(c, 'group')})" if c.op_type == "Conv"
                          and int(attr(c, "group", 1)) > 1 else "") for c in cons.get(nm, [])}),
-                     "max": amax[nm], "p99.9": p,
-                     "ratio": amax[nm] / p if p > 0 else float("inf"),
-                     "channel_spread": spread})
+                     "max": st.amax, "p99.9": p,
+                     "ratio": st.amax / p if p > 0 else float("inf"),
+                     "channel_spread": spread, "fp16": flag})
     rows.sort(key=lambda r: -r["ratio"] if np.isfinite(r["ratio"]) else -1e300)
     return rows
 
@@ -518,6 +514,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     s.add_argument("--calib", type=Path, required=True, help="calibration npz (4_make_calib.py)")
     s.add_argument("--top", type=int, default=20, help="rows to print")
     s.add_argument("--limit", type=int, default=None, help="calibration images to use")
+    s.add_argument("--batch", type=int, default=10,
+                   help="samples per run (default 10); a model with a static batch is fed "
+                        "exactly that many")
     s.add_argument("--json", type=Path, default=None, help="write all rows as JSON")
     s = sub.add_parser("layer-diff", help="layer-wise diff of two ONNX models (layerwise.py)")
     s.add_argument("a", type=Path)
@@ -592,13 +591,21 @@ def main(args: argparse.Namespace):
             common.write_json(args.json, rep)
         return rep
     if args.cmd == "act-stats":
-        rows = activation_stats(args.onnx, args.calib, limit=args.limit)
-        print(f"{'ratio':>7} {'max':>9} {'p99.9':>9} {'ch.spread':>9}  tensor (producer -> "
-              "consumers)")
-        for r in rows[:args.top]:
+        common.check_positive(args, "top", "limit", "batch")
+        rows = activation_stats(args.onnx, args.calib, batch=args.batch, limit=args.limit)
+        flagged = [r for r in rows if r["fp16"]]
+        print(f"{'ratio':>7} {'max':>9} {'p99.9':>9} {'ch.spread':>9} {'fp16':>9}  tensor "
+              "(producer -> consumers)")
+        for r in rows[:args.top] + [r for r in flagged if r not in rows[:args.top]]:
             sp = f"{r['channel_spread']:.1f}" if r["channel_spread"] is not None else "-"
-            print(f"{r['ratio']:7.2f} {r['max']:9.3f} {r['p99.9']:9.3f} {sp:>9}  {r['tensor']} "
+            print(f"{r['ratio']:7.2f} {r['max']:9.3f} {r['p99.9']:9.3f} {sp:>9} "
+                  f"{(r['fp16'] or '-').upper() if r['fp16'] else '-':>9}  {r['tensor']} "
                   f"({r['producer']} -> {','.join(r['consumers'])})")
+        if flagged:
+            print(f"{len(flagged)} tensor(s) outside what FP16 holds (max 65504, normal >= "
+                  f"6.1e-05): {', '.join(r['tensor'] for r in flagged[:8])}; keep their "
+                  "producers/consumers in FP32 (python export_checks.py fp16-audit names them, "
+                  "2_export_onnx.py --fp16-keep-fp32 keeps them)")
         if args.json:
             common.write_json(args.json, rows)
         return rows
