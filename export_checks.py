@@ -951,8 +951,9 @@ def fp16_converter_changes(fp32_model, fp16_model, converter_warnings: Sequence[
         y = c16.get(name)
         if y is None or y.dtype != np.float16 or x.dtype != np.float32 or x.size == 0:
             continue
-        changed = (y.astype(np.float32) != x.astype(np.float16).astype(np.float32)) & \
-            np.isfinite(x)
+        with np.errstate(over="ignore"):  # values beyond FP16 become inf in the plain cast
+            changed = (y.astype(np.float32) != x.astype(np.float16).astype(np.float32)) & \
+                np.isfinite(x)
         if not changed.any():
             continue
         delta = float(np.abs(y.astype(np.float64) - x.astype(np.float64))[changed].max())
@@ -1451,8 +1452,6 @@ def _feed(args, onnx_path: Path) -> tuple[dict[str, np.ndarray], bool]:
     """``(feed, real)`` from --inputs / --model / --input-shape (``real``: not synthetic)."""
     import layerwise
 
-    if args.inputs and args.model and not args.input_shape:
-        pass
     spec = common.model_spec(args.model) if args.model else None
     use_images = bool(args.model and spec.classifier and not args.inputs and not args.input_shape)
     feed = layerwise.load_feed(args.inputs, args.model if use_images else None, args.n,

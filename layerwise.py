@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import re
 import sys
 import tempfile
 import time
@@ -952,8 +953,11 @@ def torch_vs_onnx(model, onnx_path: Path | str, feed: dict[str, np.ndarray], *,
     first_in: dict[str, int] = {}
     out_id: dict[str, int] = {}
 
+    done: dict[str, int] = {}  # hook order: a successor must finish after its predecessor
+
     def hook(name):
         def fn(mod, inp, out):
+            done.setdefault(name, len(done))
             if isinstance(out, torch.Tensor):
                 keep.append(out)
                 out_id[name] = id(out)
@@ -987,11 +991,18 @@ def torch_vs_onnx(model, onnx_path: Path | str, feed: dict[str, np.ndarray], *,
         idx = set(owned[q])
         boundary = [o for i in sorted(idx) for o in nodes[i].output if o and (
             o in graph_outputs or consumers.get(o, set()) - idx)]
-        # Follow node-less successors (folded BN, Dropout, Identity).
+        # Follow node-less successors that an exporter folds into this module's nodes (a
+        # BatchNorm folded into the Conv before it, Dropout, Identity). Other node-less
+        # successors are not followed: dynamo attributes a Conv to the BatchNorm after it, so
+        # the next block's conv_dw has no node of its own and is not part of this module.
         val, cur, seen = outs[q], q, 0
         while seen < 8:
             nxt = [m for m, src in first_in.items() if src == out_id.get(cur) and m not in owned
-                   and m in outs and not list(named[m].children()) and m != cur]
+                   and m in outs and not list(named[m].children()) and m != cur
+                   and _FOLDED_SUCCESSOR.search(type(named[m]).__name__)
+                   # an in-place op (ReLU6(inplace=True)) returns the tensor object its
+                   # predecessor read earlier: only modules that ran later follow it
+                   and done.get(m, -1) > done.get(cur, -1)]
             if not nxt:
                 break
             cur, val, seen = nxt[0], outs[nxt[0]], seen + 1
@@ -1022,6 +1033,9 @@ def torch_vs_onnx(model, onnx_path: Path | str, feed: dict[str, np.ndarray], *,
     if out_dir:
         common.write_json(Path(out_dir) / "torch_vs_onnx.json", result)
     return result
+
+
+_FOLDED_SUCCESSOR = re.compile(r"BatchNorm|Dropout|^Identity$")
 
 
 def _legacy_scopes(model) -> dict[str, str]:

@@ -265,67 +265,6 @@ def test_torch_vs_onnx_clean_and_faulty(cnn_model, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------
-# Export checks
-# ------------------------------------------------------------------------------------------
-def test_export_checks_pass_on_good_model(cnn_model):
-    m, path, feed = cnn_model
-    res = layerwise.export_checks(m, path, feed)
-    by = {c["check"]: c for c in res["checks"]}
-    assert res["status"] == "pass", res
-    assert by["hardsigmoid"]["status"] == "pass" and by["hardsigmoid"]["n_nodes"] == 2
-
-
-def test_export_checks_catch_frozen_batch(tmp_path):
-    torch.manual_seed(0)
-    m = _init_bn(SECNN(flatten_bug=True))
-    path = export(m, torch.randn(1, 3, 32, 32), tmp_path / "bug.onnx", "input", ["logits"])
-    feed = {"input": np.random.default_rng(0).standard_normal((1, 3, 32, 32)).astype(np.float32)}
-    res = layerwise.export_checks(m, path, feed, batches=(1, 2))
-    by = {c["check"]: c for c in res["checks"]}
-    assert res["status"] == "fail"
-    assert by["batch_consistency"]["status"] == "fail"
-    assert "batch 2" in by["batch_consistency"]["detail"]
-    assert by["frozen_batch"]["status"] in ("warn", "fail")  # Reshape to a constant [1, 32, -1]
-
-
-def test_export_checks_catch_hardsigmoid_alpha(cnn_model, tmp_path):
-    m, path, feed = cnn_model
-
-    def edit(mm):
-        for n in mm.graph.node:
-            if n.op_type == "HardSigmoid":
-                for a in n.attribute:
-                    if a.name == "alpha":
-                        a.f = 0.2
-
-    bad = _copy_with(path, tmp_path / "hs.onnx", edit)
-    res = layerwise.export_checks(m, bad, feed)
-    by = {c["check"]: c for c in res["checks"]}
-    assert by["hardsigmoid"]["status"] == "fail" and "alpha=0.2" in by["hardsigmoid"]["detail"]
-    assert res["status"] == "fail"
-
-
-def test_export_checks_catch_traced_row_selection(tmp_path):
-    """A row chosen by argmax and turned into a Python int is traced as a constant."""
-
-    class PickMax(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(16, 2)
-
-        def forward(self, x):  # x [B, T, 16]
-            i = int(x[0, :, 0].argmax())  # data-dependent, frozen by tracing
-            return self.fc(x[:, i])
-
-    torch.manual_seed(0)
-    m = PickMax().eval()
-    path = export(m, torch.randn(2, 6, 16), tmp_path / "pick.onnx", "x", ["y"])
-    feed = {"x": np.random.default_rng(0).standard_normal((2, 6, 16)).astype(np.float32)}
-    res = layerwise.export_checks(m, path, feed, batches=(1, 3))
-    assert res["status"] == "fail"
-
-
-# ------------------------------------------------------------------------------------------
 # Q/DQ look-through on a model ModelOpt really quantized (~3 s; deselect with -k 'not modelopt')
 # ------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
