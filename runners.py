@@ -80,28 +80,44 @@ def try_extra(timing: Timing, name: str, fn: Callable[[], tuple[list[float], str
         timing.extra[name] = (None, f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
 
 
+# Time budget of one timed loop: it stops after ``iters`` iterations or this many seconds,
+# whichever comes first, but never before MIN_ITERS iterations (MLPerf's LoadGen bounds a run
+# the same way, by a minimum query count and a minimum duration). A 400 ms INT8 model on a busy
+# 2-core CPU would otherwise spend 80 s on 200 iterations; the row records how many ran.
+MAX_SECONDS = 10.0
+MIN_ITERS = 20
+
+
 def wall_loop(fn: Callable[[], Any], warmup: int, iters: int,
-              sync: Callable[[], None] | None = None) -> list[float]:
-    """Wall-clock latency (ms) of ``fn()``: ``warmup`` untimed calls, then ``iters`` timed ones
-    with ``time.perf_counter``; ``sync()`` (a device synchronisation) runs before each timestamp
-    so asynchronous work is counted."""
+              sync: Callable[[], None] | None = None,
+              max_seconds: float | None = None) -> list[float]:
+    """Wall-clock latency (ms) of ``fn()``: ``warmup`` untimed calls, then up to ``iters`` timed
+    ones with ``time.perf_counter`` (fewer once ``max_seconds``, default :data:`MAX_SECONDS`, has
+    passed, but at least ``min(iters, MIN_ITERS)``); ``sync()`` (a device synchronisation) runs
+    before each timestamp so asynchronous work is counted."""
+    budget = MAX_SECONDS if max_seconds is None else max_seconds
     for _ in range(warmup):
         fn()
     if sync:
         sync()
-    times = []
-    for _ in range(iters):
+    times: list[float] = []
+    start = time.perf_counter()
+    for i in range(iters):
         t0 = time.perf_counter()
         fn()
         if sync:
             sync()
-        times.append((time.perf_counter() - t0) * 1e3)
+        t1 = time.perf_counter()
+        times.append((t1 - t0) * 1e3)
+        if i + 1 >= MIN_ITERS and t1 - start > budget:
+            break
     return times
 
 
 def cuda_event_loop(fn: Callable[[], Any], warmup: int, iters: int, stream=None) -> list[float]:
     """Device time (ms) of the work ``fn()`` enqueues on ``stream`` (default: the current torch
-    stream), from a pair of CUDA events per iteration, after ``warmup`` untimed calls."""
+    stream), from a pair of CUDA events per iteration, after ``warmup`` untimed calls; the same
+    iteration/time bounds as :func:`wall_loop`."""
     import torch
 
     stream = stream or torch.cuda.current_stream()
@@ -109,13 +125,16 @@ def cuda_event_loop(fn: Callable[[], Any], warmup: int, iters: int, stream=None)
         fn()
     stream.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(iters):
+    times: list[float] = []
+    t_start = time.perf_counter()
+    for i in range(iters):
         start.record(stream)
         fn()
         end.record(stream)
         end.synchronize()
         times.append(float(start.elapsed_time(end)))
+        if i + 1 >= MIN_ITERS and time.perf_counter() - t_start > MAX_SECONDS:
+            break
     return times
 
 
@@ -372,6 +391,9 @@ class OrtRunner(Runner):
         allow_cpu_fallback: if False and the session's first EP is not the requested one, raise.
         opt_level / disabled_optimizers: passed to the session (see :func:`ort_session_options`).
         threads: intra-op threads (0 = ORT's default).
+        tf32: CUDA EP ``use_tf32`` (None: ORT's default). device_id: CUDA device.
+        session_config: ``SessionOptions.add_session_config_entry`` pairs, e.g.
+            ``{"session.x64quantprecision": "1"}``.
     Raises:
         UsageError: unknown ``ep``.
         StageError: the requested EP is not used and CPU fallback is not allowed (the message
@@ -383,7 +405,8 @@ class OrtRunner(Runner):
 
     def __init__(self, path: Path | str | bytes, ep: str = "cpu", allow_cpu_fallback: bool = False,
                  opt_level: str = "all", disabled_optimizers: Sequence[str] = (),
-                 threads: int = 0, tf32: bool | None = None, device_id: int = 0):
+                 threads: int = 0, tf32: bool | None = None, device_id: int = 0,
+                 session_config: dict[str, str] | None = None):
         if ep not in ORT_EPS:
             raise UsageError(f"--ep {ep}: choose one of {sorted(set(ORT_EPS))}")
         if ep != "cpu":
@@ -401,6 +424,7 @@ class OrtRunner(Runner):
         self.label = "<in-memory model>" if isinstance(path, bytes) else str(self.path)
         self.requested = ORT_EPS[ep]
         self.opt_level, self.disabled_optimizers = opt_level, list(disabled_optimizers)
+        self.session_config = dict(session_config or {})
         available = ort.get_available_providers()
         providers = [self.requested] + (["CPUExecutionProvider"]
                                         if self.requested != "CPUExecutionProvider" else [])
@@ -435,6 +459,8 @@ class OrtRunner(Runner):
     def _session(self, providers: list[str], extra_options: dict | None = None):
         ort = self.ort
         so = ort_session_options(self.opt_level, threads=self.threads)
+        for k, v in self.session_config.items():
+            so.add_session_config_entry(k, v)
         src = self.path if isinstance(self.path, bytes) else str(self.path)
         opts = [({**self.gpu_options, **(extra_options or {})}
                  if p == "CUDAExecutionProvider" else {}) for p in providers]
@@ -504,6 +530,7 @@ class OrtRunner(Runner):
                              "ep_requested": self.requested, "ep_used": self.used,
                              "cpu_fallback": self.fallback_reason, "opt_level": self.opt_level,
                              "disabled_optimizers": self.disabled_optimizers,
+                             "session_config": self.session_config,
                              "versions": {"onnxruntime": ort.__version__}}
         if cuda:
             opts = self.session.get_provider_options().get(self.used, {})

@@ -192,3 +192,15 @@ def test_no_second_copy_of_runner_or_graph_logic():
         assert not re.search(r"^class \w*Runner\b", text, re.M), f"{f.name} defines a runner"
         assert "perf_counter()" not in text, f.name
         assert "numpy_helper.to_array(i) for i in model.graph.initializer" not in text, f.name
+
+
+def test_timed_loop_is_bounded_by_iterations_and_time():
+    """A slow model stops after the time budget (but never before MIN_ITERS); a fast one runs
+    all iterations. The row records how many ran."""
+    slow = runners.wall_loop(lambda: time.sleep(0.005), 0, 1000, max_seconds=0.01)
+    assert len(slow) == runners.MIN_ITERS
+    fast = runners.wall_loop(lambda: None, 2, 150, max_seconds=5.0)
+    assert len(fast) == 150
+    assert len(runners.wall_loop(lambda: None, 0, 5, max_seconds=0.0)) == 5  # iters < MIN_ITERS
+    t = runners.Timing(slow, "t").stats(batch=1, warmup=0)
+    assert t["iters"] == runners.MIN_ITERS
