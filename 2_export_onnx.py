@@ -50,6 +50,7 @@ import numpy as np
 
 import common
 import export_checks as ec
+import runners
 
 EXAMPLE_BATCH = ec.DEFAULT_EXAMPLE_BATCH
 
@@ -247,7 +248,7 @@ def main(args: argparse.Namespace) -> dict:
     shapes = common.parse_input_shapes(args.input_shape)
     feed, second, real = _inputs(args, spec, shapes)
     output_names = ["logits"] if spec.classifier else None
-    with common.TorchRunner(model, "cpu") as tr:
+    with runners.TorchRunner(model, "cpu") as tr:
         ref = tr.infer(feed)
     if output_names is None:
         output_names = list(ref) if len(ref) > 1 else ["output"]

@@ -52,6 +52,7 @@ import numpy as np
 
 import common
 import onnx_graph
+import runners
 from common import StageError, UsageError
 
 FP16_MAX = float(np.finfo(np.float16).max)                      # 65504
@@ -1127,7 +1128,7 @@ def fp16_backends(fp16_path: Path | str, feed: dict[str, np.ndarray],
     out = []
     if "CUDAExecutionProvider" in ort.get_available_providers():
         try:
-            with common.OrtRunner(fp16_path, "cuda") as r:
+            with runners.OrtRunner(fp16_path, "cuda") as r:
                 got = r.infer({k: v for k, v in feed.items() if k in r.input_names})
             p = _compare(ref, got, min_cosine)
             out.append(result("fp16_backends", "fail" if p else "pass",
@@ -1259,16 +1260,11 @@ def other_paths(feed: dict[str, np.ndarray], seed: int = 1) -> dict[str, np.ndar
 
 
 def torch_runner(model) -> Callable[[dict], dict]:
-    """``feed -> {output_i: array}`` running the PyTorch ``model`` (CPU, inference mode); the
-    inputs are passed positionally in the feed's order."""
-    import torch
-
+    """``feed -> {output_i: array}`` running the PyTorch ``model`` (CPU, inference mode,
+    :class:`runners.TorchRunner`); the inputs are passed positionally in the feed's order."""
     def run(feed):
-        with torch.inference_mode():
-            out = model(*[torch.from_numpy(np.ascontiguousarray(v)) for v in feed.values()])
-        outs = out if isinstance(out, (tuple, list)) else [out]
-        return {f"output_{i}": (o.detach().float().numpy() if o.is_floating_point()
-                                else o.detach().numpy()) for i, o in enumerate(outs)}
+        return runners.TorchRunner(model, "cpu", output_names=(),
+                                   input_names=list(feed)).infer(feed)
     return run
 
 
@@ -1277,7 +1273,7 @@ def ort_runner(path: Path | str, ep: str = "cpu") -> Callable[[dict], dict]:
     float inputs are cast to the dtype the file declares."""
     import onnxruntime as ort
 
-    r = common.OrtRunner(path, ep=ep)
+    r = runners.OrtRunner(path, ep=ep)
     types = {i.name: i.type for i in r.session.get_inputs()}
     quiet = ort.RunOptions()
     quiet.log_severity_level = 4  # a failing run is reported by the check, not ORT's logger
@@ -1470,7 +1466,7 @@ def cmd_fp16(args) -> list[dict]:
     keep = _split_names(args.keep_fp32)
     m32 = onnx_graph.load(args.onnx)
     feed, real = _feed(args, args.onnx)
-    ref = common.OrtRunner(args.onnx).infer({k: v for k, v in feed.items()
+    ref = runners.OrtRunner(args.onnx).infer({k: v for k, v in feed.items()
                                              if k in {n for n, _, _ in onnx_graph.inputs(m32)}})
     m16, warn = convert_fp16(m32, keep)
     out_path = Path(args.output)

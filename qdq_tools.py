@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 
 import common
+import runners
 import onnx_graph
 from onnx_graph import QDQ_OPS, attr, constants, consumers, producers
 
@@ -447,7 +448,7 @@ def ort_smoke(path: Path) -> dict:
     import onnxruntime as ort
 
     try:
-        sess = ort.InferenceSession(str(path), common.ort_session_options("all"),
+        sess = ort.InferenceSession(str(path), runners.ort_session_options("all"),
                                     providers=["CPUExecutionProvider"])
         feed = {}
         for i in sess.get_inputs():
