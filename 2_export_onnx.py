@@ -73,7 +73,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-cosine-fp16", type=float, default=0.999,
                    help="lowest per-image cosine similarity of the FP16 file vs PyTorch")
     p.add_argument("--no-fp16", action="store_true", help="export FP32 only")
-    p.add_argument("--fp16-keep-fp32", action="append", default=[], metavar="NODE[,NODE]",
+    p.add_argument("--fp16-keep-fp32", action="append", default=None, metavar="NODE[,NODE]",
                    help="ONNX nodes to keep in FP32 in fp16.onnx (the converter's node block "
                         "list; repeatable, comma-separated): the fix the FP16 checks print")
     p.add_argument("--allow-tracer-warnings", action="store_true",

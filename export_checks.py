@@ -1435,7 +1435,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     s.add_argument("onnx", type=Path, help="FP32 ONNX file")
     s.add_argument("-o", "--output", type=Path, required=True,
                    help="FP16 file to write (artifacts/<model>/onnx/fp16.onnx for the pipeline)")
-    s.add_argument("--keep-fp32", action="append", default=[], metavar="NODE[,NODE]",
+    s.add_argument("--keep-fp32", action="append", default=None, metavar="NODE[,NODE]",
                    help="nodes to compute in FP32 (repeatable, comma-separated)")
     s.add_argument("--min-cosine", type=float, default=0.999,
                    help="lowest cosine similarity per sample against the FP32 file")
