@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 import common
+import trt_parsers
 import trt_tools
 from common import StageError, UsageError
 
@@ -120,7 +121,7 @@ class TrtRunner:
         self.engine = self.runtime.deserialize_cuda_engine(Path(plan).read_bytes())
         if self.engine is None:
             log = "\n".join(self.logger.messages)
-            mm = trt_tools.parse_version_mismatch(log)
+            mm = trt_parsers.parse_version_mismatch(log)
             hint = (f"version mismatch ({mm['kind']}): expected {mm['expected']}, got "
                     f"{mm['got']}" if mm else log.strip()[-500:])
             raise StageError(f"TensorRT {trt.__version__} cannot load {plan}: {hint}; rebuild it "
@@ -199,10 +200,10 @@ class TrtRunner:
         return times
 
     def layer_info(self) -> dict:
-        """Engine inspector JSON summarised by :func:`trt_tools.parse_layer_info`."""
+        """Engine inspector JSON summarised by :func:`trt_parsers.parse_layer_info`."""
         insp = self.engine.create_engine_inspector()
         insp.execution_context = self.context
-        return trt_tools.parse_layer_info(
+        return trt_parsers.parse_layer_info(
             insp.get_engine_information(self.trt.LayerInformationFormat.JSON))
 
 
@@ -275,8 +276,8 @@ def main(args) -> None:
         log = trt_tools.engine_paths(args.model, variant.name)["log"]
         if log.exists():
             text = log.read_text(errors="replace")
-            perf = trt_tools.parse_performance_summary(text)
-            shapes = trt_tools.parse_inference_shapes(text)["inputs"]
+            perf = trt_parsers.parse_performance_summary(text)
+            shapes = trt_parsers.parse_inference_shapes(text)["inputs"]
             gct = perf.get("gpu_compute_time") if perf else None
             tb = shapes.get(in_name, [None])[0]
             ours = lat.get(f"batch{tb}") if tb else None
@@ -295,8 +296,8 @@ def main(args) -> None:
         parity=par, parity_n=par_n, parity_reference=ref_path,
         size_mb=common.file_size_mb(args.engine), ep_requested="TensorRT",
         ep_used=f"TensorRT {runtime['tensorrt']} on {runtime['device']}", runtime=runtime,
-        layer_info=trt_tools.layer_summary(layers),
-        layer_dtypes=trt_tools.layer_dtype_table(layers),
+        layer_info=trt_parsers.layer_summary(layers),
+        layer_dtypes=trt_parsers.layer_dtype_table(layers),
         trtexec_cross_check=cross, null_backend_ms=common.null_backend_ms())
     rec["provenance"] = common.provenance(args, [args.engine, ref_path], started,
                                           torch_device=f"cuda:{args.device}")
