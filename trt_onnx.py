@@ -320,6 +320,8 @@ def ort_parity(a, b, feed: Mapping[str, np.ndarray]) -> dict:
     import onnx
     import onnxruntime as ort
 
+    import runners
+
     results = []
     graph_outputs = None
     for m in (a, b):
@@ -330,7 +332,7 @@ def ort_parity(a, b, feed: Mapping[str, np.ndarray]) -> dict:
         marked = onnx_graph.mark_all_outputs(model)
         try:
             s = ort.InferenceSession(marked.SerializeToString(),
-                                     sess_options=common.ort_session_options("disable"),
+                                     sess_options=runners.ort_session_options("disable"),
                                      providers=["CPUExecutionProvider"])
             names = [o.name for o in s.get_outputs()]
             results.append(dict(zip(names, s.run(None, dict(feed)))))

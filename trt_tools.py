@@ -687,8 +687,8 @@ BATCH_INVARIANCE_NOTE = (
     "--opt-batch 1 / a static batch-1 profile for batch-1 deployment.")
 
 
-def batch_invariance(infer: Callable[[dict], Mapping[str, np.ndarray]], x: np.ndarray,
-                     batch: int, input_name: str, output_name: str | None = None,
+def batch_invariance(infer: Callable[[dict], Mapping[str, np.ndarray]],
+                     feed: Mapping[str, np.ndarray], batch: int, output_name: str | None = None,
                      rel_tol: float = BATCH_INVARIANCE_REL_TOL) -> dict:
     """Run the same samples at batch 1 and at batch ``batch`` and compare the outputs.
 
@@ -697,34 +697,35 @@ def batch_invariance(infer: Callable[[dict], Mapping[str, np.ndarray]], x: np.nd
 
     Args:
         infer: a runner's ``infer(feed) -> {output name: array}``.
-        x: preprocessed inputs ``[M, ...]`` (M >= 1), fed as ``input_name``.
+        feed: ``{input name: array [M, ...]}`` (M >= 1 samples, batch on axis 0), preprocessed.
         batch: N (>= 2).
         output_name: output to compare (default: the first one returned).
         rel_tol: allowed max |difference| as a fraction of max |output at batch 1|.
     Returns:
         ``{"batch": N, "n": M, "max_abs_diff": float, "max_abs_ref": float,
-        "rel_max_diff": float, "top1_agreement": float (0..1, over the M samples; None for
-        outputs with one column), "ok": bool, "note": str | None (the known-issue note when not
-        ok)}``.
+        "rel_max_diff": float, "rel_tol": float, "top1_agreement": float (0..1 over the M
+        samples; None for outputs with one value per sample), "ok": bool,
+        "note": str | None (the known-issue note when not ok)}``.
     Raises:
         UsageError: ``batch < 2`` or no samples.
     """
-    if batch < 2 or len(x) < 1:
-        raise UsageError(f"batch invariance needs batch >= 2 and samples (got {batch}, {len(x)})")
+    n = len(next(iter(feed.values()))) if feed else 0
+    if batch < 2 or n < 1:
+        raise UsageError(f"batch invariance needs batch >= 2 and samples (got {batch}, {n})")
 
-    def out_of(feed):
-        res = infer(feed)
+    def out_of(idx):
+        res = infer({k: v[idx] for k, v in feed.items()})
         return np.asarray(res[output_name] if output_name else next(iter(res.values())),
                           dtype=np.float64)
 
-    one = np.concatenate([out_of({input_name: x[i:i + 1]}) for i in range(len(x))])
+    one = np.concatenate([out_of(np.array([i])) for i in range(n)])
     many = []
-    for i in range(0, len(x), batch):
-        chunk = x[i:i + batch]
-        n = len(chunk)
-        if n < batch:
-            chunk = np.concatenate([chunk, x[np.arange(batch - n) % len(x)]])
-        many.append(out_of({input_name: chunk})[:n])
+    for i in range(0, n, batch):
+        idx = np.arange(i, min(i + batch, n))
+        real = len(idx)
+        if real < batch:
+            idx = np.concatenate([idx, np.arange(batch - real) % n])
+        many.append(out_of(idx)[:real])
     many = np.concatenate(many)
     diff = float(np.max(np.abs(one - many))) if one.size else 0.0
     ref = float(np.max(np.abs(one))) if one.size else 0.0
@@ -733,7 +734,7 @@ def batch_invariance(infer: Callable[[dict], Mapping[str, np.ndarray]], x: np.nd
     top1 = (float(np.mean(flat1.argmax(1) == flatn.argmax(1)))
             if flat1.shape[1] > 1 else None)
     ok = rel <= rel_tol and (top1 is None or top1 == 1.0)
-    return {"batch": int(batch), "n": int(len(x)), "max_abs_diff": diff, "max_abs_ref": ref,
+    return {"batch": int(batch), "n": int(n), "max_abs_diff": diff, "max_abs_ref": ref,
             "rel_max_diff": rel, "rel_tol": rel_tol, "top1_agreement": top1, "ok": bool(ok),
             "note": None if ok else BATCH_INVARIANCE_NOTE}
 

@@ -679,7 +679,7 @@ def test_batch_invariance_passes_and_pads_to_batch_n():
     rng = np.random.default_rng(0)
     x, w = rng.standard_normal((5, 3, 2, 2)).astype(np.float32), rng.standard_normal((12, 10))
     calls = []
-    r = tt.batch_invariance(_linear_infer(w, calls=calls), x, 4, "input")
+    r = tt.batch_invariance(_linear_infer(w, calls=calls), {"input": x}, 4)
     assert r["ok"] and r["top1_agreement"] == 1.0 and r["max_abs_diff"] < 1e-5
     assert r["note"] is None
     assert calls == [1] * 5 + [4, 4]  # every batch-N call really has N rows
@@ -688,11 +688,11 @@ def test_batch_invariance_passes_and_pads_to_batch_n():
 def test_batch_invariance_flags_batch_dependent_outputs():
     rng = np.random.default_rng(0)
     x, w = rng.standard_normal((6, 3, 2, 2)).astype(np.float32), rng.standard_normal((12, 10))
-    r = tt.batch_invariance(_linear_infer(w, batch_dependent=0.5), x, 3, "input")
+    r = tt.batch_invariance(_linear_infer(w, batch_dependent=0.5), {"input": x}, 3)
     assert not r["ok"] and r["max_abs_diff"] == pytest.approx(0.5, rel=1e-5)
     assert "no TensorRT release note" in r["note"] and "NVIDIA/TensorRT#4796" in r["note"]
     with pytest.raises(UsageError):
-        tt.batch_invariance(_linear_infer(w), x, 1, "input")
+        tt.batch_invariance(_linear_infer(w), {"input": x}, 1)
 
 
 def test_fit_batch():
@@ -1025,7 +1025,7 @@ def test_stage7_skips_without_tensorrt(tmp_path):
     rec = json.loads((tmp_path / "r/mobilenet_v3_small/trt_int8.json").read_text())
     assert rec["status"] == "skipped" and "tensorrt" in rec["reason"].lower()
     assert rec["backend"] == "TensorRT" and rec["precision"] == "INT8" and rec["variant"] == "int8"
-    assert not any(k in rec for k in ("latency", "accuracy", "parity"))  # no numbers without a run
+    assert all(rec[k] is None for k in ("latency", "accuracy", "parity"))  # no numbers without a run
     assert rec["provenance"]["args"]["tag"] == "trt_int8"
 
 
@@ -1034,3 +1034,36 @@ def test_stage7_usage_error_exit_2(tmp_path):
                         "--iters", "0"], cwd=ROOT, env=_env(tmp_path), capture_output=True,
                        text=True, timeout=300)
     assert p.returncode == 2 and "usage:" in p.stderr
+
+
+class _FakeRunner:
+    """A runner stand-in with the runners.Runner surface stage 7's check uses (no TensorRT)."""
+
+    def __init__(self, w, batch_range=(1, 64), batch_dependent=0.0):
+        self.w, self.batch_range, self.bd = w, batch_range, batch_dependent
+
+    def infer(self, feed):
+        return _linear_infer(self.w, self.bd)(feed)
+
+
+def test_stage7_batch_invariance_check_on_eval_data():
+    import evaluate
+
+    stage7 = importlib.import_module("7_trt_eval")
+    rng = np.random.default_rng(0)
+    data = evaluate.EvalData(x_u8=rng.integers(0, 255, (20, 3, 2, 2), dtype=np.uint8),
+                             mean=(0.5,) * 3, std=(0.5,) * 3, input_name="input")
+    w = rng.standard_normal((12, 10))
+    ok = stage7.batch_invariance_check(_FakeRunner(w), data, 8)
+    assert ok["ok"] and ok["batch"] == 8 and ok["n"] == 16
+    bad = stage7.batch_invariance_check(_FakeRunner(w, batch_dependent=1.0), data, 8)
+    assert bad["ok"] is False and "NVIDIA/TensorRT#4796" in bad["note"]
+    static = stage7.batch_invariance_check(_FakeRunner(w, batch_range=(4, 4)), data, 8)
+    assert static["ok"] is None and "no batch-1 vs batch-N" in static["reason"]
+
+
+def test_batch_invariance_with_two_inputs():
+    rng = np.random.default_rng(1)
+    feed = {"a": rng.standard_normal((5, 4)), "b": rng.standard_normal((5, 4))}
+    r = tt.batch_invariance(lambda f: {"y": f["a"] * 2 + f["b"]}, feed, 2)
+    assert r["ok"] and r["n"] == 5 and r["max_abs_diff"] == 0.0
