@@ -40,7 +40,6 @@ import onnx_graph
 import trt_onnx
 import trt_parsers as tp
 import trt_tools as tt
-import variants
 from common import StageError, UsageError
 
 STAGE = "6_build_engines"

@@ -969,22 +969,6 @@ def onnx_path(model: str, variant: str) -> Path:
     return common.model_artifacts(model) / "onnx" / VARIANTS[variant].onnx_file
 
 
-def build_record_path(model: str, variant: str) -> Path:
-    """``results/<model>/trt_build_<variant>.json`` (stage 6's row, read by stage 7)."""
-    return common.model_results(model) / f"{VARIANTS[variant].build_tag}.json"
-
-
-def recorded_profile(model: str, variant: str) -> list[dict] | None:
-    """The optimisation profile stage 6 recorded for ``variant`` (``[InputProfile.as_dict()]``),
-    None when there is no ok build row."""
-    p = build_record_path(model, variant)
-    try:
-        row = json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    return row.get("profile") if row.get("status") == "ok" else None
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     """``python trt_tools.py detect``: what detection finds (trtexec, the libnvinfer it really
     loads, the Python runtime, Jetson facts) as JSON. Stage 6 is ``6_build_engines.py``."""
