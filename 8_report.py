@@ -107,7 +107,17 @@ def table_rows(rows: list[dict]) -> list[dict]:
         status = r["status"]
         if r.get("reason"):
             status += f": {r['reason'].splitlines()[0][:320]}"
-        cc = (r.get("diagnostics") or {}).get("backend_cross_check") or {}
+        diags = r.get("diagnostics") or {}
+        bi = diags.get("batch_invariance") or {}
+        if bi.get("ok") is False:
+            agree = bi.get("top1_agreement")
+            status += (f"; BATCH-DEPENDENT OUTPUT: batch 1 vs batch {bi.get('batch')} differ by "
+                       f"{bi.get('rel_max_diff', 0):.2g} of max |output|"
+                       + (f", top-1 agreement {100 * agree:.1f}%" if agree is not None else ""))
+        for name, d in diags.items():
+            if isinstance(d, dict) and d.get("status") == "error":
+                status += f"; diagnostic {name} failed: {str(d.get('error'))[:120]}"
+        cc = diags.get("backend_cross_check") or {}
         if cc.get("disagreement"):
             status += (f"; BACKEND DISAGREEMENT: top-1 {cc['top1_unoptimized']:.1f}% with ORT "
                        f"optimisations disabled ({cc['n']} images)"

@@ -19,6 +19,7 @@ work alone, from CUDA events. Units: milliseconds (ms).
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 import time
 from pathlib import Path
@@ -283,7 +284,8 @@ class TorchRunner(Runner):
 
     def _forward(self, args, model=None):
         with self.torch.inference_mode():
-            return (model or self.model)(*args)
+            # not ``model or self.model``: truth-testing a module calls __len__ (Sequential)
+            return (self.model if model is None else model)(*args)
 
     def infer(self, feed):
         out = self._forward(self._args(feed))
@@ -558,17 +560,20 @@ class TrtRunner(Runner):
         plan: serialized engine (path or bytes).
         device: CUDA device index.
         profile: optimisation profile index.
+        dla_core: DLA core of a plan built for DLA (``runtime.DLA_core`` before loading).
     Attributes:
         profile_shapes: ``{input: (min, opt, max) shapes}``; ``version``: ``tensorrt.__version__``.
     Raises:
-        StageError: TensorRT or CUDA missing, or the runtime refuses the plan (the message names
-            the two versions when the runtime logged a version mismatch, and says to rebuild
-            with 6_build_engines.sh).
+        StageError: TensorRT or CUDA missing, or the runtime refuses the plan (the message gives
+            the class of the failure and its fix: not a plan, truncated, built by another
+            TensorRT (both versions named), built for another GPU, or a library-path mismatch
+            that a rebuild would not fix).
     """
 
     backend = "TensorRT"
 
-    def __init__(self, plan: Path | str | bytes, device: int = 0, profile: int = 0):
+    def __init__(self, plan: Path | str | bytes, device: int = 0, profile: int = 0,
+                 dla_core: int | None = None):
         try:
             import tensorrt as trt
         except Exception as e:  # noqa: BLE001 - ImportError, missing libnvinfer (OSError)
@@ -578,7 +583,7 @@ class TrtRunner(Runner):
 
         if not torch.cuda.is_available():
             raise StageError("no CUDA GPU visible to torch (TensorRT needs one)")
-        import trt_tools
+        import trt_parsers
 
         self.trt, self.torch = trt, torch
         self.dev = torch.device("cuda", device)
@@ -596,17 +601,20 @@ class TrtRunner(Runner):
 
         self.logger = _Logger()
         self.runtime = trt.Runtime(self.logger)
+        if dla_core is not None:  # a plan built for DLA runs on the core set before loading
+            self.runtime.DLA_core = int(dla_core)
         blob = plan if isinstance(plan, bytes) else Path(plan).read_bytes()
         self.label = "<in-memory plan>" if isinstance(plan, bytes) else str(plan)
         self.engine = self.runtime.deserialize_cuda_engine(blob)
         if self.engine is None:
-            log = "\n".join(self.logger.messages)
-            mm = trt_tools.parse_version_mismatch(log)
-            hint = (f"version mismatch ({mm['kind']}): expected {mm['expected']}, got "
-                    f"{mm['got']}" if mm else log.strip()[-500:])
-            raise StageError(f"TensorRT {trt.__version__} cannot load {self.label}: {hint}; "
-                             "rebuild it with 6_build_engines.sh using the trtexec of this "
-                             "TensorRT version")
+            # Classified with its fix (not a plan / truncated / another TensorRT / another GPU /
+            # library path), trt_parsers.classify_plan_load_error.
+            why = trt_parsers.classify_plan_load_error(
+                "\n".join(self.logger.messages), blob[:trt_parsers.PLAN_HEADER_BYTES],
+                runtime_version=tuple(int(p) for p in re.findall(r"\d+", trt.__version__)[:4]),
+                file_size=len(blob), plan=self.label)
+            raise StageError(f"TensorRT {trt.__version__} cannot load {self.label} "
+                             f"[{why['kind']}]: {why['message']}. Fix: {why['fix']}")
         self.context = self.engine.create_execution_context()
         self.profile = profile
         if profile:
@@ -679,12 +687,12 @@ class TrtRunner(Runner):
                       gpu, "torch.cuda.Event pair around execute_async_v3 on bound buffers")
 
     def layer_info(self) -> dict:
-        """Engine inspector JSON summarised by :func:`trt_tools.parse_layer_info`."""
-        import trt_tools
+        """Engine inspector JSON summarised by :func:`trt_parsers.parse_layer_info`."""
+        import trt_parsers
 
         insp = self.engine.create_engine_inspector()
         insp.execution_context = self.context
-        return trt_tools.parse_layer_info(
+        return trt_parsers.parse_layer_info(
             insp.get_engine_information(self.trt.LayerInformationFormat.JSON))
 
     def describe(self):

@@ -137,3 +137,14 @@ def test_gpu_rows_from_results_gpu_join_the_report(rows, tmp_path, monkeypatch):
     report.main(report.get_args_parser().parse_args(["--model", "efficientnet_lite0",
                                                      "--no-gpu-rows"]))
     assert "pytorch_fp32_cuda" not in (here / "REPORT.md").read_text()
+
+
+def test_status_shows_batch_dependence_and_failed_diagnostics(rows):
+    r = dict(rows[2], diagnostics={
+        "batch_invariance": {"ok": False, "batch": 64, "rel_max_diff": 0.031,
+                             "top1_agreement": 0.97},
+        "layerwise": {"status": "error", "error": "NameError: name 'art' is not defined"}})
+    status = report.table_rows([rows[0], r])[1]["status"]
+    assert status.startswith("ok; BATCH-DEPENDENT OUTPUT: batch 1 vs batch 64")
+    assert "top-1 agreement 97.0%" in status
+    assert "diagnostic layerwise failed: NameError" in status
