@@ -342,6 +342,23 @@ def test_check_batch_dependent_model_warned_not_blamed_on_export(tmp_path):
     assert _by(res, "batch_independence")[0]["status"] == "warn"
 
 
+def test_check_blames_an_opset11_softmax_not_a_frozen_value(tmp_path):
+    """A Softmax(axis=1) on a rank-4 tensor at opset 11 normalises over C*H*W: parity fails and
+    the finding names the Softmax node, not a "traced constant"."""
+    class Soft(nn.Module):
+        def forward(self, x):
+            return torch.softmax(x, dim=1)
+
+    m = _model([helper.make_node("Softmax", ["x"], ["y"], name="softmax_c", axis=1)],
+               [_vi("x", ["N", 5, 4, 4])], [_vi("y", ["N", 5, 4, 4])], opset=11)
+    onnx.save(m, str(tmp_path / "sm11.onnx"))
+    feed = {"x": np.random.default_rng(0).standard_normal((3, 5, 4, 4)).astype(np.float32)}
+    res = ec.check_export(Soft().eval(), tmp_path / "sm11.onnx", feed)
+    bp = _by(res, "batch_parity")[0]
+    assert bp["status"] == "fail" and bp["node"] == "softmax_c" and "opset >= 13" in bp["fix"]
+    assert "frozen" not in _by(res, "input_paths")[0]["detail"]
+
+
 def test_layerwise_export_check_delegates(tmp_path, user_models):
     m = _model([helper.make_node("HardSigmoid", ["x"], ["y"], name="hsig_noattr")],
                [_vi("x", ["N", 64])], [_vi("y", ["N", 64])])
