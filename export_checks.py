@@ -605,7 +605,8 @@ def check_batch_parity(ref_by_batch: dict[int, dict[str, np.ndarray]],
         ref_by_batch: ``{batch: PyTorch outputs}``; feed_by_batch: ``{batch: feed}`` (same keys).
         run: runs the file on a feed, returns ``{output: array}`` (raises on a runtime error).
         min_cosine: lowest cosine similarity per sample (FP32: 0.99999).
-        lint_results: lint findings; the ones that explain a failure are named in it.
+        lint_results: lint (and dynamic-axes, exporter-warning) findings; the ones that explain
+            a failure are named in it.
     Returns:
         one ``batch_parity`` row with ``parity`` (:func:`common.parity` per output at the
         largest batch, outputs named by PyTorch) and ``output_shapes``.
@@ -626,7 +627,7 @@ def check_batch_parity(ref_by_batch: dict[int, dict[str, np.ndarray]],
         except Exception as e:  # noqa: BLE001 - ORT/TensorRT raise their own types
             first = " ".join(str(e).split())[:240]
             problems.append(f"batch {b}: the file fails to run ({first})")
-            sus = _suspects(lint_results, ("shape_constants", "squeeze_axes"))
+            sus = _suspects(lint_results, ("dynamic_axes", "shape_constants", "squeeze_axes"))
             if sus and node is None:
                 node, fix = sus[0]["node"], sus[0]["fix"]
             continue
@@ -1302,7 +1303,7 @@ def check_export(model, onnx_path: Path | str, feed: dict[str, np.ndarray], *,
         feed: ``{model input name: array}`` in ``forward`` order, batch on axis 0 (>= 2 rows
             for the batch checks); real data where there is some.
         batches: batch sizes to compare (default: 1 and ``len(feed)``; a file with a static
-            batch is compared at that batch only).
+            batch and no ``declared`` axes is compared at that batch only).
         declared: dynamic axes declared at export (None: a file of unknown origin).
         example_batch: the export's example batch (stage 2: 3).
         exporter_warnings: captured exporter warnings (stage 2), see :func:`capture_warnings`.
@@ -1316,7 +1317,9 @@ def check_export(model, onnx_path: Path | str, feed: dict[str, np.ndarray], *,
         StageError: the file cannot be loaded.
     """
     onnx_model = onnx_graph.load(onnx_path)
-    static = onnx_graph.static_batch(onnx_model)
+    # A file of unknown origin with a static batch runs at that batch only; a file whose batch
+    # was declared dynamic (stage 2) is run at batch 1 and N whatever the graph says.
+    static = onnx_graph.static_batch(onnx_model) if declared is None else None
     n = len(next(iter(feed.values())))
     if static is not None:
         sizes = [static]
@@ -1337,7 +1340,9 @@ def check_export(model, onnx_path: Path | str, feed: dict[str, np.ndarray], *,
 
     lint_res = lint(onnx_model, example_batch=example_batch, against_torch=True)
     out = [r for r in lint_res if r["status"] != "skip"]
-    out += check_dynamic_axes(onnx_model, declared, example_batch, list(feed))
+    dyn = check_dynamic_axes(onnx_model, declared, example_batch, list(feed))
+    out += dyn
+    lint_res = lint_res + dyn  # a frozen input axis explains a run that fails at other batches
     if exporter_warnings is not None:
         ew = check_exporter_warnings(exporter_warnings, allow_tracer)
         out += ew
