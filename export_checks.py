@@ -474,7 +474,6 @@ def check_dynamic_axes(model, declared: dict[str, Sequence[int]] | None = None,
                     "specialised it", node=name, fix=fix))
     ins_dynamic = any(isinstance(v[0], str) for n, v in dims.items()
                       if v and n in {i for i, _, _ in onnx_graph.inputs(model)})
-    declared = dict(declared)
     for o in model.graph.output:
         d = dims[o.name][0] if dims.get(o.name) else None
         if (ins_dynamic and example_batch and isinstance(d, int) and d == example_batch
@@ -778,8 +777,10 @@ def keep_fp32_nodes(model, tensors: Iterable[str]) -> list[str]:
     return out
 
 
-class _RangeStat:
-    """Running |x| statistics of one tensor (float64 sums)."""
+class RangeStat:
+    """Running |x| statistics of one tensor over chunks (float64 sums): ``amax`` (max |x|, inf
+    if a value is not finite), ``l1`` (sum |x|), ``l1_small`` (sum of the nonzero |x| below
+    FP16's smallest normal), ``n`` (finite values seen). ``update(array)`` adds a chunk."""
 
     __slots__ = ("amax", "l1", "l1_small", "n", "acc")
 
@@ -838,13 +839,13 @@ def fp16_range_audit(fp32_model, feed: dict[str, np.ndarray], fp16_model=None, *
     # Reductions computed in FP16 (their input is held in FP16).
     reds = {n.output[0]: n for n in m32.graph.node if n.op_type in ACCUMULATING_REDUCTIONS
             and (held is None or n.input[0] in held)}
-    stats: dict[str, _RangeStat] = {}
+    stats: dict[str, RangeStat] = {}
     acc: dict[str, float] = {}
     for acts, _ in layerwise.ort_activations(m32, feed, batch=batch, opt_level="disable"):
         for name, a in acts.items():
             if not np.issubdtype(np.asarray(a).dtype, np.floating):
                 continue
-            stats.setdefault(name, _RangeStat()).update(a)
+            stats.setdefault(name, RangeStat()).update(a)
             if name in reds and reds[name].input[0] in acts and np.size(a):
                 top = float(np.abs(a).max())
                 if ACCUMULATING_REDUCTIONS[reds[name].op_type] == "l2":
@@ -854,7 +855,7 @@ def fp16_range_audit(fp32_model, feed: dict[str, np.ndarray], fp16_model=None, *
                 acc[name] = max(acc.get(name, 0.0), run)
     for name in feed:  # graph inputs (cast to FP16 by keep_io_types)
         if np.issubdtype(np.asarray(feed[name]).dtype, np.floating):
-            stats.setdefault(name, _RangeStat()).update(feed[name])
+            stats.setdefault(name, RangeStat()).update(feed[name])
     out = []
     n_judged = 0
     for name, st in stats.items():

@@ -388,12 +388,12 @@ def activation_stats(onnx_path: Path, calib: Path, batch: int = 10, sample: int 
     rng = np.random.default_rng(seed)
     samples = defaultdict(list)
     chmax: dict[str, np.ndarray] = {}
-    ranges: dict[str, export_checks._RangeStat] = {}
+    ranges: dict[str, export_checks.RangeStat] = {}
     for outs, _ in layerwise.ort_activations(model, feed, batch=run_batch, opt_level="disable"):
         for nm, a in outs.items():
             if not np.issubdtype(np.asarray(a).dtype, np.floating) or np.size(a) == 0:
                 continue
-            ranges.setdefault(nm, export_checks._RangeStat()).update(a)
+            ranges.setdefault(nm, export_checks.RangeStat()).update(a)
             a = np.abs(np.asarray(a, np.float32))
             flat = a.ravel()
             samples[nm].append(flat if flat.size <= sample else
