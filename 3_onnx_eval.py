@@ -18,6 +18,7 @@ flags a backend disagreement when top-1 differs by more than ``--cross-check-tol
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import sys
@@ -27,7 +28,12 @@ from pathlib import Path
 import numpy as np
 
 import common
+import evaluate
 import onnx_graph
+import runners
+import variants
+
+STAGE = "3_onnx_eval"
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -37,7 +43,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     common.add_shared_args(p, "model")
     p.add_argument("--precision", default="auto",
                    help="FP32/FP16/INT8/INT4 label for the report (auto: read from the file)")
-    p.add_argument("--ep", default=os.environ.get("ORT_EP", "cpu"), choices=sorted(common.ORT_EPS),
+    p.add_argument("--ep", default=os.environ.get("ORT_EP", "cpu"), choices=sorted(runners.ORT_EPS),
                    help="execution provider to ask for (default from $ORT_EP)")
     p.add_argument("--allow-cpu-fallback", action="store_true",
                    help="run on CPU (and record it) if the requested GPU EP cannot be used")
@@ -61,74 +67,126 @@ def get_args_parser() -> argparse.ArgumentParser:
 
 
 def is_qdq(precision: str) -> bool:
+    """True for quantized (Q/DQ) precisions (INT8, INT4)."""
     return precision.startswith("INT")
 
 
-def cross_check(path: Path, x, y, spec, input_name: str, logits_main: np.ndarray,
-                n: int, tol: float, batch: int) -> dict:
+def cross_check(path: Path, data: evaluate.EvalData, logits_main: np.ndarray, n: int,
+                tol: float, batch: int) -> dict:
     """Top-1 of the first ``n`` images with ORT graph optimisations disabled vs the main session.
 
     Returns:
-        ``{"n", "top1_main", "top1_unoptimized", "top1_agreement", "disagreement": bool}``.
+        ``{"n", "top1_main", "top1_unoptimized", "top1_agreement", "tolerance_points",
+        "disagreement": bool}``.
     """
-    n = len(y) if n < 0 else min(n, len(y))
-    with common.OrtRunner(path, "cpu", opt_level="disable") as r:
-        ref = common.run_batched(r, x[:n], spec, input_name, batch)
-    t_main = common.topk_accuracy(logits_main[:n], y[:n], (1,))["top1"]
-    t_ref = common.topk_accuracy(ref, y[:n], (1,))["top1"]
+    n = len(data) if n < 0 else min(n, len(data))
+    sub = dataclasses.replace(data, x_u8=data.x_u8[:n], y=data.y[:n], files=data.files[:n],
+                              ref=None)
+    with runners.OrtRunner(path, "cpu", opt_level="disable") as r:
+        ref = next(iter(evaluate.run_outputs(r, sub, batch, progress="cross-check").values()))
+    t_main = common.topk_accuracy(logits_main[:n], sub.y, (1,))["top1"]
+    t_ref = common.topk_accuracy(ref, sub.y, (1,))["top1"]
     agree = float(100.0 * (ref.argmax(1) == logits_main[:n].argmax(1)).mean())
     return {"n": n, "top1_main": t_main, "top1_unoptimized": t_ref, "top1_agreement": agree,
             "tolerance_points": tol, "disagreement": bool(abs(t_main - t_ref) > tol)}
 
 
 def main(args: argparse.Namespace) -> dict:
+    """Evaluate ``--onnx`` on ORT and write ``results/<model>/<tag>.json``.
+
+    Returns:
+        the results row (:mod:`evaluate` schema).
+    Raises:
+        UsageError: bad flags or EP name. StageError: missing inputs, a session that cannot be
+            created or run (the failure is recorded in the row first).
+    """
     started = time.time()
+    common.check_positive(args, "limit", "batch_size", "latency_batch", "iters")
+    common.check_positive(args, "warmup", "threads", allow_zero=("warmup", "threads"))
     spec = common.model_spec(args.model)
     onnx_path = common.require(args.onnx, "2_export_onnx.py / 5_quantize.sh (whichever makes it)")
     precision = (onnx_graph.detect_precision(onnx_graph.load(onnx_path, external=False))
                  if args.precision == "auto" else args.precision)
     art = common.model_artifacts(args.model)
-    base = dict(ep_requested=common.ORT_EPS[args.ep], onnx=str(onnx_path),
-                opt_level=args.opt_level, disabled_optimizers=args.disable_optimizer)
-    for name in ("limit", "batch_size", "latency_batch", "iters"):
-        v = getattr(args, name)
-        if v is not None and v < 1:
-            raise common.UsageError(f"--{name.replace('_', '-')} must be >= 1 (got {v})")
-    data = None
+    variant = variants.variant_of_file(onnx_path)
+    base = dict(onnx=str(onnx_path), variant=variant.name if variant else None)
+    # Inputs are checked before any session exists, so a mismatch never overwrites a good row.
     if spec.classifier:
         ref_path = common.require(art / "ref_logits.npz", "1_pytorch_baseline.py")
-        # Checked before any session exists, so a mismatch never overwrites a good row.
-        x, y, files = common.load_split("eval", spec, args.limit)
-        data = (x, y, aligned_reference(ref_path, files, args.limit))
+        data = evaluate.classifier_data(spec, args.limit, ref_path)
     else:
-        ref_path = common.require(art / "ref_outputs.npz", "1_pytorch_baseline.py --input-shape ...")
-    try:
-        runner = common.OrtRunner(onnx_path, args.ep, args.allow_cpu_fallback, args.opt_level,
-                                  args.disable_optimizer, args.threads)
-    except common.StageError as e:
-        rec = common.result_record("3_onnx_eval", "ORT", precision, args.model, args.tag,
-                                   status="failed", reason=str(e), **base)
+        ref_path = art / "ref_outputs.npz"
+        data = evaluate.custom_data(ref_path)
+
+    def fail(reason: str, desc: dict | None = None) -> None:
+        rec = evaluate.base_record(STAGE, precision, args.model, args.tag, desc, backend="ORT",
+                                   status="failed", reason=reason, **base)
+        if desc is None:
+            rec["ep_requested"] = runners.ORT_EPS[args.ep]
         rec["provenance"] = common.provenance(args, [onnx_path], started)
         common.write_result(args.model, args.tag, rec)
-        raise
-    rec = common.result_record("3_onnx_eval", "ORT", precision, args.model, args.tag, **base,
-                               ep_used=runner.used, cpu_fallback=runner.fallback_reason)
+
     try:
-        return _evaluate(args, spec, onnx_path, precision, ref_path, data, runner, rec, started)
-    except Exception as e:
-        # ORT can load a model and still fail at the first run (e.g. a blocked
-        # DequantizeLinear whose axis disagrees with its scale): record why, then fail.
-        if isinstance(e, (common.UsageError, KeyboardInterrupt)):
+        runner = runners.OrtRunner(onnx_path, args.ep, args.allow_cpu_fallback, args.opt_level,
+                                   args.disable_optimizer, args.threads)
+    except common.StageError as e:
+        fail(str(e))
+        raise
+    with runner:
+        if data.classifier:
+            data.input_name = runner.input_names[0]
+        try:
+            rec, outputs = evaluate.evaluate(
+                runner, data, stage=STAGE, precision=precision, model=args.model, tag=args.tag,
+                args=args, started=started, inputs=[onnx_path, ref_path],
+                batch_size=args.batch_size, latency_batch=args.latency_batch,
+                warmup=args.warmup, iters=args.iters, size_mb=common.file_size_mb(onnx_path),
+                **base)
+        except (common.UsageError, KeyboardInterrupt):
             raise
-        msg = _short_ort_error(e)
-        failed = common.result_record("3_onnx_eval", "ORT", precision, args.model, args.tag,
-                                      status="failed", reason=f"inference failed: {msg}", **base,
-                                      ep_used=runner.used)
-        failed["provenance"] = common.provenance(args, [onnx_path], started)
-        common.write_result(args.model, args.tag, failed)
-        if isinstance(e, common.StageError):
-            raise
-        raise common.StageError(f"onnxruntime failed to run {onnx_path}: {msg}") from e
+        except Exception as e:  # noqa: BLE001
+            # ORT can load a model and still fail at the first run (e.g. a blocked
+            # DequantizeLinear whose axis disagrees with its scale): record why, then fail.
+            msg = _short_ort_error(e) if not isinstance(e, common.StageError) else str(e)
+            fail(f"inference failed: {msg}", runner.describe())
+            if isinstance(e, common.StageError):
+                raise
+            raise common.StageError(f"onnxruntime failed to run {onnx_path}: {msg}") from e
+    path = common.model_results(args.model) / f"{args.tag}.json"
+    print(f"{evaluate.summary_line(rec)} -> {path}")
+    # Diagnostics: after the row is written; they never change its status.
+    if (data.classifier and is_qdq(precision) and args.cross_check_images
+            and args.opt_level != "disable"):
+        cc = evaluate.diagnose(rec, "backend_cross_check", lambda: cross_check(
+            onnx_path, data, next(iter(outputs.values())), args.cross_check_images,
+            args.cross_check_tol, args.batch_size))
+        if cc and cc["disagreement"]:
+            print(f"WARNING: ORT backend disagreement on {onnx_path.name}: top-1 "
+                  f"{cc['top1_main']:.1f}% at opt level {args.opt_level} vs "
+                  f"{cc['top1_unoptimized']:.1f}% with graph optimisations disabled "
+                  f"({cc['n']} images). The ORT optimiser, not the quantization, changes "
+                  "the result: do not report this as a collapse.", file=sys.stderr)
+    if args.layerwise:
+        evaluate.diagnose(rec, "layerwise", lambda: _layerwise(args, spec, onnx_path, precision))
+    return rec
+
+
+def _layerwise(args, spec, onnx_path: Path, precision: str) -> dict:
+    """Layer-wise comparison with the FP32 ONNX on ORT CPU (``layerwise.py``); writes
+    ``results/<model>/layerwise_<tag>/`` and returns a summary for the row."""
+    import layerwise
+
+    ref_onnx = common.require(common.model_artifacts(args.model) / "onnx" / "fp32.onnx",
+                              "2_export_onnx.py")
+    feed = layerwise.load_feed(None, args.model if spec.classifier else None,
+                               args.layerwise_images, ref_onnx)
+    out_dir = common.model_results(args.model) / f"layerwise_{args.tag}"
+    res = layerwise.run_layer_diff(ref_onnx, onnx_path, feed, ep_b=args.ep,
+                                   precision=precision.lower(), opt_level=args.opt_level,
+                                   out_dir=out_dir)
+    print(layerwise.render_table(res, max_rows=40))
+    return {"out_dir": str(out_dir), "first_divergent": res.get("first_divergent"),
+            "verdict": res.get("verdict"), "summary": res.get("summary")}
 
 
 def _short_ort_error(e: Exception) -> str:
@@ -140,89 +198,6 @@ def _short_ort_error(e: Exception) -> str:
         detail = detail.split(" was false. ", 1)[1]
     head = f"{type(e).__name__}" + (f" in node {node.group(1)}" if node else "")
     return f"{head}: {detail[-300:]}"
-
-
-def aligned_reference(ref_path: Path, files: list[str], limit: int | None) -> np.ndarray:
-    """Reference logits ``[N, C]`` for the eval ``files`` (:func:`common.align_reference`).
-
-    Raises:
-        StageError: the reference does not cover every file (stage 1 ran with a smaller
-            ``--limit`` or on another split); the message says which rerun fixes it.
-    """
-    logits, mask = common.align_reference(ref_path, files)
-    if not mask.all():
-        with np.load(ref_path) as z:
-            n_ref = len(z["files"])
-        hint = (f"pass --limit {n_ref} (or less), or rerun 1_pytorch_baseline.py "
-                "without --limit" if n_ref < len(files) else
-                "rerun 1_pytorch_baseline.py after 0_prepare_data.py")
-        raise common.StageError(
-            f"{ref_path} covers {n_ref} eval images but {int((~mask).sum())} of the "
-            f"{len(files)} asked for (--limit {limit}) are not among them: {hint}")
-    return logits
-
-
-def _evaluate(args, spec, onnx_path: Path, precision: str, ref_path: Path, data, runner,
-              rec: dict, started: float) -> dict:
-    """Accuracy, parity, cross-check and latency of an open ORT session; writes the row."""
-    with runner:
-        if spec.classifier:
-            x, y, ref_logits = data
-            inp = runner.input_names[0]
-            logits = common.run_batched(runner, x, spec, inp, args.batch_size)
-            acc = common.topk_accuracy(logits, y)
-            par = common.parity(ref_logits, logits)
-            rec.update(n_images=len(y), accuracy=acc, parity=par)
-            feed = {inp: common.normalize(x[:args.latency_batch], spec.mean, spec.std)}
-            if is_qdq(precision) and args.cross_check_images and args.opt_level != "disable":
-                cc = cross_check(onnx_path, x, y, spec, inp, logits, args.cross_check_images,
-                                 args.cross_check_tol, args.batch_size)
-                rec["backend_cross_check"] = cc
-                if cc["disagreement"]:
-                    print(f"WARNING: ORT backend disagreement on {onnx_path.name}: top-1 "
-                          f"{cc['top1_main']:.1f}% at opt level {args.opt_level} vs "
-                          f"{cc['top1_unoptimized']:.1f}% with graph optimisations disabled "
-                          f"({cc['n']} images). The ORT optimiser, not the quantization, changes "
-                          "the result: do not report this as a collapse.", file=sys.stderr)
-            summary = (f"top-1 {acc['top1']:.2f}% top-5 {acc['top5']:.2f}% cosine "
-                       f"{par['cosine_mean']:.5f} top-1 agreement {par['top1_agreement']:.1f}%")
-        else:
-            with np.load(ref_path) as z:
-                feed_ref = {k[3:]: z[k] for k in z.files if k.startswith("in:")}
-                ref_out = {k[4:]: z[k] for k in z.files if k.startswith("out:")}
-            outs = runner.infer(feed_ref)
-            rec["parity_outputs"] = {
-                name: common.parity(ref, o) for (name, ref), o in zip(ref_out.items(),
-                                                                      outs.values())}
-            rec["parity"] = next(iter(rec["parity_outputs"].values()))
-            rec.update(accuracy=None, reason_accuracy="not an ImageNet classifier")
-            feed = {k: v[:args.latency_batch] for k, v in feed_ref.items()}
-            summary = f"cosine min {rec['parity']['cosine_min']:.6f} (accuracy does not apply)"
-        times = common.time_callable(lambda: runner.infer(feed), args.warmup, args.iters)
-    rec["latency"] = common.latency_stats(times, args.latency_batch)
-    rec["latency_timer"] = "time.perf_counter around InferenceSession.run"
-    rec["harness_overhead_ms"] = common.null_backend_ms()
-    rec["size_mb"] = common.file_size_mb(onnx_path)
-    rec["device"] = "cpu" if runner.used == "CPUExecutionProvider" else "cuda"
-    rec["provenance"] = common.provenance(args, [onnx_path, ref_path], started)
-    path = common.write_result(args.model, args.tag, rec)
-    print(f"ORT {precision} ({runner.used}) {onnx_path.name}: {summary}; batch-"
-          f"{args.latency_batch} p50 {rec['latency']['p50_ms']:.3f} ms -> {path}")
-    if args.layerwise:
-        try:
-            import layerwise
-        except ImportError as e:
-            raise common.StageError("--layerwise needs layerwise.py beside this script") from e
-        ref_onnx = common.require(art / "onnx" / "fp32.onnx", "2_export_onnx.py")
-        feed = layerwise.load_feed(None,
-                                   args.model if spec.classifier else None,
-                                   args.layerwise_images, ref_onnx)
-        res = layerwise.run_layer_diff(
-            ref_onnx, onnx_path, feed, ep_b=args.ep, precision=precision.lower(),
-            opt_level=args.opt_level,
-            out_dir=common.model_results(args.model) / f"layerwise_{args.tag}")
-        print(layerwise.render_table(res, max_rows=40))
-    return rec
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ quantized model is never calibrated on the images it is scored on.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from pathlib import Path
 

@@ -163,8 +163,7 @@ def weight_cosine(src_model, q_model, fixed: list[dict]) -> None:
                                           rec["block_size"], zp)
         if wf is None or wf.shape != wq.shape:
             continue
-        a, b = wf.ravel().astype(np.float64), wq.ravel()
-        rec["cosine_vs_float"] = float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-300))
+        rec["cosine_vs_float"] = float(common.cosine_rows(wf.ravel(), wq.ravel())[0])
 
 
 def run_modelopt(src: Path, dst: Path, log: Path, calib: Path | None, method: str, block: int,

@@ -6,9 +6,11 @@ Writes: ``results/<model>/REPORT.md``, ``results/<model>/REPORT.csv`` and a copy
         at ``results/REPORT.md`` (the last model reported).
 Rerun:  ``python 8_report.py --model efficientnet_lite0``
 
-Columns: backend, precision, top-1, top-5, delta top-1 (points vs the PyTorch FP32 row), mean ms,
-FPS, speedup (PyTorch FP32 mean ms on the same device / this row's mean ms; "n/a" when no PyTorch
-row ran on that device), size MB, cosine similarity and top-1 agreement (vs PyTorch FP32 logits).
+Columns: backend, precision, top-1, top-5, delta top-1 (points vs the PyTorch FP32 row), batch-1
+end-to-end p50 ms, GPU Compute Time p50 ms (GPU rows), FPS (batch 1, from the mean), speedup
+(PyTorch FP32 end-to-end p50 on the same device / this row's; "n/a" when no PyTorch row ran on
+that device; medians resist the stalls of a shared machine), size MB, cosine similarity and top-1
+agreement (vs PyTorch FP32 logits).
 Rows that could not run (skipped / failed) are listed with the reason; numbers are only ever
 copied from the JSON of a real run.
 """
@@ -18,16 +20,17 @@ import argparse
 import csv
 import io
 import json
-import os
 import shutil
 import time
 from pathlib import Path
 
 import common
+import evaluate
 import variants
 
 COLUMNS = ["backend", "precision", "tag", "EP/device", "images", "top-1 %", "top-5 %",
-           "delta top-1", "mean ms", "FPS", "speedup", "size MB", "cosine sim", "top-1 agree %",
+           "delta top-1", "p50 ms", "GPU compute p50 ms", "FPS", "speedup", "size MB",
+           "cosine sim", "top-1 agree %",
            "status"]
 
 # Row order: the hops of the pipeline, then precision, then the variant registry's order.
@@ -88,24 +91,24 @@ def table_rows(rows: list[dict]) -> list[dict]:
     base = next((r for r in rows if r["backend"] == "PyTorch" and r["status"] == "ok"
                  and (r.get("accuracy") or {}).get("top1") is not None), None)
     base_top1 = base["accuracy"]["top1"] if base else None
-    # Speedup from medians (p50): robust to the stalls a shared machine adds to the mean.
-    pt_ms = {r.get("device", "cpu"): r["latency"]["p50_ms"] for r in rows
-             if r["backend"] == "PyTorch" and r["status"] == "ok" and r.get("latency")}
+    pt_ms = {r.get("device") or "cpu": evaluate.primary_latency(r)["p50_ms"] for r in rows
+             if r["backend"] == "PyTorch" and r["status"] == "ok"
+             and evaluate.primary_latency(r).get("p50_ms")}
     out = []
     for r in rows:
         acc = r.get("accuracy") or {}
-        lat = r.get("latency") or {}
+        lat = evaluate.primary_latency(r)
+        gpu = (r.get("latency") or {}).get("gpu_compute_ms") or {}
         par = r.get("parity") or {}
-        dev = r.get("device", "cpu")
-        ep = r.get("ep_used") or r.get("device") or ""
-        ep = ep.replace("ExecutionProvider", " EP")
+        dev = r.get("device") or "cpu"
+        ep = (r.get("ep_used") or dev).replace("ExecutionProvider", " EP")
         if r.get("cpu_fallback"):
             ep += " (fallback)"
         status = r["status"]
         if r.get("reason"):
             status += f": {r['reason'].splitlines()[0][:320]}"
-        cc = r.get("backend_cross_check")
-        if cc and cc.get("disagreement"):
+        cc = (r.get("diagnostics") or {}).get("backend_cross_check") or {}
+        if cc.get("disagreement"):
             status += (f"; BACKEND DISAGREEMENT: top-1 {cc['top1_unoptimized']:.1f}% with ORT "
                        f"optimisations disabled ({cc['n']} images)")
         if lat.get("mean_ms") and lat.get("p50_ms") and lat["mean_ms"] > 1.5 * lat["p50_ms"]:
@@ -119,7 +122,8 @@ def table_rows(rows: list[dict]) -> list[dict]:
             "top-5 %": _fmt(acc.get("top5")),
             "delta top-1": _fmt(top1 - base_top1) if top1 is not None and base_top1 is not None
             else "",
-            "mean ms": _fmt(lat.get("mean_ms"), 3), "FPS": _fmt(lat.get("fps"), 1),
+            "p50 ms": _fmt(lat.get("p50_ms"), 3), "GPU compute p50 ms": _fmt(gpu.get("p50_ms"), 3),
+            "FPS": _fmt(lat.get("fps"), 1),
             "speedup": f"{speed:.2f}x" if speed else ("n/a" if lat else ""),
             "size MB": _fmt(r.get("size_mb")),
             "cosine sim": _fmt(par.get("cosine_mean"), 5) if par else
@@ -160,9 +164,10 @@ def render_markdown(model: str, rows: list[dict], data: dict | None,
                   f"{v.get('onnxruntime') or v.get('onnxruntime-gpu')}, modelopt "
                   f"{v.get('nvidia-modelopt')}, TensorRT {v.get('tensorrt') or 'not installed'}; "
                   f"git {prov.get('git_sha')}.\n\n")
-    buf.write("Latency: batch 1, mean of timed runs after warm-up (p50/p90/p99 in the JSON); "
-              "speedup = PyTorch FP32 p50 / this row's p50, on the same device. Parity vs "
-              "PyTorch FP32 logits.\n\n")
+    buf.write("Latency: batch 1, median (p50) of the timed runs after warm-up, end to end (host "
+              "arrays in and out); GPU rows also give the GPU Compute Time (CUDA events); p90/p99 "
+              "and the timer of each row are in its JSON. Speedup = PyTorch FP32 p50 / this "
+              "row's p50, on the same device. Parity vs PyTorch FP32 logits.\n\n")
     buf.write("| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS) + "\n")
     for t in trs:
         buf.write("| " + " | ".join(t[c].replace("|", "/") for c in COLUMNS) + " |\n")

@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 import common
+import runners
 import onnx_graph
 from onnx_graph import QDQ_OPS, attr, constants, consumers, producers
 
@@ -379,7 +380,7 @@ def activation_stats(onnx_path: Path, calib: Path, batch: int = 10, sample: int 
     for nm in names:
         model.graph.output.append(onnx.helper.make_tensor_value_info(nm, types[nm], None))
     names = names + list(existing)
-    so = common.ort_session_options("disable")
+    so = runners.ort_session_options("disable")
     sess = ort.InferenceSession(model.SerializeToString(), so,
                                 providers=["CPUExecutionProvider"])
     in_name = sess.get_inputs()[0].name
@@ -451,7 +452,7 @@ def ort_smoke(path: Path) -> dict:
     import onnxruntime as ort
 
     try:
-        sess = ort.InferenceSession(str(path), common.ort_session_options("all"),
+        sess = ort.InferenceSession(str(path), runners.ort_session_options("all"),
                                     providers=["CPUExecutionProvider"])
         feed = {}
         for i in sess.get_inputs():
