@@ -21,6 +21,7 @@ import csv
 import io
 import json
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -43,26 +44,89 @@ def _variant(r: dict) -> str:
     return r.get("variant") or (tag.split("_", 1)[1] if "_" in tag else tag)
 
 
+def _is_rerun(r: dict) -> bool:
+    """True for a rerun's failure kept beside a good row (``<tag>.failed.json``,
+    :func:`common.write_result`)."""
+    return r.get("_file", f"{r['tag']}.json") != f"{r['tag']}.json"
+
+
 def _sort_key(r: dict) -> tuple:
     return (_ORDER.get(r["backend"], 9), variants.PRECISION_ORDER.get(r["precision"][:4], 9),
-            variants.order(_variant(r)), r["tag"])
+            variants.order(_variant(r)), r["tag"], _is_rerun(r))
+
+
+# Types of the row fields the report reads (``evaluate`` schema); None is always allowed for the
+# optional ones. A row that breaks them is listed as "invalid" naming the file and the field.
+_NUM = (int, float)
+_FIELDS = {"backend": (str,), "precision": (str,), "tag": (str,), "status": (str,),
+           "reason": (str, type(None)), "device": (str, type(None)),
+           "ep_used": (str, type(None)), "n_images": (int, type(None)),
+           "size_mb": _NUM + (type(None),), "accuracy": (dict, type(None)),
+           "parity": (dict, type(None)), "latency": (dict, type(None)),
+           "diagnostics": (dict, type(None)), "reference": (str, type(None))}
+_NESTED = {"accuracy": ("top1", "top5"), "parity": ("cosine_mean", "top1_agreement")}
+_LATENCY = ("end_to_end_ms", "gpu_compute_ms")
+_STATS = ("p50_ms", "mean_ms", "fps")
+
+
+def row_problem(rec: dict) -> str | None:
+    """The first field of ``rec`` whose type the report cannot use, as ``"field X is T
+    (value), expected ..."``; None when the row is usable."""
+    def bad(name, v, types):
+        want = " or ".join("null" if t is type(None) else {"str": "a string", "int": "an "
+                           "integer", "float": "a number", "dict": "an object"}[t.__name__]
+                           for t in types)
+        return f"field {name} is {type(v).__name__} ({json.dumps(v)[:40]}), expected {want}"
+
+    for name, types in _FIELDS.items():
+        v = rec.get(name)
+        if (name in ("backend", "precision", "tag", "status") or v is not None) and (
+                not isinstance(v, types) or isinstance(v, bool)):
+            return bad(name, v, types)
+    for name, keys in _NESTED.items():
+        for k in keys:
+            v = (rec.get(name) or {}).get(k)
+            if v is not None and (not isinstance(v, _NUM) or isinstance(v, bool)):
+                return bad(f"{name}.{k}", v, _NUM)
+    for block in _LATENCY:
+        stats = (rec.get("latency") or {}).get(block)
+        if stats is not None and not isinstance(stats, dict):
+            return bad(f"latency.{block}", stats, (dict,))
+        for k in _STATS:
+            v = (stats or {}).get(k)
+            if v is not None and (not isinstance(v, _NUM) or isinstance(v, bool)):
+                return bad(f"latency.{block}.{k}", v, _NUM)
+    return None
 
 
 def load_rows(folder: Path) -> list[dict]:
     """Results records in ``folder`` that describe a backend run, in pipeline order.
 
-    Raises:
-        StageError: a JSON file cannot be parsed (named).
+    A file that is not valid JSON, or whose fields have types the report cannot use, becomes
+    an ``invalid`` row naming the file and the field (and a warning), so one bad file never
+    hides the others.
     """
     rows = []
     for f in sorted(folder.glob("*.json")):
+        problem, rec = None, None
         try:
             rec = json.loads(f.read_text())
-        except json.JSONDecodeError as e:
-            raise common.StageError(f"{f} is not valid JSON ({e}); rerun the stage that wrote it")
-        if isinstance(rec, dict) and "backend" in rec:
-            rec["_file"] = f.name
-            rows.append(rec)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            problem = f"not valid JSON ({e})"
+        if rec is not None and not (isinstance(rec, dict) and "backend" in rec):
+            continue  # data.json, export.json, quant_*.json, ...: not a backend row
+        if problem is None:
+            problem = row_problem(rec)
+        if problem is not None:
+            print(f"WARNING: {f}: {problem}: listed as invalid; rerun the stage that wrote it",
+                  file=sys.stderr)
+            tag = rec.get("tag") if isinstance(rec, dict) and isinstance(rec.get("tag"), str) \
+                else f.stem
+            rec = common.result_record("8_report", str(rec.get("backend")) if isinstance(
+                rec, dict) else "?", "?", "", tag, status="invalid",
+                reason=f"{f.name}: {problem}; rerun the stage that wrote it")
+        rec["_file"] = f.name
+        rows.append(rec)
     rows.sort(key=_sort_key)
     return rows
 
@@ -105,6 +169,8 @@ def table_rows(rows: list[dict]) -> list[dict]:
         if r.get("cpu_fallback"):
             ep += " (fallback)"
         status = r["status"]
+        if _is_rerun(r):
+            status = f"latest rerun {status} ({r['_file']}; the ok row above is kept)"
         if r.get("reason"):
             status += f": {r['reason'].splitlines()[0][:320]}"
         cc = (r.get("diagnostics") or {}).get("backend_cross_check") or {}
@@ -130,6 +196,40 @@ def table_rows(rows: list[dict]) -> list[dict]:
             ("reference" if r.get("reference") else ""),
             "top-1 agree %": _fmt(par.get("top1_agreement"), 1), "status": status})
     return out
+
+
+def summary_line(rows: list[dict]) -> str:
+    """One console line: the fastest row within 1 point of the PyTorch FP32 top-1 (the best
+    recipe), its speedup, and the rows that did not run ok."""
+    trs = {id(r): t for r, t in zip(rows, table_rows(rows))}
+    base = next((r for r in rows if r["backend"] == "PyTorch" and r["status"] == "ok"
+                 and (r.get("accuracy") or {}).get("top1") is not None), None)
+    good = [r for r in rows if r["backend"] != "PyTorch" and r["status"] == "ok"
+            and not _is_rerun(r) and (r.get("accuracy") or {}).get("top1") is not None
+            and (base is None or r["accuracy"]["top1"] >= base["accuracy"]["top1"] - 1.0)]
+
+    def speed(r):
+        v = trs[id(r)]["speedup"]
+        return float(v[:-1]) if v.endswith("x") else 0.0
+
+    parts = []
+    if good:
+        b = max(good, key=lambda r: (speed(r), r["accuracy"]["top1"]))
+        parts.append(f"best recipe {b['tag']} ({b['precision']}, top-1 "
+                     f"{b['accuracy']['top1']:.2f}%"
+                     + (f" ({b['accuracy']['top1'] - base['accuracy']['top1']:+.2f} points vs "
+                        f"{base['tag']})" if base else "")
+                     + f", speedup {trs[id(b)]['speedup'] or 'n/a'})")
+    else:
+        parts.append("no converted row within 1 point of PyTorch FP32 top-1")
+    parts.append(f"{sum(r['status'] == 'ok' for r in rows)} ok")
+    for st in ("failed", "invalid", "skipped", "not run"):
+        tags = [r["tag"] for r in rows if r["status"] == st]
+        if tags:
+            parts.append(f"{len(tags)} {st}"
+                         + (f" ({', '.join(tags[:4])}{', ...' if len(tags) > 4 else ''})"
+                            if st != "skipped" else ""))
+    return "summary: " + "; ".join(parts)
 
 
 def split_builds(rows: list[dict]) -> tuple[list[dict], list[dict]]:
@@ -191,13 +291,15 @@ def main(args: argparse.Namespace) -> Path:
     started = time.time()
     folder = common.model_results(args.model)
     rows = load_rows(folder) if folder.is_dir() else []
+    if rows:
+        common.check_writable(folder, common.results_dir())
     if not rows:
         raise common.StageError(f"no results in {folder}: run the stages first "
                                 "(bash run_all.sh)")
     if common.model_spec(args.model).classifier:
         rows = sorted(missing_rows(rows, args.model) + rows, key=_sort_key)
     data_file = folder / "data.json"
-    data = json.loads(data_file.read_text()) if data_file.exists() else None
+    data = common.load_json(data_file, "0_prepare_data.py") if data_file.exists() else None
     trs = table_rows(split_builds(rows)[0])
     md = render_markdown(args.model, rows, data, trs)
     md += f"\nGenerated by `python 8_report.py --model {args.model}` in " \
@@ -213,6 +315,7 @@ def main(args: argparse.Namespace) -> Path:
     with common.atomic_path(common.results_dir() / "REPORT.md") as tmp:
         shutil.copyfile(out_md, tmp)
     print(md)
+    print(summary_line(split_builds(rows)[0]))
     return out_md
 
 

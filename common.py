@@ -9,7 +9,7 @@ Conventions
 - Logits: float32 ``[N, 1000]`` for ImageNet classifiers.
 - Latency: milliseconds (ms); sizes: megabytes (MB = 1e6 bytes).
 - Errors: a stage raises :class:`StageError` (exit 1) for runtime failures and
-  :class:`UsageError` (exit 2, help text printed) for bad arguments; :func:`cli` maps them.
+  :class:`UsageError` (exit 2, usage line + error, as argparse does) for bad arguments; :func:`cli` maps them.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ import time
 import zipfile
 import zlib
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -50,13 +50,14 @@ class StageError(RuntimeError):
 
 
 class UsageError(ValueError):
-    """Bad command-line input. Exit status 2, with the stage's help text."""
+    """Bad command-line input. Exit status 2, with the usage line and the message."""
 
 
 def cli(get_args_parser: Callable[[], Any], main: Callable[[Any], Any]) -> None:
     """Run ``main(parser.parse_args())`` with the project's exit-status convention.
 
-    argparse itself exits 2 on unknown flags; :class:`UsageError` also exits 2 (help printed);
+    argparse itself exits 2 on unknown flags; :class:`UsageError` also exits 2 (usage line
+    and error printed, as argparse does; ``--help`` lists every flag);
     :class:`StageError` exits 1 with its message; other exceptions propagate (traceback, 1).
     """
     parser = get_args_parser()
@@ -315,6 +316,21 @@ def write_json(path: Path | str, obj: Any) -> Path:
     with atomic_path(path) as tmp:
         tmp.write_text(json.dumps(_jsonable(obj), indent=2, sort_keys=False, allow_nan=False) + "\n")
     return path
+
+
+def load_json(path: Path | str, producer: str | None = None) -> Any:
+    """Parse a JSON file.
+
+    Raises:
+        StageError: missing, unreadable or not valid JSON; names the file (and ``producer``,
+            the command that rewrites it, when given).
+    """
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise StageError(f"{path} is unreadable ({type(e).__name__}: {e})"
+                         + (f": rerun {producer}" if producer else "")) from e
 
 
 def _jsonable(obj: Any) -> Any:
@@ -695,8 +711,8 @@ def _read_labels_csv(csv: Path, known: dict[str, int]) -> dict[str, str]:
             continue  # blank line or the header "ImageId,PredictionString"
         image_id, sep, pred = line.partition(",")
         image_id, tokens = image_id.strip(), pred.split()
-        fix = (f"fix or delete that line (format: 'ImageId,WNID x_min y_min x_max y_max ...', "
-               f"as in ImageNet's LOC_val_solution.csv), or pass --labels-csv another file")
+        fix = ("fix or delete that line (format: 'ImageId,WNID x_min y_min x_max y_max ...', "
+               "as in ImageNet's LOC_val_solution.csv), or pass --labels-csv another file")
         if not sep or not image_id or not tokens:
             raise StageError(f"{csv}, line {n}: malformed line {line[:100]!r}: {fix}")
         if tokens[0] not in known:
@@ -830,8 +846,9 @@ def _full_scale(mode: str, a: np.ndarray) -> float:
     return hi
 
 
-def to_rgb8(im) -> "Image.Image":
-    """Convert a loaded PIL image of any common mode to 8-bit RGB with its real contents.
+def to_rgb8(im):
+    """Convert a loaded PIL image of any common mode to an 8-bit RGB PIL image with its real
+    contents.
 
     Pillow's ``convert("RGB")`` clips 16-bit and 32-bit values to 255 (a 16-bit PNG turns white)
     and drops alpha, keeping whatever colour transparent pixels happen to store. Here:
@@ -1013,19 +1030,16 @@ def load_splits() -> dict:
         StageError: missing, or not a valid split file (named, with the rerun that fixes it).
     """
     path = require(splits_path(), "0_prepare_data.py")
-    try:
-        split = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise StageError(f"{path} is unreadable ({type(e).__name__}: {e}): rerun "
-                         "0_prepare_data.py") from e
+    split = load_json(path, "0_prepare_data.py")
     if not isinstance(split, dict) or not all(isinstance(split.get(k), list)
                                               for k in ("eval", "calib")):
         raise StageError(f"{path} has no eval/calib lists: rerun 0_prepare_data.py")
     return split
 
 
-def load_npz(path: Path | str, keys: Sequence[str], producer: str) -> dict[str, np.ndarray]:
-    """Read arrays ``keys`` of an ``.npz`` file completely (no pickles).
+def load_npz(path: Path | str, keys: Sequence[str] | None, producer: str
+             ) -> dict[str, np.ndarray]:
+    """Read arrays ``keys`` (None: all) of an ``.npz`` file completely (no pickles).
 
     Args:
         path: the file. keys: arrays that must be there. producer: the command that rewrites
@@ -1040,6 +1054,7 @@ def load_npz(path: Path | str, keys: Sequence[str], producer: str) -> dict[str, 
     try:
         with np.load(path, allow_pickle=False) as z:
             names = set(z.files)
+            keys = list(z.files) if keys is None else keys
             out = {k: z[k] for k in keys if k in names}
     except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, zlib.error) as e:
         raise StageError(f"{path} is unreadable ({type(e).__name__}: {e}); it is truncated or "
@@ -1384,14 +1399,44 @@ def result_record(stage: str, backend: str, precision: str, model: str, tag: str
             "tag": tag, "status": status, "reason": reason, **fields}
 
 
+def result_sidecars(model: str, tag: str) -> list[Path]:
+    """The ``<tag>.failed.json`` / ``<tag>.skipped.json`` files that hold a rerun's failure
+    beside an earlier good row (:func:`write_result`)."""
+    folder = model_results(model)
+    return [folder / f"{tag}.{s}.json" for s in ("failed", "skipped")]
+
+
+def _row_status(path: Path) -> str | None:
+    """``status`` of an existing results row (None when absent or unreadable)."""
+    try:
+        rec = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return rec.get("status") if isinstance(rec, dict) else None
+
+
 def write_result(model: str, tag: str, record: dict) -> Path:
-    """Write ``results/<model>/<tag>.json`` atomically and return its path.
+    """Write ``results/<model>/<tag>.json`` atomically and return the path written.
+
+    An earlier good row is never replaced by a failure: when ``record`` is not ``ok`` and
+    ``<tag>.json`` holds an ``ok`` row, the record goes to ``<tag>.<status>.json`` beside it
+    (the report shows both) and a note says so. An ``ok`` record removes such leftovers.
 
     Raises:
         UsageError: ``tag`` is not a plain file name (:func:`safe_name`).
     """
     path = model_results(model) / f"{safe_name(tag)}.json"
+    status = record.get("status")
+    if status != "ok" and _row_status(path) == "ok":
+        side = path.with_name(f"{tag}.{safe_name(str(status), 'status')}.json")
+        write_json(side, record)
+        print(f"note: {path} holds a good row of an earlier run: kept; this {status} run is "
+              f"recorded in {side.name} (the report lists both)", file=sys.stderr)
+        return side
     write_json(path, record)
+    if status == "ok":
+        for side in result_sidecars(model, tag):
+            side.unlink(missing_ok=True)
     return path
 
 
