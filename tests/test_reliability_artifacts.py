@@ -302,3 +302,28 @@ def test_layerwise_diff_with_different_input_names_says_how_to_map(tmp_path):
     p = subprocess.run(base + ["--map-input", "nope=x"], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=300)
     assert p.returncode == 2 and "--map-input 'nope=x'" in p.stderr
+
+
+# ------------------------------------------------------------------------------- stage 5
+def test_stage5_modelopt_failure_leaves_no_temporaries(tmp_path):
+    """A calibration npz whose key does not match the model's input: ModelOpt fails (or the
+    calibration check refuses it first); none of ModelOpt's intermediate files
+    (fp32_opset19.onnx, fp32_reconciled.onnx) or work folders may stay behind."""
+    pytest.importorskip("modelopt.onnx.quantization")
+    from tests.test_quant import _save, conv_model
+
+    d = tmp_path / "a" / "tiny"
+    (d / "onnx").mkdir(parents=True)
+    _save(conv_model(size=32), d / "onnx" / "fp32.onnx")
+    np.savez(d / "calib.npz", not_the_input=np.random.default_rng(0).standard_normal(
+        (8, 3, 32, 32)).astype(np.float32))
+    env = dict(os.environ, ARTIFACTS=str(tmp_path / "a"), RESULTS=str(tmp_path / "r"),
+               MODEL="tiny", PYTHON=sys.executable, EPS="cpu")
+    import subprocess
+
+    p = subprocess.run(["bash", "5_quantize.sh", "int8_hp32"], cwd=ROOT, capture_output=True,
+                       text=True, env=env, timeout=600)
+    assert p.returncode == 1
+    left = sorted(f.name for f in (d / "onnx").iterdir())
+    assert [f for f in left if f.endswith(".onnx")] == ["fp32.onnx"], left
+    assert not [f for f in left if f.startswith(".tmp")], left
