@@ -672,13 +672,23 @@ SUBSET_FLAG = "--allow-class-subset (run_all.sh: ALLOW_CLASS_SUBSET=1)"
 def imagenet_wnids() -> tuple[str, ...]:
     """The 1000 ImageNet-1k WNIDs in class-index order.
 
-    Source: ``timm.data.ImageNetInfo("imagenet-1k").label_names()`` (timm >= 0.9). The order is
-    the sorted WNID order that torchvision's ``ImageFolder`` gives ImageNet and that the
-    torchvision/timm ImageNet weights are trained with, so class index = position here.
+    Source: timm's ImageNet-1k synset list (``timm/data/_info/imagenet_synsets.txt``, the file
+    behind ``timm.data.ImageNetInfo("imagenet-1k").label_names()``, timm >= 0.9), read directly
+    because importing timm takes seconds; ``ImageNetInfo`` when the file is not where expected.
+    The order is the sorted WNID order that torchvision's ``ImageFolder`` gives ImageNet and
+    that the torchvision/timm ImageNet weights are trained with: class index = position here.
     """
-    from timm.data import ImageNetInfo
+    import importlib.util
 
-    wnids = tuple(ImageNetInfo("imagenet-1k").label_names())
+    spec = importlib.util.find_spec("timm")
+    txt = (Path(spec.submodule_search_locations[0]) / "data" / "_info" / "imagenet_synsets.txt"
+           if spec and spec.submodule_search_locations else None)
+    if txt is not None and txt.is_file():
+        wnids = tuple(w.strip() for w in txt.read_text().splitlines() if w.strip())
+    else:
+        from timm.data import ImageNetInfo
+
+        wnids = tuple(ImageNetInfo("imagenet-1k").label_names())
     if len(wnids) != 1000:  # a broken timm install; nothing could be labelled
         raise StageError(f"timm's ImageNet-1k synset list has {len(wnids)} entries, not 1000")
     return wnids
@@ -1086,7 +1096,7 @@ def progress(iterable: Iterable | None = None, desc: str = "", total: int | None
     forced = os.environ.get("PIPELINE_PROGRESS") == "1"
     tty = sys.stderr.isatty()
     return tqdm(iterable, desc=desc, total=total, unit=unit, file=sys.stderr,
-                disable=False if forced else None, mininterval=0.5 if tty else 5.0,
+                disable=False if forced else None, mininterval=0.5 if tty else 2.0,
                 ncols=None if tty else 100, leave=tty)
 
 

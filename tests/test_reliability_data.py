@@ -45,7 +45,10 @@ def _class_folders(root: Path, files, nested: str = "") -> Path:
 
 # ------------------------------------------------------------------------------- WNID labels
 def test_wnid_list_is_timms_sorted_list_and_matches_the_sample():
+    from timm.data import ImageNetInfo
+
     w = common.imagenet_wnids()
+    assert list(w) == ImageNetInfo("imagenet-1k").label_names()
     assert len(w) == 1000 and list(w) == sorted(w)
     assert list(w) == sorted({f.name[:9] for f in SAMPLE})
 
