@@ -7,11 +7,15 @@ Writes: ``artifacts/<model>/ref_logits.npz`` (``logits`` float32 [N,1000], ``y``
         or for a custom model ``ref_outputs.npz`` (inputs ``in:<name>``, outputs ``out:<name>``);
         ``results/<model>/pytorch_fp32_<device>.json``.
 Rerun:  ``python 1_pytorch_baseline.py --model efficientnet_lite0 [--device cuda]``
+GPU:    ``python 1_pytorch_baseline.py --device cuda --latency-batch 64 --compile`` (FP32 eager,
+        CUDA-graph replay and torch.compile at batch 1, batch-64 throughput), then
+        ``--precision fp16 --device cuda`` for the FP16 row.
 
 Latency: batch 1 (and ``--latency-batch`` N), ``--warmup`` untimed runs, then ``--iters`` timed
 runs of ``forward()`` on device-resident inputs: wall-clock with a device sync before each
-timestamp (``end_to_end_ms``), and on CUDA also CUDA events (``gpu_compute_ms``). Preprocessing is
-outside the timed region. The evaluation itself is the shared path of stages 1, 3 and 7
+timestamp (``end_to_end_ms``), and on CUDA also CUDA events (``gpu_compute_ms``) and the replay of
+a CUDA graph (``cuda_graph_ms``: eager PyTorch at batch 1 is bound by kernel-launch overhead, the
+graph shows what the GPU itself needs). Preprocessing is outside the timed region. The evaluation itself is the shared path of stages 1, 3 and 7
 (``evaluate.py``).
 """
 from __future__ import annotations
@@ -36,6 +40,17 @@ def get_args_parser() -> argparse.ArgumentParser:
                            "threads")
     p.add_argument("--no-save-reference", action="store_true",
                    help="do not (over)write the reference logits (e.g. a CUDA latency run)")
+    p.add_argument("--precision", choices=("fp32", "fp16"), default="fp32",
+                   help="fp16: model.half() on CUDA, a pytorch_fp16_cuda row judged against the "
+                        "FP32 reference (never written as the reference)")
+    p.add_argument("--tag", default=None,
+                   help="results row id (default: pytorch_<precision>_<cpu|cuda>), e.g. "
+                        "pytorch_fp32_cuda_notf32 for a strict-FP32 pass")
+    p.add_argument("--compile", action="store_true",
+                   help="also time torch.compile(model) (latency extra 'compile')")
+    p.add_argument("--no-tf32", action="store_true",
+                   help="CUDA: strict FP32 (torch.backends.cuda.matmul/cudnn.allow_tf32 = False) "
+                        "for a parity pass without TF32; the row records the TF32 state")
     return p
 
 
@@ -60,16 +75,25 @@ def main(args: argparse.Namespace) -> dict:
     shapes = common.parse_input_shapes(args.input_shape)
     art = common.model_artifacts(args.model)
     inputs: list = []
+    fp16 = args.precision == "fp16"
+    save_ref = not (args.no_save_reference or fp16)
+    opts = dict(dtype=args.precision, compile=args.compile,
+                tf32=False if args.no_tf32 else None)
     if spec.classifier:
-        data = evaluate.classifier_data(spec, args.limit)
+        ref = art / "ref_logits.npz"
+        if fp16:
+            common.require(ref, "1_pytorch_baseline.py (FP32) first; FP16 is judged against it")
+        data = evaluate.classifier_data(spec, args.limit, ref if fp16 else None)
         inputs.append(common.splits_path())
-        runner = runners.TorchRunner(model, args.device)
+        runner = runners.TorchRunner(model, args.device, **opts)
     else:
         if not shapes:
             raise common.UsageError(f"--model {args.model}: give --input-shape for a custom "
                                     "model (e.g. --input-shape x:1,3,224,224)")
-        data = evaluate.EvalData(feed=common.example_inputs(spec, shapes, batch=4, seed=0))
-        runner = runners.TorchRunner(model, args.device, input_names=[n for n, _, _ in shapes])
+        data = (evaluate.custom_data(art / "ref_outputs.npz") if fp16 else
+                evaluate.EvalData(feed=common.example_inputs(spec, shapes, batch=4, seed=0)))
+        runner = runners.TorchRunner(model, args.device, input_names=[n for n, _, _ in shapes],
+                                     **opts)
         try:
             runner.infer(data.feed)
         except (TypeError, RuntimeError) as e:
@@ -80,8 +104,9 @@ def main(args: argparse.Namespace) -> dict:
     dev_tag = "cuda" if args.device.startswith("cuda") else "cpu"
     with runner:
         rec, outputs = evaluate.evaluate(
-            runner, data, stage="1_pytorch_baseline", precision="FP32", model=args.model,
-            tag=f"pytorch_fp32_{dev_tag}", args=args, started=started, inputs=inputs,
+            runner, data, stage="1_pytorch_baseline", precision=args.precision.upper(),
+            model=args.model, tag=args.tag or f"pytorch_{args.precision}_{dev_tag}", args=args,
+            started=started, inputs=inputs,
             batch_size=args.batch_size, latency_batch=args.latency_batch, warmup=args.warmup,
             iters=args.iters, write=False, variant=None,
             weights="random-init" if args.random_init else (args.weights or "default"),
@@ -90,9 +115,8 @@ def main(args: argparse.Namespace) -> dict:
         rec["outputs"] = {k: list(v.shape) for k, v in outputs.items()}
     # The reference and the row that describes it are written together, at the very end, so an
     # interrupted run never leaves a reference that disagrees with its row.
-    if not args.no_save_reference:
+    if save_ref:
         if spec.classifier:
-            ref = art / "ref_logits.npz"
             with common.atomic_path(ref) as tmp:
                 np.savez(tmp, logits=next(iter(outputs.values())), y=data.y,
                          files=np.array(data.files))

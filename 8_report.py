@@ -20,7 +20,6 @@ import argparse
 import csv
 import io
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -198,49 +197,101 @@ def table_rows(rows: list[dict]) -> list[dict]:
     return out
 
 
-def summary_line(rows: list[dict]) -> str:
-    """One console line: the fastest row within 1 point of the PyTorch FP32 top-1 (the best
-    recipe), its speedup, and the rows that did not run ok."""
-    trs = {id(r): t for r, t in zip(rows, table_rows(rows))}
-    base = next((r for r in rows if r["backend"] == "PyTorch" and r["status"] == "ok"
-                 and (r.get("accuracy") or {}).get("top1") is not None), None)
-    good = [r for r in rows if r["backend"] != "PyTorch" and r["status"] == "ok"
-            and not _is_rerun(r) and (r.get("accuracy") or {}).get("top1") is not None
-            and (base is None or r["accuracy"]["top1"] >= base["accuracy"]["top1"] - 1.0)]
-
-    def speed(r):
-        v = trs[id(r)]["speedup"]
-        return float(v[:-1]) if v.endswith("x") else 0.0
-
-    parts = []
-    if good:
-        b = max(good, key=lambda r: (speed(r), r["accuracy"]["top1"]))
-        parts.append(f"best recipe {b['tag']} ({b['precision']}, top-1 "
-                     f"{b['accuracy']['top1']:.2f}%"
-                     + (f" ({b['accuracy']['top1'] - base['accuracy']['top1']:+.2f} points vs "
-                        f"{base['tag']})" if base else "")
-                     + f", speedup {trs[id(b)]['speedup'] or 'n/a'})")
-    else:
-        parts.append("no converted row within 1 point of PyTorch FP32 top-1")
-    parts.append(f"{sum(r['status'] == 'ok' for r in rows)} ok")
-    for st in ("failed", "invalid", "skipped", "not run"):
-        tags = [r["tag"] for r in rows if r["status"] == st]
-        if tags:
-            parts.append(f"{len(tags)} {st}"
-                         + (f" ({', '.join(tags[:4])}{', ...' if len(tags) > 4 else ''})"
-                            if st != "skipped" else ""))
-    return "summary: " + "; ".join(parts)
-
-
 def split_builds(rows: list[dict]) -> tuple[list[dict], list[dict]]:
     """``(run rows for the table, stage-6 engine-build rows listed separately)``."""
     return ([r for r in rows if r.get("stage") != "6_build_engines"],
             [r for r in rows if r.get("stage") == "6_build_engines"])
 
 
+GPU_COLUMNS = ["tag", "GPU", "eager / end-to-end", "GPU compute", "CUDA graph",
+               "device buffers", "torch.compile", "batch", "throughput img/s", "TF32"]
+
+
+def gpu_table(rows: list[dict]) -> str:
+    """Markdown table of the GPU rows' latency figures (empty string when there is none)."""
+    out = []
+    for r in rows:
+        if r.get("device") != "cuda" or r["status"] != "ok" or not r.get("latency"):
+            continue
+        lat, big = r["latency"], r.get("latency_batch") or {}
+        p50 = {k: _fmt((lat.get(f"{k}_ms") or {}).get("p50_ms"), 3)
+               for k in ("end_to_end", "gpu_compute", "cuda_graph", "device_buffers", "compile")}
+        for k in ("cuda_graph", "device_buffers"):
+            if lat.get(f"{k}_error"):
+                p50[k] = "n/a: " + lat[f"{k}_error"][:60].replace("|", "/")
+        tf32 = (r.get("runtime") or {}).get("tf32")
+        out.append([r["tag"], r.get("device_name") or "", p50["end_to_end"], p50["gpu_compute"],
+                    p50["cuda_graph"], p50["device_buffers"], p50["compile"],
+                    _fmt(big.get("batch")),
+                    _fmt((big.get("end_to_end_ms") or {}).get("fps"), 0),
+                    "" if tf32 is None else ("on" if any(tf32.values()) else "off")])
+    if not out:
+        return ""
+    return ("| " + " | ".join(GPU_COLUMNS) + " |\n|" + "---|" * len(GPU_COLUMNS) + "\n"
+            + "".join("| " + " | ".join(row) + " |\n" for row in out))
+
+
+def render_plots(rows: list[dict], folder: Path) -> dict[str, str]:
+    """PNGs beside the report: top-1 against batch-1 p50 latency (one labelled marker per
+    row, CPU and GPU rows in separate panels) and model size per row by precision.
+
+    Returns:
+        ``{file name: alt text}`` of the plots written (none without an ok row with numbers).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = [r for r in rows if r["status"] == "ok" and (r.get("accuracy") or {}).get("top1")
+           is not None and evaluate.primary_latency(r).get("p50_ms")]
+    out: dict[str, str] = {}
+    colors = {"FP32": "tab:blue", "FP16": "tab:green", "INT8": "tab:red", "INT4": "tab:purple"}
+    if pts:
+        devs = [d for d in ("cpu", "cuda") if any((r.get("device") or "cpu") == d for r in pts)]
+        fig, axes = plt.subplots(1, len(devs), figsize=(6.5 * len(devs), 4.8), squeeze=False)
+        for ax, dev in zip(axes[0], devs):
+            for r in (r for r in pts if (r.get("device") or "cpu") == dev):
+                x, y = evaluate.primary_latency(r)["p50_ms"], r["accuracy"]["top1"]
+                ax.scatter([x], [y], color=colors.get(r["precision"][:4], "0.4"),
+                           marker="o" if r["backend"] != "PyTorch" else "s", s=36)
+                ax.annotate(r["tag"], (x, y), fontsize=7, xytext=(4, 3),
+                            textcoords="offset points")
+            ax.set_xscale("log")
+            ax.set_xlabel("batch-1 end-to-end p50 latency (ms, log)")
+            ax.set_ylabel("top-1 (%)")
+            ax.set_title(f"{dev.upper()} rows", fontsize=10)
+            ax.grid(alpha=0.3, which="both")
+        handles = [plt.Line2D([], [], marker="o", ls="", color=c, label=p)
+                   for p, c in colors.items()]
+        axes[0][0].legend(handles=handles, fontsize=8, loc="lower left")
+        fig.tight_layout()
+        with common.atomic_path(folder / "accuracy_latency.png") as tmp:
+            fig.savefig(tmp, dpi=110, format="png")
+        plt.close(fig)
+        out["accuracy_latency.png"] = "top-1 against batch-1 latency"
+    sized = [r for r in rows if r["status"] == "ok" and r.get("size_mb")
+             and r["backend"] != "PyTorch"]
+    if sized:
+        fig, ax = plt.subplots(figsize=(8, 0.3 * len(sized) + 1.2))
+        ax.barh([r["tag"] for r in sized], [r["size_mb"] for r in sized],
+                color=[colors.get(r["precision"][:4], "0.4") for r in sized])
+        ax.invert_yaxis()
+        ax.set_xlabel("size (MB)")
+        ax.set_title("model / engine size by row (colour = precision)", fontsize=10)
+        ax.grid(alpha=0.3, axis="x")
+        fig.tight_layout()
+        with common.atomic_path(folder / "size.png") as tmp:
+            fig.savefig(tmp, dpi=110, format="png")
+        plt.close(fig)
+        out["size.png"] = "model size by precision"
+    return out
+
+
 def render_markdown(model: str, rows: list[dict], data: dict | None,
-                    trs: list[dict] | None = None) -> str:
-    """The report as markdown: a header naming model, data and machine, then the table
+                    trs: list[dict] | None = None, plots: dict[str, str] | None = None) -> str:
+    """The report as markdown: a header naming model, data and machine, the table, the GPU
+    details, the plots (``{file: alt}`` relative to the report) and the engine builds
     (``trs``: the :func:`table_rows` of the run rows, when the caller already has them)."""
     runs, builds = split_builds(rows)
     trs = table_rows(runs) if trs is None else trs
@@ -271,6 +322,13 @@ def render_markdown(model: str, rows: list[dict], data: dict | None,
     buf.write("| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS) + "\n")
     for t in trs:
         buf.write("| " + " | ".join(t[c].replace("|", "/") for c in COLUMNS) + " |\n")
+    gpu = gpu_table(runs)
+    if gpu:
+        buf.write("\nGPU rows in detail (batch 1 p50 ms unless named; CUDA graph = replay of a "
+                  "captured graph, no launch overhead; device buffers = ORT I/O binding, no host "
+                  "copies; throughput at the row's --latency-batch):\n\n" + gpu)
+    if plots:
+        buf.write("\n" + "".join(f"![{alt}]({name})\n" for name, alt in plots.items()))
     if builds:
         buf.write("\nTensorRT engine builds (stage 6):\n\n| variant | status | detail |\n"
                   "|---|---|---|\n")
@@ -300,8 +358,10 @@ def main(args: argparse.Namespace) -> Path:
         rows = sorted(missing_rows(rows, args.model) + rows, key=_sort_key)
     data_file = folder / "data.json"
     data = common.load_json(data_file, "0_prepare_data.py") if data_file.exists() else None
-    trs = table_rows(split_builds(rows)[0])
-    md = render_markdown(args.model, rows, data, trs)
+    runs = split_builds(rows)[0]
+    trs = table_rows(runs)
+    plots = render_plots(runs, folder)
+    md = render_markdown(args.model, rows, data, trs, plots)
     md += f"\nGenerated by `python 8_report.py --model {args.model}` in " \
           f"{time.time() - started:.1f} s.\n"
     out_md, out_csv = folder / "REPORT.md", folder / "REPORT.csv"
@@ -312,11 +372,41 @@ def main(args: argparse.Namespace) -> Path:
             w = csv.DictWriter(f, fieldnames=COLUMNS)
             w.writeheader()
             w.writerows(trs)
+    # The copy one folder up links the plots through the model's folder.
+    top = md
+    for name in plots:
+        top = top.replace(f"]({name})", f"]({folder.name}/{name})")
     with common.atomic_path(common.results_dir() / "REPORT.md") as tmp:
-        shutil.copyfile(out_md, tmp)
-    print(md)
-    print(summary_line(split_builds(rows)[0]))
+        tmp.write_text(top)
+    print(summary(args.model, runs, out_md))
     return out_md
+
+
+def summary(model: str, runs: list[dict], path: Path) -> str:
+    """One console line: rows ok/failed/skipped, the best quantized recipe by top-1 agreement
+    with FP32 and its speedup, and where the report is."""
+    st = {k: sum(r["status"] == k for r in runs)
+          for k in ("ok", "failed", "skipped", "not run", "invalid")}
+    # A rerun's failure kept beside a good row has the same tag: look the good row up.
+    trs = {t["tag"]: t for r, t in zip(runs, table_rows(runs)) if not _is_rerun(r)}
+    q = [r for r in runs if r["status"] == "ok" and r["precision"][:3] == "INT"
+         and (r.get("parity") or {}).get("top1_agreement") is not None]
+    best = max(q, key=lambda r: r["parity"]["top1_agreement"], default=None)
+    bits = [f"report {model}: {st['ok']} ok, {st['failed']} failed, {st['skipped']} skipped"
+            + (f", {st['not run']} not run" if st["not run"] else "")
+            + (f", {st['invalid']} invalid" if st["invalid"] else "")]
+    if best:
+        bits.append(f"best quantized row {best['tag']} (top-1 {best['accuracy']['top1']:.2f}%, "
+                    f"agreement {best['parity']['top1_agreement']:.1f}%, speedup "
+                    f"{trs[best['tag']]['speedup'] or 'n/a'})")
+    failed = [r["tag"] + (" (a rerun; its ok row is kept)" if _is_rerun(r) else "")
+              for r in runs if r["status"] == "failed"]
+    if failed:
+        bits.append("failed: " + ", ".join(failed))
+    invalid = [r["_file"] for r in runs if r["status"] == "invalid"]
+    if invalid:
+        bits.append("invalid (see the warnings): " + ", ".join(invalid))
+    return "; ".join(bits) + f" -> {path}"
 
 
 if __name__ == "__main__":

@@ -1335,9 +1335,26 @@ def versions() -> dict[str, str | None]:
     return out
 
 
+def gpu_driver() -> str | None:
+    """NVIDIA display-driver version (``nvidia-smi --query-gpu=driver_version``), or None when
+    nvidia-smi is absent or fails."""
+    import shutil
+
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return None
+    try:
+        out = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.splitlines()[0].strip() if out else None
+
+
 def device_info(torch_device: str | None = None) -> dict:
-    """Host and accelerator description: machine, CPU model, core count, GPU name (if torch is
-    already imported and sees one)."""
+    """Host and accelerator description: machine, CPU model, core count and, when a GPU is in
+    use (torch already imported and sees one), its name, CUDA version, compute capability and
+    the NVIDIA driver version."""
     cpu = platform.processor()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -1353,6 +1370,8 @@ def device_info(torch_device: str | None = None) -> dict:
         idx = torch.device(torch_device).index if torch_device and "cuda" in torch_device else 0
         info["gpu"] = torch.cuda.get_device_name(idx or 0)
         info["cuda"] = torch.version.cuda
+        info["compute_capability"] = ".".join(map(str, torch.cuda.get_device_capability(idx or 0)))
+        info["driver"] = gpu_driver()
     return info
 
 

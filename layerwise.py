@@ -760,26 +760,44 @@ def render_table(result: dict, max_rows: int | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot_rows(result: dict) -> list[dict]:
+    """The layer rows the plot draws: every compared layer (a NaN/Inf cosine included), shape
+    arithmetic left out."""
+    return [r for r in result.get("layers", []) if "cosine_min" in r and not r.get("shape_only")]
+
+
 def plot_similarity(result: dict, path: Path | str, title: str | None = None) -> Path:
     """PNG of cosine similarity (top) and 1 - cosine (log, bottom) along the reference graph's
-    topological order, with the tolerance line and the first divergent layer marked."""
+    topological order, with the tolerance line and the first divergent layer marked; layers
+    whose output is NaN/Inf get a black cross at the bottom of both panels."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in result.get("layers", [])
-            if r.get("cosine_min") is not None and not r.get("shape_only")]
+    rows = plot_rows(result)
     x = np.arange(len(rows))  # compact: shape-arithmetic rows are not plotted
     cos = np.array([r["cosine_min"] if r["cosine_min"] is not None else np.nan for r in rows],
                    np.float64)
     bad = np.array([r["status"] == "fail" for r in rows], bool)
+    # A layer whose output is NaN/Inf has no finite cosine; it is drawn as its own marker at
+    # the bottom of each panel, so the first divergent layer always has a point.
+    nonfin = ~np.isfinite(cos)
     tol = result["tolerances"]["min_cosine"]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(11, 6), sharex=True)
-    for ax, y in ((ax1, cos), (ax2, np.clip(1.0 - cos, 1e-12, None))):
-        ax.plot(x, y, "-", color="0.6", lw=0.8)
-        ax.scatter(x[~bad], y[~bad], s=10, color="tab:blue", label="pass")
-        ax.scatter(x[bad], y[bad], s=14, color="tab:red", label="fail")
+    finite = cos[~nonfin]
+    lo1 = min(float(finite.min()) if finite.size else tol, tol)
+    floor1 = lo1 - 0.05 * max(1.0 - lo1, 1e-6)
+    gap = np.clip(1.0 - finite, 1e-12, None)
+    floor2 = 10.0 ** np.ceil(np.log10(max(float(gap.max()) if gap.size else 1.0, 1 - tol)) + 1)
+    for ax, y, floor in ((ax1, cos, floor1), (ax2, np.clip(1.0 - cos, 1e-12, None), floor2)):
+        ax.plot(x[~nonfin], y[~nonfin], "-", color="0.6", lw=0.8)
+        ok = ~bad & ~nonfin
+        ax.scatter(x[ok], y[ok], s=10, color="tab:blue", label="pass")
+        ax.scatter(x[bad & ~nonfin], y[bad & ~nonfin], s=14, color="tab:red", label="fail")
+        if nonfin.any():
+            ax.scatter(x[nonfin], np.full(int(nonfin.sum()), floor), s=40, marker="X",
+                       color="black", label="NaN/Inf output", zorder=5)
         ax.grid(alpha=0.3)
     ax1.axhline(tol, color="tab:orange", ls="--", lw=1, label=f"min cosine {tol}")
     ax2.axhline(1 - tol, color="tab:orange", ls="--", lw=1)

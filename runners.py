@@ -40,23 +40,44 @@ class Timing:
         end_to_end_ms: host wall-clock per iteration (ms), always measured.
         gpu_compute_ms: CUDA-event time per iteration (ms), GPU runners only, else None.
         end_to_end_timer / gpu_compute_timer: how each was measured (for the results row).
+        extra: further figures of the same work on a GPU, ``{name: (times_ms or None, timer
+            or the reason it could not be measured)}``, e.g. ``cuda_graph`` (graph replay),
+            ``device_buffers`` (ORT I/O binding on device buffers), ``compile``
+            (``torch.compile``).
     """
 
     end_to_end_ms: list[float]
     end_to_end_timer: str
     gpu_compute_ms: list[float] | None = None
     gpu_compute_timer: str | None = None
+    extra: dict[str, tuple[list[float] | None, str]] = dataclasses.field(default_factory=dict)
 
     def stats(self, batch: int, warmup: int) -> dict:
         """The ``latency`` block of a results row: ``{"batch", "warmup", "iters",
         "end_to_end_ms": latency_stats, "end_to_end_timer", "gpu_compute_ms": latency_stats or
-        None, "gpu_compute_timer"}``."""
-        return {"batch": batch, "warmup": warmup, "iters": len(self.end_to_end_ms),
-                "end_to_end_ms": latency_stats(self.end_to_end_ms, batch),
-                "end_to_end_timer": self.end_to_end_timer,
-                "gpu_compute_ms": (latency_stats(self.gpu_compute_ms, batch)
-                                   if self.gpu_compute_ms else None),
-                "gpu_compute_timer": self.gpu_compute_timer}
+        None, "gpu_compute_timer"}`` plus ``"<name>_ms"`` and ``"<name>_timer"`` (or
+        ``"<name>_error"``) for each extra figure."""
+        out = {"batch": batch, "warmup": warmup, "iters": len(self.end_to_end_ms),
+               "end_to_end_ms": latency_stats(self.end_to_end_ms, batch),
+               "end_to_end_timer": self.end_to_end_timer,
+               "gpu_compute_ms": (latency_stats(self.gpu_compute_ms, batch)
+                                  if self.gpu_compute_ms else None),
+               "gpu_compute_timer": self.gpu_compute_timer}
+        for name, (times, how) in self.extra.items():
+            out[f"{name}_ms"] = latency_stats(times, batch) if times else None
+            out[f"{name}_timer" if times else f"{name}_error"] = how
+        return out
+
+
+def try_extra(timing: Timing, name: str, fn: Callable[[], tuple[list[float], str]]) -> None:
+    """Measure an extra figure into ``timing.extra[name]``; a failure (a model that cannot be
+    captured in a CUDA graph, say) is recorded with its reason instead of raised."""
+    try:
+        timing.extra[name] = fn()
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:  # noqa: BLE001 - any capture/compile failure is a recorded finding
+        timing.extra[name] = (None, f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
 
 
 def wall_loop(fn: Callable[[], Any], warmup: int, iters: int,
@@ -186,22 +207,41 @@ class TorchRunner(Runner):
             ``output_<i>``.
         input_names: names of ``forward()``'s arguments, in order (feeds are passed
             positionally in this order).
+        dtype: ``fp32``, or ``fp16`` (``model.half()``, floating inputs cast to float16 on the
+            device; CUDA only).
+        tf32: on CUDA, allow TF32 in matmul/cuDNN convolutions (PyTorch's own default leaves
+            matmul TF32 off and cuDNN TF32 on); False = strict FP32.
+        compile: also time ``torch.compile(model)`` (extra figure ``compile``).
     Raises:
         StageError: ``device`` is CUDA and torch sees no GPU.
+        UsageError: ``fp16`` on the CPU.
     """
 
     backend = "PyTorch"
 
     def __init__(self, model, device: str = "cpu", output_names: Sequence[str] = ("logits",),
-                 input_names: Sequence[str] = ("input",)):
+                 input_names: Sequence[str] = ("input",), dtype: str = "fp32",
+                 tf32: bool | None = None, compile: bool = False):
         import torch
 
         self.torch = torch
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise StageError(f"device {device}: torch {torch.__version__} sees no CUDA GPU; "
                              "use --device cpu")
+        if dtype not in ("fp32", "fp16"):
+            raise UsageError(f"dtype {dtype}: choose fp32 or fp16")
+        if dtype == "fp16" and not device.startswith("cuda"):
+            raise UsageError("FP16 PyTorch runs on CUDA only (CPU half kernels are slow and "
+                             "partial): use --device cuda")
         self.device = torch.device(device)
+        self.dtype = dtype
+        if self.device.type == "cuda" and tf32 is not None:
+            torch.backends.cuda.matmul.allow_tf32 = bool(tf32)
+            torch.backends.cudnn.allow_tf32 = bool(tf32)
         self.model = model.to(self.device).eval()
+        if dtype == "fp16":
+            self.model = self.model.half()
+        self.compile = compile
         self.output_names = list(output_names)
         self.input_names = list(input_names)
 
@@ -214,12 +254,17 @@ class TorchRunner(Runner):
         names = [n for n in self.input_names if n in feed] or list(feed)
         if len(names) != len(feed):
             names = list(feed)
-        return [self.torch.from_numpy(np.ascontiguousarray(feed[n])).to(self.device)
-                for n in names]
+        out = []
+        for n in names:
+            t = self.torch.from_numpy(np.ascontiguousarray(feed[n])).to(self.device)
+            if self.dtype == "fp16" and t.is_floating_point():
+                t = t.half()
+            out.append(t)
+        return out
 
-    def _forward(self, args):
+    def _forward(self, args, model=None):
         with self.torch.inference_mode():
-            return self.model(*args)
+            return (model or self.model)(*args)
 
     def infer(self, feed):
         out = self._forward(self._args(feed))
@@ -232,7 +277,9 @@ class TorchRunner(Runner):
     def time(self, feed, warmup, iters):
         """Inputs are copied to the device once, outside the timed region; end-to-end is the
         wall-clock of ``forward()`` with a device sync (on CUDA this is launch overhead plus
-        GPU time), GPU Compute Time the CUDA-event time of the same call."""
+        GPU time), GPU Compute Time the CUDA-event time of the same call. On CUDA also the
+        replay of a CUDA graph of ``forward()`` (extra ``cuda_graph``: no launch overhead) and,
+        with ``compile``, ``torch.compile``'s module (extra ``compile``)."""
         args = self._args(feed)
         cuda = self.device.type == "cuda"
         wall = wall_loop(lambda: self._forward(args), warmup, iters, self.sync if cuda else None)
@@ -241,13 +288,43 @@ class TorchRunner(Runner):
         if cuda:
             t.gpu_compute_ms = cuda_event_loop(lambda: self._forward(args), warmup, iters)
             t.gpu_compute_timer = "torch.cuda.Event pair around forward()"
+            try_extra(t, "cuda_graph", lambda: self._time_graph(args, warmup, iters))
+        if self.compile:
+            try_extra(t, "compile", lambda: self._time_compiled(args, warmup, iters))
         return t
+
+    def _time_graph(self, args, warmup: int, iters: int) -> tuple[list[float], str]:
+        torch = self.torch
+        static = [a.clone() for a in args]
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # warm-up on a side stream before capture (PyTorch docs)
+            for _ in range(3):
+                self._forward(static)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._forward(static)
+        times = cuda_event_loop(graph.replay, warmup, iters)
+        return times, "torch.cuda.Event pair around torch.cuda.CUDAGraph.replay() of forward()"
+
+    def _time_compiled(self, args, warmup: int, iters: int) -> tuple[list[float], str]:
+        compiled = self.torch.compile(self.model)
+        for _ in range(3):  # compilation happens here, outside the timed loop
+            self._forward(args, compiled)
+        self.sync()
+        cuda = self.device.type == "cuda"
+        if cuda:
+            return (cuda_event_loop(lambda: self._forward(args, compiled), warmup, iters),
+                    "torch.cuda.Event pair around torch.compile(model)(...)")
+        return (wall_loop(lambda: self._forward(args, compiled), warmup, iters),
+                "time.perf_counter around torch.compile(model)(...)")
 
     def describe(self):
         torch = self.torch
         d: dict[str, Any] = {"backend": self.backend, "device": self.device.type,
                              "device_index": self.device.index, "ep_requested": None,
-                             "ep_used": None, "cpu_fallback": None,
+                             "ep_used": None, "cpu_fallback": None, "dtype": self.dtype,
                              "versions": {"torch": torch.__version__}}
         if self.device.type == "cuda":
             d["device_name"] = torch.cuda.get_device_name(self.device)
@@ -306,12 +383,20 @@ class OrtRunner(Runner):
 
     def __init__(self, path: Path | str | bytes, ep: str = "cpu", allow_cpu_fallback: bool = False,
                  opt_level: str = "all", disabled_optimizers: Sequence[str] = (),
-                 threads: int = 0):
-        import onnxruntime as ort
-
+                 threads: int = 0, tf32: bool | None = None, device_id: int = 0):
         if ep not in ORT_EPS:
             raise UsageError(f"--ep {ep}: choose one of {sorted(set(ORT_EPS))}")
+        if ep != "cpu":
+            # onnxruntime-gpu finds the CUDA/cuDNN libraries that torch's wheels carry once
+            # torch is imported (ORT docs, "Compatibility with PyTorch"); harmless otherwise.
+            try:
+                import torch  # noqa: F401
+            except ImportError:
+                pass
+        import onnxruntime as ort
+
         self.ort = ort
+        self.device_id = device_id
         self.path = path if isinstance(path, bytes) else Path(path)
         self.label = "<in-memory model>" if isinstance(path, bytes) else str(self.path)
         self.requested = ORT_EPS[ep]
@@ -327,14 +412,15 @@ class OrtRunner(Runner):
             providers = ["CPUExecutionProvider"]
             if not allow_cpu_fallback:
                 raise StageError(self.fallback_reason + " (or pass --allow-cpu-fallback)")
-        so = ort_session_options(opt_level, threads=threads)
         self.threads = threads
-        src = self.path if isinstance(self.path, bytes) else str(self.path)
-        try:
-            self.session = ort.InferenceSession(src, sess_options=so, providers=providers,
-                                                disabled_optimizers=self.disabled_optimizers)
-        except Exception as e:  # noqa: BLE001 - ORT raises its own Fail/InvalidGraph types
-            raise StageError(f"onnxruntime cannot load {self.label}: {e}") from e
+        # GPU EP options: the device, and TF32 (CUDA EP ``use_tf32``, on by default in ORT's
+        # CUDA EP; "0" makes FP32 convolutions/matmuls strict FP32).
+        self.gpu_options: dict[str, str] = {}
+        if self.requested == "CUDAExecutionProvider" and providers[0] == self.requested:
+            self.gpu_options = {"device_id": str(device_id)}
+            if tf32 is not None:
+                self.gpu_options["use_tf32"] = "1" if tf32 else "0"
+        self.session = self._session(providers)
         self.used = self.session.get_providers()[0]
         if self.used != self.requested and self.fallback_reason is None:
             self.fallback_reason = (f"{self.requested} failed to initialise (missing CUDA/cuDNN "
@@ -345,6 +431,19 @@ class OrtRunner(Runner):
         self.inputs = self.session.get_inputs()
         self.input_names = [i.name for i in self.inputs]
         self.output_names = [o.name for o in self.session.get_outputs()]
+
+    def _session(self, providers: list[str], extra_options: dict | None = None):
+        ort = self.ort
+        so = ort_session_options(self.opt_level, threads=self.threads)
+        src = self.path if isinstance(self.path, bytes) else str(self.path)
+        opts = [({**self.gpu_options, **(extra_options or {})}
+                 if p == "CUDAExecutionProvider" else {}) for p in providers]
+        try:
+            return ort.InferenceSession(src, sess_options=so, providers=providers,
+                                        provider_options=opts,
+                                        disabled_optimizers=self.disabled_optimizers)
+        except Exception as e:  # noqa: BLE001 - ORT raises its own Fail/InvalidGraph types
+            raise StageError(f"onnxruntime cannot load {self.label}: {e}") from e
 
     @property
     def batch_range(self):
@@ -362,9 +461,41 @@ class OrtRunner(Runner):
                 for n, o in zip(self.output_names, outs)}
 
     def time(self, feed, warmup, iters):
+        """End-to-end: ``InferenceSession.run`` on host arrays (copies included). On the CUDA EP
+        also I/O binding on device buffers (extra ``device_buffers``: no host copies) and the
+        CUDA EP's CUDA graph (``enable_cuda_graph``; extra ``cuda_graph``; a model with nodes
+        outside the CUDA EP or with dynamic shapes inside cannot be captured, and the reason is
+        recorded)."""
         feed = {k: v for k, v in feed.items() if k in self.input_names}
-        return Timing(wall_loop(lambda: self.session.run(None, feed), warmup, iters),
-                      "time.perf_counter around InferenceSession.run (host arrays in and out)")
+        t = Timing(wall_loop(lambda: self.session.run(None, feed), warmup, iters),
+                   "time.perf_counter around InferenceSession.run (host arrays in and out)")
+        if self.used == "CUDAExecutionProvider":
+            try_extra(t, "device_buffers",
+                      lambda: self._time_bound(self.session, feed, warmup, iters, "I/O binding"))
+            try_extra(t, "cuda_graph", lambda: self._time_bound(
+                self._session(["CUDAExecutionProvider"], {"enable_cuda_graph": "1"}), feed,
+                warmup, iters, "CUDA graph replay (enable_cuda_graph=1)"))
+        return t
+
+    def _time_bound(self, session, feed, warmup: int, iters: int, what: str
+                    ) -> tuple[list[float], str]:
+        """Wall-clock of ``run_with_iobinding`` with inputs and outputs bound to CUDA buffers
+        (the call returns once the GPU work is done)."""
+        ort = self.ort
+        binding = session.io_binding()
+        keep = []
+        for name, arr in feed.items():
+            v = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(arr), "cuda",
+                                                 self.device_id)
+            keep.append(v)
+            binding.bind_ortvalue_input(name, v)
+        for o in session.get_outputs():
+            binding.bind_output(o.name, "cuda", self.device_id)
+        session.run_with_iobinding(binding)  # first run: allocation / graph capture
+        binding.synchronize_outputs()
+        times = wall_loop(lambda: session.run_with_iobinding(binding), warmup, iters,
+                          binding.synchronize_outputs)
+        return times, f"time.perf_counter around run_with_iobinding ({what}, device buffers)"
 
     def describe(self):
         ort = self.ort
@@ -378,7 +509,7 @@ class OrtRunner(Runner):
             opts = self.session.get_provider_options().get(self.used, {})
             d["device_index"] = int(opts.get("device_id", 0))
             d["provider_options"] = dict(opts)
-            if "use_tf32" in opts:
+            if "use_tf32" in opts:  # what the session really uses, read back from ORT
                 d["tf32"] = {"use_tf32": opts["use_tf32"] in ("1", "True", "true")}
             torch = sys.modules.get("torch")
             if torch is not None and torch.cuda.is_available():

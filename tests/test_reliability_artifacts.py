@@ -248,29 +248,33 @@ def test_report_names_file_and_field_of_a_wrongly_typed_json_and_keeps_the_rest(
     assert "invalid: ort_fp16.json: field accuracy.top1" in md
     assert "invalid: ort_int8.json: not valid JSON" in md
     last = p.stdout.strip().splitlines()[-1]
-    assert last.startswith("summary: ") and "2 invalid (ort_fp16, ort_int8)" in last
+    assert last.startswith(f"report {MODEL}: ") and "2 invalid" in last
+    assert "invalid (see the warnings): ort_fp16.json, ort_int8.json" in last
 
 
-def test_report_summary_line_names_best_recipe_and_failures():
+def test_report_summary_takes_the_good_row_not_a_failed_rerun_beside_it():
     report = importlib.import_module("8_report")
 
-    def row(tag, backend, prec, top1, p50, status="ok"):
+    def row(tag, backend, prec, top1, p50, agree=None, status="ok", file=None):
         r = common.result_record("x", backend, prec, MODEL, tag, status=status,
                                  reason=None if status == "ok" else "broke")
         r.update(device="cpu", accuracy={"top1": top1, "top5": top1} if top1 else None,
                  latency={"end_to_end_ms": {"p50_ms": p50, "mean_ms": p50, "fps": 1e3 / p50}}
-                 if p50 else None)
+                 if p50 else None, parity={"cosine_mean": 0.99, "top1_agreement": agree}
+                 if agree else None, _file=file or f"{tag}.json")
         return r
 
     rows = [row("pytorch_fp32_cpu", "PyTorch", "FP32", 88.4, 20.0),
-            row("ort_fp32", "ORT", "FP32", 88.4, 10.0),
-            row("ort_int8", "ORT", "INT8", 11.8, 5.0),        # fastest, but collapsed
-            row("ort_int8_hp32", "ORT", "INT8", 88.3, 8.0),   # the best recipe
-            row("ort_int4_cli_broken", "ORT", "INT4", None, None, "failed")]
-    line = report.summary_line(rows)
-    assert line.startswith("summary: best recipe ort_int8_hp32 (INT8, top-1 88.30% (-0.10 "
-                           "points vs pytorch_fp32_cpu), speedup 2.50x)")
-    assert "1 failed (ort_int4_cli_broken)" in line
+            row("ort_int8", "ORT", "INT8", 11.8, 5.0, agree=12.3),
+            row("ort_int8_hp32", "ORT", "INT8", 88.3, 8.0, agree=98.6),
+            row("ort_int8_hp32", "ORT", "INT8", None, None, status="failed",
+                file="ort_int8_hp32.failed.json"),
+            row("ort_int4_cli_broken", "ORT", "INT4", None, None, status="failed")]
+    rows.sort(key=report._sort_key)
+    line = report.summary(MODEL, rows, Path("REPORT.md"))
+    assert "best quantized row ort_int8_hp32 (top-1 88.30%, agreement 98.6%, speedup 2.50x)" \
+        in line
+    assert "failed: ort_int8_hp32 (a rerun; its ok row is kept), ort_int4_cli_broken" in line
 
 
 # ------------------------------------------------------------------------------- layerwise

@@ -167,4 +167,4 @@ def test_console_shows_stage6_skip_reason_and_stage8_summary(tmp_path):
     if not (shutil.which("trtexec") or Path("/usr/src/tensorrt/bin/trtexec").exists()):
         assert "SKIPPED: trtexec not found" in s6  # no TensorRT here: the reason is shown
     s8 = p.stdout.split("Stage 8:")[1]
-    assert "  summary: " in s8 and "skipped" in s8
+    assert f"  report {MODEL}: " in s8 and " skipped" in s8
