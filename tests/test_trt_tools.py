@@ -490,6 +490,8 @@ def test_stage6_dry_run(tmp_path, version, present, absent):
 @pytest.mark.skipif(not _no_trt(), reason="TensorRT is importable here")
 def test_stage7_skips_without_tensorrt(tmp_path):
     eng = tmp_path / "a" / "mobilenet_v3_small" / "engines" / "int8.plan"
+    eng.parent.mkdir(parents=True)
+    eng.write_bytes(b"a plan file")  # a missing plan is an error named before this check
     p = subprocess.run([sys.executable, "7_trt_eval.py", "--engine", str(eng), "--tag", "trt_int8"],
                        cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
