@@ -52,6 +52,10 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-tf32", action="store_true",
                    help="CUDA EP: strict FP32 (use_tf32=0) for a parity pass without TF32; the "
                         "row records the TF32 state the session really used")
+    p.add_argument("--x64-quant-precision", action="store_true",
+                   help="CPU EP: session option session.x64quantprecision=1 (u8u8 instead of "
+                        "u8s8 int8 kernels on x86-64 CPUs without VNNI, whose u8s8 products can "
+                        "saturate; ORT PR #12088)")
     p.add_argument("--opt-level", default="all", choices=("disable", "basic", "extended", "all"),
                    help="ORT graph optimisation level")
     p.add_argument("--disable-optimizer", action="append", default=[],
@@ -76,12 +80,14 @@ def is_qdq(precision: str) -> bool:
     return precision.startswith("INT")
 
 
+X64_PRECISION = {"session.x64quantprecision": "1"}
 CROSS_CHECK_FIRST = 128  # images of the adaptive cross-check's first look
 CROSS_CHECK_MIN_COSINE = 0.999  # per-image logits cosine under which the two sessions "differ"
 
 
 def cross_check(path: Path, data: evaluate.EvalData, logits_main: np.ndarray, n: int,
-                tol: float, batch: int) -> dict:
+                tol: float, batch: int, opt_level: str = "all",
+                session_config: dict | None = None) -> dict:
     """Top-1 with ORT graph optimisations disabled (plain DequantizeLinear + float ops, the
     graph's reference semantics) against the main session's.
 
@@ -91,9 +97,14 @@ def cross_check(path: Path, data: evaluate.EvalData, logits_main: np.ndarray, n:
     scales (an overflowing int32 bias, a fused kernel), not from one image, so it shows on the
     first images; and every flagged disagreement is measured on the whole split, as before.
 
+    When the two disagree on an x86-64 CPU without VNNI, the optimised graph is run once more
+    with u8u8 kernels (``session.x64quantprecision=1``) to tell kernel saturation from a graph
+    optimiser effect (``cause``).
+
     Returns:
         ``{"n", "adaptive", "top1_main", "top1_unoptimized", "top1_agreement",
-        "cosine_min", "tolerance_points", "disagreement": bool}``.
+        "cosine_min", "tolerance_points", "disagreement": bool, "cpu_vnni", "cause"}`` (+
+        ``top1_x64quantprecision`` when that leg ran).
     """
     adaptive = n < 0
     first = min(CROSS_CHECK_FIRST, len(data)) if adaptive else min(n, len(data))
@@ -113,10 +124,24 @@ def cross_check(path: Path, data: evaluate.EvalData, logits_main: np.ndarray, n:
     t_main = common.topk_accuracy(logits_main[:k], data.y[:k], (1,))["top1"]
     t_ref = common.topk_accuracy(ref, data.y[:k], (1,))["top1"]
     agree = float(100.0 * (ref.argmax(1) == logits_main[:k].argmax(1)).mean())
-    return {"n": k, "adaptive": adaptive, "top1_main": t_main, "top1_unoptimized": t_ref,
-            "top1_agreement": agree,
-            "cosine_min": float(common.cosine_rows(ref, logits_main[:k]).min()),
-            "tolerance_points": tol, "disagreement": bool(abs(t_main - t_ref) > tol)}
+    out = {"n": k, "adaptive": adaptive, "top1_main": t_main, "top1_unoptimized": t_ref,
+           "top1_agreement": agree,
+           "cosine_min": float(common.cosine_rows(ref, logits_main[:k]).min()),
+           "tolerance_points": tol, "disagreement": bool(abs(t_main - t_ref) > tol),
+           "cpu_vnni": common.cpu_has_vnni(), "cause": None}
+    if out["disagreement"] and common.cpu_has_vnni() is False and not session_config:
+        # Which backend effect? On an x86-64 CPU without VNNI, ORT's u8s8 int8 kernels can
+        # saturate: rerun the optimised graph with u8u8 kernels (session.x64quantprecision=1).
+        with runners.OrtRunner(path, "cpu", session_config=X64_PRECISION,
+                               opt_level=opt_level) as r:
+            fixed = run(0, k)
+        t_fix = common.topk_accuracy(fixed, data.y[:k], (1,))["top1"]
+        out["top1_x64quantprecision"] = t_fix
+        if abs(t_fix - t_ref) <= tol:
+            out["cause"] = ("u8s8 saturation in ORT's int8 CPU kernels on this CPU without VNNI: "
+                            f"with session.x64quantprecision=1 top-1 is {t_fix:.1f}% (rerun with "
+                            "--x64-quant-precision; ORT PR #12088)")
+    return out
 
 
 def main(args: argparse.Namespace) -> dict:
@@ -159,7 +184,9 @@ def main(args: argparse.Namespace) -> dict:
     try:
         runner = runners.OrtRunner(onnx_path, args.ep, args.allow_cpu_fallback, args.opt_level,
                                    args.disable_optimizer, args.threads,
-                                   tf32=False if args.no_tf32 else None)
+                                   tf32=False if args.no_tf32 else None,
+                                   session_config=X64_PRECISION if args.x64_quant_precision
+                                   else None)
     except common.StageError as e:
         fail(str(e))
         raise
@@ -190,13 +217,15 @@ def main(args: argparse.Namespace) -> dict:
             and args.opt_level != "disable"):
         cc = evaluate.diagnose(rec, "backend_cross_check", lambda: cross_check(
             onnx_path, data, next(iter(outputs.values())), args.cross_check_images,
-            args.cross_check_tol, args.batch_size))
+            args.cross_check_tol, args.batch_size, args.opt_level,
+            X64_PRECISION if args.x64_quant_precision else None))
         if cc and cc["disagreement"]:
             print(f"WARNING: ORT backend disagreement on {onnx_path.name}: top-1 "
                   f"{cc['top1_main']:.1f}% at opt level {args.opt_level} vs "
                   f"{cc['top1_unoptimized']:.1f}% with graph optimisations disabled "
-                  f"({cc['n']} images). The ORT optimiser, not the quantization, changes "
-                  "the result: do not report this as a collapse.", file=sys.stderr)
+                  f"({cc['n']} images). ONNX Runtime, not the quantization, changes the "
+                  "result: do not report this as a collapse."
+                  + (f" Cause: {cc['cause']}." if cc.get("cause") else ""), file=sys.stderr)
     if args.layerwise:
         evaluate.diagnose(rec, "layerwise", lambda: _layerwise(args, spec, onnx_path, precision))
     return rec

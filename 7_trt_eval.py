@@ -1,9 +1,14 @@
 """Stage 7: evaluate one TensorRT engine: accuracy, GPU compute latency, parity, layer formats.
 
 Reads  artifacts/<model>/engines/<variant>.plan (6_build_engines.sh), its <variant>.build.log
-       (trtexec's own GPU Compute Time, for a cross-check), artifacts/<model>/ref_logits.npz
+       (trtexec's own GPU Compute Time, for a cross-check), results/<model>/trt_build_<variant>.json
+       (the optimisation profile and DLA core stage 6 built with), artifacts/<model>/ref_logits.npz
        (reference logits) and the eval split (0_prepare_data.py).
-Writes results/<model>/<tag>.json (backend "TensorRT").
+Writes results/<model>/<tag>.json (backend "TensorRT"), with the diagnostic batch_invariance:
+       the same images at batch 1 and at the accuracy batch (max |difference|, top-1 agreement),
+       flagged with the known-issue note when they differ. A plan the runtime refuses is
+       reported with its class and fix (not a plan, truncated, another TensorRT, another GPU,
+       library path).
 
 Without the TensorRT Python package or without a CUDA GPU it prints why, writes a row with
 ``status: skipped`` and exits 0.
@@ -22,12 +27,16 @@ region.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 import common
 import evaluate
 import runners
+import trt_parsers
 import trt_tools
 import variants
 from common import UsageError
@@ -95,8 +104,8 @@ def trtexec_cross_check(model: str, variant, in_name: str, rec: dict) -> dict | 
     if not log.exists():
         return None
     text = log.read_text(errors="replace")
-    perf = trt_tools.parse_performance_summary(text)
-    shapes = trt_tools.parse_inference_shapes(text)["inputs"]
+    perf = trt_parsers.parse_performance_summary(text)
+    shapes = trt_parsers.parse_inference_shapes(text)["inputs"]
     gct = perf.get("gpu_compute_time") if perf else None
     tb = shapes.get(in_name, [None])[0]
     ours = None
@@ -108,6 +117,24 @@ def trtexec_cross_check(model: str, variant, in_name: str, rec: dict) -> dict | 
             "trtexec_throughput_qps": perf.get("throughput_qps") if perf else None,
             "ratio_p50_to_trtexec_median": (ours["p50_ms"] / gct["median_ms"]
                                             if ours and gct and gct.get("median_ms") else None)}
+
+
+def batch_invariance_check(runner, data, batch: int) -> dict:
+    """The same images at batch 1 and at the accuracy pass's batch (trt_tools.batch_invariance):
+    max |difference| and top-1 agreement, with the known-issue note when they differ. Not
+    applicable (``ok`` None) when the engine cannot run batch 1 or batch >= 2."""
+    lo, hi = runner.batch_range
+    n_batch = min(batch, hi) if hi else batch
+    if lo > 1 or n_batch < 2:
+        return {"ok": None, "reason": f"the engine accepts batch {lo}..{hi}: no batch-1 vs "
+                                      "batch-N comparison"}
+    n = min(len(data), max(2 * n_batch, 16), 128)
+    res = trt_tools.batch_invariance(runner.infer, data.batch(np.arange(n)), n_batch)
+    if not res["ok"]:
+        print(f"{STAGE}: WARNING: batch-1 and batch-{n_batch} outputs differ (max |diff| "
+              f"{res['max_abs_diff']:.3g}, top-1 agreement {res['top1_agreement']}): "
+              f"{res['note']}", file=sys.stderr)
+    return res
 
 
 def main(args) -> dict | None:
@@ -154,6 +181,12 @@ def main(args) -> dict | None:
         return None
 
     spec = common.model_spec(args.model)
+    # stage 6's build row of this engine (the engine exists: checked above)
+    build_row = (common.model_results(args.model) / f"{variant.build_tag}.json"
+                 if variant else None)
+    build = common.load_json(build_row) if build_row is not None and build_row.exists() else {}
+    build = build if isinstance(build, dict) else {}
+    dla_core = build.get("dla_core") if build.get("status") == "ok" else None
     art = common.model_artifacts(args.model)
     if spec.classifier:
         ref_path = common.require(art / "ref_logits.npz", REF_PRODUCER)
@@ -162,9 +195,12 @@ def main(args) -> dict | None:
         ref_path = art / "ref_outputs.npz"
         data = evaluate.custom_data(ref_path)
 
-    with runners.TrtRunner(args.engine, args.device) as r:
+    with runners.TrtRunner(args.engine, args.device, dla_core=dla_core) as r:
         if data.classifier:
             data.input_name = r.input_names[0]
+            # the profile stage 6 built (and recorded) must hold the eval images
+            trt_tools.fit_batch(r.profile_shapes[data.input_name], args.batch_size,
+                                data.x_u8.shape[1:], what=f"engine {args.engine}")
         rec, _ = evaluate.evaluate(
             r, data, stage=STAGE, precision=_precision(args), model=args.model, tag=args.tag,
             args=args, started=started, inputs=[args.engine, ref_path],
@@ -173,12 +209,17 @@ def main(args) -> dict | None:
             variant=variant.name if variant else None,
             size_mb=common.file_size_mb(args.engine))
         layers = r.layer_info()
-        rec["layer_info"] = trt_tools.layer_summary(layers)
-        rec["layer_dtypes"] = trt_tools.layer_dtype_table(layers)
+        rec["layer_info"] = trt_parsers.layer_summary(layers)
+        rec["layer_dtypes"] = trt_parsers.layer_dtype_table(layers)
         rec["trtexec_cross_check"] = trtexec_cross_check(args.model, variant, r.input_names[0],
                                                          rec)
-    path = common.write_result(args.model, args.tag, rec)
-    print(f"{evaluate.summary_line(rec)}, reformat layers {layers['reformat_layers']} -> {path}")
+        rec["build_profile"] = build.get("profile")
+        rec["dla_core"] = dla_core
+        path = common.write_result(args.model, args.tag, rec)
+        print(f"{evaluate.summary_line(rec)}, reformat layers {layers['reformat_layers']} -> "
+              f"{path}")
+        evaluate.diagnose(rec, "batch_invariance",
+                          lambda: batch_invariance_check(r, data, rec["batch_size"] or 1))
     if args.layerwise:
         evaluate.diagnose(rec, "layerwise", lambda: layerwise_engine(args, variant))
     return rec

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Stage 8: collect ``results/<model>/*.json`` into ``REPORT.md`` and ``REPORT.csv``.
 
-Reads:  every results JSON of the model that describes a backend run (``backend`` key).
+Reads:  every results JSON of the model that describes a backend run (``backend`` key), and the
+        GPU rows of ``results/gpu/<model>/`` (benchmarks/gpu_rows.sh on a GPU machine).
 Writes: ``results/<model>/REPORT.md``, ``results/<model>/REPORT.csv`` and a copy of the markdown
         at ``results/REPORT.md`` (the last model reported).
 Rerun:  ``python 8_report.py --model efficientnet_lite0``
@@ -172,10 +173,21 @@ def table_rows(rows: list[dict]) -> list[dict]:
             status = f"latest rerun {status} ({r['_file']}; the ok row above is kept)"
         if r.get("reason"):
             status += f": {r['reason'].splitlines()[0][:320]}"
-        cc = (r.get("diagnostics") or {}).get("backend_cross_check") or {}
+        diags = r.get("diagnostics") or {}
+        bi = diags.get("batch_invariance") or {}
+        if bi.get("ok") is False:
+            agree = bi.get("top1_agreement")
+            status += (f"; BATCH-DEPENDENT OUTPUT: batch 1 vs batch {bi.get('batch')} differ by "
+                       f"{bi.get('rel_max_diff', 0):.2g} of max |output|"
+                       + (f", top-1 agreement {100 * agree:.1f}%" if agree is not None else ""))
+        for name, d in diags.items():
+            if isinstance(d, dict) and d.get("status") == "error":
+                status += f"; diagnostic {name} failed: {str(d.get('error'))[:120]}"
+        cc = diags.get("backend_cross_check") or {}
         if cc.get("disagreement"):
             status += (f"; BACKEND DISAGREEMENT: top-1 {cc['top1_unoptimized']:.1f}% with ORT "
-                       f"optimisations disabled ({cc['n']} images)")
+                       f"optimisations disabled ({cc['n']} images)"
+                       + (f"; cause: {cc['cause']}" if cc.get("cause") else ""))
         if lat.get("mean_ms") and lat.get("p50_ms") and lat["mean_ms"] > 1.5 * lat["p50_ms"]:
             status += (f"; noisy timing: mean {lat['mean_ms']:.1f} ms vs p50 "
                        f"{lat['p50_ms']:.1f} ms (busy machine?)")
@@ -307,14 +319,21 @@ def render_markdown(model: str, rows: list[dict], data: dict | None,
             buf.write(f" Some rows ran on fewer images ({', '.join(map(str, fewer))}: "
                       "--limit): compare rows with the same image count only.")
         buf.write("\n\n")
-    prov = next((r.get("provenance") for r in rows if r.get("provenance")), None)
-    if prov:
+    machines: dict[str, list[str]] = {}
+    for r in rows:
+        prov = r.get("provenance")
+        if not prov:
+            continue
         d, v = prov["device"], prov["versions"]
-        buf.write(f"Machine: {d.get('cpu')} ({d.get('cpu_count')} cores), GPU: "
-                  f"{d.get('gpu') or 'none'}; torch {v.get('torch')}, onnxruntime "
-                  f"{v.get('onnxruntime') or v.get('onnxruntime-gpu')}, modelopt "
-                  f"{v.get('nvidia-modelopt')}, TensorRT {v.get('tensorrt') or 'not installed'}; "
-                  f"git {prov.get('git_sha')}.\n\n")
+        gpu = f"{d.get('gpu')} (driver {d.get('driver')})" if d.get("gpu") else "none"
+        line = (f"{d.get('cpu')} ({d.get('cpu_count')} cores), GPU: {gpu}; torch "
+                f"{v.get('torch')}, onnxruntime {v.get('onnxruntime-gpu') or v.get('onnxruntime')}"
+                f"{' (GPU build)' if v.get('onnxruntime-gpu') else ''}, modelopt "
+                f"{v.get('nvidia-modelopt')}, TensorRT {v.get('tensorrt') or 'not installed'}")
+        machines.setdefault(line, []).append(r.get("_source") or "")
+    for line, srcs in machines.items():
+        src = next((s for s in srcs if s), None)
+        buf.write(f"Machine{' of the rows from ' + src if src else ''}: {line}.\n\n")
     buf.write("Latency: batch 1, median (p50) of the timed runs after warm-up, end to end (host "
               "arrays in and out); GPU rows also give the GPU Compute Time (CUDA events); p90/p99 "
               "and the timer of each row are in its JSON. Speedup = PyTorch FP32 p50 / this "
@@ -339,9 +358,21 @@ def render_markdown(model: str, rows: list[dict], data: dict | None,
     return buf.getvalue()
 
 
+def gpu_rows(model: str, folder: Path) -> list[dict]:
+    """The GPU rows (``device == "cuda"``) of ``results/gpu/<model>/`` (made on a GPU machine by
+    ``benchmarks/gpu_rows.sh``), shown beside this machine's rows; each gets ``_source``."""
+    gpu = common.results_dir() / "gpu" / common.model_tag(model)
+    if not gpu.is_dir() or gpu.resolve() == folder.resolve():
+        return []
+    rel = f"results/gpu/{common.model_tag(model)}"
+    return [dict(r, _source=rel) for r in load_rows(gpu) if r.get("device") == "cuda"]
+
+
 def get_args_parser() -> argparse.ArgumentParser:
     p = common.stage_parser(__doc__)
     common.add_shared_args(p, "model")
+    p.add_argument("--no-gpu-rows", action="store_true",
+                   help="leave out the GPU rows of results/gpu/<model>/ (shown by default)")
     return p
 
 
@@ -349,6 +380,8 @@ def main(args: argparse.Namespace) -> Path:
     started = time.time()
     folder = common.model_results(args.model)
     rows = load_rows(folder) if folder.is_dir() else []
+    rows += gpu_rows(args.model, folder) if not args.no_gpu_rows else []
+    rows.sort(key=_sort_key)
     if rows:
         common.check_writable(folder, common.results_dir())
     if not rows:

@@ -1351,6 +1351,34 @@ def gpu_driver() -> str | None:
     return out.splitlines()[0].strip() if out else None
 
 
+# CPU features that decide ONNX Runtime's int8 kernels on x86-64: without a VNNI dot product
+# (avx512_vnni / avx_vnni), MLAS's u8s8 kernels use VPMADDUBSW, whose int16 intermediate sums can
+# saturate (ORT PR #12088, "x86/64 U8S8 Gemm Precision Fix"; oneDNN "Nuances of int8
+# computations"), so the same Q/DQ model can score differently on two x86 CPUs.
+_INT8_FLAGS = ("sse4_1", "avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8")
+
+
+def cpu_int8_flags() -> list[str]:
+    """The x86-64 features of :data:`_INT8_FLAGS` this CPU has (``/proc/cpuinfo``), [] elsewhere."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                return [f for f in _INT8_FLAGS if f in have]
+    except OSError:
+        pass
+    return []
+
+
+def cpu_has_vnni() -> bool | None:
+    """True if the CPU has an int8 dot-product instruction (AVX512-VNNI or AVX-VNNI), False on
+    an x86-64 CPU without one, None when unknown (not x86-64, no /proc/cpuinfo)."""
+    flags = cpu_int8_flags()
+    if not flags:
+        return None
+    return bool({"avx512_vnni", "avx_vnni"} & set(flags))
+
+
 def device_info(torch_device: str | None = None) -> dict:
     """Host and accelerator description: machine, CPU model, core count and, when a GPU is in
     use (torch already imported and sees one), its name, CUDA version, compute capability and
@@ -1364,7 +1392,7 @@ def device_info(torch_device: str | None = None) -> dict:
     except OSError:
         pass
     info = {"machine": platform.machine(), "system": platform.system(), "cpu": cpu,
-            "cpu_count": os.cpu_count(), "gpu": None}
+            "cpu_count": os.cpu_count(), "cpu_flags": cpu_int8_flags(), "gpu": None}
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available():
         idx = torch.device(torch_device).index if torch_device and "cuda" in torch_device else 0

@@ -17,12 +17,14 @@ Row schema (``results/<model>/<tag>.json``; every field present, None when it do
     latency {batch, warmup, iters, end_to_end_ms {p50_ms, p90_ms, p99_ms, mean_ms, min_ms,
     max_ms, fps}, end_to_end_timer, gpu_compute_ms {...} or None, gpu_compute_timer},
     latency_batch (same block at --latency-batch when it is not 1), harness_overhead_ms,
-    size_mb, diagnostics {name: result}, provenance.
+    size_mb, diagnostics {name: result}, timings_s {inference, latency, diagnostic:<name>},
+    provenance.
 """
 from __future__ import annotations
 
 import dataclasses
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -201,7 +203,8 @@ def base_record(stage: str, precision: str, model: str, tag: str, runner_desc: d
                 "runtime": d or None, "n_images": None, "batch_size": None,
                 "preprocessing": None, "accuracy": None, "reason_accuracy": None,
                 "parity": None, "parity_outputs": None, "latency": None, "latency_batch": None,
-                "harness_overhead_ms": None, "size_mb": None, "diagnostics": {}})
+                "harness_overhead_ms": None, "size_mb": None, "diagnostics": {},
+                "timings_s": {}})
     rec.update(fields)
     return rec
 
@@ -224,7 +227,9 @@ def evaluate(runner: runners.Runner, data: EvalData, *, stage: str, precision: s
         ``(record, outputs)`` with ``outputs`` every model output over all samples.
     """
     desc = runner.describe()
+    t0 = time.perf_counter()
     outputs = run_outputs(runner, data, batch_size, progress=f"{tag}")
+    t1 = time.perf_counter()
     b, _ = batch_plan(len(data), batch_size, runner.batch_range)
     rec = base_record(stage, precision, model, tag, desc, batch_size=b,
                       preprocessing=data.preprocessing, **score(data, outputs))
@@ -233,6 +238,9 @@ def evaluate(runner: runners.Runner, data: EvalData, *, stage: str, precision: s
     if latency_batch != lat1:
         rec["latency_batch"] = latency(runner, data, latency_batch, warmup, iters)
     rec["harness_overhead_ms"] = runners.harness_overhead_ms()
+    # Where the stage's time went (s), for benchmarks/profile_run.py.
+    rec["timings_s"] = {"inference": round(t1 - t0, 3),
+                        "latency": round(time.perf_counter() - t1, 3)}
     rec.update(fields)
     rec["provenance"] = common.provenance(args, inputs, started,
                                           f"cuda:{desc.get('device_index') or 0}"
@@ -250,6 +258,7 @@ def diagnose(rec: dict, name: str, fn: Callable[[], dict]) -> dict | None:
     Returns:
         the diagnostic's result, or None when it failed.
     """
+    t0 = time.perf_counter()
     try:
         res = fn()
     except KeyboardInterrupt:
@@ -262,6 +271,7 @@ def diagnose(rec: dict, name: str, fn: Callable[[], dict]) -> dict | None:
         res = None
     else:
         rec.setdefault("diagnostics", {})[name] = res
+    rec.setdefault("timings_s", {})[f"diagnostic:{name}"] = round(time.perf_counter() - t0, 3)
     common.write_result(rec["model"], rec["tag"], rec)
     return res
 

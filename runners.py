@@ -19,6 +19,7 @@ work alone, from CUDA events. Units: milliseconds (ms).
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 import time
 from pathlib import Path
@@ -80,28 +81,44 @@ def try_extra(timing: Timing, name: str, fn: Callable[[], tuple[list[float], str
         timing.extra[name] = (None, f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
 
 
+# Time budget of one timed loop: it stops after ``iters`` iterations or this many seconds,
+# whichever comes first, but never before MIN_ITERS iterations (MLPerf's LoadGen bounds a run
+# the same way, by a minimum query count and a minimum duration). A 400 ms INT8 model on a busy
+# 2-core CPU would otherwise spend 80 s on 200 iterations; the row records how many ran.
+MAX_SECONDS = 10.0
+MIN_ITERS = 20
+
+
 def wall_loop(fn: Callable[[], Any], warmup: int, iters: int,
-              sync: Callable[[], None] | None = None) -> list[float]:
-    """Wall-clock latency (ms) of ``fn()``: ``warmup`` untimed calls, then ``iters`` timed ones
-    with ``time.perf_counter``; ``sync()`` (a device synchronisation) runs before each timestamp
-    so asynchronous work is counted."""
+              sync: Callable[[], None] | None = None,
+              max_seconds: float | None = None) -> list[float]:
+    """Wall-clock latency (ms) of ``fn()``: ``warmup`` untimed calls, then up to ``iters`` timed
+    ones with ``time.perf_counter`` (fewer once ``max_seconds``, default :data:`MAX_SECONDS`, has
+    passed, but at least ``min(iters, MIN_ITERS)``); ``sync()`` (a device synchronisation) runs
+    before each timestamp so asynchronous work is counted."""
+    budget = MAX_SECONDS if max_seconds is None else max_seconds
     for _ in range(warmup):
         fn()
     if sync:
         sync()
-    times = []
-    for _ in range(iters):
+    times: list[float] = []
+    start = time.perf_counter()
+    for i in range(iters):
         t0 = time.perf_counter()
         fn()
         if sync:
             sync()
-        times.append((time.perf_counter() - t0) * 1e3)
+        t1 = time.perf_counter()
+        times.append((t1 - t0) * 1e3)
+        if i + 1 >= MIN_ITERS and t1 - start > budget:
+            break
     return times
 
 
 def cuda_event_loop(fn: Callable[[], Any], warmup: int, iters: int, stream=None) -> list[float]:
     """Device time (ms) of the work ``fn()`` enqueues on ``stream`` (default: the current torch
-    stream), from a pair of CUDA events per iteration, after ``warmup`` untimed calls."""
+    stream), from a pair of CUDA events per iteration, after ``warmup`` untimed calls; the same
+    iteration/time bounds as :func:`wall_loop`."""
     import torch
 
     stream = stream or torch.cuda.current_stream()
@@ -109,13 +126,16 @@ def cuda_event_loop(fn: Callable[[], Any], warmup: int, iters: int, stream=None)
         fn()
     stream.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(iters):
+    times: list[float] = []
+    t_start = time.perf_counter()
+    for i in range(iters):
         start.record(stream)
         fn()
         end.record(stream)
         end.synchronize()
         times.append(float(start.elapsed_time(end)))
+        if i + 1 >= MIN_ITERS and time.perf_counter() - t_start > MAX_SECONDS:
+            break
     return times
 
 
@@ -264,7 +284,8 @@ class TorchRunner(Runner):
 
     def _forward(self, args, model=None):
         with self.torch.inference_mode():
-            return (model or self.model)(*args)
+            # not ``model or self.model``: truth-testing a module calls __len__ (Sequential)
+            return (self.model if model is None else model)(*args)
 
     def infer(self, feed):
         out = self._forward(self._args(feed))
@@ -372,6 +393,9 @@ class OrtRunner(Runner):
         allow_cpu_fallback: if False and the session's first EP is not the requested one, raise.
         opt_level / disabled_optimizers: passed to the session (see :func:`ort_session_options`).
         threads: intra-op threads (0 = ORT's default).
+        tf32: CUDA EP ``use_tf32`` (None: ORT's default). device_id: CUDA device.
+        session_config: ``SessionOptions.add_session_config_entry`` pairs, e.g.
+            ``{"session.x64quantprecision": "1"}``.
     Raises:
         UsageError: unknown ``ep``.
         StageError: the requested EP is not used and CPU fallback is not allowed (the message
@@ -383,7 +407,8 @@ class OrtRunner(Runner):
 
     def __init__(self, path: Path | str | bytes, ep: str = "cpu", allow_cpu_fallback: bool = False,
                  opt_level: str = "all", disabled_optimizers: Sequence[str] = (),
-                 threads: int = 0, tf32: bool | None = None, device_id: int = 0):
+                 threads: int = 0, tf32: bool | None = None, device_id: int = 0,
+                 session_config: dict[str, str] | None = None):
         if ep not in ORT_EPS:
             raise UsageError(f"--ep {ep}: choose one of {sorted(set(ORT_EPS))}")
         if ep != "cpu":
@@ -401,6 +426,7 @@ class OrtRunner(Runner):
         self.label = "<in-memory model>" if isinstance(path, bytes) else str(self.path)
         self.requested = ORT_EPS[ep]
         self.opt_level, self.disabled_optimizers = opt_level, list(disabled_optimizers)
+        self.session_config = dict(session_config or {})
         available = ort.get_available_providers()
         providers = [self.requested] + (["CPUExecutionProvider"]
                                         if self.requested != "CPUExecutionProvider" else [])
@@ -435,6 +461,8 @@ class OrtRunner(Runner):
     def _session(self, providers: list[str], extra_options: dict | None = None):
         ort = self.ort
         so = ort_session_options(self.opt_level, threads=self.threads)
+        for k, v in self.session_config.items():
+            so.add_session_config_entry(k, v)
         src = self.path if isinstance(self.path, bytes) else str(self.path)
         opts = [({**self.gpu_options, **(extra_options or {})}
                  if p == "CUDAExecutionProvider" else {}) for p in providers]
@@ -504,6 +532,7 @@ class OrtRunner(Runner):
                              "ep_requested": self.requested, "ep_used": self.used,
                              "cpu_fallback": self.fallback_reason, "opt_level": self.opt_level,
                              "disabled_optimizers": self.disabled_optimizers,
+                             "session_config": self.session_config,
                              "versions": {"onnxruntime": ort.__version__}}
         if cuda:
             opts = self.session.get_provider_options().get(self.used, {})
@@ -531,17 +560,20 @@ class TrtRunner(Runner):
         plan: serialized engine (path or bytes).
         device: CUDA device index.
         profile: optimisation profile index.
+        dla_core: DLA core of a plan built for DLA (``runtime.DLA_core`` before loading).
     Attributes:
         profile_shapes: ``{input: (min, opt, max) shapes}``; ``version``: ``tensorrt.__version__``.
     Raises:
-        StageError: TensorRT or CUDA missing, or the runtime refuses the plan (the message names
-            the two versions when the runtime logged a version mismatch, and says to rebuild
-            with 6_build_engines.sh).
+        StageError: TensorRT or CUDA missing, or the runtime refuses the plan (the message gives
+            the class of the failure and its fix: not a plan, truncated, built by another
+            TensorRT (both versions named), built for another GPU, or a library-path mismatch
+            that a rebuild would not fix).
     """
 
     backend = "TensorRT"
 
-    def __init__(self, plan: Path | str | bytes, device: int = 0, profile: int = 0):
+    def __init__(self, plan: Path | str | bytes, device: int = 0, profile: int = 0,
+                 dla_core: int | None = None):
         try:
             import tensorrt as trt
         except Exception as e:  # noqa: BLE001 - ImportError, missing libnvinfer (OSError)
@@ -551,7 +583,7 @@ class TrtRunner(Runner):
 
         if not torch.cuda.is_available():
             raise StageError("no CUDA GPU visible to torch (TensorRT needs one)")
-        import trt_tools
+        import trt_parsers
 
         self.trt, self.torch = trt, torch
         self.dev = torch.device("cuda", device)
@@ -569,17 +601,20 @@ class TrtRunner(Runner):
 
         self.logger = _Logger()
         self.runtime = trt.Runtime(self.logger)
+        if dla_core is not None:  # a plan built for DLA runs on the core set before loading
+            self.runtime.DLA_core = int(dla_core)
         blob = plan if isinstance(plan, bytes) else Path(plan).read_bytes()
         self.label = "<in-memory plan>" if isinstance(plan, bytes) else str(plan)
         self.engine = self.runtime.deserialize_cuda_engine(blob)
         if self.engine is None:
-            log = "\n".join(self.logger.messages)
-            mm = trt_tools.parse_version_mismatch(log)
-            hint = (f"version mismatch ({mm['kind']}): expected {mm['expected']}, got "
-                    f"{mm['got']}" if mm else log.strip()[-500:])
-            raise StageError(f"TensorRT {trt.__version__} cannot load {self.label}: {hint}; "
-                             "rebuild it with 6_build_engines.sh using the trtexec of this "
-                             "TensorRT version")
+            # Classified with its fix (not a plan / truncated / another TensorRT / another GPU /
+            # library path), trt_parsers.classify_plan_load_error.
+            why = trt_parsers.classify_plan_load_error(
+                "\n".join(self.logger.messages), blob[:trt_parsers.PLAN_HEADER_BYTES],
+                runtime_version=tuple(int(p) for p in re.findall(r"\d+", trt.__version__)[:4]),
+                file_size=len(blob), plan=self.label)
+            raise StageError(f"TensorRT {trt.__version__} cannot load {self.label} "
+                             f"[{why['kind']}]: {why['message']}. Fix: {why['fix']}")
         self.context = self.engine.create_execution_context()
         self.profile = profile
         if profile:
@@ -652,12 +687,12 @@ class TrtRunner(Runner):
                       gpu, "torch.cuda.Event pair around execute_async_v3 on bound buffers")
 
     def layer_info(self) -> dict:
-        """Engine inspector JSON summarised by :func:`trt_tools.parse_layer_info`."""
-        import trt_tools
+        """Engine inspector JSON summarised by :func:`trt_parsers.parse_layer_info`."""
+        import trt_parsers
 
         insp = self.engine.create_engine_inspector()
         insp.execution_context = self.context
-        return trt_tools.parse_layer_info(
+        return trt_parsers.parse_layer_info(
             insp.get_engine_information(self.trt.LayerInformationFormat.JSON))
 
     def describe(self):

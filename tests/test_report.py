@@ -108,3 +108,43 @@ def test_layerwise_plot_keeps_non_finite_layers(tmp_path):
     assert path.stat().st_size > 5000
     assert np.isnan(np.array([r["cosine_min"] if r["cosine_min"] is not None else np.nan
                               for r in layerwise.plot_rows(back)])).sum() == 1
+
+
+def test_gpu_rows_from_results_gpu_join_the_report(rows, tmp_path, monkeypatch):
+    """Rows made on a GPU machine (results/gpu/<model>/) appear beside this machine's rows;
+    their CPU rows (the GPU machine's own reference run) do not mix into the CPU speedups."""
+    monkeypatch.setenv("RESULTS", str(tmp_path))
+    here, gpu = tmp_path / "efficientnet_lite0", tmp_path / "gpu" / "efficientnet_lite0"
+    here.mkdir()
+    gpu.mkdir(parents=True)
+    prov = {"device": {"cpu": "EPYC", "cpu_count": 2, "gpu": None}, "versions": {}}
+    gprov = {"device": {"cpu": "Xeon", "cpu_count": 16, "gpu": "NVIDIA H200", "driver": "580"},
+             "versions": {"onnxruntime-gpu": "1.31.1"}}
+    for r in rows[:1] + rows[2:5]:
+        (here / f"{r['tag']}.json").write_text(json.dumps(dict(r, provenance=prov)))
+    cpu_there = dict(rows[0], provenance=gprov)
+    cpu_there["latency"] = _lat(5.0)
+    (gpu / "pytorch_fp32_cpu.json").write_text(json.dumps(cpu_there))
+    (gpu / "pytorch_fp32_cuda.json").write_text(json.dumps(dict(rows[1], provenance=gprov)))
+    report.main(report.get_args_parser().parse_args(["--model", "efficientnet_lite0"]))
+    md = (here / "REPORT.md").read_text()
+    assert md.count("| PyTorch | FP32 | pytorch_fp32_cuda |") == 1
+    assert md.count("| PyTorch | FP32 | pytorch_fp32_cpu |") == 1
+    assert "rows from results/gpu/efficientnet_lite0: Xeon (16 cores), GPU: NVIDIA H200 " \
+           "(driver 580)" in md
+    t = {r["tag"]: r for r in report.table_rows(report.load_rows(here))}
+    assert t["ort_fp32"]["speedup"] == "2.00x"  # still vs this machine's CPU PyTorch row
+    report.main(report.get_args_parser().parse_args(["--model", "efficientnet_lite0",
+                                                     "--no-gpu-rows"]))
+    assert "pytorch_fp32_cuda" not in (here / "REPORT.md").read_text()
+
+
+def test_status_shows_batch_dependence_and_failed_diagnostics(rows):
+    r = dict(rows[2], diagnostics={
+        "batch_invariance": {"ok": False, "batch": 64, "rel_max_diff": 0.031,
+                             "top1_agreement": 0.97},
+        "layerwise": {"status": "error", "error": "NameError: name 'art' is not defined"}})
+    status = report.table_rows([rows[0], r])[1]["status"]
+    assert status.startswith("ok; BATCH-DEPENDENT OUTPUT: batch 1 vs batch 64")
+    assert "top-1 agreement 97.0%" in status
+    assert "diagnostic layerwise failed: NameError" in status

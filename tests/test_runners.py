@@ -190,5 +190,31 @@ def test_no_second_copy_of_runner_or_graph_logic():
             continue
         text = f.read_text()
         assert not re.search(r"^class \w*Runner\b", text, re.M), f"{f.name} defines a runner"
-        assert "perf_counter()" not in text, f.name
+        timing_loop = "perf_counter()" in text and re.search(r"for \w+ in range\(iters\)", text)
+        assert not timing_loop, f"{f.name} has its own latency loop"
         assert "numpy_helper.to_array(i) for i in model.graph.initializer" not in text, f.name
+
+
+def test_timed_loop_is_bounded_by_iterations_and_time():
+    """A slow model stops after the time budget (but never before MIN_ITERS); a fast one runs
+    all iterations. The row records how many ran."""
+    slow = runners.wall_loop(lambda: time.sleep(0.005), 0, 1000, max_seconds=0.01)
+    assert len(slow) == runners.MIN_ITERS
+    fast = runners.wall_loop(lambda: None, 2, 150, max_seconds=5.0)
+    assert len(fast) == 150
+    assert len(runners.wall_loop(lambda: None, 0, 5, max_seconds=0.0)) == 5  # iters < MIN_ITERS
+    t = runners.Timing(slow, "t").stats(batch=1, warmup=0)
+    assert t["iters"] == runners.MIN_ITERS
+
+
+def test_torch_compile_figure_on_cpu():
+    """``compile=True`` adds a torch.compile figure (or the reason it could not be had), and a
+    Sequential model is not truth-tested (its __len__ made the first version fail)."""
+    model = _tiny_torch()
+    feed = {"input": np.zeros((1, 3, 8, 8), np.float32)}
+    with runners.TorchRunner(model, compile=True) as t:
+        timing = t.time(feed, warmup=1, iters=3)
+    times, how = timing.extra["compile"]
+    assert "__len__" not in how and "len()" not in how, how
+    if times is not None:  # a C++ toolchain is needed for inductor on the CPU
+        assert len(times) == 3 and "torch.compile" in how
