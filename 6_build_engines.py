@@ -309,7 +309,11 @@ def _record(args, variant: str, status: str, reason: str | None, started: float,
 
 
 def _write(args, variant: str, rec: dict) -> Path:
-    return common.write_result(args.model, VARIANTS[variant].build_tag, rec)
+    # A failed build that produced no plan keeps an earlier good row (and its plan); a row
+    # that describes a plan now on disk (``plan`` set: a check failed after it was written)
+    # replaces it (common.write_result).
+    return common.write_result(args.model, VARIANTS[variant].build_tag, rec,
+                               keep_good=rec.get("plan") is None)
 
 
 def _python_plan_check(plan: Path, env: Mapping[str, str], runtime) -> tuple[bool | None, str]:

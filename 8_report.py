@@ -353,7 +353,9 @@ def render_markdown(model: str, rows: list[dict], data: dict | None,
                   "|---|---|---|\n")
         for b in builds:
             detail = (b.get("reason") or b.get("plan") or "").splitlines()
-            buf.write(f"| {b['tag'].removeprefix('trt_build_')} | {b['status']} | "
+            st = b["status"] + (f" (latest rerun, {b['_file']}; the ok row above is kept)"
+                                if _is_rerun(b) else "")
+            buf.write(f"| {b['tag'].removeprefix('trt_build_')} | {st} | "
                       f"{(detail[0] if detail else '')[:200].replace('|', '/')} |\n")
     return buf.getvalue()
 

@@ -1472,26 +1472,30 @@ def _row_status(path: Path) -> str | None:
     return rec.get("status") if isinstance(rec, dict) else None
 
 
-def write_result(model: str, tag: str, record: dict) -> Path:
+def write_result(model: str, tag: str, record: dict, keep_good: bool = True) -> Path:
     """Write ``results/<model>/<tag>.json`` atomically and return the path written.
 
     An earlier good row is never replaced by a failure: when ``record`` is not ``ok`` and
     ``<tag>.json`` holds an ``ok`` row, the record goes to ``<tag>.<status>.json`` beside it
     (the report shows both) and a note says so. An ``ok`` record removes such leftovers.
 
+    Args:
+        keep_good: False when the failed run already replaced the artifact the good row
+            describes (e.g. an engine rebuilt and then rejected by a check): the row must then
+            describe the file on disk and is replaced.
     Raises:
         UsageError: ``tag`` is not a plain file name (:func:`safe_name`).
     """
     path = model_results(model) / f"{safe_name(tag)}.json"
     status = record.get("status")
-    if status != "ok" and _row_status(path) == "ok":
+    if keep_good and status != "ok" and _row_status(path) == "ok":
         side = path.with_name(f"{tag}.{safe_name(str(status), 'status')}.json")
         write_json(side, record)
         print(f"note: {path} holds a good row of an earlier run: kept; this {status} run is "
               f"recorded in {side.name} (the report lists both)", file=sys.stderr)
         return side
     write_json(path, record)
-    if status == "ok":
+    if status == "ok" or not keep_good:
         for side in result_sidecars(model, tag):
             side.unlink(missing_ok=True)
     return path

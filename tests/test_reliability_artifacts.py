@@ -140,6 +140,10 @@ def test_write_result_skipped_over_ok_goes_beside(tmp_path, monkeypatch):
     failed = dict(ok, status="failed", reason="x")
     common.write_result(MODEL, "trt_int8", failed)  # no good row: written under its own name
     assert json.loads((tmp_path / MODEL / "trt_int8.json").read_text())["status"] == "failed"
+    # a failure that already replaced the artifact the good row described replaces the row
+    common.write_result(MODEL, "trt_fp16", failed, keep_good=False)
+    assert json.loads((tmp_path / MODEL / "trt_fp16.json").read_text())["status"] == "failed"
+    assert not (tmp_path / MODEL / "trt_fp16.skipped.json").exists()
 
 
 def test_stage3_unsafe_tag_is_refused_before_any_work(env, tmp_path):
