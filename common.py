@@ -609,8 +609,65 @@ def build_model(name: str, weights: Path | str | None = None, pretrained: bool =
     return model.eval(), spec
 
 
+def parse_dims(text: str, what: str) -> tuple[int, ...]:
+    """``"1x3x224x224"`` / ``"1,3,224,224"`` -> ``(1, 3, 224, 224)``.
+
+    Raises:
+        UsageError: empty, not integers, or a dimension < 1 (``what`` names the flag).
+    """
+    try:
+        dims = tuple(int(d) for d in re.split(r"[x,]", text.strip()) if d != "")
+    except ValueError:
+        dims = ()
+    if not dims or any(d < 1 for d in dims):
+        raise UsageError(f"{what}: dims {text!r}: every dimension must be >= 1 and an integer, "
+                         "like 1x3x224x224 (the first is the batch)")
+    return dims
+
+
+def split_shape_name(item: str, what: str) -> tuple[str | None, str]:
+    """``'na:me':rest`` (quoted: a name holding ``:``, trtexec's syntax) / ``name:rest`` (split
+    on the last ``:``) / ``rest`` -> ``(name or None, rest)``.
+
+    Raises:
+        UsageError: an unterminated quoted name.
+    """
+    if item.startswith("'"):
+        end = item.find("'", 1)
+        if end < 0 or item[end + 1:end + 2] != ":":
+            raise UsageError(f"{what} {item!r}: a quoted name must look like 'name:0':1x3x224x224")
+        return item[1:end], item[end + 2:]
+    if ":" not in item:
+        return None, item
+    name, rest = item.rsplit(":", 1)
+    return name, rest
+
+
+def parse_input_shape(item: str, what: str = "--input-shape"
+                      ) -> tuple[str | None, tuple[int, ...], str | None]:
+    """Parse one ``--input-shape`` value: ``name:d0,d1,...[:dtype]`` (``x`` also separates
+    dims), ``'name:0':...`` for a name holding ``:``, or ``d0,d1,...`` without a name.
+
+    Returns:
+        ``(name or None, dims, dtype or None)``.
+    Raises:
+        UsageError: malformed value, unknown dtype, or a dimension < 1.
+    """
+    dtype, body = None, item
+    tail = item.rsplit(":", 1)
+    if (len(tail) == 2 and re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", tail[1])
+            and not item.endswith("'")):
+        try:
+            np.dtype(tail[1])
+        except TypeError:
+            raise UsageError(f"{what} {item!r}: unknown dtype {tail[1]!r}") from None
+        dtype, body = tail[1], tail[0]
+    name, dims = split_shape_name(body, what)
+    return name, parse_dims(dims, f"{what} {item!r}"), dtype
+
+
 def parse_input_shapes(items: Sequence[str] | None) -> list[tuple[str, tuple[int, ...], str]]:
-    """Parse ``--input-shape`` values: ``name:1,3,224,224[:dtype]`` or ``1,3,224,224``.
+    """Parse ``--input-shape`` values (:func:`parse_input_shape`).
 
     Returns:
         list of ``(name, shape, dtype)``; name defaults to ``input``/``input_<i>``, dtype to
@@ -620,24 +677,8 @@ def parse_input_shapes(items: Sequence[str] | None) -> list[tuple[str, tuple[int
     """
     out = []
     for i, item in enumerate(items or []):
-        parts = item.split(":")
-        if len(parts) == 1:
-            name, dims, dtype = ("input" if i == 0 else f"input_{i}"), parts[0], "float32"
-        elif len(parts) == 2:
-            name, dims, dtype = parts[0], parts[1], "float32"
-        elif len(parts) == 3:
-            name, dims, dtype = parts
-        else:
-            raise UsageError(f"--input-shape {item!r}: expected name:d0,d1,...[:dtype]")
-        try:
-            shape = tuple(int(d) for d in dims.replace("x", ",").split(","))
-            np.dtype(dtype)
-        except (ValueError, TypeError) as e:
-            raise UsageError(f"--input-shape {item!r}: {e}") from e
-        if any(d < 1 for d in shape):
-            raise UsageError(f"--input-shape {item!r}: every dimension must be >= 1 (got "
-                             f"{list(shape)}; the first is the batch, e.g. {name}:1,3,224,224)")
-        out.append((name, shape, dtype))
+        name, shape, dtype = parse_input_shape(item)
+        out.append((name or ("input" if i == 0 else f"input_{i}"), shape, dtype or "float32"))
     return out
 
 

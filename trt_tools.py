@@ -293,29 +293,6 @@ class InputProfile:
                 "opt": list(self.opt), "max": list(self.max), "source": self.source}
 
 
-def _dims(text: str, what: str) -> tuple[int, ...]:
-    try:
-        dims = tuple(int(d) for d in re.split(r"[x,]", text.strip()) if d != "")
-    except ValueError:
-        dims = ()
-    if not dims or any(d < 1 for d in dims):
-        raise UsageError(f"{what}: dims {text!r} are not positive integers like 1x3x224x224")
-    return dims
-
-
-def _split_name(item: str, what: str) -> tuple[str | None, str]:
-    """``'na:me':rest`` / ``name:rest`` (last ``:``) / ``rest`` -> (name or None, rest)."""
-    if item.startswith("'"):
-        end = item.find("'", 1)
-        if end < 0 or item[end + 1:end + 2] != ":":
-            raise UsageError(f"{what} {item!r}: a quoted name must look like 'name:0':1x3x224x224")
-        return item[1:end], item[end + 2:]
-    if ":" not in item:
-        return None, item
-    name, rest = item.rsplit(":", 1)
-    return name, rest
-
-
 def parse_shape_specs(items: Sequence[str] | None, what: str = "--opt-shapes"
                       ) -> dict[str, tuple[int, ...]]:
     """Parse trtexec-style shape specs: each item ``name:DxDxD[,name2:DxD...]``; a name with
@@ -328,38 +305,13 @@ def parse_shape_specs(items: Sequence[str] | None, what: str = "--opt-shapes"
     for item in items or []:
         # trtexec splits the list on every ","; names are quoted only to hold ":".
         for part in re.findall(r"(?:'[^']*'|[^,'])+", item):
-            name, dims = _split_name(part.strip(), what)
+            name, dims = common.split_shape_name(part.strip(), what)
             if not name:
                 raise UsageError(f"{what} {part!r}: expected name:DxDxD")
             if name in out:
                 raise UsageError(f"{what}: input {name!r} given twice")
-            out[name] = _dims(dims, f"{what} {part!r}")
+            out[name] = common.parse_dims(dims, f"{what} {part!r}")
     return out
-
-
-def parse_input_shape(item: str) -> tuple[str | None, tuple[int, ...], str | None]:
-    """Parse one ``--input-shape`` value for stage 6: ``name:d0,d1,...[:dtype]`` (also ``x`` as
-    separator, a quoted ``'name:0':...`` or no name). Unlike ``common.parse_input_shapes`` it
-    accepts input names containing ``:`` (TensorFlow-style ``input:0``).
-
-    Returns:
-        ``(name or None (the index-th input), dims, dtype or None)``.
-    Raises:
-        UsageError: malformed value.
-    """
-    what = "--input-shape"
-    dtype = None
-    body = item
-    tail = item.rsplit(":", 1)
-    if (len(tail) == 2 and re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", tail[1])
-            and not item.endswith("'")):
-        try:
-            np.dtype(tail[1])
-            dtype, body = tail[1], tail[0]
-        except TypeError:
-            raise UsageError(f"{what} {item!r}: unknown dtype {tail[1]!r}") from None
-    name, dims = _split_name(body, what)
-    return name, _dims(dims, f"{what} {item!r}"), dtype
 
 
 def input_profiles(inputs: Sequence[tuple[str, Sequence[int | None], Any]], *,
@@ -380,7 +332,7 @@ def input_profiles(inputs: Sequence[tuple[str, Sequence[int | None], Any]], *,
 
     Args:
         inputs: :func:`onnx_inputs` of the model.
-        input_shapes: ``--input-shape`` values (:func:`parse_input_shape`; an unnamed value is
+        input_shapes: ``--input-shape`` values (:func:`common.parse_input_shape`; an unnamed one is
             the input at its position).
         min_shapes, opt_shapes, max_shapes: :func:`parse_shape_specs` results.
         min_batch, opt_batch, max_batch: batch range for a dynamic axis 0.
@@ -395,7 +347,7 @@ def input_profiles(inputs: Sequence[tuple[str, Sequence[int | None], Any]], *,
     names = [n for n, _, _ in inputs]
     given: dict[str, tuple[int, ...]] = {}
     for i, item in enumerate(input_shapes or ()):
-        name, dims, _ = parse_input_shape(item)
+        name, dims, _ = common.parse_input_shape(item)
         name = name if name is not None else (names[i] if i < len(names) else None)
         if name not in names:
             raise UsageError(f"--input-shape {item!r}: the model has no input {name!r} "

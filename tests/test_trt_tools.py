@@ -22,6 +22,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import common  # noqa: E402
 import trt_onnx  # noqa: E402
 import trt_parsers as tp  # noqa: E402
 import trt_tools as tt  # noqa: E402
@@ -321,14 +322,14 @@ def test_names_trtexec_cannot_write_are_refused():
 def test_shape_spec_parsing():
     assert tt.parse_shape_specs(["'in:0':1x3x8x8,b:2x5", "c:0:4x4"]) == {
         "in:0": (1, 3, 8, 8), "b": (2, 5), "c:0": (4, 4)}
-    assert tt.parse_input_shape("tokens:1,16:int64") == ("tokens", (1, 16), "int64")
-    assert tt.parse_input_shape("input:0:1,3,32,32") == ("input:0", (1, 3, 32, 32), None)
-    assert tt.parse_input_shape("1x3x8x8") == (None, (1, 3, 8, 8), None)
+    assert common.parse_input_shape("tokens:1,16:int64") == ("tokens", (1, 16), "int64")
+    assert common.parse_input_shape("input:0:1,3,32,32") == ("input:0", (1, 3, 32, 32), None)
+    assert common.parse_input_shape("1x3x8x8") == (None, (1, 3, 8, 8), None)
     for bad in (["x:1x0"], ["x:"], ["1x3"], ["a:1,a:2"]):
         with pytest.raises(UsageError):
             tt.parse_shape_specs(bad)
     with pytest.raises(UsageError, match="unknown dtype"):
-        tt.parse_input_shape("x:1,2:notatype")
+        common.parse_input_shape("x:1,2:notatype")
 
 
 def test_static_profile_for_dla():
