@@ -16,18 +16,22 @@ tested) on machines without TensorRT or a GPU. ``python trt_tools.py detect`` pr
 detection finds.
 
 Sources relied on (read to learn; flag names checked per release in NVIDIA/TensorRT
-``samples/common/sampleOptions.cpp`` at tags v8.6.1, v9.3.0, v10.0.1, v10.3.0, v10.16, v11.0,
-v11.1):
+``samples/common/sampleOptions.cpp`` at tags 8.5.1, v8.6.1, v9.3.0, v10.0.1, v10.1.0, v10.3.0,
+v10.16, v11.0, v11.1):
 - trtexec flags: ``--onnx``, ``--saveEngine``, ``--loadEngine``, ``--timingCacheFile``,
-  ``--min/opt/maxShapes``, ``--memPoolSize=workspace:<size>`` (8.4+; MiB unless a suffix; the
-  ``K/M/G`` suffixes are documented from 10.x), ``--profilingVerbosity=detailed`` +
-  ``--exportLayerInfo`` (8.2+), ``--useDLACore`` / ``--allowGPUFallback``, ``--noTF32``,
+  ``--min/opt/maxShapes``, ``--memPoolSize=workspace:<size>`` (8.4+),
+  ``--profilingVerbosity=detailed`` + ``--exportLayerInfo`` (8.2+), ``--useDLACore`` / ``--allowGPUFallback``, ``--noTF32``,
   ``--calib=<file>`` (8.x-10.x; with ``--int8``).
 - Shape specs: ``name:DxDxD``, several inputs comma-separated; "Input names can be wrapped with
   escaped single quotes (ex: 'Input:0')" (trtexec --help); ``splitNameAndValue`` in
   sampleOptions.cpp (8.5+) takes the text inside exactly two single quotes as the name, else
   splits on the last ``:``; the list is split on ``,`` first. So a name with ``,`` or ``'`` cannot
   be written (refused here) and a name with ``:`` is quoted.
+- ``--memPoolSize=workspace:N`` is written without a unit suffix: a plain number is MiB in every
+  release ("in MiB" in 8.4-10.0's help; "If none of suffixes is appended, the defualt unit is in
+  MiB" from 10.1). The ``B/K/M/G`` suffixes are parsed from 10.0.0, but 10.0.0/10.0.1 turn
+  ``512M`` into 512 * 2**20 and then ``roundToBytes`` multiplies by 2**20 again (a limit 2**20
+  times too large); 10.1.0 fixed it (``workspace = memPoolSize / 1.0_MiB``).
 - ``--fp16`` / ``--int8`` / ``--best`` exist up to 10.x and are gone in 11.x ("Unknown option",
   captured in tests/data/trt/trtexec_11.0.0_b200_..._unknown_option_fp16_int8_best.log).
 - ``--stronglyTyped`` exists from 9.x; in 11.x it is a documented no-op (strong typing is the only
@@ -542,8 +546,8 @@ def build_command(onnx: Path | str, plan: Path | str, variant: str, trt_version:
         profiles: :func:`input_profiles` of the model; the dynamic ones become
             ``--minShapes/--optShapes/--maxShapes`` (trtexec times the build at the opt shape).
             With ``dla_core`` every profile must be static (min = opt = max).
-        mem_pool_mb: workspace pool limit in MiB (``--memPoolSize=workspace:N`` on 8.x where the
-            unit is MiB, ``workspace:NM`` on 10.x+ where suffixes are documented).
+        mem_pool_mb: workspace pool limit in MiB (``--memPoolSize=workspace:N``, a plain number,
+            which every trtexec reads as MiB; see the module docstring).
         dla_core: DLA core; always paired with ``--allowGPUFallback``.
         int8: for Q/DQ variants, ``"qdq"`` (default) or ``"implicit"`` (see above).
         calib: calibration cache for the implicit path.
@@ -609,7 +613,9 @@ def build_command(onnx: Path | str, plan: Path | str, variant: str, trt_version:
     if mem_pool_mb is not None:
         if mem_pool_mb <= 0:
             raise UsageError(f"--mem-pool-mb {mem_pool_mb}: must be > 0")
-        cmd.append(f"--memPoolSize=workspace:{mem_pool_mb}" + ("M" if major >= 10 else ""))
+        # A plain number: MiB in every trtexec. No unit suffix: 10.0.x scales "N<suffix>" to
+        # bytes and then again as MiB (module docstring).
+        cmd.append(f"--memPoolSize=workspace:{mem_pool_mb}")
     if dla_core is not None:
         cmd += [f"--useDLACore={dla_core}", "--allowGPUFallback"]
     if no_tf32:

@@ -397,7 +397,7 @@ def test_commands_trt11_never_weak_flags(variant):
     log = read("trtexec_11.0.0_b200_stronglytyped_skipinference_then_unknown_option_fp16_int8_best.log")
     rejected = {o.split("=")[0] for o in tp.parse_unknown_options(log)}
     assert not flags(c) & rejected
-    assert "--memPoolSize=workspace:2048M" in c
+    assert "--memPoolSize=workspace:2048" in c
 
 
 def test_commands_dynamic_and_static_shapes():
@@ -409,9 +409,14 @@ def test_commands_dynamic_and_static_shapes():
     assert not any(a.startswith(("--minShapes", "--optShapes", "--maxShapes")) for a in c)
 
 
-def test_commands_mem_pool_units():
-    assert "--memPoolSize=workspace:1024" in cmd("fp16", V86, mem_pool_mb=1024)
-    assert "--memPoolSize=workspace:1024M" in cmd("fp16", V103, mem_pool_mb=1024)
+@pytest.mark.parametrize("version", [(8, 5, 2), V86, (9, 3, 0), (10, 0, 1), V103, V1016, V110])
+def test_commands_mem_pool_units(version):
+    """A plain number is MiB in every trtexec (8.x-9.x: "in MiB"; 10.1+: "If none of suffixes
+    is appended, the defualt unit is in MiB"). A suffix is not: trtexec 10.0.x multiplies
+    "1024M" by 2**20 and then again by 2**20 as MiB (sampleOptions.cpp stringToValue<double> x
+    getUnitMultiplier, sampleEngines.cpp roundToBytes, tag v10.0.1): a limit 2**20 times the one asked for."""
+    c = cmd("fp16", version, mem_pool_mb=1024)
+    assert "--memPoolSize=workspace:1024" in c
     assert not any(a.startswith("--memPoolSize") for a in cmd("fp16", V103))
     with pytest.raises(UsageError):
         cmd("fp16", V103, mem_pool_mb=0)
