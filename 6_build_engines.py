@@ -275,6 +275,7 @@ def _dry_run(args, names: Sequence[str]) -> None:
     if not args.trt_version:
         raise UsageError("--dry-run needs --trt-version (e.g. 8.6.2, 10.3.0, 11.0.0)")
     ver = tt.full_version(tt.parse_version(args.trt_version))
+    tt.check_supported(ver)
     tool = os.environ.get("TRTEXEC") or "trtexec"
     for var in names:
         plan = plan_variant(args, var, ver, tool, build=False)
@@ -547,6 +548,7 @@ def main(args: argparse.Namespace) -> None:
                          "package of the same version, or point TRTEXEC at the matching trtexec.")
     if det.version is None:
         raise StageError(f"cannot tell which TensorRT {trtexec} uses ({det.ldd})")
+    tt.check_supported(det.version)
     if det.python_runtime is None:
         print(f"{STAGE}: warning: Python tensorrt not importable ({det.python_detail}); "
               "7_trt_eval.py will skip", file=sys.stderr)

@@ -121,6 +121,26 @@ class UnsupportedVariant(StageError):
     """The variant cannot be built with this TensorRT version or device (recorded as skipped)."""
 
 
+# Oldest TensorRT the toolkit runs: stage 7 (runners.TrtRunner) uses the tensor-name API
+# (enqueueV3 / execute_async_v3, setInputShape, getProfileShape by name), which NvInferRuntime.h
+# has from tag 8.5.1 and lacks at 8.4.3 (NVIDIA/TensorRT); trtexec 8.2 also has no --memPoolSize
+# (sampleOptions.cpp, tag 8.2.1).
+MIN_VERSION = (8, 5)
+
+
+def check_supported(trt_version: Sequence[int]) -> None:
+    """Refuse a TensorRT older than :data:`MIN_VERSION`.
+
+    Raises:
+        UsageError: the version, the minimum and why.
+    """
+    v = full_version(trt_version)
+    if tuple(v[:2]) < MIN_VERSION:
+        raise UsageError(f"TensorRT {vstr(v)} is not supported (8.5+ needed): stage 7 runs engines "
+                         "with the tensor-name API (enqueueV3/execute_async_v3, setInputShape) "
+                         "that TensorRT 8.5 introduced; install TensorRT 8.5 or newer")
+
+
 # Highest ONNX opset the ONNX parser of a TensorRT major handles: onnx-tensorrt
 # docs/operators.md, release/8.5-GA and release/8.6-GA: "supports operators up to Opset 17";
 # 10.0-GA: "opset 9 to opset 20". The 8.x parser does not refuse newer opsets, it misreads them
@@ -556,7 +576,7 @@ def build_command(onnx: Path | str, plan: Path | str, variant: str, trt_version:
     Returns:
         argv list.
     Raises:
-        UsageError: unknown variant, TensorRT < 8, bad DLA request, dynamic profile with DLA,
+        UsageError: unknown variant, TensorRT < 8.5, bad DLA request, dynamic profile with DLA,
             implicit INT8 without a cache, a bad memory pool size.
         UnsupportedVariant: the variant cannot be built with this version or device.
     """
@@ -565,8 +585,7 @@ def build_command(onnx: Path | str, plan: Path | str, variant: str, trt_version:
     v = VARIANTS[variant]
     ver = full_version(trt_version)
     major = ver[0]
-    if major < 8:
-        raise UsageError(f"TensorRT {vstr(ver)} is not supported (8.5+ needed)")
+    check_supported(ver)
     if v.kind == "int4" and major < 10:
         raise UnsupportedVariant(f"{variant}: INT4 weight-only Q/DQ graphs need TensorRT 10+, "
                                  f"this is {vstr(ver)}")

@@ -468,6 +468,20 @@ def test_commands_bad_input():
         cmd("fp32", (7, 2, 3))
 
 
+@pytest.mark.parametrize("version", [(8, 0, 1), (8, 2, 1), (8, 4, 3)])
+def test_commands_refuse_tensorrt_before_8_5(version):
+    """Stage 7 runs engines with enqueueV3 / setInputShape (NvInferRuntime.h from tag 8.5.1;
+    absent at 8.4.3), and trtexec 8.2 has no --memPoolSize: 8.0-8.4 are refused, not printed."""
+    with pytest.raises(UsageError, match=r"8\.5\+ needed.*enqueueV3"):
+        cmd("fp32", version)
+
+
+def test_stage6_dry_run_refuses_tensorrt_before_8_5(tmp_path):
+    p = stage6(tmp_path, "--dry-run", "--trt-version", "8.2.1", "fp32")
+    assert p.returncode == 2 and "TensorRT 8.2.1 is not supported" in p.stderr, p.stderr
+    assert trtexec_lines(p.stdout) == []
+
+
 def test_plan_version_command_per_version():
     assert tt.plan_version_command("p.plan", V86) is None  # 8.6 trtexec has no such flag
     assert tt.plan_version_command("p.plan", V103, "trtexec") == [
