@@ -163,6 +163,9 @@ def plan_variant(args, var: str, version: Sequence[int], tool: str, *, build: bo
     paths = tt.engine_paths(args.model, var)
     src = tt.onnx_path(args.model, var)
     plan = BuildPlan(var, src, src, [], args.dla_core)
+    plan.skip = tt.variant_unsupported(version, v)
+    if plan.skip:  # before any opset handling: its advice would not apply
+        return plan
     model = _load(src) if src.exists() else None
     if model is None:
         if build:

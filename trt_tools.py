@@ -160,6 +160,19 @@ DLA_BACK_IN_11 = (11, 4, 1)
 DLA_MIN_FRACTION_WARN = 0.5  # issue 13: warn below 50 % of layers on DLA unless a minimum is set
 
 
+def variant_unsupported(trt_version: Sequence[int], variant: Variant) -> str | None:
+    """Why ``variant`` cannot be built on ``trt_version`` at all (None if it can): INT4
+    weight-only Q/DQ graphs need TensorRT 10+ (onnx-tensorrt docs/operators.md: DequantizeLinear
+    takes INT8 at release/8.6-GA, "INT8, FP8, INT4" at release/10.0-GA; ONNX has INT4 from opset
+    21, above the 8.x parser's 17, MAX_PARSER_OPSET). Checked before any opset handling, whose
+    re-export advice does not apply to such a file."""
+    v = full_version(trt_version)
+    if variant.kind == "int4" and v[0] < 10:
+        return (f"{variant.name}: INT4 weight-only Q/DQ graphs need TensorRT 10+, this is "
+                f"{vstr(v)}")
+    return None
+
+
 def dla_unavailable(trt_version: Sequence[int]) -> str | None:
     """Why ``trt_version`` has no DLA (None when it has). Sources: see ``DLA_LAST_10X``."""
     v = full_version(trt_version)
@@ -586,9 +599,9 @@ def build_command(onnx: Path | str, plan: Path | str, variant: str, trt_version:
     ver = full_version(trt_version)
     major = ver[0]
     check_supported(ver)
-    if v.kind == "int4" and major < 10:
-        raise UnsupportedVariant(f"{variant}: INT4 weight-only Q/DQ graphs need TensorRT 10+, "
-                                 f"this is {vstr(ver)}")
+    why = variant_unsupported(ver, v)
+    if why:
+        raise UnsupportedVariant(why)
     implicit = v.kind == "qdq" and int8 == "implicit"
     if implicit and major >= 11:
         raise UnsupportedVariant(f"{variant}: TensorRT {vstr(ver)} has no implicit INT8 "

@@ -915,6 +915,37 @@ def test_stage6_dry_run_trt8_float_files_above_17(tmp_path):
     assert "not built" in p.stdout and "--exporter legacy --opset 17" in p.stdout
 
 
+def int4_net():
+    """INT4 weight-only: a blocked DequantizeLinear of INT4 weights into a MatMul, opset 21 (the
+    first opset with INT4 and block_size), as ModelOpt's INT4 output."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = np.random.default_rng(3).integers(-8, 8, (16, 8)).astype(np.int8)
+    nodes = [helper.make_node("DequantizeLinear", ["wq", "ws"], ["w"], axis=0, block_size=16,
+                              name="w_dq"),
+             helper.make_node("MatMul", ["input", "w"], ["logits"], name="mm")]
+    g = helper.make_graph(
+        nodes, "int4", [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 16])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 8])],
+        [helper.make_tensor("wq", TensorProto.INT4, [16, 8], w.flatten().tolist()),
+         numpy_helper.from_array(np.full((1, 8), 0.1, np.float32), "ws")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
+    m.ir_version = 10
+    return m
+
+
+@pytest.mark.parametrize("variant", ["int4", "int4_cli_broken"])
+def test_stage6_dry_run_int4_on_trt8_says_int4_needs_10(tmp_path, variant):
+    """An INT4 file on TensorRT 8.x is skipped because INT4 needs TensorRT 10+, not with advice to
+    re-export at opset 17 (an INT4 file has no opset-17 form, and stage 2 does not make it)."""
+    save(int4_net(), tmp_path / "a" / "mobilenet_v3_small" / "onnx" / f"{variant}.onnx")
+    p = stage6(tmp_path, "--dry-run", "--trt-version", "8.6.1", variant)
+    assert p.returncode == 0, p.stderr
+    skip = [ln for ln in p.stdout.splitlines() if "not built" in ln]
+    assert len(skip) == 1 and "INT4 weight-only Q/DQ graphs need TensorRT 10+" in skip[0], p.stdout
+    assert "2_export_onnx.py" not in p.stdout and "opset 17" not in skip[0]
+
+
 def test_stage6_skip_names_missing_onnx(tmp_path):
     """Without trtexec every row is skipped; a variant whose ONNX was never made says which
     stage makes it, one whose ONNX exists only says trtexec is missing."""
