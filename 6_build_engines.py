@@ -408,7 +408,7 @@ def _dla_check(args, plan: BuildPlan, text: str) -> dict:
             res["fraction"] = 0.0
         res["ok"] = args.dla_min_fraction is None
         return res
-    nodes = [(n.name, n.op_type) for n in _load(plan.onnx).graph.node]
+    nodes = tt.trt_layer_names(_load(plan.onnx))
     frac = tp.dla_fraction(placement, nodes)
     res.update(fraction=frac["fraction"], dla_layers=frac["dla_nodes"],
                gpu_layers=frac["gpu_nodes"], n_dla_subgraphs=frac["n_dla_subgraphs"],

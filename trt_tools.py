@@ -506,6 +506,16 @@ def input_profiles(inputs: Sequence[tuple[str, Sequence[int | None], Any]], *,
     return out
 
 
+def trt_layer_names(model) -> list[tuple[str, str]]:
+    """``[(layer name, op type)]`` of an ONNX model's nodes, in graph order, named as TensorRT's
+    ONNX parser names their layers (and build logs print them): the node name, or
+    ``node_of_<first output>`` for an unnamed node (onnx-tensorrt ``getNodeName``:
+    ``onnx2trt_utils.cpp`` at release/8.5-GA and 8.6-GA, ``importerUtils.cpp`` at 10.0-GA to
+    main)."""
+    return [(n.name or (f"node_of_{n.output[0]}" if len(n.output) else ""), n.op_type)
+            for n in model.graph.node]
+
+
 def fmt_dims(dims: Sequence[int | None]) -> str:
     """``[None, 3, 224, 224]`` -> ``"?x3x224x224"``."""
     return "x".join("?" if d is None else str(d) for d in dims)

@@ -1023,6 +1023,28 @@ def test_stage6_dla_fraction_fails_the_row_below_the_minimum(fake_build):
     assert "9 layer(s) on DLA, 1 on the GPU (90% on DLA)" in rec["reason"]
 
 
+def test_stage6_dla_fraction_counts_unnamed_onnx_nodes(fake_build, tmp_path):
+    """TensorRT's ONNX parser names the layer of an unnamed node ``node_of_<first output>``
+    (onnx-tensorrt getNodeName, release/8.5-GA to main), and the DLA block uses those names. The
+    log here is the real captured block with its layer names mapped to the names TensorRT gives
+    this test's unnamed nodes (a derived text, not a capture)."""
+    run, res, art = fake_build
+    m = conv_net(fp16=True)
+    for n in m.graph.node:
+        n.name = ""
+    save(m, art / "onnx" / "fp16.onnx")
+    log = read("dla_placement_8.4_orin_model_bn_int8.log")
+    for captured, trt_name in (("Conv_0", "node_of_c0"), ("Relu_7", "node_of_r3"),
+                               ("Gemm_15", "node_of_l"), ("GlobalAveragePool_8", "node_of_g")):
+        log = log.replace(captured, trt_name)
+    (tmp_path / "unnamed.log").write_text(log)
+    run("--dla-core", "0", "--dla-min-fraction", "0.8", "fp16", log=str(tmp_path / "unnamed.log"))
+    rec = json.loads((res / "trt_build_fp16.json").read_text())
+    assert rec["status"] == "ok", rec["reason"]
+    assert rec["dla"]["fraction"] == pytest.approx(0.9)  # as for the named nodes above
+    assert rec["dla"]["gpu_layers"] == ["node_of_g"] and "node_of_c0" in rec["dla"]["dla_layers"]
+
+
 def test_stage6_dla_default_warns_below_half(fake_build, capsys):
     run, res, art = fake_build
     save(conv_net(fp16=True, names=BN_NODE_NAMES), art / "onnx" / "fp16.onnx")
