@@ -274,11 +274,23 @@ def _check_args(args) -> None:
             raise UsageError(f"--dla-min-fraction {args.dla_min_fraction}: must be in 0..1")
 
 
+def _check_dla_version(args, version: Sequence[int]) -> None:
+    """``--dla-core`` on a TensorRT without DLA is refused, by the build and its dry run alike.
+
+    Raises:
+        UsageError: the reason (trt_tools.dla_unavailable, with its sources).
+    """
+    why = tt.dla_unavailable(version) if args.dla_core is not None else None
+    if why:
+        raise UsageError(f"--dla-core: {why}")
+
+
 def _dry_run(args, names: Sequence[str]) -> None:
     if not args.trt_version:
         raise UsageError("--dry-run needs --trt-version (e.g. 8.6.2, 10.3.0, 11.0.0)")
     ver = tt.full_version(tt.parse_version(args.trt_version))
     tt.check_supported(ver)
+    _check_dla_version(args, ver)
     tool = os.environ.get("TRTEXEC") or "trtexec"
     for var in names:
         plan = plan_variant(args, var, ver, tool, build=False)
@@ -560,9 +572,7 @@ def main(args: argparse.Namespace) -> None:
         if jetson is None:
             raise UsageError("--dla-core: DLA exists on Jetson (Xavier/Orin) only; this is not "
                              "a Jetson")
-        why = tt.dla_unavailable(det.version)
-        if why:
-            raise UsageError(f"--dla-core: {why}")
+    _check_dla_version(args, det.version)
     for var in names:  # usage problems (shapes, flags) surface before anything is built
         plan_variant(args, var, det.version, str(trtexec), build=False)
     failed = []

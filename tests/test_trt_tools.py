@@ -852,10 +852,13 @@ def test_stage6_dry_run_dla_static_implicit_and_refusals(tmp_path):
                    for w in int8.split())
         assert "DLA takes INT8 from a calibration cache" in p.stdout
         assert "calibration cache: 2 activation scales" in p.stdout
-    for version, why in (("10.16.1", "10.7 was the last"), ("11.0.0", "no DLA support")):
+    # a version without DLA: the dry run refuses as the build does (exit 2, the reason), it does
+    # not print GPU command lines that the build would never run
+    for version, why in (("10.16.1", "10.7 was the last"), ("11.0.0", "no DLA support"),
+                         ("11.4.0", "no DLA support")):
         p = stage6(tmp_path, "--dry-run", "--trt-version", version, "--dla-core", "0", "fp16")
-        assert p.returncode == 0 and why in p.stdout
-        assert "--useDLACore" not in trtexec_lines(p.stdout)[0]
+        assert p.returncode == 2 and why in p.stderr and "--dla-core" in p.stderr, p.stderr
+        assert trtexec_lines(p.stdout) == []
 
 
 def test_stage6_dry_run_trt8_converts_opset19_qdq(tmp_path):
