@@ -489,33 +489,43 @@ def _build_one(args, var: str, det: tt.Detected, jetson: dict | None) -> tuple[d
         print(f"[{var}] FAILED (rc={p.returncode}); log {paths['log']}:\n{tail}", file=sys.stderr)
         return _record(args, var, "failed", f"trtexec failed (rc={p.returncode}); see "
                        f"{paths['log']}", started, inputs, **fields), True
-    os.replace(tmp_plan, paths["plan"])
+    # Checked before it replaces anything: a build whose row fails leaves no plan under the final
+    # name (stage 7 would evaluate it as built) and keeps the plan of an earlier good build.
     if tmp_layers.exists():
-        os.replace(tmp_layers, paths["layers"])
-        summary = tp.parse_layer_info(paths["layers"].read_text())
+        summary = tp.parse_layer_info(tmp_layers.read_text())
         fields["layer_info"] = tp.layer_summary(summary)
         fields["layer_info_file"] = paths["layers"]
     fields["trtexec_perf"] = tp.parse_performance_summary(text)
     fields["trtexec_inference_shapes"] = tp.parse_inference_shapes(text)
-    fields["plan"] = paths["plan"]
-    fields["size_mb"] = common.file_size_mb(paths["plan"])
-    check = _verify_plan(paths["plan"], det)
+    fields["size_mb"] = common.file_size_mb(tmp_plan)
+    check = _verify_plan(tmp_plan, det)
+    check["detail"] = str(check["detail"]).replace(str(tmp_plan), str(paths["plan"]))
     fields["plan_check"] = check
+    failure = None
     if plan.dla_core is not None:
         dla = _dla_check(args, plan, text)
         fields["dla"] = dla
         if dla["warning"]:
             print(f"[{var}] DLA: {dla['warning']}", file=sys.stderr)
         if not dla["ok"]:
-            return _record(args, var, "failed", f"DLA: {dla['warning']}", started, inputs,
-                           **fields), True
+            failure = f"DLA: {dla['warning']}"
+    if failure is None and not v.expected_failure and check["ok"] is False:
+        failure = f"plan version check failed: {check['detail']}"
+    if failure is not None:
+        for t in (tmp_plan, tmp_layers):
+            t.unlink(missing_ok=True)
+        fields.pop("layer_info_file", None)
+        kept = f"; {paths['plan']} left as it was" if paths["plan"].exists() else ""
+        return _record(args, var, "failed", f"{failure} (plan not kept{kept})", started, inputs,
+                       **fields), True
+    os.replace(tmp_plan, paths["plan"])
+    if tmp_layers.exists():
+        os.replace(tmp_layers, paths["layers"])
+    fields["plan"] = paths["plan"]
     if v.expected_failure:
         return _record(args, var, "ok", "expected the INT4 parse failure, but the build passed: "
                        "the reproduction no longer reproduces", started, inputs, reproduced=False,
                        **fields), False
-    if check["ok"] is False:
-        return _record(args, var, "failed", f"plan version check failed: {check['detail']}",
-                       started, inputs, **fields), True
     print(f"[{var}] ok: {paths['plan']} ({fields['size_mb']:.2f} MB), plan check: "
           f"{check['detail']}", flush=True)
     return _record(args, var, "ok", None, started, inputs, **fields), False

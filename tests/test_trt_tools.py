@@ -1026,6 +1026,27 @@ def test_stage6_dla_fraction_fails_the_row_below_the_minimum(fake_build):
     assert "9 layer(s) on DLA, 1 on the GPU (90% on DLA)" in rec["reason"]
 
 
+def test_stage6_failed_dla_check_keeps_no_plan_and_the_earlier_one(fake_build):
+    """A build whose row fails (DLA share below --dla-min-fraction) leaves no plan of its own under
+    the final name, where stage 7 would evaluate it as built, and does not replace the plan of an
+    earlier good build."""
+    run, res, art = fake_build
+    save(conv_net(fp16=True, names=BN_NODE_NAMES), art / "onnx" / "fp16.onnx")
+    plan = art / "engines" / "fp16.plan"
+    with pytest.raises(StageError):  # first build ever, below the minimum
+        run("--dla-core", "0", "--dla-min-fraction", "0.95", "fp16",
+            log="dla_placement_8.4_orin_model_bn_int8.log")
+    rec = json.loads((res / "trt_build_fp16.json").read_text())
+    assert rec["status"] == "failed" and not plan.exists() and rec.get("plan") is None
+    run("--dla-core", "0", "fp16", log="dla_placement_8.4_orin_model_bn_int8.log")  # a good one
+    plan.write_bytes(b"ftrt-earlier-good-plan")
+    with pytest.raises(StageError):
+        run("--dla-core", "0", "--dla-min-fraction", "0.95", "fp16",
+            log="dla_placement_8.4_orin_model_bn_int8.log")
+    assert plan.read_bytes() == b"ftrt-earlier-good-plan"
+    assert not [f.name for f in plan.parent.iterdir() if f.name.startswith(".tmp-")]
+
+
 def test_stage6_dla_fraction_counts_unnamed_onnx_nodes(fake_build, tmp_path):
     """TensorRT's ONNX parser names the layer of an unnamed node ``node_of_<first output>``
     (onnx-tensorrt getNodeName, release/8.5-GA to main), and the DLA block uses those names. The
