@@ -141,7 +141,9 @@ def parse_performance_summary(text: str) -> dict | None:
     return out or None
 
 
-_BINDING = re.compile(r"(?:Created )?(?P<io>[Ii]nput|[Oo]utput) binding for (?P<name>\S+) with "
+# The name is printed as it is (sampleInference.cpp: ``<< " binding for " << name << " with
+# dimensions "``), so it may hold spaces, ':' or ','.
+_BINDING = re.compile(r"(?:Created )?(?P<io>[Ii]nput|[Oo]utput) binding for (?P<name>.+?) with "
                       r"dimensions (?P<dims>[0-9x]+)")
 
 
