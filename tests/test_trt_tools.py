@@ -1132,6 +1132,16 @@ def test_stage7_usage_error_exit_2(tmp_path):
     assert p.returncode == 2 and "usage:" in p.stderr
 
 
+def test_trt_runner_names_an_unreadable_plan(tmp_path):
+    """--engine given a folder (e.g. artifacts/M/engines) or a missing file: a message naming the
+    path, not an IsADirectoryError traceback from reading it."""
+    import runners
+
+    for bad in (tmp_path, tmp_path / "missing.plan"):
+        with pytest.raises(StageError, match=f"cannot read the plan {bad}"):
+            runners.TrtRunner(bad)
+
+
 class _FakeRunner:
     """A runner stand-in with the runners.Runner surface stage 7's check uses (no TensorRT)."""
 
