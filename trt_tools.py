@@ -74,11 +74,6 @@ Variant = variants.Variant
 DEFAULT_VARIANTS = tuple(v.name for v in variants.for_stage(6))
 
 
-def variant_for_engine(path: Path | str) -> Variant | None:
-    """The variant whose plan file is ``path`` (``<variant>.plan``), or None."""
-    return VARIANTS.get(Path(path).stem)
-
-
 # --------------------------------------------------------------------------------------------
 # Versions
 # --------------------------------------------------------------------------------------------
@@ -408,7 +403,9 @@ def input_profiles(inputs: Sequence[tuple[str, Sequence[int | None], Any]], *,
     """The optimisation profile for every input.
 
     For each input: explicit ``--min/--opt/--max-shapes`` win (all three, or opt alone which
-    then also sets min and max, as trtexec does); otherwise a dynamic axis 0 takes
+    then also sets min and max, as trtexec does; other partial sets are refused: trtexec's
+    ``processShapes`` (sampleOptions.cpp, 8.5.1-v11.1) broadcasts them with only a warning for
+    the build profile, and 8.5-10.x refuse them for the calibration profile); otherwise a dynamic axis 0 takes
     ``min/opt/max_batch`` and every other dynamic axis (spatial, sequence, ...) takes its size
     from the input's ``--input-shape`` value, else, for a 4-D image input, ``default_hw`` (the
     model's crop) on axes 2 and 3. ``static`` (DLA: "DLA does not support dynamic dimensions, so
@@ -467,7 +464,9 @@ def input_profiles(inputs: Sequence[tuple[str, Sequence[int | None], Any]], *,
         if any(explicit):
             if explicit != [True] * 3 and explicit != [False, True, False]:
                 raise UsageError(f"input {name!r}: give --opt-shapes alone or all of --min-shapes, "
-                                 "--opt-shapes, --max-shapes (trtexec's rule)")
+                                 "--opt-shapes, --max-shapes (a partial set is ambiguous: "
+                                 "trtexec fills it in with a warning, and refuses it for the "
+                                 "calibration profile of --int8 builds)")
             opt = check(opt_shapes[name], "--opt-shapes")
             lo = check(min_shapes.get(name, opt), "--min-shapes")
             hi = check(max_shapes.get(name, opt), "--max-shapes")
