@@ -362,8 +362,7 @@ def _verify_plan(plan: Path, det: tt.Detected) -> dict:
         return {"method": "trtexec --getPlanVersionOnly", "plan_version": None,
                 "runtime_version": tt.vstr(runtime), "ok": False,
                 "detail": f"no plan version in the output (rc={rc}): {text.strip()[-300:]}"}
-    n = min(len(pv), len(runtime or ()))
-    ok = bool(runtime) and tuple(pv[:n]) == tuple(runtime[:n])
+    ok = tp.same_version(pv, runtime)
     return {"method": "trtexec --getPlanVersionOnly", "plan_version": tt.vstr(pv),
             "runtime_version": tt.vstr(runtime), "ok": ok,
             "detail": "match" if ok else f"plan {tt.vstr(pv)} vs runtime {tt.vstr(runtime)}"}
