@@ -245,6 +245,8 @@ def plan_variant(args, var: str, version: Sequence[int], tool: str, *, build: bo
         max_shapes=tt.parse_shape_specs(args.max_shapes, "--max-shapes"),
         min_batch=args.min_batch, opt_batch=args.opt_batch, max_batch=args.max_batch,
         static=dla, default_hw=_crop(args.model))
+    if built_from is not None:
+        tt.check_named_dims(built_from, plan.profiles)
     if dla and any(p.dynamic and "static for DLA" in p.source for p in plan.profiles):
         plan.notes.append("DLA needs a static profile (min = opt = max, 'DLA Supported Layers "
                           "and Restrictions'): " + ", ".join(

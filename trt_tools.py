@@ -515,6 +515,37 @@ def trt_layer_names(model) -> list[tuple[str, str]]:
             for n in model.graph.node]
 
 
+def check_named_dims(model, profiles: Sequence[InputProfile]) -> None:
+    """Refuse profiles in which inputs that share an ONNX dim name get disjoint ranges.
+
+    "Two network inputs with the same named dimension parameter are considered equal. TensorRT
+    supports this feature by checking that in the optimization profile these dimensions have
+    overlapping intervals and that at runtime they have the same value" (NVIDIA/TensorRT
+    samples/sampleNamedDimensions README, tags 8.5.1 to v11.1), so such a profile fails the build.
+
+    Args:
+        model: the ONNX model the profiles were made for (``dim_param`` names are read from it).
+        profiles: :func:`input_profiles` of that model.
+    Raises:
+        UsageError: the dim name, each (input, axis) that holds it with its range, and the fix.
+    """
+    by_name = {p.name: p for p in profiles}
+    users: dict[str, list[tuple[str, int, int, int]]] = {}
+    for i in model.graph.input:
+        p = by_name.get(i.name)
+        if p is None:
+            continue
+        for ax, d in enumerate(i.type.tensor_type.shape.dim):
+            if d.dim_param and ax < len(p.min):
+                users.setdefault(d.dim_param, []).append((i.name, ax, p.min[ax], p.max[ax]))
+    for dim, uses in users.items():
+        if len(uses) > 1 and max(u[2] for u in uses) > min(u[3] for u in uses):
+            where = ", ".join(f"{n} axis {ax}: {lo}..{hi}" for n, ax, lo, hi in uses)
+            raise UsageError(f"the ONNX names these dims {dim!r}, so TensorRT needs them equal, "
+                             f"but their profile ranges do not overlap ({where}): give them the "
+                             "same size in --input-shape / --min/--opt/--max-shapes")
+
+
 def fmt_dims(dims: Sequence[int | None]) -> str:
     """``[None, 3, 224, 224]`` -> ``"?x3x224x224"``."""
     return "x".join("?" if d is None else str(d) for d in dims)

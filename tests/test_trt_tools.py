@@ -310,6 +310,37 @@ def test_profile_errors():
         tt.input_profiles(IMG, min_batch=4, opt_batch=2, max_batch=8)
 
 
+def shared_dim_net():
+    """Two inputs that share the named dims N and L: tokens [N, L, 16], mask [N, L]."""
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node("ReduceSum", ["tokens"], ["t"], axes=[2], keepdims=0, name="sum"),
+             helper.make_node("Add", ["t", "mask"], ["y"], name="add")]
+    g = helper.make_graph(nodes, "shared",
+                          [helper.make_tensor_value_info("tokens", TensorProto.FLOAT,
+                                                         ["N", "L", 16]),
+                           helper.make_tensor_value_info("mask", TensorProto.FLOAT, ["N", "L"])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", "L"])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 11)])
+    m.ir_version = 8
+    return m
+
+
+def test_named_dims_need_overlapping_profile_ranges(tmp_path):
+    """Inputs with the same ONNX dim name must get overlapping profile intervals (TensorRT
+    samples/sampleNamedDimensions README, 8.5.1+): disjoint ones are a usage error naming the dim,
+    not a trtexec failure after the build started."""
+    model = "mypkg.seq:build"
+    save(shared_dim_net(), tmp_path / "a" / "mypkg.seq-build" / "onnx" / "fp32.onnx")
+    ok = stage6(tmp_path, "--dry-run", "--trt-version", "10.3.0", "--model", model, "fp32",
+                "--input-shape", "tokens:1,20,16", "--input-shape", "mask:1,20", model=model)
+    assert ok.returncode == 0 and len(trtexec_lines(ok.stdout)) == 1, ok.stderr
+    p = stage6(tmp_path, "--dry-run", "--trt-version", "10.3.0", "--model", model, "fp32",
+               "--input-shape", "tokens:1,20,16", "--input-shape", "mask:1,30", model=model)
+    assert p.returncode == 2 and trtexec_lines(p.stdout) == [], p.stdout
+    assert "'L'" in p.stderr and "tokens axis 1" in p.stderr and "mask axis 1" in p.stderr
+
+
 def test_names_trtexec_cannot_write_are_refused():
     with pytest.raises(UsageError, match="cannot be written in trtexec's shape syntax"):
         tt.shape_flags(tt.input_profiles([("a,b", [None, 3], F32)], default_hw=None))
