@@ -284,7 +284,8 @@ class TorchRunner(Runner):
 
     def _forward(self, args, model=None):
         with self.torch.inference_mode():
-            return (model or self.model)(*args)
+            # not ``model or self.model``: truth-testing a module calls __len__ (Sequential)
+            return (self.model if model is None else model)(*args)
 
     def infer(self, feed):
         out = self._forward(self._args(feed))

@@ -72,7 +72,10 @@ def main() -> None:
     feed = {"input": x}
     rows = []
     onnx_path = common.model_artifacts(args.model) / "onnx" / "fp32.onnx"
-    eps = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    import onnxruntime as ort
+
+    eps = ["cpu"] + (["cuda"] if "CUDAExecutionProvider" in ort.get_available_providers()
+                     else [])
     if onnx_path.exists():
         for ep in eps:
             with runners.OrtRunner(onnx_path, ep) as r:

@@ -205,3 +205,16 @@ def test_timed_loop_is_bounded_by_iterations_and_time():
     assert len(runners.wall_loop(lambda: None, 0, 5, max_seconds=0.0)) == 5  # iters < MIN_ITERS
     t = runners.Timing(slow, "t").stats(batch=1, warmup=0)
     assert t["iters"] == runners.MIN_ITERS
+
+
+def test_torch_compile_figure_on_cpu():
+    """``compile=True`` adds a torch.compile figure (or the reason it could not be had), and a
+    Sequential model is not truth-tested (its __len__ made the first version fail)."""
+    model = _tiny_torch()
+    feed = {"input": np.zeros((1, 3, 8, 8), np.float32)}
+    with runners.TorchRunner(model, compile=True) as t:
+        timing = t.time(feed, warmup=1, iters=3)
+    times, how = timing.extra["compile"]
+    assert "__len__" not in how and "len()" not in how, how
+    if times is not None:  # a C++ toolchain is needed for inductor on the CPU
+        assert len(times) == 3 and "torch.compile" in how
