@@ -94,9 +94,10 @@ def _check_args(args: argparse.Namespace) -> None:
                                 f"{args.check_images}")
     for flag in ("min_cosine_fp32", "min_cosine_fp16"):
         v = getattr(args, flag)
-        if not 0.0 < v <= 1.0:
-            raise common.UsageError(f"--{flag.replace('_', '-')} {v}: a cosine similarity "
-                                    "threshold must be in (0, 1]")
+        if not 0.0 < v <= 1.0:  # NaN fails too
+            raise common.UsageError(f"--{flag.replace('_', '-')} {v}: a cosine similarity lies "
+                                    "in [-1, 1] and a threshold that can fail a file in (0, 1] "
+                                    "(e.g. 0.999); nothing was exported")
     top = onnx.defs.onnx_opset_version()
     low = 18 if args.exporter == "dynamo" else 7
     if args.opset is not None and not low <= args.opset <= top:
@@ -241,7 +242,8 @@ def main(args: argparse.Namespace) -> dict:
     import onnx
 
     started = time.time()
-    _check_args(args)
+    _check_args(args)  # before anything is exported: an impossible threshold fails every file
+    common.check_writable(common.model_artifacts(args.model), common.model_results(args.model))
     keep = ec._split_names(args.fp16_keep_fp32)
     model, spec = common.build_model(args.model, args.weights, pretrained=not args.random_init)
     opset = args.opset or (18 if args.exporter == "dynamo" else 17)
