@@ -48,6 +48,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--calib-fraction", type=float, default=0.1,
                    help="fraction of classes held out for calibration on one-image-per-class data")
     p.add_argument("--seed", type=int, default=0, help="seed of the split")
+    p.add_argument("--limit", type=int, default=None,
+                   help="smoke runs: keep the first N images of each split (the same images a "
+                        "full split's --limit N would use), so no stage decodes more")
     p.add_argument("--allow-class-subset", action="store_true",
                    default=os.environ.get("ALLOW_CLASS_SUBSET", "") not in ("", "0"),
                    help="accept data that covers only some of the 1000 ImageNet classes (labels "
@@ -59,6 +62,7 @@ def get_args_parser() -> argparse.ArgumentParser:
 def main(args: argparse.Namespace) -> dict:
     """Write the split and caches; return the summary dict written to ``data.json``."""
     started = time.time()
+    common.check_positive(args, "limit")
     if not 0.0 <= args.calib_fraction < 1.0:
         raise common.UsageError("--calib-fraction must be in [0, 1)")
     if args.calib_per_class < 0 or (args.eval_per_class is not None and args.eval_per_class < 1):
@@ -85,11 +89,13 @@ def main(args: argparse.Namespace) -> dict:
     for rel in dup:
         print(f"WARNING: eval image {root / rel} has the same bytes as a calibration image: "
               "dropped from eval", file=sys.stderr)
+    if args.limit:  # the first N of each sorted split: what load_split(limit=N) would use
+        ev, ca = ev[:args.limit], ca[:args.limit]
     prep = spec.preprocessing()
     split = {"data_root": str(root.resolve()), "layout": layout, "seed": args.seed,
              "n_classes": len(counts), "class_subset": len(counts) < 1000,
              "eval_per_class": args.eval_per_class, "calib_per_class": args.calib_per_class,
-             "calib_fraction": args.calib_fraction, "n_listed": len(items),
+             "calib_fraction": args.calib_fraction, "limit": args.limit, "n_listed": len(items),
              "eval": [list(i) for i in ev], "calib": [list(i) for i in ca], "unreadable": [],
              "eval_dropped_same_bytes_as_calib": dup}
     caches = {}

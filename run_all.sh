@@ -82,8 +82,11 @@ ART="$ART_ROOT/$MODEL_TAG"
 ONNX_DIR="$ART/onnx"
 LOG_DIR="$ART_ROOT/logs/$MODEL_TAG"
 RES_DIR="$RES_ROOT/$MODEL_TAG"
+# A smoke run shrinks every stage: stage 0 keeps the first N images of each split, so the
+# calibration set, every evaluation and every cross-check are N images; timed loops are short.
 lim=()
-if [ -n "$limit" ]; then lim=(--limit "$limit"); fi
+timing=()
+if [ -n "$limit" ]; then lim=(--limit "$limit"); timing=(--warmup 2 --iters 20); fi
 # WEIGHTS=/path/state_dict.pth: a local checkpoint instead of the model's default weights.
 weights=()
 if [ -n "${WEIGHTS:-}" ]; then
@@ -305,14 +308,15 @@ fi
 if want 0; then
   begin 0 "prepare data: ${VAL_ROOT:-data/imagenet-sample-1k} -> $ART_ROOT/splits.json + cache"
   if classifier_only; then
-    run 0_prepare_data python 0_prepare_data.py --model "$MODEL"
+    run 0_prepare_data python 0_prepare_data.py --model "$MODEL" "${lim[@]}"
   fi
   end 0
 fi
 
 if want 1; then
   begin 1 "PyTorch FP32 baseline: eval split -> $ART/ref_{logits,outputs}.npz, $RES_DIR/pytorch_fp32_cpu.json"
-  run 1_pytorch_baseline python 1_pytorch_baseline.py --model "$MODEL" "${lim[@]}" "${shape_args[@]}" "${weights[@]}"
+  run 1_pytorch_baseline python 1_pytorch_baseline.py --model "$MODEL" "${lim[@]}" "${timing[@]}" \
+    "${shape_args[@]}" "${weights[@]}"
   end 1
 fi
 
@@ -328,7 +332,7 @@ if want 3; then
   mapfile -t export_variants <<<"$export_out"
   for v in "${export_variants[@]}"; do
     run "3_onnx_eval_$v" python 3_onnx_eval.py --model "$MODEL" --onnx "$ONNX_DIR/$v.onnx" \
-      --tag "ort_$v" "${lim[@]}"
+      --tag "ort_$v" "${lim[@]}" "${timing[@]}"
   done
   end 3
 fi
@@ -355,17 +359,17 @@ if want 5; then
       if [ "$v" = int4_cli_broken ]; then
         # Reproduces ModelOpt 0.47.0's INT4 axis bug on purpose: ORT must refuse to run it.
         run_expect_failure "3_onnx_eval_$v" python 3_onnx_eval.py --model "$MODEL" \
-          --onnx "$ONNX_DIR/$v.onnx" --tag "ort_$v" "${lim[@]}"
+          --onnx "$ONNX_DIR/$v.onnx" --tag "ort_$v" "${lim[@]}" "${timing[@]}"
       else
         run "3_onnx_eval_$v" python 3_onnx_eval.py --model "$MODEL" --onnx "$ONNX_DIR/$v.onnx" \
-          --tag "ort_$v" "${lim[@]}"
+          --tag "ort_$v" "${lim[@]}" "${timing[@]}"
       fi
     done
   fi
   if [ "$custom" = 0 ] && have 5b_quantize_int4.py; then
     run 5b_quantize_int4 python 5b_quantize_int4.py --model "$MODEL" --no-eval
     run 3_onnx_eval_int4 python 3_onnx_eval.py --model "$MODEL" --onnx "$ONNX_DIR/int4.onnx" \
-      --tag ort_int4 "${lim[@]}"
+      --tag ort_int4 "${lim[@]}" "${timing[@]}"
   fi
   end 5
 fi
@@ -385,7 +389,7 @@ if want 7; then
     mapfile -t trt_variants <<<"$trt_out"
     for v in "${trt_variants[@]}"; do
       run "7_trt_eval_$v" python 7_trt_eval.py --model "$MODEL" --engine "$ART/engines/$v.plan" \
-        --tag "trt_$v" "${lim[@]}"
+        --tag "trt_$v" "${lim[@]}" "${timing[@]}"
     done
   fi
   end 7
