@@ -173,6 +173,8 @@ def table_rows(rows: list[dict]) -> list[dict]:
             status = f"latest rerun {status} ({r['_file']}; the ok row above is kept)"
         if r.get("reason"):
             status += f": {r['reason'].splitlines()[0][:320]}"
+        if r.get("fp16_computed_in"):
+            status += f"; FP16 graph computed in {r['fp16_computed_in'].split(' (')[0]} here"
         diags = r.get("diagnostics") or {}
         bi = diags.get("batch_invariance") or {}
         if bi.get("ok") is False:

@@ -305,6 +305,8 @@ def test_stages_1_2_3_8_on_real_subset(stage_env):
         assert r["precision"] == v.upper() and r["ep_used"] == "CPUExecutionProvider"
         assert r["parity"]["cosine_mean"] > (0.99999 if v == "fp32" else 0.999)
         assert abs(r["accuracy"]["top1"] - base["accuracy"]["top1"]) <= 100 / 48 * 2
+        # the CPU EP computes the FP16 graph in FP32, and the row says so
+        assert (r.get("fp16_computed_in") or "").startswith("FP32") == (v == "fp16")
     run_stage(["8_report.py"], env)
     md = (res / "REPORT.md").read_text()
     for row in ("| PyTorch | FP32 |", "| ORT | FP32 |", "| ORT | FP16 |"):

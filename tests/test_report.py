@@ -139,6 +139,11 @@ def test_gpu_rows_from_results_gpu_join_the_report(rows, tmp_path, monkeypatch):
     assert "pytorch_fp32_cuda" not in (here / "REPORT.md").read_text()
 
 
+def test_status_says_when_fp16_was_computed_in_fp32(rows):
+    r = dict(rows[2], precision="FP16", fp16_computed_in="FP32 (ORT CPU EP: Casts ...)")
+    assert "FP16 graph computed in FP32 here" in report.table_rows([rows[0], r])[1]["status"]
+
+
 def test_status_shows_batch_dependence_and_failed_diagnostics(rows):
     r = dict(rows[2], diagnostics={
         "batch_invariance": {"ok": False, "batch": 64, "rel_max_diff": 0.031,
