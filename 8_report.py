@@ -60,6 +60,14 @@ def load_rows(folder: Path) -> list[dict]:
         if isinstance(rec, dict) and "backend" in rec:
             rec["_file"] = f.name
             rows.append(rec)
+    # The Q/DQ health check of the file a row ran (stages 5/5b record it in quant_<variant>.json).
+    for rec in rows:
+        q = folder / f"quant_{_variant(rec)}.json"
+        if rec["precision"].startswith("INT") and q.exists():
+            try:
+                rec["_quant_check"] = (json.loads(q.read_text()).get("check") or {}).get("summary")
+            except json.JSONDecodeError:
+                pass
     rows.sort(key=_sort_key)
     return rows
 
@@ -108,6 +116,8 @@ def table_rows(rows: list[dict]) -> list[dict]:
         if cc and cc.get("disagreement"):
             status += (f"; BACKEND DISAGREEMENT: top-1 {cc['top1_unoptimized']:.1f}% with ORT "
                        f"optimisations disabled ({cc['n']} images)")
+        if r.get("_quant_check") and r["_quant_check"] != "check: clean":
+            status += f"; Q/DQ {r['_quant_check']} (qdq_tools.py check)"
         if lat.get("mean_ms") and lat.get("p50_ms") and lat["mean_ms"] > 1.5 * lat["p50_ms"]:
             status += (f"; noisy timing: mean {lat['mean_ms']:.1f} ms vs p50 "
                        f"{lat['p50_ms']:.1f} ms (busy machine?)")
