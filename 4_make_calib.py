@@ -16,8 +16,8 @@ dtypes fit, no NaN/Inf, and per-input mean/std/range are close to the evaluation
 eval split through the same preprocessing; for other models stage 1's reference inputs), so
 swapped or unnormalised inputs are refused with the numbers.
 
-Reads:  ``artifacts/<model>/onnx/fp32.onnx`` (2_export_onnx.py); classifiers: ``artifacts/splits.json``
-        + caches (0_prepare_data.py); other models: ``--inputs`` and
+Reads:  ``artifacts/<model>/onnx/fp32.onnx`` (2_export_onnx.py); classifiers:
+        ``artifacts/splits.json`` + caches (0_prepare_data.py); other models: ``--inputs`` and
         ``artifacts/<model>/ref_outputs.npz`` (1_pytorch_baseline.py, for the statistics check).
 Writes: ``artifacts/<model>/calib.npz`` (``{<input name>: [N, ...]}``),
         ``results/<model>/calib.json`` (source, order seed, per-input statistics, sha256 of the

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Stage 5: INT8 (and the broken INT4 CLI reproduction) with the ModelOpt ONNX CLI, one variant
-# per command.
+# Stage 5: INT8 (and the broken INT4 CLI reproduction) with ModelOpt's ONNX PTQ (its CLI flags,
+# run through qdq_tools.py modelopt for the calibration batch), one variant per command.
 #
 # Reads:  artifacts/<model>/onnx/fp32.onnx (2_export_onnx.py), artifacts/<model>/calib.npz
 #         (4_make_calib.py).
@@ -102,9 +102,8 @@ trap 'rm -rf "$WORK"' EXIT
 cp "$SRC" "$WORK/fp32.onnx"
 
 # Calibration data checked before ModelOpt sees it (ModelOpt itself only asserts); prints the
-# --calibration_shapes that set the calibration batch (ModelOpt's default is the model's batch
-# dim, i.e. 1 for a dynamic batch).
-if ! calib_shapes=$("$PYTHON" qdq_tools.py check-calib "$SRC" --calib "$CALIB" --model "$MODEL" \
+# calibration batch (ModelOpt's CLI would use the model's batch dim, i.e. 1 for a dynamic batch).
+if ! calib_batch=$("$PYTHON" qdq_tools.py check-calib "$SRC" --calib "$CALIB" --model "$MODEL" \
     --batch "$CALIB_BATCH" "${stats_flag[@]}" --json "$WORK/calib.json"); then
   echo "$0: FAILED: calibration data $CALIB refused (above); nothing was quantized" >&2
   exit 1
@@ -117,8 +116,10 @@ for variant in "${selected[@]}"; do
   out=$ONNX_DIR/$variant.onnx
   log=$ONNX_DIR/$variant.quant.log
   tmp=$ONNX_DIR/.tmp-$$-$variant.onnx
-  cmd=("$PYTHON" -m modelopt.onnx.quantization --onnx_path "$WORK/fp32.onnx" "${FLAGS[@]}"
-       --calibration_shapes "$calib_shapes" --output_path "$tmp")
+  # ModelOpt's own CLI flags and quantize(), with the calibration batch set apart from the
+  # shapes its GEMV rule reads (qdq_tools.py modelopt_quantize says why).
+  cmd=("$PYTHON" qdq_tools.py modelopt --calib-batch "$calib_batch" -- --onnx_path "$WORK/fp32.onnx"
+       "${FLAGS[@]}" --output_path "$tmp")
   shown=$(printf '%q ' "${cmd[@]}")
   shown=${shown//"$tmp"/"$out"}
   shown=${shown//"$WORK/fp32.onnx"/"$SRC"}

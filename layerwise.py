@@ -175,6 +175,17 @@ def _iter_chunks(feed: dict[str, np.ndarray], batch: int | None) -> Iterator[dic
         yield {k: v[i:i + batch] for k, v in feed.items()}
 
 
+def chunk_size(models: Sequence, batch: int | None) -> int | None:
+    """Samples per run for ``models`` (paths or ModelProtos): a static batch axis (an export
+    for a fixed-batch engine) sets it, so N samples become N / B runs instead of one run the
+    model refuses; otherwise ``batch``."""
+    static = set()
+    for m in models:
+        m = onnx_graph.load(m, external=False) if isinstance(m, (str, Path)) else m
+        static |= {d[0] for _, d, _ in onnx_graph.inputs(m) if d and d[0]}
+    return min(static) if static else batch
+
+
 def _ort_session(model_or_path, ep: str, tmp: Path, opt_level: str,
                  disabled_optimizers: Sequence[str] = ()):
     """OrtRunner over a model (written to ``tmp`` if given as a ModelProto)."""
@@ -513,6 +524,7 @@ def run_layer_diff(a_onnx: Path | str, b_onnx: Path | str, feed: dict[str, np.nd
         if precision == "fp32" and (b_trt or ep_b in ("cuda", "trt", "tensorrt")):
             precision = "tf32"
     tol = tolerances_for(precision, tolerances)
+    batch = chunk_size([a_model, b_model], batch)
     backend_b = "TensorRT" if b_trt else f"ORT {common.ORT_EPS.get(ep_b, ep_b)}"
     result: dict[str, Any] = {
         "a": {"onnx": str(a_onnx), "backend": f"ORT {common.ORT_EPS.get(ep_a, ep_a)}"},
@@ -798,6 +810,7 @@ def quant_backend_table(fp32_onnx: Path | str, qdq_onnx: Path | str, feed: dict[
     a_model, q_model = onnx_graph.load(fp32_onnx), onnx_graph.load(qdq_onnx)
     precision = precision or onnx_graph.detect_precision(q_model).lower()
     tol = tolerances_for(precision if precision in TOLERANCES else "int8")
+    batch = chunk_size([a_model, q_model], batch)
     steps = quantization_steps(q_model)
     alias = lookthrough_aliases(q_model)
     alias_inv: dict[str, list[str]] = {}

@@ -32,6 +32,11 @@ finding names the node or initializer, says what is wrong in numbers and how to 
   weight of the same node, relative error per output channel above the bit width's tolerance:
   catches any wrong axis or layout whatever its cause.
 
+Out of scope: what a backend's kernels do with a correct graph, e.g. ORT's u8s8 integer kernels
+saturating on x86 CPUs without VNNI (fixed by the session option ``session.x64quantprecision``).
+That is measured, not predicted: stage 3's backend cross-check and ``layerwise.py
+quant-backend`` compare the optimised run with the graph's own semantics.
+
 Nothing here changes a model.
 """
 from __future__ import annotations
@@ -249,7 +254,8 @@ def _channels(a: np.ndarray, axis: int) -> np.ndarray:
 
 def _fmt_list(items: Iterable, n: int = 6) -> str:
     items = list(items)
-    return ", ".join(map(str, items[:n])) + (f" ... ({len(items)} in all)" if len(items) > n else "")
+    more = f" ... ({len(items)} in all)" if len(items) > n else ""
+    return ", ".join(map(str, items[:n])) + more
 
 
 # --------------------------------------------------------------------------------------------
@@ -497,7 +503,8 @@ def _worst_change(b: np.ndarray, d: np.ndarray, lo: np.ndarray, hi: np.ndarray,
     return best
 
 
-def _contribution_bounds(node, w: np.ndarray, x_lo: float, x_hi: float) -> tuple[np.ndarray, np.ndarray]:
+def _contribution_bounds(node, w: np.ndarray, x_lo: float, x_hi: float
+                         ) -> tuple[np.ndarray, np.ndarray]:
     """Per output channel, the range of the weighted sum (without bias) when every input lies in
     ``[x_lo, x_hi]`` (``x_lo <= 0 <= x_hi``, so zero padding stays inside): the sum over the
     channel's weights of ``min``/``max(w * x_lo, w * x_hi)``. ConvTranspose: every tap of the
@@ -606,7 +613,8 @@ def check_bias_requant(model, consts: dict | None = None, activations: dict | No
                 continue
             lo, hi = _contribution_bounds(n, w, x_lo, x_hi)
             ch = _worst_change(beta * b64, d, lo, hi, bounds,
-                               np.broadcast_to(lo_out, b64.shape), np.broadcast_to(hi_out, b64.shape))
+                               np.broadcast_to(lo_out, b64.shape),
+                               np.broadcast_to(hi_out, b64.shape))
             ch = ch / np.broadcast_to(np.asarray(s_out, np.float64), b64.shape)
             row.update(basis="scales", max_change_steps=float(ch.max()) if ch.size else 0.0)
         bad = np.flatnonzero(ch > tol_steps)
@@ -661,7 +669,8 @@ def candidate_outputs(path: Path | str, data: dict[str, np.ndarray], tensors: li
     batch = min(static) if static else 8
     n = min(limit, min(len(v) for v in data.values()))
     try:
-        sess = ort.InferenceSession(model.SerializeToString(), common.ort_session_options("disable"),
+        sess = ort.InferenceSession(model.SerializeToString(),
+                                    common.ort_session_options("disable"),
                                     providers=["CPUExecutionProvider"])
         parts: dict[str, list] = defaultdict(list)
         for i in range(0, n - n % batch if static else n, batch):
@@ -669,7 +678,8 @@ def candidate_outputs(path: Path | str, data: dict[str, np.ndarray], tensors: li
             for t, v in zip(tensors, sess.run(tensors, feed)):
                 parts[t].append(np.asarray(v))
     except Exception as e:  # noqa: BLE001
-        raise common.StageError(f"onnxruntime cannot run {path} on the calibration data: {e}") from e
+        raise common.StageError(f"onnxruntime cannot run {path} on the calibration data: "
+                                f"{e}") from e
     return {t: np.concatenate(v) for t, v in parts.items()}
 
 
@@ -690,7 +700,8 @@ def check_bias_scales(model, consts: dict | None = None) -> list[Finding]:
         s_b, s_in, s_w = (consts.get(d.input[1]) for d in (dq_b, dq_in, dq_w))
         if s_b is None or s_in is None or s_w is None or s_in.size != 1:
             continue
-        expected = float(np.asarray(s_in, np.float64).ravel()[0]) * np.asarray(s_w, np.float64).ravel()
+        expected = (float(np.asarray(s_in, np.float64).ravel()[0])
+                    * np.asarray(s_w, np.float64).ravel())
         actual = np.broadcast_to(np.asarray(s_b, np.float64).ravel(), expected.shape) \
             if np.asarray(s_b).size in (1, expected.size) else None
         if actual is None:
@@ -804,7 +815,8 @@ def _check_block(model, w: dict, label: str) -> list[Finding]:
     if dom in ("", "ai.onnx") and ops < 21:
         out.append(Finding(
             "block_opset", dq.name, dq.input[0],
-            f"{dq.name}: blocked DequantizeLinear (block_size={w['block']}) in a model that imports "
+            f"{dq.name}: blocked DequantizeLinear (block_size={w['block']}) in a model that "
+            "imports "
             f"opset {ops}; block_size exists from DequantizeLinear-21 on, so ONNX Runtime refuses "
             "the model and other tools read it as per-axis",
             "raise the model's opset import to 21 or later (onnx.version_converter."
@@ -814,7 +826,8 @@ def _check_block(model, w: dict, label: str) -> list[Finding]:
     red = reduction_axis(node, q.ndim, w["pos"])
     s_shape = list(np.shape(w["scale"]))
     fits = [a for a in range(q.ndim) if len(s_shape) == q.ndim and all(
-        s == (-(-x // w["block"]) if k == a else x) for k, (x, s) in enumerate(zip(q.shape, s_shape)))]
+        s == (-(-x // w["block"]) if k == a else x)
+        for k, (x, s) in enumerate(zip(q.shape, s_shape)))]
     if axis not in fits:
         out.append(Finding(
             "block_scale_shape", dq.name, dq.input[1],
@@ -851,7 +864,8 @@ def _fp32_weight(fp32_model, fp32_consts: dict, node, pos: int) -> np.ndarray | 
     return None
 
 
-def check_against_float(model, fp32_model, consts: dict | None = None) -> tuple[list[Finding], list[dict]]:
+def check_against_float(model, fp32_model, consts: dict | None = None
+                        ) -> tuple[list[Finding], list[dict]]:
     """Dequantize every weight and compare it with the float model's weight of the same node
     (per output channel relative error ``||w_dq - w|| / ||w||``).
 
@@ -879,8 +893,8 @@ def check_against_float(model, fp32_model, consts: dict | None = None) -> tuple[
             rows.append(row)
             continue
         if ref.shape != deq.shape:
-            msg = (f"{node.name}: dequantized weight shape {list(deq.shape)} differs from the float "
-                   f"weight {list(ref.shape)}")
+            msg = (f"{node.name}: dequantized weight shape {list(deq.shape)} differs from the "
+                   f"float weight {list(ref.shape)}")
             findings.append(Finding("weight_error", node.name, w["data_name"], msg,
                                     "check the weight layout the quantizer wrote", row))
             row["status"] = "shape differs"

@@ -21,6 +21,12 @@ Subcommands
 - ``act-stats ONNX --calib NPZ [--top N] [--json PATH]``: per-tensor activation max |x|, p99.9 of
   |x| and their ratio on the calibration set, worst first (why one per-tensor INT8 scale fails),
   plus for 4-D tensors the spread of per-channel max.
+- ``check Q.onnx [--fp32 F.onnx] [--calib C.npz]``: the Q/DQ health check (``qdq_check``);
+  exit 1 on any finding, each naming the node or initializer and the fix.
+- ``check-calib F.onnx --calib C.npz [--model M]``: refuse calibration data that does not fit the
+  model or the evaluation data; print the calibration batch stage 5 uses.
+- ``modelopt [--calib-batch B] -- FLAGS``: ModelOpt's ONNX PTQ with its own flags and a
+  calibration batch of its own (:func:`modelopt_quantize`).
 - ``layer-diff A B [args...]``: delegated to ``layerwise.py`` (imported lazily).
 - ``record-quant``: write ``results/<model>/quant_<variant>.json`` (used by 5_quantize.sh).
 
@@ -35,6 +41,7 @@ import re
 import sys
 from collections import Counter, defaultdict
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -284,7 +291,8 @@ def inspect_model(model) -> dict:
         bias["float_bias_wbq_candidates"] += 1
         bias["scale_dtype"] = str(w_s.dtype)
         p32 = a_s.astype(np.float32).ravel()[0] * w_s.astype(np.float32).ravel()
-        p16 = (a_s.astype(np.float16).ravel()[0] * w_s.astype(np.float16).ravel()).astype(np.float16)
+        p16 = (a_s.astype(np.float16).ravel()[0]
+               * w_s.astype(np.float16).ravel()).astype(np.float16)
         bias["n_products"] += int(p32.size)
         bias["n_products_zero_in_fp16"] += int((p16 == 0).sum())
         bias["n_products_below_fp16_normal"] += int((np.abs(p32) < FP16_MIN_NORMAL).sum())
@@ -414,6 +422,10 @@ def activation_stats(onnx_path: Path, calib: Path, batch: int = 10, sample: int 
         x = z[in_name]
     if limit:
         x = x[:limit]
+    b0 = sess.get_inputs()[0].shape[0] if sess.get_inputs()[0].shape else None
+    if isinstance(b0, int) and b0 > 0:  # static batch axis: N samples in runs of exactly b0
+        batch = b0
+        x = x[:len(x) - len(x) % b0]
     rng = np.random.default_rng(seed)
     amax = defaultdict(float)
     samples = defaultdict(list)
@@ -547,11 +559,12 @@ def validate_calibration(onnx_path: Path | str, data: dict[str, np.ndarray],
     missing = [k for k in names if k not in data]
     extra = [k for k in data if k not in names]
     if missing or extra:
+        what = "; ".join(x for x in (f"missing {missing}" if missing else "",
+                                     f"not inputs of the model: {extra}" if extra else "") if x)
         raise common.StageError(
-            f"{source} has keys {sorted(data)} but the model's inputs are {names}"
-            + (f" (missing {missing}" if missing else " (") + (f", unknown {extra})" if extra else ")")
-            + ": key each array by its ONNX input name (np.savez(path, " + ", ".join(
-                f"{k}=..." for k in names) + ")); 4_make_calib.py does")
+            f"{source} has keys {sorted(data)} but the model's inputs are {names} ({what}): key "
+            "each array by its ONNX input name (np.savez(path, "
+            + ", ".join(f"{k}=..." for k in names) + ")); 4_make_calib.py does")
     counts = {}
     info = {}
     for name, dims, dtype in inputs:
@@ -729,6 +742,57 @@ def calibration_plan(onnx_path: Path | str, data: dict[str, np.ndarray],
             "order_dependent": len(sizes) > 1, "reason": reason, "bytes_per_sample": per}
 
 
+def deployment_shapes(onnx_path: Path | str, data: dict[str, np.ndarray]) -> str:
+    """``name:1xCxHxW,...``: the model's inputs at batch 1 (or their static batch) with the other
+    dims from ``data``: the shapes ModelOpt's GEMV rule should see (it excludes a MatMul/Gemm
+    whose M is 1, a TensorRT performance rule about the deployed batch, not the calibration one)."""
+    out = []
+    for name, dims, _ in onnx_graph.inputs(onnx_graph.load(onnx_path, external=False)):
+        shape = (dims[0] or 1,) + tuple(np.shape(data[name])[1:])
+        out.append(f"{name}:" + "x".join(str(v) for v in shape))
+    return ",".join(out)
+
+
+def modelopt_quantize(argv: Sequence[str], calib_batch: str | int = "all") -> None:
+    """``python -m modelopt.onnx.quantization ARGV`` (ModelOpt's own argument parser and
+    ``quantize()``), with the calibration batch set on its own.
+
+    ModelOpt 0.47.0's CLI has one knob for two things: ``--calibration_shapes`` is both the
+    calibration batch (calib_utils.CalibrationDataProvider) and the shapes its GEMV rule reads
+    (graph_utils.find_nodes_from_matmul_to_exclude: a Gemm whose M is 1 stays float). Without
+    it the batch is the model's batch dim, 1 when dynamic. Here the calibration data reader gets
+    the batch of :func:`calibration_plan` and, unless ARGV says otherwise, the GEMV rule keeps
+    seeing the deployment batch (:func:`deployment_shapes`), so the nodes ModelOpt quantizes are
+    the same as with its CLI; only the calibration batch differs.
+
+    Raises:
+        UsageError: ``--autotune`` (use ModelOpt's CLI for it).
+    """
+    import inspect
+
+    from modelopt.onnx.quantization import quantize
+    from modelopt.onnx.quantization.__main__ import get_parser
+    from modelopt.onnx.quantization.calib_utils import CalibrationDataProvider
+
+    args = get_parser().parse_args(list(argv))
+    if args.autotune is not None:
+        raise common.UsageError("--autotune: run python -m modelopt.onnx.quantization directly")
+    params = inspect.signature(quantize).parameters
+    kw = {k: v for k, v in vars(args).items() if k in params and k != "onnx_path"}
+    kw["autotune"] = False
+    if args.calibration_data_path:
+        data = load_npz(args.calibration_data_path, "4_make_calib.py")
+        plan = calibration_plan(args.onnx_path, data, calib_batch)
+        kw["calibration_data"] = data
+        kw["calibration_data_reader"] = CalibrationDataProvider(args.onnx_path, data,
+                                                                plan["calibration_shapes"])
+        if not args.calibration_shapes:
+            kw["calibration_shapes"] = deployment_shapes(args.onnx_path, data)
+        print(f"calibration batch {plan['batch_size']} ({len(plan['batches'])} batch(es) of "
+              f"{plan['batches'][:4]}); ModelOpt's GEMV rule sees {kw['calibration_shapes']}")
+    quantize(args.onnx_path, **kw)
+
+
 def check_calib_cli(args: argparse.Namespace) -> dict:
     """``check-calib``: validate the npz for a model, plan the calibration batch, print the
     ``--calibration_shapes`` value (stdout, one line) and write the record (``--json``)."""
@@ -756,9 +820,10 @@ def check_calib_cli(args: argparse.Namespace) -> dict:
             rec["made_by"] = f"4_make_calib.py ({c.get('source')})"
     if args.json:
         common.write_json(args.json, rec)
-    print(plan["calibration_shapes"])
+    print(plan["batch_size"])
     note = (f"calibration: {plan['n_samples']} samples, batch {plan['batch_size']} "
-            f"({len(plan['batches'])} batch(es): {plan['reason']}); statistics {rep['stats_check']}")
+            f"({len(plan['batches'])} batch(es): {plan['reason']}); statistics "
+            f"{rep['stats_check']}")
     print(note, file=sys.stderr)
     if plan["order_dependent"]:
         print(f"NOTE: {len(plan['batches'])} calibration batches: entropy scales depend on the "
@@ -888,16 +953,23 @@ def run_check(onnx_path: Path | str, fp32: Path | str | None = None,
             "calib": str(calib) if calib else None, **rep}
 
 
-def print_check(rep: dict) -> None:
-    """Findings of :func:`run_check`, one block each (message, then the fix)."""
+def print_check(rep: dict, limit: int | None = None) -> None:
+    """Findings of :func:`run_check`, one block each (message, then the fix); ``limit``: print
+    the first ``limit`` of each kind only."""
     import qdq_check
 
     print(f"{rep['file']}: {qdq_check.summary_line(rep)} (bias re-quantization judged on "
           f"{rep['basis']}; {rep['checked']['n_wbq_candidates']} Conv/Gemm rewritten by ORT's "
           f"WeightBiasQuantization, {rep['checked']['n_weights']} quantized weights"
           + (", compared with the float weights" if rep["checked"]["fp32"] else "") + ")")
+    shown: dict[str, int] = defaultdict(int)
     for f in rep["findings"]:
-        print(f"  [{f['kind']}] {f['message']}\n      fix: {f['fix']}")
+        shown[f["kind"]] += 1
+        if limit is None or shown[f["kind"]] <= limit:
+            print(f"  [{f['kind']}] {f['message']}\n      fix: {f['fix']}")
+        elif shown[f["kind"]] == limit + 1:
+            print(f"  [{f['kind']}] ... {rep['kinds'][f['kind']] - limit} more (all in the "
+                  "JSON; python qdq_tools.py check prints them)")
 
 
 def record_quant(args: argparse.Namespace) -> dict:
@@ -958,7 +1030,7 @@ def check_record(onnx_path: Path, fp32: Path | str | None, calib: Path | str | N
     if rep["ok"]:
         print(f"  {onnx_path.name}: {rep['summary']}")
     else:
-        print_check(rep)
+        print_check(rep, limit=3)
     return rep
 
 
@@ -1009,7 +1081,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     s.add_argument("--calib-limit", type=int, default=32, help="calibration samples to run")
     s.add_argument("--json", type=Path, default=None, help="also write the report as JSON")
     s = sub.add_parser("check-calib", help="validate calibration data for a model and print "
-                                           "ModelOpt's --calibration_shapes (stage 5)")
+                                           "the calibration batch (stage 5)")
     s.add_argument("onnx", type=Path, help="float ONNX model to be calibrated")
     s.add_argument("--calib", type=Path, required=True, help="calibration npz")
     s.add_argument("--model", default=None, help="model name: evaluation data for the "
@@ -1022,6 +1094,13 @@ def get_args_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-stats-check", action="store_true",
                    help="skip the comparison with the evaluation data (recorded)")
     s.add_argument("--json", type=Path, default=None, help="write the calibration record here")
+    s = sub.add_parser("modelopt", help="ModelOpt ONNX PTQ with its own CLI flags (after --) "
+                                        "and a calibration batch of its own (stage 5)")
+    s.add_argument("--calib-batch", default="all",
+                   help="calibration batch: 'all' (one batch) or a number (check-calib prints "
+                        "the one stage 5 uses)")
+    s.add_argument("modelopt_args", nargs=argparse.REMAINDER,
+                   help="-- then the flags of python -m modelopt.onnx.quantization")
     s = sub.add_parser("record-quant", help="write results/<model>/quant_<variant>.json "
                                             "(called by 5_quantize.sh)")
     s.add_argument("--model", required=True)
@@ -1126,6 +1205,9 @@ def main(args: argparse.Namespace):
         return rep
     if args.cmd == "check-calib":
         return check_calib_cli(args)
+    if args.cmd == "modelopt":
+        argv = args.modelopt_args[1:] if args.modelopt_args[:1] == ["--"] else args.modelopt_args
+        return modelopt_quantize(argv, args.calib_batch)
     if args.cmd == "record-quant":
         return record_quant(args)
     raise common.UsageError(f"unknown command {args.cmd}")

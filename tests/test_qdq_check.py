@@ -454,7 +454,7 @@ def test_unnormalised_pixels_refused_for_a_classifier(tmp_path, monkeypatch):
                         "--model", "efficientnet_lite0", "--json", str(tmp_path / "c.json")],
                        cwd=ROOT, capture_output=True, text=True, env=env)
     assert p.returncode == 0, p.stderr
-    assert p.stdout.strip() == "input:3x3x224x224"
+    assert p.stdout.strip() == "3"  # the calibration batch: all 3 samples at once
     rec = json.loads((tmp_path / "c.json").read_text())
     assert rec["order_seed"] == 0 and rec["plan"]["batches"] == [3]
 
@@ -487,18 +487,20 @@ def test_calibration_plan_batches():
 
 
 def test_default_calibration_batch_makes_entropy_independent_of_order(tmp_path):
-    """ModelOpt entropy calibration: two sample orders give different scales at batch 1
-    (ModelOpt's implicit default) and identical ones with the stage's default plan."""
+    """ModelOpt entropy calibration through stage 5's driver: two sample orders give different
+    scales at batch 1 (ModelOpt's CLI default for a dynamic batch) and identical ones with the
+    default (one batch); the nodes ModelOpt quantizes do not depend on the batch (its GEMV rule
+    still sees batch 1: the classifier Gemm stays float, as with ModelOpt's CLI)."""
     pytest.importorskip("modelopt.onnx.quantization")
     import onnx
-    from modelopt.onnx.quantization import quantize
-    from onnx import numpy_helper
-
     import torch
+    from onnx import numpy_helper
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU(),
-                              torch.nn.Conv2d(16, 16, 3, padding=1)).eval()
+                              torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.ReLU(),
+                              torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+                              torch.nn.Linear(32, 32)).eval()
     src = tmp_path / "fp32.onnx"
     torch.onnx.export(net, (torch.zeros(1, 3, 8, 8),), str(src), input_names=["x"],
                       output_names=["y"], opset_version=17, dynamo=False,
@@ -506,23 +508,25 @@ def test_default_calibration_batch_makes_entropy_independent_of_order(tmp_path):
     x = np.random.default_rng(0).standard_normal((64, 3, 8, 8)).astype(np.float32)
     x[np.arange(0, 64, 7)] *= 4  # a few wide samples: where they fall decides the histogram
 
-    def scales(xi, shapes):
+    def quantize(xi, batch):
+        np.savez(tmp_path / "c.npz", x=xi)
         out = tmp_path / "q.onnx"
-        quantize(str(src), quantize_mode="int8", calibration_data={"x": xi},
-                 calibration_method="entropy", calibration_shapes=shapes,
-                 calibration_eps=["cpu"], output_path=str(out), high_precision_dtype="fp32",
-                 log_level="ERROR")
+        qdq_tools.modelopt_quantize(
+            ["--onnx_path", str(src), "--quantize_mode", "int8", "--high_precision_dtype",
+             "fp32", "--calibration_data_path", str(tmp_path / "c.npz"), "--calibration_eps",
+             "cpu", "--output_path", str(out), "--log_level", "ERROR"], batch)
         q = onnx.load(str(out))
         c = {i.name: numpy_helper.to_array(i) for i in q.graph.initializer}
-        return [float(c[n.input[1]]) for n in q.graph.node
+        acts = [float(c[n.input[1]]) for n in q.graph.node
                 if n.op_type == "QuantizeLinear" and n.input[0] not in c]
+        return acts, qdq_tools.inspect_model(q)["quantized_nodes_by_op"]
 
     orders = [x, x[np.random.default_rng(1).permutation(64)]]
-    plan = qdq_tools.calibration_plan(src, {"x": x})
-    default = [scales(o, plan["calibration_shapes"]) for o in orders]
-    assert default[0] and default[0] == default[1]
-    batch1 = [scales(o, "x:1x3x8x8") for o in orders]
-    assert batch1[0] != batch1[1]
+    (a0, nodes0), (a1, _) = (quantize(o, "all") for o in orders)
+    assert a0 and a0 == a1
+    (b0, nodes1), (b1, _) = (quantize(o, 1) for o in orders)
+    assert b0 != b1
+    assert nodes0 == nodes1 and "Gemm" not in nodes0 and nodes0.get("Conv") == 2
 
 
 # --------------------------------------------------------------------------------------------
@@ -562,7 +566,7 @@ def test_custom_model_reaches_stages_4_and_5(tmp_path):
                      .read_text())
     assert rec["status"] == "ok" and rec["calibration"]["n_samples"] == 16
     assert rec["calibration"]["batch_size"] == 16 and rec["calibration"]["order_seed"] == 3
-    assert "--calibration_shapes image:16x3x16x16,tokens:16x5x16" in rec["command"].replace("\\", "")
+    assert "qdq_tools.py modelopt --calib-batch 16 --" in rec["command"]
     assert rec["check"]["ok"] in (True, False) and "summary" in rec["check"]
 
 
