@@ -7,10 +7,16 @@ Writes: ``artifacts/<model>/ref_logits.npz`` (``logits`` float32 [N,1000], ``y``
         or for a custom model ``ref_outputs.npz`` (inputs ``in:<name>``, outputs ``out:<name>``);
         ``results/<model>/pytorch_fp32_<device>.json``.
 Rerun:  ``python 1_pytorch_baseline.py --model efficientnet_lite0 [--device cuda]``
+GPU:    ``python 1_pytorch_baseline.py --device cuda --latency-batch 64 --compile`` (FP32 eager,
+        CUDA-graph replay and torch.compile at batch 1, batch-64 throughput), then
+        ``--precision fp16 --device cuda`` for the FP16 row.
 
-Latency: batch 1 (``--latency-batch``), ``--warmup`` untimed runs, then ``--iters`` timed runs;
-on CUDA each run is timed with CUDA events (GPU time) and wall-clock with a device sync before
-each timestamp; on the CPU wall-clock only. Preprocessing is outside the timed region.
+Latency: batch 1 (and ``--latency-batch`` N), ``--warmup`` untimed runs, then ``--iters`` timed
+runs of ``forward()`` on device-resident inputs: wall-clock with a device sync before each
+timestamp (``end_to_end_ms``), and on CUDA also CUDA events (``gpu_compute_ms``) and the replay of
+a CUDA graph (``cuda_graph_ms``: eager PyTorch at batch 1 is bound by kernel-launch overhead, the
+graph shows what the GPU itself needs). Preprocessing is outside the timed region. The evaluation itself is the shared path of stages 1, 3 and 7
+(``evaluate.py``).
 """
 from __future__ import annotations
 
@@ -21,6 +27,8 @@ import time
 import numpy as np
 
 import common
+import evaluate
+import runners
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -32,110 +40,94 @@ def get_args_parser() -> argparse.ArgumentParser:
                            "threads")
     p.add_argument("--no-save-reference", action="store_true",
                    help="do not (over)write the reference logits (e.g. a CUDA latency run)")
+    p.add_argument("--precision", choices=("fp32", "fp16"), default="fp32",
+                   help="fp16: model.half() on CUDA, a pytorch_fp16_cuda row judged against the "
+                        "FP32 reference (never written as the reference)")
+    p.add_argument("--tag", default=None,
+                   help="results row id (default: pytorch_<precision>_<cpu|cuda>), e.g. "
+                        "pytorch_fp32_cuda_notf32 for a strict-FP32 pass")
+    p.add_argument("--compile", action="store_true",
+                   help="also time torch.compile(model) (latency extra 'compile')")
+    p.add_argument("--no-tf32", action="store_true",
+                   help="CUDA: strict FP32 (torch.backends.cuda.matmul/cudnn.allow_tf32 = False) "
+                        "for a parity pass without TF32; the row records the TF32 state")
     return p
 
 
-def measure_latency(runner: common.TorchRunner, feed: dict, warmup: int, iters: int,
-                    batch: int) -> dict:
-    """Batch latency of ``runner`` on ``feed``.
+def main(args: argparse.Namespace) -> dict:
+    """Evaluate PyTorch FP32, then write the reference and the row together.
 
     Returns:
-        ``{"wall": latency_stats, "gpu": latency_stats or None, "timer": ...}``; ``gpu`` is the
-        CUDA-event time of the forward pass (CUDA only). Units: ms.
+        the results row (:mod:`evaluate` schema).
+    Raises:
+        UsageError: bad flags, or a custom model without (or with wrong) --input-shape.
+        StageError: no CUDA for --device cuda, missing split, weights that cannot be had.
     """
-    import torch
-
-    model, dev = runner.model, runner.device
-    args = [torch.from_numpy(v).to(dev) for v in feed.values()]
-
-    def fwd():
-        with torch.inference_mode():
-            model(*args)
-
-    wall = common.time_callable(fwd, warmup, iters, runner.sync if dev.type == "cuda" else None)
-    out = {"wall": common.latency_stats(wall, batch), "gpu": None,
-           "timer": "time.perf_counter" + (" + cuda sync" if dev.type == "cuda" else "")}
-    if dev.type == "cuda":
-        gpu = []
-        for _ in range(iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fwd()
-            end.record()
-            end.synchronize()
-            gpu.append(start.elapsed_time(end))
-        out["gpu"] = common.latency_stats(gpu, batch)
-        out["timer"] += "; gpu: torch.cuda.Event"
-    return out
-
-
-def main(args: argparse.Namespace) -> dict:
     started = time.time()
     import torch
 
+    common.check_positive(args, "batch_size", "latency_batch", "iters", "limit")
+    common.check_positive(args, "warmup", "threads", allow_zero=("warmup", "threads"))
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise common.StageError(f"--device {args.device}: torch {torch.__version__} sees no CUDA "
-                                "GPU; use --device cpu")
     model, spec = common.build_model(args.model, args.weights, pretrained=not args.random_init)
     shapes = common.parse_input_shapes(args.input_shape)
     art = common.model_artifacts(args.model)
-    inputs = []
+    inputs: list = []
+    fp16 = args.precision == "fp16"
+    save_ref = not (args.no_save_reference or fp16)
+    opts = dict(dtype=args.precision, compile=args.compile,
+                tf32=False if args.no_tf32 else None)
+    if spec.classifier:
+        ref = art / "ref_logits.npz"
+        if fp16:
+            common.require(ref, "1_pytorch_baseline.py (FP32) first; FP16 is judged against it")
+        data = evaluate.classifier_data(spec, args.limit, ref if fp16 else None)
+        inputs.append(common.splits_path())
+        runner = runners.TorchRunner(model, args.device, **opts)
+    else:
+        if not shapes:
+            raise common.UsageError(f"--model {args.model}: give --input-shape for a custom "
+                                    "model (e.g. --input-shape x:1,3,224,224)")
+        data = (evaluate.custom_data(art / "ref_outputs.npz") if fp16 else
+                evaluate.EvalData(feed=common.example_inputs(spec, shapes, batch=4, seed=0)))
+        runner = runners.TorchRunner(model, args.device, input_names=[n for n, _, _ in shapes],
+                                     **opts)
+        try:
+            runner.infer(data.feed)
+        except (TypeError, RuntimeError) as e:
+            raise common.UsageError(
+                f"--model {args.model} does not run on --input-shape "
+                f"{[f'{n}:{s}' for n, s, _ in shapes]}: {str(e).splitlines()[0]}; give one "
+                "--input-shape per forward() argument, in order, with the right shapes") from e
     dev_tag = "cuda" if args.device.startswith("cuda") else "cpu"
-    record = common.result_record("1_pytorch_baseline", "PyTorch", "FP32", args.model,
-                                  f"pytorch_fp32_{dev_tag}", device=args.device,
-                                  weights="random-init" if args.random_init else
-                                  (args.weights or "default"),
-                                  preprocessing=spec.preprocessing() | {"mean": spec.mean,
-                                                                         "std": spec.std})
-    with common.TorchRunner(model, args.device) as runner:
+    with runner:
+        rec, outputs = evaluate.evaluate(
+            runner, data, stage="1_pytorch_baseline", precision=args.precision.upper(),
+            model=args.model, tag=args.tag or f"pytorch_{args.precision}_{dev_tag}", args=args,
+            started=started, inputs=inputs,
+            batch_size=args.batch_size, latency_batch=args.latency_batch, warmup=args.warmup,
+            iters=args.iters, write=False, variant=None,
+            weights="random-init" if args.random_init else (args.weights or "default"),
+            size_mb=sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6)
+    if not spec.classifier:
+        rec["outputs"] = {k: list(v.shape) for k, v in outputs.items()}
+    # The reference and the row that describes it are written together, at the very end, so an
+    # interrupted run never leaves a reference that disagrees with its row.
+    if save_ref:
         if spec.classifier:
-            x, y, files = common.load_split("eval", spec, args.limit)
-            logits = common.run_batched(runner, x, spec, "input", args.batch_size)
-            acc = common.topk_accuracy(logits, y)
-            record.update(n_images=len(y), accuracy=acc)
-            if not args.no_save_reference:
-                ref = art / "ref_logits.npz"
-                with common.atomic_path(ref) as tmp:
-                    np.savez(tmp, logits=logits, y=y, files=np.array(files))
-                record["reference"] = str(ref)
-            feed = {"input": common.normalize(x[:args.latency_batch], spec.mean, spec.std)}
-            inputs.append(common.splits_path())
-            summary = f"top-1 {acc['top1']:.2f}% top-5 {acc['top5']:.2f}% on {len(y)} images"
+            with common.atomic_path(ref) as tmp:
+                np.savez(tmp, logits=next(iter(outputs.values())), y=data.y,
+                         files=np.array(data.files))
         else:
-            if not shapes:
-                raise common.UsageError(f"--model {args.model}: give --input-shape for a custom "
-                                        "model (e.g. --input-shape x:1,3,224,224)")
-            feed_ref = common.example_inputs(spec, shapes, batch=4, seed=0)
-            try:
-                outs = runner.infer(feed_ref)
-            except (TypeError, RuntimeError) as e:
-                raise common.UsageError(
-                    f"--model {args.model} does not run on --input-shape "
-                    f"{[f'{n}:{s}' for n, s, _ in shapes]}: {str(e).splitlines()[0]}; give one "
-                    "--input-shape per forward() argument, in order, with the right shapes") from e
-            record.update(accuracy=None, reason_accuracy="not an ImageNet classifier",
-                          outputs={k: list(v.shape) for k, v in outs.items()})
-            if not args.no_save_reference:
-                ref = art / "ref_outputs.npz"
-                with common.atomic_path(ref) as tmp:
-                    np.savez(tmp, **{f"in:{k}": v for k, v in feed_ref.items()},
-                             **{f"out:{k}": v for k, v in outs.items()})
-                record["reference"] = str(ref)
-            feed = common.example_inputs(spec, shapes, batch=args.latency_batch, seed=1)
-            summary = f"outputs {record['outputs']} (accuracy does not apply)"
-        lat = measure_latency(runner, feed, args.warmup, args.iters, args.latency_batch)
-    record["latency"] = lat["gpu"] or lat["wall"]
-    record["latency_wall"] = lat["wall"]
-    record["latency_timer"] = lat["timer"]
-    record["harness_overhead_ms"] = common.null_backend_ms()
-    record["size_mb"] = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6
-    record["provenance"] = common.provenance(args, inputs, started, args.device)
-    path = common.write_result(args.model, record["tag"], record)
-    print(f"PyTorch FP32 {args.model} on {args.device}: {summary}; batch-{args.latency_batch} "
-          f"p50 {record['latency']['p50_ms']:.3f} ms -> {path}")
-    return record
+            ref = art / "ref_outputs.npz"
+            with common.atomic_path(ref) as tmp:
+                np.savez(tmp, **{f"in:{k}": v for k, v in data.feed.items()},
+                         **{f"out:{k}": v for k, v in outputs.items()})
+        rec["reference"] = str(ref)
+    path = common.write_result(args.model, rec["tag"], rec)
+    print(f"{evaluate.summary_line(rec)} -> {path}")
+    return rec
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ ONNX file disagree: a silent export bug is caught here, before any runtime is bl
 from __future__ import annotations
 
 import argparse
-import os
 import time
 import warnings
 from pathlib import Path
@@ -27,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 import common
+import runners
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -108,7 +108,7 @@ def check_file(path: Path, feed: dict, ref: dict, min_cosine: float) -> dict:
     Returns:
         ``{output name: parity dict, "batch_consistency": max abs diff, "ok": bool}``.
     """
-    with common.OrtRunner(path, "cpu") as r:
+    with runners.OrtRunner(path, "cpu") as r:
         out = r.infer(feed)
         first = r.infer({k: v[:1] for k, v in feed.items()})
     res: dict = {"ok": True, "outputs": {}}
@@ -147,7 +147,7 @@ def main(args: argparse.Namespace) -> dict:
             raise common.UsageError(f"--model {args.model}: give --input-shape for a custom model")
         feed = common.example_inputs(spec, shapes, batch=max(2, min(args.check_images, 8)), seed=0)
         output_names = None
-    with common.TorchRunner(model, "cpu") as tr:
+    with runners.TorchRunner(model, "cpu") as tr:
         ref = tr.infer(feed)
     if output_names is None:
         output_names = list(ref) if len(ref) > 1 else ["output"]

@@ -10,14 +10,21 @@ Rerun:  ``python 3_onnx_eval.py --model efficientnet_lite0 --onnx artifacts/effi
 
 Backend cross-check (Q/DQ models): ONNX Runtime is not a neutral judge of Q/DQ graphs: some of its
 graph optimisations (e.g. ``WeightBiasQuantization``) change the numerics of a Q/DQ model. For a
-Q/DQ file this stage therefore also runs the first ``--cross-check-images`` images with all graph
-optimisations disabled (plain DequantizeLinear + float ops, the graph's reference semantics) and
-flags a backend disagreement when top-1 differs by more than ``--cross-check-tol`` points. A
-"collapse" that disappears there is an ORT optimiser effect, not a quantization failure.
+Q/DQ file this stage therefore also runs images with all graph optimisations disabled (plain
+DequantizeLinear + float ops, the graph's reference semantics): by default the first 128, and the
+whole split as soon as any of them differs; and flags a backend disagreement when top-1 differs
+by more than ``--cross-check-tol`` points. A "collapse" that disappears there is an ORT optimiser
+effect, not a quantization failure. A model that is not a classifier gets the same cross-check
+on every output (cosine; ``qdq_tools.backend_cross_check``). When the backend disagrees (and
+with ``--layerwise``) the stage also writes the per-layer table that separates quantization error
+(float vs Q/DQ graph, both unoptimised) from backend error (the Q/DQ graph optimised vs not):
+``results/<model>/quant_backend_<tag>/`` (``layerwise.py quant-backend``). These diagnostics run
+after the row is written and never change its status.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import sys
@@ -27,7 +34,13 @@ from pathlib import Path
 import numpy as np
 
 import common
+import evaluate
 import onnx_graph
+import qdq_tools
+import runners
+import variants
+
+STAGE = "3_onnx_eval"
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -37,10 +50,17 @@ def get_args_parser() -> argparse.ArgumentParser:
     common.add_shared_args(p, "model")
     p.add_argument("--precision", default="auto",
                    help="FP32/FP16/INT8/INT4 label for the report (auto: read from the file)")
-    p.add_argument("--ep", default=os.environ.get("ORT_EP", "cpu"), choices=sorted(common.ORT_EPS),
+    p.add_argument("--ep", default=os.environ.get("ORT_EP", "cpu"), choices=sorted(runners.ORT_EPS),
                    help="execution provider to ask for (default from $ORT_EP)")
     p.add_argument("--allow-cpu-fallback", action="store_true",
                    help="run on CPU (and record it) if the requested GPU EP cannot be used")
+    p.add_argument("--no-tf32", action="store_true",
+                   help="CUDA EP: strict FP32 (use_tf32=0) for a parity pass without TF32; the "
+                        "row records the TF32 state the session really used")
+    p.add_argument("--x64-quant-precision", action="store_true",
+                   help="CPU EP: session option session.x64quantprecision=1 (u8u8 instead of "
+                        "u8s8 int8 kernels on x86-64 CPUs without VNNI, whose u8s8 products can "
+                        "saturate; ORT PR #12088)")
     p.add_argument("--opt-level", default="all", choices=("disable", "basic", "extended", "all"),
                    help="ORT graph optimisation level")
     p.add_argument("--disable-optimizer", action="append", default=[],
@@ -48,8 +68,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     common.add_shared_args(p, "batch_size", "limit", "latency_batch", "warmup", "iters",
                            "threads")
     p.add_argument("--cross-check-images", type=int, default=-1,
-                   help="images for the Q/DQ backend cross-check (-1: the whole eval split; "
-                        "0 disables it)")
+                   help="images for the Q/DQ backend cross-check (-1: adaptive, the first 128 "
+                        "and the whole split as soon as any of them differs; 0 disables it)")
     p.add_argument("--cross-check-tol", type=float, default=2.0,
                    help="top-1 difference (points) that counts as a backend disagreement")
     p.add_argument("--layerwise", action="store_true",
@@ -61,74 +81,207 @@ def get_args_parser() -> argparse.ArgumentParser:
 
 
 def is_qdq(precision: str) -> bool:
+    """True for quantized (Q/DQ) precisions (INT8, INT4)."""
     return precision.startswith("INT")
 
 
-def cross_check(path: Path, x, y, spec, input_name: str, logits_main: np.ndarray,
-                n: int, tol: float, batch: int) -> dict:
-    """Top-1 of the first ``n`` images with ORT graph optimisations disabled vs the main session.
+X64_PRECISION = qdq_tools.X64_QUANT_PRECISION
+CROSS_CHECK_FIRST = 128  # images of the adaptive cross-check's first look
+CROSS_CHECK_MIN_COSINE = 0.999  # per-image logits cosine under which the two sessions "differ"
+
+
+def cross_check(path: Path, data: evaluate.EvalData, logits_main: np.ndarray, n: int,
+                tol: float, batch: int, opt_level: str = "all",
+                session_config: dict | None = None) -> dict:
+    """Top-1 with ORT graph optimisations disabled (plain DequantizeLinear + float ops, the
+    graph's reference semantics) against the main session's.
+
+    ``n`` images; ``n < 0`` is adaptive: the first :data:`CROSS_CHECK_FIRST` images, extended to
+    the whole split as soon as any of them differs between the two sessions (top-1 or a logits
+    cosine below :data:`CROSS_CHECK_MIN_COSINE`). An optimiser effect comes from the weights and
+    scales (an overflowing int32 bias, a fused kernel), not from one image, so it shows on the
+    first images; and every flagged disagreement is measured on the whole split, as before.
+
+    When the two disagree on an x86-64 CPU without VNNI, the optimised graph is run once more
+    with u8u8 kernels (``session.x64quantprecision=1``) to tell kernel saturation from a graph
+    optimiser effect (``cause``).
 
     Returns:
-        ``{"n", "top1_main", "top1_unoptimized", "top1_agreement", "disagreement": bool}``.
+        ``{"n", "adaptive", "top1_main", "top1_unoptimized", "top1_agreement",
+        "cosine_min", "tolerance_points", "disagreement": bool, "cpu_vnni", "cause"}`` (+
+        ``top1_x64quantprecision`` when that leg ran).
     """
-    n = len(y) if n < 0 else min(n, len(y))
-    with common.OrtRunner(path, "cpu", opt_level="disable") as r:
-        ref = common.run_batched(r, x[:n], spec, input_name, batch)
-    t_main = common.topk_accuracy(logits_main[:n], y[:n], (1,))["top1"]
-    t_ref = common.topk_accuracy(ref, y[:n], (1,))["top1"]
-    agree = float(100.0 * (ref.argmax(1) == logits_main[:n].argmax(1)).mean())
-    return {"n": n, "top1_main": t_main, "top1_unoptimized": t_ref, "top1_agreement": agree,
-            "tolerance_points": tol, "disagreement": bool(abs(t_main - t_ref) > tol)}
+    adaptive = n < 0
+    first = min(CROSS_CHECK_FIRST, len(data)) if adaptive else min(n, len(data))
+
+    def run(lo: int, hi: int) -> np.ndarray:
+        sub = dataclasses.replace(data, x_u8=data.x_u8[lo:hi], y=data.y[lo:hi],
+                                  files=data.files[lo:hi], ref=None)
+        return next(iter(evaluate.run_outputs(r, sub, batch, progress="cross-check").values()))
+
+    with runners.OrtRunner(path, "cpu", opt_level="disable") as r:
+        ref = run(0, first)
+        differs = (ref.argmax(1) != logits_main[:first].argmax(1)).any() or (
+            common.cosine_rows(ref, logits_main[:first]).min() < CROSS_CHECK_MIN_COSINE)
+        if adaptive and differs and first < len(data):
+            ref = np.concatenate([ref, run(first, len(data))])
+    k = len(ref)
+    t_main = common.topk_accuracy(logits_main[:k], data.y[:k], (1,))["top1"]
+    t_ref = common.topk_accuracy(ref, data.y[:k], (1,))["top1"]
+    agree = float(100.0 * (ref.argmax(1) == logits_main[:k].argmax(1)).mean())
+    out = {"n": k, "adaptive": adaptive, "top1_main": t_main, "top1_unoptimized": t_ref,
+           "top1_agreement": agree,
+           "cosine_min": float(common.cosine_rows(ref, logits_main[:k]).min()),
+           "tolerance_points": tol, "disagreement": bool(abs(t_main - t_ref) > tol),
+           "cpu_vnni": common.cpu_has_vnni(), "cause": None}
+    if out["disagreement"] and common.cpu_has_vnni() is False and not session_config:
+        # Which backend effect? On an x86-64 CPU without VNNI, ORT's u8s8 int8 kernels can
+        # saturate: rerun the optimised graph with u8u8 kernels (session.x64quantprecision=1).
+        with runners.OrtRunner(path, "cpu", session_config=X64_PRECISION,
+                               opt_level=opt_level) as r:
+            fixed = run(0, k)
+        t_fix = common.topk_accuracy(fixed, data.y[:k], (1,))["top1"]
+        out["top1_x64quantprecision"] = t_fix
+        if abs(t_fix - t_ref) <= tol:
+            out["cause"] = ("u8s8 saturation in ORT's int8 CPU kernels on this CPU without VNNI: "
+                            f"with session.x64quantprecision=1 top-1 is {t_fix:.1f}% (rerun with "
+                            "--x64-quant-precision; ORT PR #12088)")
+    return out
 
 
 def main(args: argparse.Namespace) -> dict:
+    """Evaluate ``--onnx`` on ORT and write ``results/<model>/<tag>.json``.
+
+    Returns:
+        the results row (:mod:`evaluate` schema).
+    Raises:
+        UsageError: bad flags or EP name. StageError: missing inputs, a session that cannot be
+            created or run (the failure is recorded in the row first).
+    """
     started = time.time()
+    common.check_positive(args, "limit", "batch_size", "latency_batch", "iters")
+    common.check_positive(args, "warmup", "threads", allow_zero=("warmup", "threads"))
     spec = common.model_spec(args.model)
     onnx_path = common.require(args.onnx, "2_export_onnx.py / 5_quantize.sh (whichever makes it)")
     precision = (onnx_graph.detect_precision(onnx_graph.load(onnx_path, external=False))
                  if args.precision == "auto" else args.precision)
     art = common.model_artifacts(args.model)
-    base = dict(ep_requested=common.ORT_EPS[args.ep], onnx=str(onnx_path),
-                opt_level=args.opt_level, disabled_optimizers=args.disable_optimizer)
-    for name in ("limit", "batch_size", "latency_batch", "iters"):
-        v = getattr(args, name)
-        if v is not None and v < 1:
-            raise common.UsageError(f"--{name.replace('_', '-')} must be >= 1 (got {v})")
-    data = None
+    variant = variants.variant_of_file(onnx_path)
+    base = dict(onnx=str(onnx_path), variant=variant.name if variant else None)
+    # Inputs are checked before any session exists, so a mismatch never overwrites a good row.
     if spec.classifier:
         ref_path = common.require(art / "ref_logits.npz", "1_pytorch_baseline.py")
-        # Checked before any session exists, so a mismatch never overwrites a good row.
-        x, y, files = common.load_split("eval", spec, args.limit)
-        data = (x, y, aligned_reference(ref_path, files, args.limit))
+        data = evaluate.classifier_data(spec, args.limit, ref_path)
     else:
-        ref_path = common.require(art / "ref_outputs.npz", "1_pytorch_baseline.py --input-shape ...")
-    try:
-        runner = common.OrtRunner(onnx_path, args.ep, args.allow_cpu_fallback, args.opt_level,
-                                  args.disable_optimizer, args.threads)
-    except common.StageError as e:
-        rec = common.result_record("3_onnx_eval", "ORT", precision, args.model, args.tag,
-                                   status="failed", reason=str(e), **base)
+        ref_path = art / "ref_outputs.npz"
+        data = evaluate.custom_data(ref_path)
+
+    def fail(reason: str, desc: dict | None = None) -> None:
+        rec = evaluate.base_record(STAGE, precision, args.model, args.tag, desc, backend="ORT",
+                                   status="failed", reason=reason, **base)
+        if desc is None:
+            rec["ep_requested"] = runners.ORT_EPS[args.ep]
         rec["provenance"] = common.provenance(args, [onnx_path], started)
         common.write_result(args.model, args.tag, rec)
-        raise
-    rec = common.result_record("3_onnx_eval", "ORT", precision, args.model, args.tag, **base,
-                               ep_used=runner.used, cpu_fallback=runner.fallback_reason)
+
     try:
-        return _evaluate(args, spec, onnx_path, precision, ref_path, data, runner, rec, started)
-    except Exception as e:
-        # ORT can load a model and still fail at the first run (e.g. a blocked
-        # DequantizeLinear whose axis disagrees with its scale): record why, then fail.
-        if isinstance(e, (common.UsageError, KeyboardInterrupt)):
+        runner = runners.OrtRunner(onnx_path, args.ep, args.allow_cpu_fallback, args.opt_level,
+                                   args.disable_optimizer, args.threads,
+                                   tf32=False if args.no_tf32 else None,
+                                   session_config=X64_PRECISION if args.x64_quant_precision
+                                   else None)
+    except common.StageError as e:
+        fail(str(e))
+        raise
+    with runner:
+        if data.classifier:
+            data.input_name = runner.input_names[0]
+        try:
+            rec, outputs = evaluate.evaluate(
+                runner, data, stage=STAGE, precision=precision, model=args.model, tag=args.tag,
+                args=args, started=started, inputs=[onnx_path, ref_path],
+                batch_size=args.batch_size, latency_batch=args.latency_batch,
+                warmup=args.warmup, iters=args.iters, size_mb=common.file_size_mb(onnx_path),
+                **base)
+        except (common.UsageError, KeyboardInterrupt):
             raise
-        msg = _short_ort_error(e)
-        failed = common.result_record("3_onnx_eval", "ORT", precision, args.model, args.tag,
-                                      status="failed", reason=f"inference failed: {msg}", **base,
-                                      ep_used=runner.used)
-        failed["provenance"] = common.provenance(args, [onnx_path], started)
-        common.write_result(args.model, args.tag, failed)
-        if isinstance(e, common.StageError):
-            raise
-        raise common.StageError(f"onnxruntime failed to run {onnx_path}: {msg}") from e
+        except Exception as e:  # noqa: BLE001
+            # ORT can load a model and still fail at the first run (e.g. a blocked
+            # DequantizeLinear whose axis disagrees with its scale): record why, then fail.
+            msg = _short_ort_error(e) if not isinstance(e, common.StageError) else str(e)
+            fail(f"inference failed: {msg}", runner.describe())
+            if isinstance(e, common.StageError):
+                raise
+            raise common.StageError(f"onnxruntime failed to run {onnx_path}: {msg}") from e
+    path = common.model_results(args.model) / f"{args.tag}.json"
+    print(f"{evaluate.summary_line(rec)} -> {path}")
+    # Diagnostics: after the row is written; they never change its status.
+    cc = None
+    if is_qdq(precision) and args.cross_check_images and args.opt_level != "disable":
+        config = X64_PRECISION if args.x64_quant_precision else None
+        if data.classifier:
+            cc = evaluate.diagnose(rec, "backend_cross_check", lambda: cross_check(
+                onnx_path, data, next(iter(outputs.values())), args.cross_check_images,
+                args.cross_check_tol, args.batch_size, args.opt_level, config))
+        else:  # any model: every output compared (cosine), no labels
+            cc = evaluate.diagnose(rec, "backend_cross_check", lambda: qdq_tools.backend_cross_check(
+                onnx_path, data.feed, outputs, batch=args.batch_size, opt_level=args.opt_level,
+                session_config=config))
+        if cc and cc["disagreement"]:
+            what = (f"top-1 {cc['top1_main']:.1f}% at opt level {args.opt_level} vs "
+                    f"{cc['top1_unoptimized']:.1f}% with graph optimisations disabled "
+                    f"({cc['n']} images)" if data.classifier else cc["reason"])
+            print(f"WARNING: ORT backend disagreement on {onnx_path.name}: {what}. ONNX Runtime, "
+                  "not the quantization, changes the result: do not report this as a collapse."
+                  + (f" Cause: {cc['cause']}." if cc.get("cause") else ""), file=sys.stderr)
+    # Quantization error vs backend error, per layer: with --layerwise, and whenever the
+    # cross-check saw the backend disagree with the graph.
+    if is_qdq(precision) and (args.layerwise or (cc and cc.get("disagreement"))):
+        evaluate.diagnose(rec, "quant_backend", lambda: _quant_backend(
+            args, spec, data, onnx_path))
+    if args.layerwise:
+        evaluate.diagnose(rec, "layerwise", lambda: _layerwise(args, spec, onnx_path, precision))
+    return rec
+
+
+def _quant_backend(args, spec, data: evaluate.EvalData, onnx_path: Path) -> dict:
+    """``layerwise.quant_backend_table`` of ``onnx_path`` against the model's FP32 ONNX on
+    ``--layerwise-images`` samples; writes ``results/<model>/quant_backend_<tag>/`` and returns
+    a summary for the row."""
+    import layerwise
+
+    ref_onnx = common.require(common.model_artifacts(args.model) / "onnx" / "fp32.onnx",
+                              "2_export_onnx.py")
+    n = args.layerwise_images
+    feed = (layerwise.load_feed(None, args.model, n, ref_onnx) if spec.classifier
+            else {k: v[:n] for k, v in data.feed.items()})
+    out_dir = common.model_results(args.model) / f"quant_backend_{args.tag}"
+    res = layerwise.quant_backend_table(ref_onnx, onnx_path, feed, ep=args.ep,
+                                        opt_level=args.opt_level,
+                                        disabled_optimizers=args.disable_optimizer,
+                                        batch=args.batch_size, out_dir=out_dir)
+    print(layerwise.render_quant_backend(res, max_rows=40))
+    return {"out_dir": str(out_dir), "verdict": res["verdict"],
+            "first_quant": res["first_quant"], "first_backend": res["first_backend"],
+            "channels_lost": res["channels_lost"][:5]}
+
+
+def _layerwise(args, spec, onnx_path: Path, precision: str) -> dict:
+    """Layer-wise comparison with the FP32 ONNX on ORT CPU (``layerwise.py``); writes
+    ``results/<model>/layerwise_<tag>/`` and returns a summary for the row."""
+    import layerwise
+
+    ref_onnx = common.require(common.model_artifacts(args.model) / "onnx" / "fp32.onnx",
+                              "2_export_onnx.py")
+    feed = layerwise.load_feed(None, args.model if spec.classifier else None,
+                               args.layerwise_images, ref_onnx)
+    out_dir = common.model_results(args.model) / f"layerwise_{args.tag}"
+    res = layerwise.run_layer_diff(ref_onnx, onnx_path, feed, ep_b=args.ep,
+                                   precision=precision.lower(), opt_level=args.opt_level,
+                                   out_dir=out_dir)
+    print(layerwise.render_table(res, max_rows=40))
+    return {"out_dir": str(out_dir), "first_divergent": res.get("first_divergent"),
+            "verdict": res.get("verdict"), "summary": res.get("summary")}
 
 
 def _short_ort_error(e: Exception) -> str:
@@ -140,89 +293,6 @@ def _short_ort_error(e: Exception) -> str:
         detail = detail.split(" was false. ", 1)[1]
     head = f"{type(e).__name__}" + (f" in node {node.group(1)}" if node else "")
     return f"{head}: {detail[-300:]}"
-
-
-def aligned_reference(ref_path: Path, files: list[str], limit: int | None) -> np.ndarray:
-    """Reference logits ``[N, C]`` for the eval ``files`` (:func:`common.align_reference`).
-
-    Raises:
-        StageError: the reference does not cover every file (stage 1 ran with a smaller
-            ``--limit`` or on another split); the message says which rerun fixes it.
-    """
-    logits, mask = common.align_reference(ref_path, files)
-    if not mask.all():
-        with np.load(ref_path) as z:
-            n_ref = len(z["files"])
-        hint = (f"pass --limit {n_ref} (or less), or rerun 1_pytorch_baseline.py "
-                "without --limit" if n_ref < len(files) else
-                "rerun 1_pytorch_baseline.py after 0_prepare_data.py")
-        raise common.StageError(
-            f"{ref_path} covers {n_ref} eval images but {int((~mask).sum())} of the "
-            f"{len(files)} asked for (--limit {limit}) are not among them: {hint}")
-    return logits
-
-
-def _evaluate(args, spec, onnx_path: Path, precision: str, ref_path: Path, data, runner,
-              rec: dict, started: float) -> dict:
-    """Accuracy, parity, cross-check and latency of an open ORT session; writes the row."""
-    with runner:
-        if spec.classifier:
-            x, y, ref_logits = data
-            inp = runner.input_names[0]
-            logits = common.run_batched(runner, x, spec, inp, args.batch_size)
-            acc = common.topk_accuracy(logits, y)
-            par = common.parity(ref_logits, logits)
-            rec.update(n_images=len(y), accuracy=acc, parity=par)
-            feed = {inp: common.normalize(x[:args.latency_batch], spec.mean, spec.std)}
-            if is_qdq(precision) and args.cross_check_images and args.opt_level != "disable":
-                cc = cross_check(onnx_path, x, y, spec, inp, logits, args.cross_check_images,
-                                 args.cross_check_tol, args.batch_size)
-                rec["backend_cross_check"] = cc
-                if cc["disagreement"]:
-                    print(f"WARNING: ORT backend disagreement on {onnx_path.name}: top-1 "
-                          f"{cc['top1_main']:.1f}% at opt level {args.opt_level} vs "
-                          f"{cc['top1_unoptimized']:.1f}% with graph optimisations disabled "
-                          f"({cc['n']} images). The ORT optimiser, not the quantization, changes "
-                          "the result: do not report this as a collapse.", file=sys.stderr)
-            summary = (f"top-1 {acc['top1']:.2f}% top-5 {acc['top5']:.2f}% cosine "
-                       f"{par['cosine_mean']:.5f} top-1 agreement {par['top1_agreement']:.1f}%")
-        else:
-            with np.load(ref_path) as z:
-                feed_ref = {k[3:]: z[k] for k in z.files if k.startswith("in:")}
-                ref_out = {k[4:]: z[k] for k in z.files if k.startswith("out:")}
-            outs = runner.infer(feed_ref)
-            rec["parity_outputs"] = {
-                name: common.parity(ref, o) for (name, ref), o in zip(ref_out.items(),
-                                                                      outs.values())}
-            rec["parity"] = next(iter(rec["parity_outputs"].values()))
-            rec.update(accuracy=None, reason_accuracy="not an ImageNet classifier")
-            feed = {k: v[:args.latency_batch] for k, v in feed_ref.items()}
-            summary = f"cosine min {rec['parity']['cosine_min']:.6f} (accuracy does not apply)"
-        times = common.time_callable(lambda: runner.infer(feed), args.warmup, args.iters)
-    rec["latency"] = common.latency_stats(times, args.latency_batch)
-    rec["latency_timer"] = "time.perf_counter around InferenceSession.run"
-    rec["harness_overhead_ms"] = common.null_backend_ms()
-    rec["size_mb"] = common.file_size_mb(onnx_path)
-    rec["device"] = "cpu" if runner.used == "CPUExecutionProvider" else "cuda"
-    rec["provenance"] = common.provenance(args, [onnx_path, ref_path], started)
-    path = common.write_result(args.model, args.tag, rec)
-    print(f"ORT {precision} ({runner.used}) {onnx_path.name}: {summary}; batch-"
-          f"{args.latency_batch} p50 {rec['latency']['p50_ms']:.3f} ms -> {path}")
-    if args.layerwise:
-        try:
-            import layerwise
-        except ImportError as e:
-            raise common.StageError("--layerwise needs layerwise.py beside this script") from e
-        ref_onnx = common.require(art / "onnx" / "fp32.onnx", "2_export_onnx.py")
-        feed = layerwise.load_feed(None,
-                                   args.model if spec.classifier else None,
-                                   args.layerwise_images, ref_onnx)
-        res = layerwise.run_layer_diff(
-            ref_onnx, onnx_path, feed, ep_b=args.ep, precision=precision.lower(),
-            opt_level=args.opt_level,
-            out_dir=common.model_results(args.model) / f"layerwise_{args.tag}")
-        print(layerwise.render_table(res, max_rows=40))
-    return rec
 
 
 if __name__ == "__main__":

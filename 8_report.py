@@ -1,14 +1,17 @@
 #!/usr/bin/env python3
 """Stage 8: collect ``results/<model>/*.json`` into ``REPORT.md`` and ``REPORT.csv``.
 
-Reads:  every results JSON of the model that describes a backend run (``backend`` key).
+Reads:  every results JSON of the model that describes a backend run (``backend`` key), and the
+        GPU rows of ``results/gpu/<model>/`` (benchmarks/gpu_rows.sh on a GPU machine).
 Writes: ``results/<model>/REPORT.md``, ``results/<model>/REPORT.csv`` and a copy of the markdown
         at ``results/REPORT.md`` (the last model reported).
 Rerun:  ``python 8_report.py --model efficientnet_lite0``
 
-Columns: backend, precision, top-1, top-5, delta top-1 (points vs the PyTorch FP32 row), mean ms,
-FPS, speedup (PyTorch FP32 mean ms on the same device / this row's mean ms; "n/a" when no PyTorch
-row ran on that device), size MB, cosine similarity and top-1 agreement (vs PyTorch FP32 logits).
+Columns: backend, precision, top-1, top-5, delta top-1 (points vs the PyTorch FP32 row), batch-1
+end-to-end p50 ms, GPU Compute Time p50 ms (GPU rows), FPS (batch 1, from the mean), speedup
+(PyTorch FP32 end-to-end p50 on the same device / this row's; "n/a" when no PyTorch row ran on
+that device; medians resist the stalls of a shared machine), size MB, cosine similarity and top-1
+agreement (vs PyTorch FP32 logits).
 Rows that could not run (skipped / failed) are listed with the reason; numbers are only ever
 copied from the JSON of a real run.
 """
@@ -18,16 +21,16 @@ import argparse
 import csv
 import io
 import json
-import os
-import shutil
 import time
 from pathlib import Path
 
 import common
+import evaluate
 import variants
 
 COLUMNS = ["backend", "precision", "tag", "EP/device", "images", "top-1 %", "top-5 %",
-           "delta top-1", "mean ms", "FPS", "speedup", "size MB", "cosine sim", "top-1 agree %",
+           "delta top-1", "p50 ms", "GPU compute p50 ms", "FPS", "speedup", "size MB",
+           "cosine sim", "top-1 agree %",
            "status"]
 
 # Row order: the hops of the pipeline, then precision, then the variant registry's order.
@@ -96,26 +99,40 @@ def table_rows(rows: list[dict]) -> list[dict]:
     base = next((r for r in rows if r["backend"] == "PyTorch" and r["status"] == "ok"
                  and (r.get("accuracy") or {}).get("top1") is not None), None)
     base_top1 = base["accuracy"]["top1"] if base else None
-    # Speedup from medians (p50): robust to the stalls a shared machine adds to the mean.
-    pt_ms = {r.get("device", "cpu"): r["latency"]["p50_ms"] for r in rows
-             if r["backend"] == "PyTorch" and r["status"] == "ok" and r.get("latency")}
+    pt_ms = {r.get("device") or "cpu": evaluate.primary_latency(r)["p50_ms"] for r in rows
+             if r["backend"] == "PyTorch" and r["status"] == "ok"
+             and evaluate.primary_latency(r).get("p50_ms")}
     out = []
     for r in rows:
         acc = r.get("accuracy") or {}
-        lat = r.get("latency") or {}
+        lat = evaluate.primary_latency(r)
+        gpu = (r.get("latency") or {}).get("gpu_compute_ms") or {}
         par = r.get("parity") or {}
-        dev = r.get("device", "cpu")
-        ep = r.get("ep_used") or r.get("device") or ""
-        ep = ep.replace("ExecutionProvider", " EP")
+        dev = r.get("device") or "cpu"
+        ep = (r.get("ep_used") or dev).replace("ExecutionProvider", " EP")
         if r.get("cpu_fallback"):
             ep += " (fallback)"
         status = r["status"]
         if r.get("reason"):
             status += f": {r['reason'].splitlines()[0][:320]}"
-        cc = r.get("backend_cross_check")
-        if cc and cc.get("disagreement"):
-            status += (f"; BACKEND DISAGREEMENT: top-1 {cc['top1_unoptimized']:.1f}% with ORT "
-                       f"optimisations disabled ({cc['n']} images)")
+        diags = r.get("diagnostics") or {}
+        bi = diags.get("batch_invariance") or {}
+        if bi.get("ok") is False:
+            agree = bi.get("top1_agreement")
+            status += (f"; BATCH-DEPENDENT OUTPUT: batch 1 vs batch {bi.get('batch')} differ by "
+                       f"{bi.get('rel_max_diff', 0):.2g} of max |output|"
+                       + (f", top-1 agreement {100 * agree:.1f}%" if agree is not None else ""))
+        for name, d in diags.items():
+            if isinstance(d, dict) and d.get("status") == "error":
+                status += f"; diagnostic {name} failed: {str(d.get('error'))[:120]}"
+        cc = diags.get("backend_cross_check") or {}
+        if cc.get("disagreement"):
+            if cc.get("top1_unoptimized") is not None:
+                status += (f"; BACKEND DISAGREEMENT: top-1 {cc['top1_unoptimized']:.1f}% with "
+                           f"ORT optimisations disabled ({cc['n']} images)")
+            else:  # a model without labels: the cross-check says what differs
+                status += f"; BACKEND DISAGREEMENT: {cc.get('reason')}"
+            status += f"; cause: {cc['cause']}" if cc.get("cause") else ""
         if r.get("_quant_check") and r["_quant_check"] != "check: clean":
             status += f"; Q/DQ {r['_quant_check']} (qdq_tools.py check)"
         if lat.get("mean_ms") and lat.get("p50_ms") and lat["mean_ms"] > 1.5 * lat["p50_ms"]:
@@ -129,7 +146,8 @@ def table_rows(rows: list[dict]) -> list[dict]:
             "top-5 %": _fmt(acc.get("top5")),
             "delta top-1": _fmt(top1 - base_top1) if top1 is not None and base_top1 is not None
             else "",
-            "mean ms": _fmt(lat.get("mean_ms"), 3), "FPS": _fmt(lat.get("fps"), 1),
+            "p50 ms": _fmt(lat.get("p50_ms"), 3), "GPU compute p50 ms": _fmt(gpu.get("p50_ms"), 3),
+            "FPS": _fmt(lat.get("fps"), 1),
             "speedup": f"{speed:.2f}x" if speed else ("n/a" if lat else ""),
             "size MB": _fmt(r.get("size_mb")),
             "cosine sim": _fmt(par.get("cosine_mean"), 5) if par else
@@ -144,9 +162,95 @@ def split_builds(rows: list[dict]) -> tuple[list[dict], list[dict]]:
             [r for r in rows if r.get("stage") == "6_build_engines"])
 
 
+GPU_COLUMNS = ["tag", "GPU", "eager / end-to-end", "GPU compute", "CUDA graph",
+               "device buffers", "torch.compile", "batch", "throughput img/s", "TF32"]
+
+
+def gpu_table(rows: list[dict]) -> str:
+    """Markdown table of the GPU rows' latency figures (empty string when there is none)."""
+    out = []
+    for r in rows:
+        if r.get("device") != "cuda" or r["status"] != "ok" or not r.get("latency"):
+            continue
+        lat, big = r["latency"], r.get("latency_batch") or {}
+        p50 = {k: _fmt((lat.get(f"{k}_ms") or {}).get("p50_ms"), 3)
+               for k in ("end_to_end", "gpu_compute", "cuda_graph", "device_buffers", "compile")}
+        for k in ("cuda_graph", "device_buffers"):
+            if lat.get(f"{k}_error"):
+                p50[k] = "n/a: " + lat[f"{k}_error"][:60].replace("|", "/")
+        tf32 = (r.get("runtime") or {}).get("tf32")
+        out.append([r["tag"], r.get("device_name") or "", p50["end_to_end"], p50["gpu_compute"],
+                    p50["cuda_graph"], p50["device_buffers"], p50["compile"],
+                    _fmt(big.get("batch")),
+                    _fmt((big.get("end_to_end_ms") or {}).get("fps"), 0),
+                    "" if tf32 is None else ("on" if any(tf32.values()) else "off")])
+    if not out:
+        return ""
+    return ("| " + " | ".join(GPU_COLUMNS) + " |\n|" + "---|" * len(GPU_COLUMNS) + "\n"
+            + "".join("| " + " | ".join(row) + " |\n" for row in out))
+
+
+def render_plots(rows: list[dict], folder: Path) -> dict[str, str]:
+    """PNGs beside the report: top-1 against batch-1 p50 latency (one labelled marker per
+    row, CPU and GPU rows in separate panels) and model size per row by precision.
+
+    Returns:
+        ``{file name: alt text}`` of the plots written (none without an ok row with numbers).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = [r for r in rows if r["status"] == "ok" and (r.get("accuracy") or {}).get("top1")
+           is not None and evaluate.primary_latency(r).get("p50_ms")]
+    out: dict[str, str] = {}
+    colors = {"FP32": "tab:blue", "FP16": "tab:green", "INT8": "tab:red", "INT4": "tab:purple"}
+    if pts:
+        devs = [d for d in ("cpu", "cuda") if any((r.get("device") or "cpu") == d for r in pts)]
+        fig, axes = plt.subplots(1, len(devs), figsize=(6.5 * len(devs), 4.8), squeeze=False)
+        for ax, dev in zip(axes[0], devs):
+            for r in (r for r in pts if (r.get("device") or "cpu") == dev):
+                x, y = evaluate.primary_latency(r)["p50_ms"], r["accuracy"]["top1"]
+                ax.scatter([x], [y], color=colors.get(r["precision"][:4], "0.4"),
+                           marker="o" if r["backend"] != "PyTorch" else "s", s=36)
+                ax.annotate(r["tag"], (x, y), fontsize=7, xytext=(4, 3),
+                            textcoords="offset points")
+            ax.set_xscale("log")
+            ax.set_xlabel("batch-1 end-to-end p50 latency (ms, log)")
+            ax.set_ylabel("top-1 (%)")
+            ax.set_title(f"{dev.upper()} rows", fontsize=10)
+            ax.grid(alpha=0.3, which="both")
+        handles = [plt.Line2D([], [], marker="o", ls="", color=c, label=p)
+                   for p, c in colors.items()]
+        axes[0][0].legend(handles=handles, fontsize=8, loc="lower left")
+        fig.tight_layout()
+        with common.atomic_path(folder / "accuracy_latency.png") as tmp:
+            fig.savefig(tmp, dpi=110, format="png")
+        plt.close(fig)
+        out["accuracy_latency.png"] = "top-1 against batch-1 latency"
+    sized = [r for r in rows if r["status"] == "ok" and r.get("size_mb")
+             and r["backend"] != "PyTorch"]
+    if sized:
+        fig, ax = plt.subplots(figsize=(8, 0.3 * len(sized) + 1.2))
+        ax.barh([r["tag"] for r in sized], [r["size_mb"] for r in sized],
+                color=[colors.get(r["precision"][:4], "0.4") for r in sized])
+        ax.invert_yaxis()
+        ax.set_xlabel("size (MB)")
+        ax.set_title("model / engine size by row (colour = precision)", fontsize=10)
+        ax.grid(alpha=0.3, axis="x")
+        fig.tight_layout()
+        with common.atomic_path(folder / "size.png") as tmp:
+            fig.savefig(tmp, dpi=110, format="png")
+        plt.close(fig)
+        out["size.png"] = "model size by precision"
+    return out
+
+
 def render_markdown(model: str, rows: list[dict], data: dict | None,
-                    trs: list[dict] | None = None) -> str:
-    """The report as markdown: a header naming model, data and machine, then the table
+                    trs: list[dict] | None = None, plots: dict[str, str] | None = None) -> str:
+    """The report as markdown: a header naming model, data and machine, the table, the GPU
+    details, the plots (``{file: alt}`` relative to the report) and the engine builds
     (``trs``: the :func:`table_rows` of the run rows, when the caller already has them)."""
     runs, builds = split_builds(rows)
     trs = table_rows(runs) if trs is None else trs
@@ -162,20 +266,35 @@ def render_markdown(model: str, rows: list[dict], data: dict | None,
             buf.write(f" Some rows ran on fewer images ({', '.join(map(str, fewer))}: "
                       "--limit): compare rows with the same image count only.")
         buf.write("\n\n")
-    prov = next((r.get("provenance") for r in rows if r.get("provenance")), None)
-    if prov:
+    machines: dict[str, list[str]] = {}
+    for r in rows:
+        prov = r.get("provenance")
+        if not prov:
+            continue
         d, v = prov["device"], prov["versions"]
-        buf.write(f"Machine: {d.get('cpu')} ({d.get('cpu_count')} cores), GPU: "
-                  f"{d.get('gpu') or 'none'}; torch {v.get('torch')}, onnxruntime "
-                  f"{v.get('onnxruntime') or v.get('onnxruntime-gpu')}, modelopt "
-                  f"{v.get('nvidia-modelopt')}, TensorRT {v.get('tensorrt') or 'not installed'}; "
-                  f"git {prov.get('git_sha')}.\n\n")
-    buf.write("Latency: batch 1, mean of timed runs after warm-up (p50/p90/p99 in the JSON); "
-              "speedup = PyTorch FP32 p50 / this row's p50, on the same device. Parity vs "
-              "PyTorch FP32 logits.\n\n")
+        gpu = f"{d.get('gpu')} (driver {d.get('driver')})" if d.get("gpu") else "none"
+        line = (f"{d.get('cpu')} ({d.get('cpu_count')} cores), GPU: {gpu}; torch "
+                f"{v.get('torch')}, onnxruntime {v.get('onnxruntime-gpu') or v.get('onnxruntime')}"
+                f"{' (GPU build)' if v.get('onnxruntime-gpu') else ''}, modelopt "
+                f"{v.get('nvidia-modelopt')}, TensorRT {v.get('tensorrt') or 'not installed'}")
+        machines.setdefault(line, []).append(r.get("_source") or "")
+    for line, srcs in machines.items():
+        src = next((s for s in srcs if s), None)
+        buf.write(f"Machine{' of the rows from ' + src if src else ''}: {line}.\n\n")
+    buf.write("Latency: batch 1, median (p50) of the timed runs after warm-up, end to end (host "
+              "arrays in and out); GPU rows also give the GPU Compute Time (CUDA events); p90/p99 "
+              "and the timer of each row are in its JSON. Speedup = PyTorch FP32 p50 / this "
+              "row's p50, on the same device. Parity vs PyTorch FP32 logits.\n\n")
     buf.write("| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS) + "\n")
     for t in trs:
         buf.write("| " + " | ".join(t[c].replace("|", "/") for c in COLUMNS) + " |\n")
+    gpu = gpu_table(runs)
+    if gpu:
+        buf.write("\nGPU rows in detail (batch 1 p50 ms unless named; CUDA graph = replay of a "
+                  "captured graph, no launch overhead; device buffers = ORT I/O binding, no host "
+                  "copies; throughput at the row's --latency-batch):\n\n" + gpu)
+    if plots:
+        buf.write("\n" + "".join(f"![{alt}]({name})\n" for name, alt in plots.items()))
     if builds:
         buf.write("\nTensorRT engine builds (stage 6):\n\n| variant | status | detail |\n"
                   "|---|---|---|\n")
@@ -186,9 +305,21 @@ def render_markdown(model: str, rows: list[dict], data: dict | None,
     return buf.getvalue()
 
 
+def gpu_rows(model: str, folder: Path) -> list[dict]:
+    """The GPU rows (``device == "cuda"``) of ``results/gpu/<model>/`` (made on a GPU machine by
+    ``benchmarks/gpu_rows.sh``), shown beside this machine's rows; each gets ``_source``."""
+    gpu = common.results_dir() / "gpu" / common.model_tag(model)
+    if not gpu.is_dir() or gpu.resolve() == folder.resolve():
+        return []
+    rel = f"results/gpu/{common.model_tag(model)}"
+    return [dict(r, _source=rel) for r in load_rows(gpu) if r.get("device") == "cuda"]
+
+
 def get_args_parser() -> argparse.ArgumentParser:
     p = common.stage_parser(__doc__)
     common.add_shared_args(p, "model")
+    p.add_argument("--no-gpu-rows", action="store_true",
+                   help="leave out the GPU rows of results/gpu/<model>/ (shown by default)")
     return p
 
 
@@ -196,6 +327,8 @@ def main(args: argparse.Namespace) -> Path:
     started = time.time()
     folder = common.model_results(args.model)
     rows = load_rows(folder) if folder.is_dir() else []
+    rows += gpu_rows(args.model, folder) if not args.no_gpu_rows else []
+    rows.sort(key=_sort_key)
     if not rows:
         raise common.StageError(f"no results in {folder}: run the stages first "
                                 "(bash run_all.sh)")
@@ -203,8 +336,10 @@ def main(args: argparse.Namespace) -> Path:
         rows = sorted(missing_rows(rows, args.model) + rows, key=_sort_key)
     data_file = folder / "data.json"
     data = json.loads(data_file.read_text()) if data_file.exists() else None
-    trs = table_rows(split_builds(rows)[0])
-    md = render_markdown(args.model, rows, data, trs)
+    runs = split_builds(rows)[0]
+    trs = table_rows(runs)
+    plots = render_plots(runs, folder)
+    md = render_markdown(args.model, rows, data, trs, plots)
     md += f"\nGenerated by `python 8_report.py --model {args.model}` in " \
           f"{time.time() - started:.1f} s.\n"
     out_md, out_csv = folder / "REPORT.md", folder / "REPORT.csv"
@@ -215,10 +350,35 @@ def main(args: argparse.Namespace) -> Path:
             w = csv.DictWriter(f, fieldnames=COLUMNS)
             w.writeheader()
             w.writerows(trs)
+    # The copy one folder up links the plots through the model's folder.
+    top = md
+    for name in plots:
+        top = top.replace(f"]({name})", f"]({folder.name}/{name})")
     with common.atomic_path(common.results_dir() / "REPORT.md") as tmp:
-        shutil.copyfile(out_md, tmp)
-    print(md)
+        tmp.write_text(top)
+    print(summary(args.model, runs, out_md))
     return out_md
+
+
+def summary(model: str, runs: list[dict], path: Path) -> str:
+    """One console line: rows ok/failed/skipped, the best quantized recipe by top-1 agreement
+    with FP32 and its speedup, and where the report is."""
+    st = {k: sum(r["status"] == k for r in runs) for k in ("ok", "failed", "skipped", "not run")}
+    trs = {t["tag"]: t for t in table_rows(runs)}
+    q = [r for r in runs if r["status"] == "ok" and r["precision"][:3] == "INT"
+         and (r.get("parity") or {}).get("top1_agreement") is not None
+         and (r.get("accuracy") or {}).get("top1") is not None]  # custom models: no top-1
+    best = max(q, key=lambda r: r["parity"]["top1_agreement"], default=None)
+    bits = [f"report {model}: {st['ok']} ok, {st['failed']} failed, {st['skipped']} skipped"
+            + (f", {st['not run']} not run" if st["not run"] else "")]
+    if best:
+        bits.append(f"best quantized row {best['tag']} (top-1 {best['accuracy']['top1']:.2f}%, "
+                    f"agreement {best['parity']['top1_agreement']:.1f}%, speedup "
+                    f"{trs[best['tag']]['speedup'] or 'n/a'})")
+    failed = [r["tag"] for r in runs if r["status"] == "failed"]
+    if failed:
+        bits.append("failed: " + ", ".join(failed))
+    return "; ".join(bits) + f" -> {path}"
 
 
 if __name__ == "__main__":

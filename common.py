@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -813,6 +813,22 @@ def topk_accuracy(logits: np.ndarray, labels: np.ndarray, ks: Sequence[int] = (1
     return out
 
 
+def cosine_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Cosine similarity of each row of ``a`` and ``b`` (float64 ``[N]``).
+
+    Args:
+        a, b: ``[N, ...]`` arrays of the same shape (flattened per row); a 0-d or 1-d array is
+            one row. Two all-zero rows have cosine 1; NaN/Inf propagate.
+    """
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    a = a.reshape(len(a), -1) if a.ndim > 1 else a.reshape(1, -1)
+    b = b.reshape(len(b), -1) if b.ndim > 1 else b.reshape(1, -1)
+    na, nb = np.linalg.norm(a, axis=1), np.linalg.norm(b, axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where((na == 0) & (nb == 0), 1.0, (a * b).sum(1) / np.maximum(na * nb, 1e-300))
+
+
 def parity(ref: np.ndarray, out: np.ndarray) -> dict[str, float]:
     """Numerical parity of ``out`` against reference outputs ``ref`` (same shape).
 
@@ -827,13 +843,10 @@ def parity(ref: np.ndarray, out: np.ndarray) -> dict[str, float]:
     out = np.asarray(out, np.float64)
     if ref.shape != out.shape:
         raise StageError(f"parity: output shape {out.shape} != reference {ref.shape}")
-    a = ref.reshape(len(ref), -1) if ref.ndim > 1 else ref.reshape(1, -1)
-    b = out.reshape(len(out), -1) if out.ndim > 1 else out.reshape(1, -1)
-    na, nb = np.linalg.norm(a, axis=1), np.linalg.norm(b, axis=1)
-    both_zero = (na == 0) & (nb == 0)
-    cos = np.where(both_zero, 1.0, (a * b).sum(1) / np.maximum(na * nb, 1e-300))
+    cos = cosine_rows(ref, out)
+    err = np.abs(ref - out)
     res = {"cosine_mean": float(cos.mean()), "cosine_min": float(cos.min()),
-           "max_abs_err": float(np.abs(a - b).max()), "mean_abs_err": float(np.abs(a - b).mean())}
+           "max_abs_err": float(err.max()), "mean_abs_err": float(err.mean())}
     if ref.ndim == 2:
         res["top1_agreement"] = float(100.0 * (ref.argmax(1) == out.argmax(1)).mean())
     return res
@@ -847,30 +860,6 @@ def latency_stats(times_ms: Sequence[float], batch: int = 1) -> dict[str, float]
             "p90_ms": float(np.percentile(t, 90)), "p99_ms": float(np.percentile(t, 99)),
             "mean_ms": float(t.mean()), "min_ms": float(t.min()), "max_ms": float(t.max()),
             "fps": float(batch * 1000.0 / t.mean())}
-
-
-def time_callable(fn: Callable[[], Any], warmup: int, iters: int,
-                  sync: Callable[[], None] | None = None) -> list[float]:
-    """Wall-clock latency of ``fn()`` in ms, ``warmup`` untimed calls first; ``sync()`` (e.g.
-    ``torch.cuda.synchronize``) runs before each timestamp so asynchronous work is counted."""
-    for _ in range(warmup):
-        fn()
-    if sync:
-        sync()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        if sync:
-            sync()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return times
-
-
-def null_backend_ms(iters: int = 200) -> float:
-    """Median cost (ms) of the timing harness itself, timing a call that does nothing
-    (MLPerf's "null backend" idea): latencies below a few times this are not meaningful."""
-    return float(np.median(time_callable(lambda: None, 10, iters)))
 
 
 def file_size_mb(path: Path | str) -> float:
@@ -904,145 +893,6 @@ def align_reference(ref_path: Path | str, files: Sequence[str]
 
 
 # --------------------------------------------------------------------------------------------
-# Runners: one small interface for PyTorch and ONNX Runtime (TensorRT lives in 7_trt_eval.py)
-# --------------------------------------------------------------------------------------------
-class TorchRunner:
-    """PyTorch runner. ``infer(feed) -> {output name: array}``; ``device`` is what it ran on.
-
-    Args:
-        model: nn.Module in eval mode. device: ``cpu`` or ``cuda[:i]``.
-        output_names: names for the model's outputs (one or a tuple of tensors).
-    """
-
-    def __init__(self, model, device: str = "cpu", output_names: Sequence[str] = ("logits",)):
-        import torch
-
-        self.torch = torch
-        self.device = torch.device(device)
-        self.model = model.to(self.device).eval()
-        self.output_names = list(output_names)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def sync(self) -> None:
-        if self.device.type == "cuda":
-            self.torch.cuda.synchronize(self.device)
-
-    def infer(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        torch = self.torch
-        with torch.inference_mode():
-            args = [torch.from_numpy(np.ascontiguousarray(v)).to(self.device) for v in feed.values()]
-            out = self.model(*args)
-        outs = out if isinstance(out, (tuple, list)) else [out]
-        names = self.output_names if len(self.output_names) == len(outs) else [
-            f"output_{i}" for i in range(len(outs))]
-        return {n: o.float().cpu().numpy() if o.is_floating_point() else o.cpu().numpy()
-                for n, o in zip(names, outs)}
-
-
-ORT_EPS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider",
-           "trt": "TensorrtExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
-
-
-def ort_session_options(level: str = "all", threads: int = 0):
-    """``onnxruntime.SessionOptions`` with a named graph-optimisation level
-    (``disable``/``basic``/``extended``/``all``) and intra-op threads (0 = ORT default)."""
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.graph_optimization_level = {
-        "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
-        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-        "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
-        "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}[level]
-    if threads:
-        so.intra_op_num_threads = threads
-    so.log_severity_level = 3
-    return so
-
-
-class OrtRunner:
-    """ONNX Runtime runner that records the execution provider (EP) it really uses.
-
-    Args:
-        path: ONNX file.
-        ep: ``cpu``, ``cuda`` or ``trt`` (the EP asked for; CPU is always appended as fallback
-            for unsupported nodes, as ORT does).
-        allow_cpu_fallback: if False and the session's first EP is not the requested one, raise.
-        opt_level / disabled_optimizers: passed to the session (see :func:`ort_session_options`).
-    Raises:
-        UsageError: unknown ``ep``.
-        StageError: the requested EP is not used and CPU fallback is not allowed; the message
-            gives the reason (EP not in this onnxruntime build, or failed to load).
-    """
-
-    def __init__(self, path: Path | str, ep: str = "cpu", allow_cpu_fallback: bool = False,
-                 opt_level: str = "all", disabled_optimizers: Sequence[str] = (),
-                 threads: int = 0):
-        import onnxruntime as ort
-
-        if ep not in ORT_EPS:
-            raise UsageError(f"--ep {ep}: choose one of {sorted(set(ORT_EPS))}")
-        self.path = Path(path)
-        self.requested = ORT_EPS[ep]
-        available = ort.get_available_providers()
-        providers = [self.requested] + (["CPUExecutionProvider"]
-                                        if self.requested != "CPUExecutionProvider" else [])
-        self.fallback_reason = None
-        if self.requested not in available:
-            self.fallback_reason = (f"{self.requested} is not in this onnxruntime build "
-                                    f"({ort.__version__}, available: {available}); install "
-                                    "onnxruntime-gpu instead of onnxruntime for CUDA/TensorRT")
-            providers = ["CPUExecutionProvider"]
-            if not allow_cpu_fallback:
-                raise StageError(self.fallback_reason + " (or pass --allow-cpu-fallback)")
-        so = ort_session_options(opt_level, threads=threads)
-        try:
-            self.session = ort.InferenceSession(str(self.path), sess_options=so,
-                                                providers=providers,
-                                                disabled_optimizers=list(disabled_optimizers))
-        except Exception as e:  # noqa: BLE001 - ORT raises its own Fail/InvalidGraph types
-            raise StageError(f"onnxruntime cannot load {self.path}: {e}") from e
-        self.used = self.session.get_providers()[0]
-        if self.used != self.requested and self.fallback_reason is None:
-            self.fallback_reason = (f"{self.requested} failed to initialise (missing CUDA/cuDNN "
-                                    "libraries on the loader path? source env.sh), session "
-                                    f"runs on {self.used}")
-            if not allow_cpu_fallback:
-                raise StageError(self.fallback_reason + " (or pass --allow-cpu-fallback)")
-        self.input_names = [i.name for i in self.session.get_inputs()]
-        self.output_names = [o.name for o in self.session.get_outputs()]
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def infer(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        outs = self.session.run(None, feed)
-        return dict(zip(self.output_names, outs))
-
-
-def run_batched(runner, x_u8: np.ndarray, spec: ModelSpec, input_name: str, batch: int = 64
-                ) -> np.ndarray:
-    """Logits of all images: normalise per batch (outside any timed region) and run.
-
-    Returns:
-        float32 ``[N, C]``, the runner's first output.
-    """
-    outs = []
-    for i in range(0, len(x_u8), batch):
-        feed = {input_name: normalize(x_u8[i:i + batch], spec.mean, spec.std)}
-        outs.append(next(iter(runner.infer(feed).values())).astype(np.float32))
-    return np.concatenate(outs)
-
-
-# --------------------------------------------------------------------------------------------
 # Provenance and results
 # --------------------------------------------------------------------------------------------
 _VERSION_PACKAGES = ("numpy", "torch", "torchvision", "timm", "onnx", "onnxruntime",
@@ -1062,9 +912,54 @@ def versions() -> dict[str, str | None]:
     return out
 
 
+def gpu_driver() -> str | None:
+    """NVIDIA display-driver version (``nvidia-smi --query-gpu=driver_version``), or None when
+    nvidia-smi is absent or fails."""
+    import shutil
+
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return None
+    try:
+        out = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.splitlines()[0].strip() if out else None
+
+
+# CPU features that decide ONNX Runtime's int8 kernels on x86-64: without a VNNI dot product
+# (avx512_vnni / avx_vnni), MLAS's u8s8 kernels use VPMADDUBSW, whose int16 intermediate sums can
+# saturate (ORT PR #12088, "x86/64 U8S8 Gemm Precision Fix"; oneDNN "Nuances of int8
+# computations"), so the same Q/DQ model can score differently on two x86 CPUs.
+_INT8_FLAGS = ("sse4_1", "avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8")
+
+
+def cpu_int8_flags() -> list[str]:
+    """The x86-64 features of :data:`_INT8_FLAGS` this CPU has (``/proc/cpuinfo``), [] elsewhere."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                return [f for f in _INT8_FLAGS if f in have]
+    except OSError:
+        pass
+    return []
+
+
+def cpu_has_vnni() -> bool | None:
+    """True if the CPU has an int8 dot-product instruction (AVX512-VNNI or AVX-VNNI), False on
+    an x86-64 CPU without one, None when unknown (not x86-64, no /proc/cpuinfo)."""
+    flags = cpu_int8_flags()
+    if not flags:
+        return None
+    return bool({"avx512_vnni", "avx_vnni"} & set(flags))
+
+
 def device_info(torch_device: str | None = None) -> dict:
-    """Host and accelerator description: machine, CPU model, core count, GPU name (if torch is
-    already imported and sees one)."""
+    """Host and accelerator description: machine, CPU model, core count and, when a GPU is in
+    use (torch already imported and sees one), its name, CUDA version, compute capability and
+    the NVIDIA driver version."""
     cpu = platform.processor()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -1074,12 +969,14 @@ def device_info(torch_device: str | None = None) -> dict:
     except OSError:
         pass
     info = {"machine": platform.machine(), "system": platform.system(), "cpu": cpu,
-            "cpu_count": os.cpu_count(), "gpu": None}
+            "cpu_count": os.cpu_count(), "cpu_flags": cpu_int8_flags(), "gpu": None}
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available():
         idx = torch.device(torch_device).index if torch_device and "cuda" in torch_device else 0
         info["gpu"] = torch.cuda.get_device_name(idx or 0)
         info["cuda"] = torch.version.cuda
+        info["compute_capability"] = ".".join(map(str, torch.cuda.get_device_capability(idx or 0)))
+        info["driver"] = gpu_driver()
     return info
 
 

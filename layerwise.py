@@ -46,6 +46,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 import common
+import runners
 import onnx_graph
 from common import StageError, UsageError
 
@@ -197,8 +198,8 @@ def _ort_session(model_or_path, ep: str, tmp: Path, opt_level: str,
         path = tmp / f"m{len(list(tmp.iterdir()))}.onnx"
         big = model_or_path.ByteSize() > 1_500_000_000
         onnx.save(model_or_path, str(path), save_as_external_data=big)
-    return common.OrtRunner(path, ep=ep, opt_level=opt_level,
-                            disabled_optimizers=disabled_optimizers)
+    return runners.OrtRunner(path, ep=ep, opt_level=opt_level,
+                             disabled_optimizers=disabled_optimizers)
 
 
 # --------------------------------------------------------------------------------------------
@@ -244,11 +245,8 @@ class TensorStat:
         a64, b64 = a.astype(np.float64), b.astype(np.float64)
         self.nonfinite_b += int((~np.isfinite(b64) & np.isfinite(a64)).sum())
         per_sample = a64.ndim >= 2 and a64.shape[0] == n_batch
-        fa = a64.reshape(n_batch, -1) if per_sample else a64.reshape(1, -1)
-        fb = b64.reshape(n_batch, -1) if per_sample else b64.reshape(1, -1)
-        na, nb = np.linalg.norm(fa, axis=1), np.linalg.norm(fb, axis=1)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            cos = np.where((na == 0) & (nb == 0), 1.0, (fa * fb).sum(1) / np.maximum(na * nb, 1e-300))
+        cos = common.cosine_rows(a64, b64) if per_sample else common.cosine_rows(
+            a64.reshape(1, -1), b64.reshape(1, -1))
         self.cosines.extend(cos.tolist())
         err = np.abs(a64 - b64)
         if err.size:
@@ -308,7 +306,7 @@ def ort_activations(model_or_path, feed: dict[str, np.ndarray], *, ep: str = "cp
     Args:
         model_or_path: ONNX path or ModelProto.
         feed: ``{input name: array}``, batch on axis 0.
-        ep: ``cpu``/``cuda``/``trt`` (:data:`common.ORT_EPS`).
+        ep: ``cpu``/``cuda``/``trt`` (:data:`runners.ORT_EPS`).
         batch: chunk size (default: the whole feed at once).
         mark_all: expose every intermediate tensor (else only the model's outputs).
         disabled_optimizers: ORT graph optimizers to switch off (e.g. WeightBiasQuantization).
@@ -341,12 +339,13 @@ def trt_activations(onnx_path: Path | str, feed: dict[str, np.ndarray], *,
                     build: dict | None = None, batch: int | None = None,
                     mark_all: bool = True, engine_path: Path | str | None = None
                     ) -> Iterator[tuple[dict[str, np.ndarray], int]]:
-    """Yield ``(tensors, n_samples)`` per chunk from TensorRT via Polygraphy.
+    """Yield ``(tensors, n_samples)`` per chunk from TensorRT.
 
-    With ``mark_all`` an engine is built from ``onnx_path`` with every layer output marked
-    (``ModifyNetworkOutputs(outputs=MARK_ALL)``, the same as ``polygraphy run --trt
+    With ``mark_all`` an engine is built by Polygraphy from ``onnx_path`` with every layer
+    output marked (``ModifyNetworkOutputs(outputs=MARK_ALL)``, the same as ``polygraphy run --trt
     --trt-outputs mark all``); tensor names are the ONNX tensor names the parser keeps.
-    Without it, ``engine_path`` (a serialized plan) is run as deployed.
+    Without it, ``engine_path`` (a serialized plan) is run as deployed. Either engine runs on
+    :class:`runners.TrtRunner`, the runner of stage 7.
 
     Args:
         build: ``{"fp16": bool, "int8": bool, "tf32": bool, "strongly_typed": bool}`` for the
@@ -358,10 +357,8 @@ def trt_activations(onnx_path: Path | str, feed: dict[str, np.ndarray], *,
     if not ok:
         raise StageError(info)
     from polygraphy import constants
-    from polygraphy.backend.common import BytesFromPath
-    from polygraphy.backend.trt import (CreateConfig, EngineFromBytes, EngineFromNetwork,
-                                        ModifyNetworkOutputs, NetworkFromOnnxPath, Profile,
-                                        TrtRunner)
+    from polygraphy.backend.trt import (CreateConfig, EngineBytesFromNetwork,
+                                        ModifyNetworkOutputs, NetworkFromOnnxPath, Profile)
 
     build = dict(build or {})
     if mark_all or engine_path is None:
@@ -379,17 +376,22 @@ def trt_activations(onnx_path: Path | str, feed: dict[str, np.ndarray], *,
         flags = {k: v for k, v in build.items() if v is not None} if rules["weak_flags"] else {}
         if strongly:
             flags = {k: v for k, v in flags.items() if k == "tf32"}
-        engine = EngineFromNetwork(net, CreateConfig(profiles=[prof], **flags))
+        try:
+            plan = EngineBytesFromNetwork(net, CreateConfig(profiles=[prof], **flags))()
+        except Exception as e:  # noqa: BLE001 - TensorRT/Polygraphy build errors
+            raise StageError(f"TensorRT build of the marked network failed: "
+                             f"{type(e).__name__}: {e}") from e
     else:
-        engine = EngineFromBytes(BytesFromPath(str(engine_path)))
+        plan = Path(engine_path)
+    # The same runner as stage 7 (runners.TrtRunner) runs the engine.
     try:
-        with TrtRunner(engine) as runner:
+        with runners.TrtRunner(plan) as runner:
             for chunk in _iter_chunks(feed, batch):
                 out = runner.infer(chunk)
-                yield {k: np.asarray(v) for k, v in out.items()}, len(next(iter(chunk.values())))
+                yield out, len(next(iter(chunk.values())))
     except StageError:
         raise
-    except Exception as e:  # noqa: BLE001 - TensorRT/Polygraphy errors
+    except Exception as e:  # noqa: BLE001 - TensorRT runtime errors
         raise StageError(f"TensorRT failed: {type(e).__name__}: {e}") from e
 
 
@@ -525,9 +527,9 @@ def run_layer_diff(a_onnx: Path | str, b_onnx: Path | str, feed: dict[str, np.nd
             precision = "tf32"
     tol = tolerances_for(precision, tolerances)
     batch = chunk_size([a_model, b_model], batch)
-    backend_b = "TensorRT" if b_trt else f"ORT {common.ORT_EPS.get(ep_b, ep_b)}"
+    backend_b = "TensorRT" if b_trt else f"ORT {runners.ORT_EPS.get(ep_b, ep_b)}"
     result: dict[str, Any] = {
-        "a": {"onnx": str(a_onnx), "backend": f"ORT {common.ORT_EPS.get(ep_a, ep_a)}"},
+        "a": {"onnx": str(a_onnx), "backend": f"ORT {runners.ORT_EPS.get(ep_a, ep_a)}"},
         "b": {"onnx": str(b_onnx), "backend": backend_b,
               "engine": str(b_engine) if b_engine else None},
         "precision": precision, "tolerances": tol, "note": MARKING_NOTE,
@@ -889,7 +891,7 @@ def quant_backend_table(fp32_onnx: Path | str, qdq_onnx: Path | str, feed: dict[
     fin_b = [k for k, v in finals.items() if v["backend"]["status"] == "fail"]
     fin_q = [k for k, v in finals.items() if v["quant"]["status"] == "fail"]
     lost_rows = [r for r in rows if r["quant"].get("n_channels_lost")]
-    backend_name = f"ORT {common.ORT_EPS.get(ep, ep)} at optimisation level {opt_level}" + (
+    backend_name = f"ORT {runners.ORT_EPS.get(ep, ep)} at optimisation level {opt_level}" + (
         f" without {', '.join(disabled_optimizers)}" if disabled_optimizers else "")
     parts = []
     if first_b or fin_b:
@@ -1039,26 +1041,44 @@ def render_table(result: dict, max_rows: int | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot_rows(result: dict) -> list[dict]:
+    """The layer rows the plot draws: every compared layer (a NaN/Inf cosine included), shape
+    arithmetic left out."""
+    return [r for r in result.get("layers", []) if "cosine_min" in r and not r.get("shape_only")]
+
+
 def plot_similarity(result: dict, path: Path | str, title: str | None = None) -> Path:
     """PNG of cosine similarity (top) and 1 - cosine (log, bottom) along the reference graph's
-    topological order, with the tolerance line and the first divergent layer marked."""
+    topological order, with the tolerance line and the first divergent layer marked; layers
+    whose output is NaN/Inf get a black cross at the bottom of both panels."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in result.get("layers", [])
-            if r.get("cosine_min") is not None and not r.get("shape_only")]
+    rows = plot_rows(result)
     x = np.arange(len(rows))  # compact: shape-arithmetic rows are not plotted
     cos = np.array([r["cosine_min"] if r["cosine_min"] is not None else np.nan for r in rows],
                    np.float64)
     bad = np.array([r["status"] == "fail" for r in rows], bool)
+    # A layer whose output is NaN/Inf has no finite cosine; it is drawn as its own marker at
+    # the bottom of each panel, so the first divergent layer always has a point.
+    nonfin = ~np.isfinite(cos)
     tol = result["tolerances"]["min_cosine"]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(11, 6), sharex=True)
-    for ax, y in ((ax1, cos), (ax2, np.clip(1.0 - cos, 1e-12, None))):
-        ax.plot(x, y, "-", color="0.6", lw=0.8)
-        ax.scatter(x[~bad], y[~bad], s=10, color="tab:blue", label="pass")
-        ax.scatter(x[bad], y[bad], s=14, color="tab:red", label="fail")
+    finite = cos[~nonfin]
+    lo1 = min(float(finite.min()) if finite.size else tol, tol)
+    floor1 = lo1 - 0.05 * max(1.0 - lo1, 1e-6)
+    gap = np.clip(1.0 - finite, 1e-12, None)
+    floor2 = 10.0 ** np.ceil(np.log10(max(float(gap.max()) if gap.size else 1.0, 1 - tol)) + 1)
+    for ax, y, floor in ((ax1, cos, floor1), (ax2, np.clip(1.0 - cos, 1e-12, None), floor2)):
+        ax.plot(x[~nonfin], y[~nonfin], "-", color="0.6", lw=0.8)
+        ok = ~bad & ~nonfin
+        ax.scatter(x[ok], y[ok], s=10, color="tab:blue", label="pass")
+        ax.scatter(x[bad & ~nonfin], y[bad & ~nonfin], s=14, color="tab:red", label="fail")
+        if nonfin.any():
+            ax.scatter(x[nonfin], np.full(int(nonfin.sum()), floor), s=40, marker="X",
+                       color="black", label="NaN/Inf output", zorder=5)
         ax.grid(alpha=0.3)
     ax1.axhline(tol, color="tab:orange", ls="--", lw=1, label=f"min cosine {tol}")
     ax2.axhline(1 - tol, color="tab:orange", ls="--", lw=1)
@@ -1329,7 +1349,7 @@ def export_checks(model, onnx_path: Path | str, example_feed: dict[str, np.ndarr
         outs = out if isinstance(out, (tuple, list)) else [out]
         return {n: o.detach().float().numpy() for n, o in zip(out_names, outs)}
 
-    runner = common.OrtRunner(onnx_path, ep=ep)
+    runner = runners.OrtRunner(onnx_path, ep=ep)
 
     def ort_run(feed):
         return runner.infer({k: v for k, v in feed.items() if k in runner.input_names})
@@ -1559,8 +1579,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     d.add_argument("a", type=Path, help="reference ONNX (FP32, ORT)")
     d.add_argument("b", type=Path, help="candidate ONNX (FP16, Q/DQ, same file on another EP, "
                    "or the ONNX of --engine-b)")
-    d.add_argument("--ep-a", default="cpu", choices=sorted(set(common.ORT_EPS)))
-    d.add_argument("--ep-b", default="cpu", choices=sorted(set(common.ORT_EPS)))
+    d.add_argument("--ep-a", default="cpu", choices=sorted(set(runners.ORT_EPS)))
+    d.add_argument("--ep-b", default="cpu", choices=sorted(set(runners.ORT_EPS)))
     d.add_argument("--engine-b", type=Path, help="TensorRT plan built from B: compare through "
                    "TensorRT (skipped cleanly without tensorrt)")
     d.add_argument("--trt", action="store_true", help="side B through TensorRT (marked build)")
@@ -1582,7 +1602,7 @@ def get_args_parser() -> argparse.ArgumentParser:
                         "not)")
     qb.add_argument("a", type=Path, help="float ONNX the Q/DQ model was made from")
     qb.add_argument("b", type=Path, help="Q/DQ ONNX")
-    qb.add_argument("--ep", default="cpu", choices=sorted(set(common.ORT_EPS)),
+    qb.add_argument("--ep", default="cpu", choices=sorted(set(runners.ORT_EPS)),
                     help="EP of the backend run (default cpu)")
     qb.add_argument("--opt-level", default="all", choices=["basic", "extended", "all"],
                     help="ORT optimisation level of the backend run (default all)")

@@ -50,6 +50,7 @@ import numpy as np
 
 import common
 import onnx_graph
+import runners
 from onnx_graph import attr, constants, consumers, producers
 
 FP16_MIN_NORMAL = float(np.finfo(np.float16).tiny)  # 2^-14 = 6.10e-05
@@ -444,7 +445,7 @@ def simulate_bias_requant(bias: np.ndarray, s_in: np.ndarray, s_w: np.ndarray
                            helper.make_tensor_value_info("q", TensorProto.INT32, None)])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 19)], ir_version=9)
     try:
-        sess = ort.InferenceSession(m.SerializeToString(), common.ort_session_options("disable"),
+        sess = ort.InferenceSession(m.SerializeToString(), runners.ort_session_options("disable"),
                                     providers=["CPUExecutionProvider"])
         y, q = sess.run(["y", "q"], feed)
     except Exception as e:  # noqa: BLE001 - ORT raises its own types
@@ -593,10 +594,7 @@ def check_bias_requant(model, consts: dict | None = None, activations: dict | No
                 steps = np.abs(np.rint(f1 / s_out_c) - np.rint(f0 / s_out_c))
             steps = np.where(np.isnan(steps), np.inf, steps)
             ch = _channels(steps, cax).max(1)
-            a, b_ = f0.reshape(len(f0), -1), np.nan_to_num(f1.reshape(len(f1), -1), nan=0.0)
-            na, nb = np.linalg.norm(a, axis=1), np.linalg.norm(b_, axis=1)
-            cos = np.where((na == 0) & (nb == 0), 1.0,
-                           (a * b_).sum(1) / np.maximum(na * nb, 1e-300))
+            cos = common.cosine_rows(f0, np.nan_to_num(f1, nan=0.0))
             row.update(basis="calibration", n_samples=int(len(y)),
                        max_change_steps=float(ch.max()) if ch.size else 0.0,
                        frac_elements_changed=float((steps > tol_steps).mean()),
@@ -670,7 +668,7 @@ def candidate_outputs(path: Path | str, data: dict[str, np.ndarray], tensors: li
     n = min(limit, min(len(v) for v in data.values()))
     try:
         sess = ort.InferenceSession(model.SerializeToString(),
-                                    common.ort_session_options("disable"),
+                                    runners.ort_session_options("disable"),
                                     providers=["CPUExecutionProvider"])
         parts: dict[str, list] = defaultdict(list)
         for i in range(0, n - n % batch if static else n, batch):

@@ -46,6 +46,7 @@ from typing import Sequence
 import numpy as np
 
 import common
+import runners
 import onnx_graph
 from onnx_graph import QDQ_OPS, attr, constants, consumers, producers
 
@@ -411,7 +412,7 @@ def activation_stats(onnx_path: Path, calib: Path, batch: int = 10, sample: int 
     for nm in names:
         model.graph.output.append(onnx.helper.make_tensor_value_info(nm, types[nm], None))
     names = names + list(existing)
-    so = common.ort_session_options("disable")
+    so = runners.ort_session_options("disable")
     sess = ort.InferenceSession(model.SerializeToString(), so,
                                 providers=["CPUExecutionProvider"])
     in_name = sess.get_inputs()[0].name
@@ -855,7 +856,7 @@ def ort_smoke(path: Path) -> dict:
     import onnxruntime as ort
 
     try:
-        sess = ort.InferenceSession(str(path), common.ort_session_options("all"),
+        sess = ort.InferenceSession(str(path), runners.ort_session_options("all"),
                                     providers=["CPUExecutionProvider"])
         feed = {}
         for i in sess.get_inputs():
@@ -871,49 +872,60 @@ def ort_smoke(path: Path) -> dict:
 # --------------------------------------------------------------------------------------------
 # Backend cross-check (stage 3): the same Q/DQ file with ORT graph optimisations off
 # --------------------------------------------------------------------------------------------
+#: ORT session option that makes its x86-64 int8 kernels use u8u8 instead of u8s8, which cannot
+#: saturate on CPUs without VNNI (onnxruntime PR #12088, session.x64quantprecision).
+X64_QUANT_PRECISION = {"session.x64quantprecision": "1"}
+
+
 def backend_cross_check(onnx_path: Path | str, inputs: dict[str, np.ndarray],
                         outputs: dict[str, np.ndarray], *, labels: np.ndarray | None = None,
-                        batch: int = 64, tol_points: float = 2.0, min_cosine: float = 0.99
-                        ) -> dict:
+                        batch: int = 64, tol_points: float = 2.0, min_cosine: float = 0.99,
+                        opt_level: str = "all", session_config: dict | None = None) -> dict:
     """Rerun a Q/DQ model with every ORT graph optimisation off (DequantizeLinear + float ops:
-    the graph's own semantics) on the inputs of the main run and compare.
+    the graph's own semantics) on the inputs of the main run and compare, for any model.
 
     ONNX Runtime is not a neutral judge of Q/DQ graphs (``WeightBiasQuantization``, QDQ fusions
     into integer kernels): a result that changes here is the backend's, not the quantization's.
+    When they disagree on an x86-64 CPU without VNNI, the optimised graph is run once more with
+    :data:`X64_QUANT_PRECISION` to tell u8s8 kernel saturation from a graph optimiser effect.
 
     Args:
         inputs: ``{input name: array [N, ...]}`` exactly as fed to the main run.
         outputs: ``{output name: array [N, ...]}`` of the main run (same order of samples).
-        labels: int ``[N]`` for classifiers (top-1 compared, in points).
-        batch: chunk size (capped by a static batch axis).
+        labels: int ``[N]`` for classifiers (top-1 of the first output compared, in points).
+        batch: samples per run (the model's static batch, if any, wins: evaluate.run_outputs).
         tol_points: top-1 difference (points) that counts as a disagreement (with labels).
         min_cosine: without labels, an output whose cosine (min over samples) falls below this
             counts as a disagreement.
+        opt_level, session_config: how the main run was made (for the saturation leg).
     Returns:
         ``{"n", "opt_level": "disable", "outputs": {name: parity}, "disagreement": bool,
-        "reason"}`` plus ``top1_main``/``top1_unoptimized``/``top1_agreement`` with labels.
+        "reason", "cause"}`` plus ``top1_main``/``top1_unoptimized``/``top1_agreement`` with
+        labels.
     Raises:
         StageError: ORT cannot load or run the model unoptimised.
     """
-    n = len(next(iter(inputs.values())))
-    with common.OrtRunner(onnx_path, "cpu", opt_level="disable") as r:
-        static = {d[0] for _, d, _ in onnx_graph.inputs(onnx_graph.load(onnx_path, external=False))
-                  if d and d[0]}
-        step = min(static) if static else max(1, batch)
-        parts: dict[str, list] = defaultdict(list)
-        for i in range(0, n, step):
-            for k, v in r.infer({k: v[i:i + step] for k, v in inputs.items()}).items():
-                parts[k].append(np.asarray(v))
-    ref = {k: np.concatenate(v) for k, v in parts.items()}
-    rec: dict = {"n": int(n), "opt_level": "disable", "outputs": {}}
-    worst = None
-    for name, main in outputs.items():
-        if name not in ref or ref[name].shape != np.shape(main):
-            continue
-        par = common.parity(ref[name], main)
-        rec["outputs"][name] = par
-        if worst is None or par["cosine_min"] < worst[1]["cosine_min"]:
-            worst = (name, par)
+    import evaluate
+
+    data = evaluate.EvalData(feed=inputs)
+    n = len(data)
+
+    def run(**kw) -> dict[str, np.ndarray]:
+        with runners.OrtRunner(onnx_path, "cpu", **kw) as r:
+            return evaluate.run_outputs(r, data, batch, progress="cross-check")
+
+    def compare(ref: dict, main: dict) -> tuple[dict, tuple | None]:
+        pars, worst = {}, None
+        for name, m in main.items():
+            if name in ref and ref[name].shape == np.shape(m):
+                pars[name] = common.parity(ref[name], m)
+                if worst is None or pars[name]["cosine_min"] < worst[1]["cosine_min"]:
+                    worst = (name, pars[name])
+        return pars, worst
+
+    ref = run(opt_level="disable")
+    pars, worst = compare(ref, outputs)
+    rec: dict = {"n": int(n), "opt_level": "disable", "outputs": pars, "cause": None}
     first = next(iter(outputs))
     if labels is not None and first in ref:
         t_main = common.topk_accuracy(outputs[first], labels, (1,))["top1"]
@@ -930,6 +942,13 @@ def backend_cross_check(onnx_path: Path | str, inputs: dict[str, np.ndarray],
         rec["reason"] = (f"output {worst[0]}: cosine min {worst[1]['cosine_min']:.4f} between the "
                          f"optimised and the unoptimised run ({n} samples)" if worst else
                          "no comparable output")
+    if rec["disagreement"] and common.cpu_has_vnni() is False and not session_config:
+        fixed = run(opt_level=opt_level, session_config=X64_QUANT_PRECISION)
+        _, w2 = compare(ref, fixed)
+        if w2 is not None and w2[1]["cosine_min"] >= min_cosine:
+            rec["cause"] = ("u8s8 saturation in ORT's int8 CPU kernels on this CPU without VNNI: "
+                            f"with session.x64quantprecision=1 the outputs agree (cosine min "
+                            f"{w2[1]['cosine_min']:.4f}; rerun with --x64-quant-precision)")
     return rec
 
 

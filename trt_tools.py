@@ -1,8 +1,19 @@
-"""TensorRT helpers for stages 6 and 7: log parsers, per-version trtexec command lines, version and
-platform detection, and the engine-build driver behind ``6_build_engines.sh``.
+"""TensorRT rules, per-version trtexec command lines and detection, for stages 6 and 7.
 
-Nothing here imports TensorRT at module level, so the parsers and the command builder run (and are
-tested) on machines without TensorRT or a GPU.
+- Versions: parse and encode TensorRT version numbers.
+- Rules per TensorRT version, each with its source: precision flags, DLA availability and its
+  INT8 path, the ONNX parser's opset (the rule table is also in the README, "TensorRT").
+- Shapes: an optimisation profile for every input and every dynamic axis, from the ONNX model,
+  ``--input-shape`` and ``--min/--opt/--max-shapes``, written in trtexec's syntax.
+- :func:`build_command`: the trtexec argv for one variant.
+- Detection: trtexec, the libnvinfer it really loads, the Python runtime, Jetson facts.
+- Stage 7 helpers: the batch-invariance check and plan-load diagnosis.
+
+Log, layer-info and header parsers live in ``trt_parsers.py``; ONNX preparation for a build
+(opset-17 Q/DQ for 8.x, calibration cache) in ``trt_onnx.py``; the stage-6 driver in
+``6_build_engines.py``. Nothing here imports TensorRT at module level, so everything runs (and is
+tested) on machines without TensorRT or a GPU. ``python trt_tools.py detect`` prints what
+detection finds.
 
 Sources relied on (read to learn; flag names checked per release in NVIDIA/TensorRT
 ``samples/common/sampleOptions.cpp`` at tags v8.6.1, v9.3.0, v10.0.1, v10.3.0, v10.16, v11.0,
@@ -10,7 +21,13 @@ v11.1):
 - trtexec flags: ``--onnx``, ``--saveEngine``, ``--loadEngine``, ``--timingCacheFile``,
   ``--min/opt/maxShapes``, ``--memPoolSize=workspace:<size>`` (8.4+; MiB unless a suffix; the
   ``K/M/G`` suffixes are documented from 10.x), ``--profilingVerbosity=detailed`` +
-  ``--exportLayerInfo`` (8.2+), ``--useDLACore`` / ``--allowGPUFallback``, ``--noTF32``.
+  ``--exportLayerInfo`` (8.2+), ``--useDLACore`` / ``--allowGPUFallback``, ``--noTF32``,
+  ``--calib=<file>`` (8.x-10.x; with ``--int8``).
+- Shape specs: ``name:DxDxD``, several inputs comma-separated; "Input names can be wrapped with
+  escaped single quotes (ex: 'Input:0')" (trtexec --help); ``splitNameAndValue`` in
+  sampleOptions.cpp (8.5+) takes the text inside exactly two single quotes as the name, else
+  splits on the last ``:``; the list is split on ``,`` first. So a name with ``,`` or ``'`` cannot
+  be written (refused here) and a name with ``:`` is quoted.
 - ``--fp16`` / ``--int8`` / ``--best`` exist up to 10.x and are gone in 11.x ("Unknown option",
   captured in tests/data/trt/trtexec_11.0.0_b200_..._unknown_option_fp16_int8_best.log).
 - ``--stronglyTyped`` exists from 9.x; in 11.x it is a documented no-op (strong typing is the only
@@ -22,29 +39,28 @@ v11.1):
 - The ``[TensorRT vNNNNN]`` banner and the ``TensorRT version: X.Y.Z`` line are both compiled into
   trtexec (``NV_TENSORRT_VERSION`` / ``NV_TENSORRT_MAJOR..PATCH`` macros), so neither tells which
   libnvinfer is really loaded; :func:`loaded_libnvinfer` asks the dynamic loader instead.
-
-Run ``python trt_tools.py build --help`` (or ``bash 6_build_engines.sh --help``).
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
 import platform
 import re
-import shlex
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
 
 import common
 import onnx_graph
 import variants
 from common import StageError, UsageError
+from trt_parsers import (Version, classify_plan_load_error, decode_version_int,
+                         parse_ldd, parse_trtexec_version, PLAN_HEADER_BYTES)
 
 # --------------------------------------------------------------------------------------------
 # Variants (the registry is variants.py)
@@ -62,9 +78,6 @@ def variant_for_engine(path: Path | str) -> Variant | None:
 # --------------------------------------------------------------------------------------------
 # Versions
 # --------------------------------------------------------------------------------------------
-Version = tuple  # (major, minor, patch[, build]) of ints
-
-
 def parse_version(text: str) -> Version:
     """``"10.3.0.30"`` / ``"8.6"`` / ``"v10.3"`` -> tuple of ints.
 
@@ -77,16 +90,19 @@ def parse_version(text: str) -> Version:
     return tuple(int(p) for p in m.group(1).split("."))
 
 
-def decode_version_int(n: int) -> Version:
-    """Decode ``NV_TENSORRT_VERSION`` / ``getInferLibVersion()`` / the ``[TensorRT vN]`` banner.
+def full_version(v: Sequence[int]) -> Version:
+    """Pad a version to at least (major, minor, patch): ``(8, 6)`` -> ``(8, 6, 0)``."""
+    v = tuple(int(p) for p in v)
+    return v + (0,) * (3 - len(v)) if len(v) < 3 else v
 
-    8.x/9.x encode ``major*1000 + minor*100 + patch`` (``v8601`` = 8.6.1); 10.x and later
-    ``major*10000 + minor*100 + patch`` (``v100300`` = 10.3.0, ``v101601`` = 10.16.1,
-    ``v110000`` = 11.0.0), see ``NV_TENSORRT_VERSION_INT`` in NvInferRuntimeBase.h.
-    """
-    if n >= 100000:
-        return (n // 10000, (n // 100) % 100, n % 100)
-    return (n // 1000, (n // 100) % 10, n % 100)
+
+def encode_version_int(v: Sequence[int]) -> int:
+    """``NV_TENSORRT_VERSION`` of a version, the inverse of ``decode_version_int``: 8.x/9.x
+    ``major*1000 + minor*100 + patch`` (8.6.1 -> 8601), 10.x+ ``major*10000 + minor*100 +
+    patch`` (10.3.0 -> 100300). Calibration-cache headers carry it (``TRT-8510-...`` and
+    ``TRT-100300-...`` in published caches)."""
+    major, minor, patch = full_version(v)[:3]
+    return major * (10000 if major >= 10 else 1000) + minor * 100 + patch
 
 
 def vstr(v: Sequence[int] | None) -> str | None:
@@ -95,417 +111,425 @@ def vstr(v: Sequence[int] | None) -> str | None:
 
 
 # --------------------------------------------------------------------------------------------
-# Parsers (tested on the real captured outputs in tests/data/trt/, see SOURCES.md there)
+# Rules per TensorRT version (each with its source; the README table repeats them)
 # --------------------------------------------------------------------------------------------
-_BANNER = re.compile(r"\[TensorRT v(\d+)\]")
-_HEADER = re.compile(r"TensorRT version:\s*(\d+\.\d+\.\d+(?:\.\d+)?)")
+class UnsupportedVariant(StageError):
+    """The variant cannot be built with this TensorRT version or device (recorded as skipped)."""
 
 
-def parse_trtexec_version(text: str) -> dict[str, Version | None]:
-    """Versions printed by trtexec.
+# Highest ONNX opset the ONNX parser of a TensorRT major handles: onnx-tensorrt
+# docs/operators.md, release/8.5-GA and release/8.6-GA: "supports operators up to Opset 17";
+# 10.0-GA: "opset 9 to opset 20". The 8.x parser does not refuse newer opsets, it misreads them
+# (trt_onnx.py docstring), so files above 17 are converted or refused, never passed as is.
+MAX_PARSER_OPSET = {8: 17, 10: 20}
 
-    Args:
-        text: trtexec console output (any run, also ``--help``).
-    Returns:
-        ``{"banner": (10, 3, 0) from "[TensorRT v100300]", "header": (10, 16, 1) from
-        "TensorRT version: 10.16.1"}``; a key is None when its line is absent. Both are
-        compile-time values of the trtexec binary, not of the loaded libnvinfer.
-    """
-    b = _BANNER.search(text)
-    h = _HEADER.search(text)
-    return {"banner": decode_version_int(int(b.group(1))) if b else None,
-            "header": tuple(int(p) for p in h.group(1).split(".")) if h else None}
-
-
-_METRIC_LINE = re.compile(r"\]\s*(?:\[I\]\s*)?(?P<key>[A-Za-z0-9 ]+?):\s*(?P<body>min = .*)$")
-_STAT = re.compile(r"(min|max|mean|median|percentile\((\d+(?:\.\d+)?)%\))\s*=\s*([-+0-9.eE]+)\s*ms")
-_SCALAR = {
-    "Throughput": ("throughput_qps", re.compile(r"Throughput:\s*([-+0-9.eE]+)\s*qps")),
-    "Total Host Walltime": ("total_host_walltime_s",
-                            re.compile(r"Total Host Walltime:\s*([-+0-9.eE]+)\s*s\b")),
-    "Total GPU Compute Time": ("total_gpu_compute_time_s",
-                               re.compile(r"Total GPU Compute Time:\s*([-+0-9.eE]+)\s*s\b")),
-}
+# DLA availability (TensorRT docs, "Working with DLA", 11.4.0 and 11.4.1 editions, and the 11.4.1
+# release notes): "TensorRT 10.7 was the last 10.x release that supported DLA"; "DLA was
+# unavailable in TensorRT 11.0 through 11.3"; "TensorRT 11.4.0 supported DLA only on Windows on
+# ARM"; 11.4.1 supports DLA "on NVIDIA Jetson AGX Orin when using NVIDIA JetPack 7.2.2 or later"
+# (not Jetson Thor, not DriveOS, not Orin on JetPack 6.x). JetPack 5.1 ships TensorRT 8.5,
+# JetPack 6.0 8.6, JetPack 6.1/6.2 10.3. Disagreement noted: the onnx-tensorrt 10.11 GA notes
+# add a DLA parser flag although the 11.x docs call 10.7 the last DLA release; the docs are
+# followed here.
+DLA_LAST_10X = (10, 7)
+DLA_BACK_IN_11 = (11, 4, 1)
+DLA_MIN_FRACTION_WARN = 0.5  # issue 13: warn below 50 % of layers on DLA unless a minimum is set
 
 
-def _metric_key(name: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "_", name.strip().lower()).strip("_")
-
-
-def parse_performance_summary(text: str) -> dict | None:
-    """Parse trtexec's ``=== Performance summary ===`` block (8.x, 10.x and 11.x print it alike).
-
-    Args:
-        text: trtexec console output (log file contents).
-    Returns:
-        None when the log has no summary (build failed, ``--skipInference``), else::
-
-            {"throughput_qps": float, "total_host_walltime_s": float,
-             "total_gpu_compute_time_s": float,
-             "gpu_compute_time": {"min_ms", "max_ms", "mean_ms", "median_ms",
-                                  "p90_ms", "p95_ms", "p99_ms"},   # ms
-             "latency": {...}, "enqueue_time": {...}, "h2d_latency": {...},
-             "d2h_latency": {...}}
-
-        Percentile keys follow the printed percentiles (``--percentile``, default 90,95,99).
-        ``Latency`` is H2D + GPU compute + D2H per query (trtexec's own definition); with
-        ``Data transfers: Disabled`` (11.x default) H2D/D2H are 0 and Latency equals GPU Compute
-        Time.
-    """
-    start = text.find("=== Performance summary ===")
-    if start < 0:
-        return None
-    block = text[start:]
-    end = block.find("&&&&")
-    block = block[:end] if end > 0 else block
-    out: dict[str, Any] = {}
-    for line in block.splitlines():
-        line = line.rstrip()
-        for key, (field, rx) in _SCALAR.items():
-            if key + ":" in line and field not in out:
-                m = rx.search(line)
-                if m:
-                    out[field] = float(m.group(1))
-        if "Total " in line:
-            continue
-        m = _METRIC_LINE.search(line)
-        if not m:
-            continue
-        stats = {}
-        for s in _STAT.finditer(m.group("body")):
-            name = s.group(1)
-            k = f"p{s.group(2).rstrip('0').rstrip('.') if '.' in s.group(2) else s.group(2)}_ms" \
-                if name.startswith("percentile") else f"{name}_ms"
-            stats[k] = float(s.group(3))
-        if stats:
-            out[_metric_key(m.group("key"))] = stats
-    return out or None
-
-
-_BINDING = re.compile(r"(?:Created )?(?P<io>[Ii]nput|[Oo]utput) binding for (?P<name>\S+) with "
-                      r"dimensions (?P<dims>[0-9x]+)")
-
-
-def parse_inference_shapes(text: str) -> dict[str, dict[str, list[int]]]:
-    """Shapes trtexec ran inference with (``Input binding for x with dimensions 1x1x28x28``,
-    or 8.x verbose ``Created input binding for ...``).
-
-    Returns:
-        ``{"inputs": {name: [dims]}, "outputs": {name: [dims]}}`` (empty dicts if absent).
-    """
-    out: dict[str, dict[str, list[int]]] = {"inputs": {}, "outputs": {}}
-    for m in _BINDING.finditer(text):
-        side = "inputs" if m.group("io").lower() == "input" else "outputs"
-        out[side].setdefault(m.group("name"), [int(d) for d in m.group("dims").split("x")])
-    return out
-
-
-_UNKNOWN = re.compile(r"Unknown option:\s*(--\S+)(?:[ \t]+(\S.*?))?[ \t]*$", re.M)
-
-
-def parse_unknown_options(text: str) -> list[str]:
-    """Options trtexec rejected (``[E] Unknown option: --fp16`` or ``--workspace 2048``), with
-    their value re-joined by ``=``; raw trtexec prints a trailing space when there is no value,
-    copies stripped of trailing whitespace do not, both are accepted."""
-    return [m.group(1) + (f"={m.group(2)}" if m.group(2) else "") for m in _UNKNOWN.finditer(text)]
-
-
-_PLAN_VERSION = re.compile(r"Plan was created with TensorRT version\s+(\d+(?:\.\d+){1,3})")
-
-
-def parse_plan_version(text: str) -> Version | None:
-    """Version from ``trtexec --loadEngine=P --getPlanVersionOnly`` output.
-
-    No public capture of this output exists (see tests/data/trt/SOURCES.md), so this parser is
-    written against the documented behaviour: trtexec (9.x+, ``samples/common/sampleEngines.cpp``
-    ``printPlanVersion``) logs ``Plan was created with TensorRT version A.B.C.D`` at info level,
-    i.e. behind the usual ``[date-time] [I] `` prefix, the four numbers being bytes 24..27 of
-    the plan.
-
-    Returns:
-        ``(A, B, C, D)`` or None if the line is absent.
-    """
-    m = _PLAN_VERSION.search(text)
-    return tuple(int(p) for p in m.group(1).split(".")) if m else None
-
-
-PLAN_FILE_TAG = 0x74727466  # first little-endian uint32 of a plan, per sampleEngines.cpp
-
-
-def read_plan_header_version(path: Path | str) -> Version | None:
-    """Plan version read from the file header, the way trtexec's ``--getPlanVersionOnly`` does
-    (tag ``0x74727466`` at offset 0, serialization word 0 at offset 4, version bytes 24..27).
-
-    Returns None when the header does not have that layout (e.g. plans whose serialization
-    word is not 0, which the trtexec code also refuses); no claim is made for such plans.
-    """
-    with open(path, "rb") as f:
-        head = f.read(28)
-    if len(head) < 28:
-        return None
-    tag, ser = int.from_bytes(head[0:4], "little"), int.from_bytes(head[4:8], "little")
-    if tag != PLAN_FILE_TAG or ser != 0:
-        return None
-    return tuple(head[24:28])
-
-
-_LIB_MISMATCH = re.compile(r"expecting library version\s+([^\s,]*?)\s+got\s+([^\s,]*?)[\s,]*"
-                           r"(?:please rebuild|\)|$)", re.M)
-_TAG_MISMATCH = re.compile(r"Current Version:\s*(\d+),\s*Serialized Engine Version:\s*(\d+)")
-_DEV_MISMATCH = re.compile(r"expecting compute\s+([0-9.]+)\s+got compute\s+([0-9.]+)")
-
-
-def parse_version_mismatch(text: str) -> dict | None:
-    """Plan/runtime mismatch reported by the TensorRT runtime logger (8.x, 9.x, 10.x texts).
-
-    Forms (real captures in tests/data/trt/plan_*.txt):
-    - ``... not compatible with this version of TensorRT, expecting library version 8.6.1.6 got
-      8.6.1.4, please rebuild.`` (8.x, 9.x; 10.x ends ``... got .)`` with an empty "got").
-      ``expected`` is the deserialising library, ``got`` the plan, as in the 8.6.1 capture
-      (runtime 8.6.1.6, plan 8.6.1.4) and the 10.12 capture (runtime 10.12.0.36). The 8.5.3
-      capture's source does not say which side is which; read the pair as "the two versions
-      involved" and take the runtime's own version from the runtime.
-    - ``Version tag does not match. Note: Current Version: 213, Serialized Engine Version: 205``
-      (serialization tag, 8.2-era) -> ``kind="serialization"``.
-    - ``expecting compute 8.9 got compute 8.6`` (plan built for another GPU) -> ``kind="device"``.
-
-    Returns:
-        ``{"kind": "library"|"serialization"|"device", "expected": str, "got": str | None}``
-        or None. An empty/unparseable "got" becomes None.
-    """
-    m = _LIB_MISMATCH.search(text)
-    if m:
-        got = m.group(2).rstrip(".")
-        return {"kind": "library", "expected": m.group(1).rstrip("."), "got": got or None}
-    m = _TAG_MISMATCH.search(text)
-    if m:
-        return {"kind": "serialization", "expected": m.group(1), "got": m.group(2)}
-    m = _DEV_MISMATCH.search(text)
-    if m:
-        return {"kind": "device", "expected": m.group(1), "got": m.group(2)}
+def dla_unavailable(trt_version: Sequence[int]) -> str | None:
+    """Why ``trt_version`` has no DLA (None when it has). Sources: see ``DLA_LAST_10X``."""
+    v = full_version(trt_version)
+    if v[:2] > DLA_LAST_10X and v[0] < 11:
+        return (f"TensorRT {vstr(v)} has no DLA support: 10.7 was the last 10.x release with DLA "
+                "(TensorRT 11.4.1 docs, 'Working with DLA'); JetPack 6.1/6.2 ship 10.3")
+    if v[0] >= 11 and v[:3] < DLA_BACK_IN_11:
+        return (f"TensorRT {vstr(v)} has no DLA support on Jetson: DLA was unavailable in "
+                "11.0-11.3 "
+                "and 11.4.0 had it on Windows on ARM only; 11.4.1+ with JetPack 7.2.2+ on Jetson "
+                "AGX Orin (TensorRT 11.4.1 release notes)")
     return None
 
 
-# Data-type words as printed in "Format/Datatype" (long pre-10 spelling, e.g. "Channel major FP16
-# format where channel % 8 == 0", or short 10.x spelling, e.g. "Float") and in 11.x "DataType".
-_DTYPE_WORDS = (
-    (re.compile(r"\bBFloat16\b|\bBF16\b"), "BF16"),
-    (re.compile(r"\bFP8\b|\bE4M3\b|\bE5M2\b"), "FP8"),
-    (re.compile(r"\bFP4\b|\bFP4E2M1\b"), "FP4"),
-    (re.compile(r"\bInt4\b|\bINT4\b"), "INT4"),
-    (re.compile(r"\bFP16\b|\bHalf\b"), "FP16"),
-    (re.compile(r"\bFP32\b|\bFloat\b"), "FP32"),
-    (re.compile(r"\bDouble\b|\bFP64\b"), "FP64"),
-    (re.compile(r"\bUInt8\b"), "UINT8"),
-    (re.compile(r"\bInt8\b|\bINT8\b"), "INT8"),
-    (re.compile(r"\bInt32\b|\bINT32\b"), "INT32"),
-    (re.compile(r"\bInt64\b|\bINT64\b"), "INT64"),
-    (re.compile(r"\bBool\b"), "BOOL"),
-)
-_SHORT_DTYPES = {"Float", "Half", "Int8", "Int32", "Int64", "BFloat16", "FP8", "Int4", "FP4",
-                 "Bool", "UInt8", "Double", "None"}
+def dla_allowed(trt_version: Sequence[int], variant: Variant) -> str | None:
+    """Why ``variant`` cannot be built for DLA on ``trt_version`` (None if it can).
 
-
-def dtype_of(fmt: str | None) -> str | None:
-    """Data type of a layer-info tensor description: ``"Row major linear FP32"`` -> ``FP32``,
-    ``"Thirty-two wide channel vectorized row major Int8 format"`` -> ``INT8``, ``"Half"`` ->
-    ``FP16``. None if unknown."""
-    if not fmt:
-        return None
-    for rx, name in _DTYPE_WORDS:
-        if rx.search(fmt):
-            return name
+    Rules: DLA runs FP16 and INT8 layers only ("DLA Supported Layers and Restrictions"; "DLA
+    support is currently limited to networks running in FP16 and INT8 mode"), so FP32 and INT4
+    weight-only variants stay on the GPU; the version must have DLA (:func:`dla_unavailable`);
+    INT8 on DLA takes the implicit (calibration) path (trt_onnx.py docstring), which TensorRT 11
+    removed with ``BuilderFlag::kINT8`` ("Strongly Typed Networks for DLA", 11.4.1) - the 11.4.1
+    pages read here do not say whether DLA accepts Q/DQ INT8, so INT8 stays on the GPU there.
+    """
+    if variant.kind not in ("fp16", "qdq"):
+        return (f"DLA runs FP16/INT8 layers only; {variant.name} ({variant.precision}) stays "
+                "on the GPU")
+    why = dla_unavailable(trt_version)
+    if why:
+        return why
+    if variant.kind == "qdq" and full_version(trt_version)[0] >= 11:
+        return (f"INT8 on DLA with TensorRT {vstr(trt_version)}: the implicit (calibration) path "
+                "was removed in 11.0 (no --int8/--calib) and Q/DQ INT8 on DLA is not documented "
+                "in the 11.4.1 DLA pages; it is built for the GPU")
     return None
 
 
-def _tensor_dtype(t: Mapping) -> tuple[str | None, str | None]:
-    """(dtype, spelling) of one tensor entry of layer info."""
-    if "DataType" in t:  # 11.x split field (migration guide: Format/Datatype -> Format + DataType)
-        return dtype_of(str(t["DataType"])), "split"
-    fmt = t.get("Format/Datatype")
-    if fmt is None:
-        return None, None
-    return dtype_of(fmt), ("short" if str(fmt).strip() in _SHORT_DTYPES else "long")
+# INT8 routes: "qdq" (the Q/DQ file as is), "qdq_opset17" (converted to opset 17 for the 8.x
+# parser when exact, trt_onnx.to_opset), "implicit" (FP32 ONNX + calibration cache from the
+# Q/DQ scales, --int8 --calib). Sources: trt_onnx.py docstring.
+INT8_ROUTES = ("qdq", "qdq_opset17", "implicit")
 
 
-NAMES_ONLY_ADVICE = ("layer info holds layer names only: rebuild the engine with "
-                     "--profilingVerbosity=detailed (6_build_engines.sh does) to get layer types, "
-                     "formats and data types")
+def int8_route(trt_version: Sequence[int], variant: Variant, dla: bool,
+               onnx_opset: int | None, forced: str = "auto") -> tuple[str | None, str]:
+    """How an INT8 Q/DQ variant is built on ``trt_version``.
 
-
-def parse_layer_info(info: str | Mapping | Sequence) -> dict:
-    """Summarise engine layer information (``trtexec --exportLayerInfo`` file or
-    ``IEngineInspector.get_engine_information(LayerInformationFormat.JSON)``).
-
-    Accepts the names-only form (``{"Layers": ["name", ...], "Bindings": [...]}``, written when
-    the engine was built without ``--profilingVerbosity=detailed``), the detailed form with the
-    pre-10 long spelling, the 10.x short spelling (``"Format/Datatype": "Float"``) and the 11.x
-    split ``DataType`` field with ``"I/O Tensors"`` replacing ``"Bindings"`` (11.x: from the
-    TensorRT migration guide; no public 11.x capture was available).
-
-    Reformat layers are those with ``LayerType == "Reformat"``: layout/precision conversions
-    the builder inserted (``Origin: REFORMAT``, named ``Reformatting CopyNode ...``) and
-    QuantizeLinear ops implemented as reformats (``Origin: QDQ``). Layers named
-    ``Reformatting CopyNode`` with ``LayerType: NoOp`` were optimised away and are counted
-    separately. Many reformats between INT8 and FP32/FP16 regions are why an INT8 engine can be
-    slower than the FP16 one.
-
+    Args:
+        trt_version: target TensorRT.
+        variant: the variant (only ``kind == "qdq"`` has a route).
+        dla: built for a DLA core.
+        onnx_opset: default-domain opset of the Q/DQ file (None: not known yet).
+        forced: ``auto`` (the rules), ``qdq`` or ``implicit`` (the user's ``--int8-path``).
     Returns:
-        ``{"detailed": bool, "spelling": sorted spellings seen, "n_layers": int,
-        "reformat_layers": int, "reformat_by_origin": {origin: n}, "reformat_noop": int,
-        "output_dtypes": {dtype: n outputs}, "layer_types": {type: n},
-        "layers": [{"name", "type", "origin", "outputs": [{"name", "dtype"}]}],
-        "io_tensors": [names], "advice": str | None}``. For the names-only form
-        ``reformat_layers`` counts names starting with ``Reformatting CopyNode`` (an upper
-        bound: NoOps cannot be told apart) and the dtype fields are empty.
+        ``(route or None, reason)``; route None for non-INT8 variants.
     Raises:
-        StageError: not layer information.
+        UsageError: a forced route the version or device cannot take.
     """
-    if isinstance(info, (str, bytes)):
-        try:
-            info = json.loads(info)
-        except json.JSONDecodeError as e:
-            raise StageError(f"layer info is not JSON: {e}") from e
-    if isinstance(info, list):  # a bare list of layers
-        if any(isinstance(x, Mapping) and ("timeMs" in x or "count" in x) for x in info):
-            raise StageError("this is a trtexec --exportProfile file, not layer information")
-        info = {"Layers": info}
-    if not isinstance(info, Mapping) or "Layers" not in info:
-        raise StageError("layer info has no 'Layers' key")
-    layers = info["Layers"]
-    io = info.get("Bindings")
-    if io is None and "I/O Tensors" in info:
-        io = [t.get("Name") for t in info["I/O Tensors"]]
-    io = [t if isinstance(t, str) else t.get("Name") for t in (io or [])]
-    out: dict[str, Any] = {"detailed": False, "spelling": [], "n_layers": len(layers),
-                           "reformat_layers": 0, "reformat_by_origin": {}, "reformat_noop": 0,
-                           "output_dtypes": {}, "layer_types": {}, "layers": [],
-                           "io_tensors": io, "advice": None}
-    if all(isinstance(layer, str) for layer in layers):
-        out["reformat_layers"] = sum(1 for n in layers if n.startswith("Reformatting CopyNode"))
-        out["advice"] = NAMES_ONLY_ADVICE
-        out["layers"] = [{"name": n, "type": None, "origin": None, "outputs": []} for n in layers]
-        return out
-    out["detailed"] = True
-    spell: set[str] = set()
-    for layer in layers:
-        if isinstance(layer, str):
-            layer = {"Name": layer}
-        name, ltype = layer.get("Name", ""), layer.get("LayerType")
-        origin = layer.get("Origin")
-        out["layer_types"][ltype] = out["layer_types"].get(ltype, 0) + 1
-        if ltype == "Reformat":
-            out["reformat_layers"] += 1
-            key = origin or "unknown"
-            out["reformat_by_origin"][key] = out["reformat_by_origin"].get(key, 0) + 1
-        elif name.startswith("Reformatting CopyNode"):
-            out["reformat_noop"] += 1
-        outs = []
-        for t in layer.get("Outputs", []) or []:
-            dt, sp = _tensor_dtype(t)
-            if sp:
-                spell.add(sp)
-            outs.append({"name": t.get("Name"), "dtype": dt})
-            out["output_dtypes"][dt or "unknown"] = out["output_dtypes"].get(dt or "unknown", 0) + 1
-        out["layers"].append({"name": name, "type": ltype, "origin": origin, "outputs": outs})
-    out["spelling"] = sorted(spell)
+    if variant.kind != "qdq":
+        return None, ""
+    v = full_version(trt_version)
+    if dla:
+        if forced == "qdq":
+            raise UsageError("--int8-path qdq with --dla-core: DLA takes INT8 from a calibration "
+                             "cache (implicit quantization), not from Q/DQ nodes; use "
+                             "--int8-path auto or implicit")
+        return "implicit", ("DLA takes INT8 from a calibration cache, not from Q/DQ nodes "
+                            "(NVIDIA/TensorRT#2222; NVIDIA/Model-Optimizer PR #1661)")
+    if forced == "implicit":
+        if v[0] >= 11:
+            raise UsageError(f"--int8-path implicit: TensorRT {vstr(v)} has no implicit INT8 "
+                             "(--int8/--calib removed in 11.0); use --int8-path auto")
+        return "implicit", "--int8-path implicit"
+    limit = MAX_PARSER_OPSET.get(v[0])
+    if v[0] == 8 and (onnx_opset is None or onnx_opset > limit):
+        seen = f"opset {onnx_opset}" if onnx_opset else "opset not known yet (ModelOpt 0.47 " \
+                                                          "writes 19)"
+        return "qdq_opset17", (f"TensorRT {vstr(v)}'s parser handles opsets up to {limit}; "
+                               f"the Q/DQ file is {seen}: converted to opset {limit} where "
+                               "exact, else the implicit path")
+    return "qdq", "Q/DQ ONNX as written"
+
+
+def opset_advice(onnx_opset: int | None, trt_version: Sequence[int] | None,
+                 quantized: bool) -> str | None:
+    """Advice when an ONNX file's opset is above what ``trt_version``'s parser handles and stage 6
+    found no exact opset-17 copy of it; None when fine or unknown.
+
+    A Q/DQ file from ModelOpt 0.47.0 is opset >= 19 whatever the opset of its input (ModelOpt's
+    ``BASE_MIN_OPSET = 19``), so exporting at opset 17 cannot help it: without an exact copy its
+    INT8 build takes the implicit path. A float file is re-exported at 17.
+    """
+    if not trt_version or onnx_opset is None:
+        return None
+    limit = MAX_PARSER_OPSET.get(full_version(trt_version)[0])
+    if limit is None or onnx_opset <= limit:
+        return None
+    if quantized:
+        return (f"Q/DQ file at opset {onnx_opset} (ModelOpt 0.47.0 writes INT8 Q/DQ at opset >= 19 "
+                "whatever the input opset, so re-exporting at 17 does not help); TensorRT "
+                f"{vstr(trt_version)}'s parser handles up to {limit}: 6_build_engines converts it "
+                f"to opset {limit} when exact (checked on ONNX Runtime), else builds INT8 from the "
+                "FP32 ONNX with a calibration cache (--int8-path implicit)")
+    return (f"opset {onnx_opset}; TensorRT {vstr(trt_version)}'s parser handles up to {limit}: "
+            f"re-export with `2_export_onnx.py --exporter legacy --opset {limit}`")
+
+
+# --------------------------------------------------------------------------------------------
+# Shapes: one optimisation profile over every input and every dynamic axis
+# --------------------------------------------------------------------------------------------
+def onnx_inputs(path_or_model) -> list[tuple[str, list[int | None], np.dtype]]:
+    """Every real graph input of an ONNX file (or model): ``[(name, dims, dtype)]``, dynamic
+    dims as None (``onnx_graph.inputs``); reads the graph only, not external weights.
+
+    Raises:
+        StageError: the file is missing/unreadable or the graph has no input.
+    """
+    model = path_or_model if hasattr(path_or_model, "graph") else onnx_graph.load(
+        path_or_model, external=False)
+    inputs = onnx_graph.inputs(model)
+    if not inputs:
+        raise StageError(f"{path_or_model if isinstance(path_or_model, (str, Path)) else 'model'}"
+                         ": the graph has no input")
+    return inputs
+
+
+@dataclasses.dataclass(frozen=True)
+class InputProfile:
+    """Optimisation-profile shapes of one network input.
+
+    Attributes:
+        name: the ONNX input name.
+        onnx_dims: dims in the ONNX file (None = dynamic).
+        min, opt, max: the profile (every dim >= 1; equal where the ONNX dim is static).
+        source: how the dynamic dims were chosen (for the record and the dry run).
+    """
+
+    name: str
+    onnx_dims: tuple
+    min: tuple
+    opt: tuple
+    max: tuple
+    source: str
+
+    @property
+    def dynamic(self) -> bool:
+        return any(d is None for d in self.onnx_dims)
+
+    @property
+    def static_profile(self) -> bool:
+        return self.min == self.opt == self.max
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "onnx_dims": list(self.onnx_dims), "min": list(self.min),
+                "opt": list(self.opt), "max": list(self.max), "source": self.source}
+
+
+def _dims(text: str, what: str) -> tuple[int, ...]:
+    try:
+        dims = tuple(int(d) for d in re.split(r"[x,]", text.strip()) if d != "")
+    except ValueError:
+        dims = ()
+    if not dims or any(d < 1 for d in dims):
+        raise UsageError(f"{what}: dims {text!r} are not positive integers like 1x3x224x224")
+    return dims
+
+
+def _split_name(item: str, what: str) -> tuple[str | None, str]:
+    """``'na:me':rest`` / ``name:rest`` (last ``:``) / ``rest`` -> (name or None, rest)."""
+    if item.startswith("'"):
+        end = item.find("'", 1)
+        if end < 0 or item[end + 1:end + 2] != ":":
+            raise UsageError(f"{what} {item!r}: a quoted name must look like 'name:0':1x3x224x224")
+        return item[1:end], item[end + 2:]
+    if ":" not in item:
+        return None, item
+    name, rest = item.rsplit(":", 1)
+    return name, rest
+
+
+def parse_shape_specs(items: Sequence[str] | None, what: str = "--opt-shapes"
+                      ) -> dict[str, tuple[int, ...]]:
+    """Parse trtexec-style shape specs: each item ``name:DxDxD[,name2:DxD...]``; a name with
+    ``:`` is written quoted (``'input:0':1x3x32x32``) or found by splitting on the last ``:``.
+
+    Raises:
+        UsageError: a spec without a name, bad dims, or the same name twice.
+    """
+    out: dict[str, tuple[int, ...]] = {}
+    for item in items or []:
+        # trtexec splits the list on every ","; names are quoted only to hold ":".
+        for part in re.findall(r"(?:'[^']*'|[^,'])+", item):
+            name, dims = _split_name(part.strip(), what)
+            if not name:
+                raise UsageError(f"{what} {part!r}: expected name:DxDxD")
+            if name in out:
+                raise UsageError(f"{what}: input {name!r} given twice")
+            out[name] = _dims(dims, f"{what} {part!r}")
     return out
 
 
-def layer_summary(summary: Mapping) -> dict:
-    """:func:`parse_layer_info` result without the per-layer list (for results JSON)."""
-    return {k: v for k, v in summary.items() if k != "layers"}
-
-
-def layer_dtype_table(summary: Mapping) -> list[dict]:
-    """Per-layer rows ``{"name", "type", "origin", "output_dtypes": "FP16,INT8"}`` (the table
-    that shows where an engine converts precision)."""
-    return [{"name": lay["name"], "type": lay["type"], "origin": lay["origin"],
-             "output_dtypes": ",".join(sorted({o["dtype"] or "?" for o in lay["outputs"]}))}
-            for lay in summary.get("layers", [])]
-
-
-def parse_export_profile(info: str | Sequence) -> dict:
-    """Summarise a ``trtexec --exportProfile`` JSON (``[{"count": N}, {"name", "timeMs",
-    "averageMs", "medianMs", "percentage"}, ...]``).
+def parse_input_shape(item: str) -> tuple[str | None, tuple[int, ...], str | None]:
+    """Parse one ``--input-shape`` value for stage 6: ``name:d0,d1,...[:dtype]`` (also ``x`` as
+    separator, a quoted ``'name:0':...`` or no name). Unlike ``common.parse_input_shapes`` it
+    accepts input names containing ``:`` (TensorFlow-style ``input:0``).
 
     Returns:
-        ``{"count": runs, "n_layers", "total_average_ms", "reformat_layers",
-        "reformat_average_ms", "reformat_percent"}`` where reformat entries are those named
-        ``Reformatting CopyNode ...`` (QDQ reformats carry their ONNX names and are not included).
+        ``(name or None (the index-th input), dims, dtype or None)``.
+    Raises:
+        UsageError: malformed value.
     """
-    data = json.loads(info) if isinstance(info, (str, bytes)) else info
-    count = next((d["count"] for d in data if "count" in d), None)
-    rows = [d for d in data if "name" in d]
-    ref = [d for d in rows if d["name"].startswith("Reformatting CopyNode")]
-    return {"count": count, "n_layers": len(rows),
-            "total_average_ms": sum(d.get("averageMs", 0.0) for d in rows),
-            "reformat_layers": len(ref),
-            "reformat_average_ms": sum(d.get("averageMs", 0.0) for d in ref),
-            "reformat_percent": sum(d.get("percentage", 0.0) for d in ref)}
+    what = "--input-shape"
+    dtype = None
+    body = item
+    tail = item.rsplit(":", 1)
+    if (len(tail) == 2 and re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", tail[1])
+            and not item.endswith("'")):
+        try:
+            np.dtype(tail[1])
+            dtype, body = tail[1], tail[0]
+        except TypeError:
+            raise UsageError(f"{what} {item!r}: unknown dtype {tail[1]!r}") from None
+    name, dims = _split_name(body, what)
+    return name, _dims(dims, f"{what} {item!r}"), dtype
 
 
-def parse_ldd(text: str) -> dict[str, str | None]:
-    """``ldd`` output -> ``{soname: resolved path or None ("not found")}``."""
-    out: dict[str, str | None] = {}
-    for line in text.splitlines():
-        m = re.match(r"\s*(\S+)\s+=>\s+(not found|\S+)", line)
-        if m:
-            out[m.group(1)] = None if m.group(2) == "not found" else m.group(2)
+def input_profiles(inputs: Sequence[tuple[str, Sequence[int | None], Any]], *,
+                   input_shapes: Sequence[str] = (), min_shapes: Mapping[str, Sequence[int]] = {},
+                   opt_shapes: Mapping[str, Sequence[int]] = {},
+                   max_shapes: Mapping[str, Sequence[int]] = {}, min_batch: int = 1,
+                   opt_batch: int = 1, max_batch: int = 64, static: bool = False,
+                   default_hw: int | None = None) -> list[InputProfile]:
+    """The optimisation profile for every input.
+
+    For each input: explicit ``--min/--opt/--max-shapes`` win (all three, or opt alone which
+    then also sets min and max, as trtexec does); otherwise a dynamic axis 0 takes
+    ``min/opt/max_batch`` and every other dynamic axis (spatial, sequence, ...) takes its size
+    from the input's ``--input-shape`` value, else, for a 4-D image input, ``default_hw`` (the
+    model's crop) on axes 2 and 3. ``static`` (DLA: "DLA does not support dynamic dimensions, so
+    the profile's min, max, and opt values must be equal for wildcard dimensions", TensorRT docs
+    "DLA Supported Layers and Restrictions") collapses every profile to its opt shape.
+
+    Args:
+        inputs: :func:`onnx_inputs` of the model.
+        input_shapes: ``--input-shape`` values (:func:`parse_input_shape`; an unnamed value is
+            the input at its position).
+        min_shapes, opt_shapes, max_shapes: :func:`parse_shape_specs` results.
+        min_batch, opt_batch, max_batch: batch range for a dynamic axis 0.
+        static: min = opt = max (DLA).
+        default_hw: size for dynamic H/W of a 4-D input when nothing else gives one.
+    Returns:
+        one :class:`InputProfile` per input, in graph order.
+    Raises:
+        UsageError: an unknown input name, a rank or static-dim mismatch, min > opt > max, or a
+            dynamic axis nothing gives a size for (the message names input, axis and the fix).
+    """
+    names = [n for n, _, _ in inputs]
+    given: dict[str, tuple[int, ...]] = {}
+    for i, item in enumerate(input_shapes or ()):
+        name, dims, _ = parse_input_shape(item)
+        name = name if name is not None else (names[i] if i < len(names) else None)
+        if name not in names:
+            raise UsageError(f"--input-shape {item!r}: the model has no input {name!r} "
+                             f"(inputs: {', '.join(names)})")
+        given[name] = dims
+    for flag, spec in (("--min-shapes", min_shapes), ("--opt-shapes", opt_shapes),
+                       ("--max-shapes", max_shapes)):
+        for n in spec:
+            if n not in names:
+                raise UsageError(f"{flag}: the model has no input {n!r} (inputs: "
+                                 f"{', '.join(names)})")
+    if not (1 <= min_batch <= opt_batch <= max_batch):
+        raise UsageError(f"batch range must satisfy 1 <= --min-batch ({min_batch}) <= --opt-batch "
+                         f"({opt_batch}) <= --max-batch ({max_batch})")
+    out = []
+    for idx, (name, dims, _dtype) in enumerate(inputs):
+        dims = tuple(dims)
+        rank = len(dims)
+
+        def check(shape: Sequence[int], what: str) -> tuple[int, ...]:
+            shape = tuple(int(d) for d in shape)
+            if len(shape) != rank:
+                raise UsageError(f"{what} for input {name!r}: {len(shape)} dims, the ONNX input "
+                                 f"has {rank} ({fmt_dims(dims)})")
+            for ax, (s, d) in enumerate(zip(shape, dims)):
+                if d is not None and s != d:
+                    raise UsageError(f"{what} for input {name!r}: axis {ax} is {s}, the ONNX "
+                                     f"input fixes it to {d} ({fmt_dims(dims)})")
+            return shape
+
+        explicit = [name in s for s in (min_shapes, opt_shapes, max_shapes)]
+        if any(explicit):
+            if explicit != [True] * 3 and explicit != [False, True, False]:
+                raise UsageError(f"input {name!r}: give --opt-shapes alone or all of --min-shapes, "
+                                 "--opt-shapes, --max-shapes (trtexec's rule)")
+            opt = check(opt_shapes[name], "--opt-shapes")
+            lo = check(min_shapes.get(name, opt), "--min-shapes")
+            hi = check(max_shapes.get(name, opt), "--max-shapes")
+            if not all(a <= b <= c for a, b, c in zip(lo, opt, hi)):
+                raise UsageError(f"input {name!r}: need min <= opt <= max on every axis, got "
+                                 f"{fmt_dims(lo)} / {fmt_dims(opt)} / {fmt_dims(hi)}")
+            source = "--min/--opt/--max-shapes"
+        else:
+            lo, opt, hi, why = [], [], [], []
+            user = check(given[name], "--input-shape") if name in given else None
+            for ax, d in enumerate(dims):
+                if d is not None:
+                    lo.append(d), opt.append(d), hi.append(d)
+                elif ax == 0:
+                    lo.append(min_batch), opt.append(opt_batch), hi.append(max_batch)
+                    why.append("axis 0: --min/--opt/--max-batch")
+                elif user is not None:
+                    lo.append(user[ax]), opt.append(user[ax]), hi.append(user[ax])
+                    why.append(f"axis {ax}: --input-shape")
+                elif default_hw and rank == 4 and ax in (2, 3):
+                    lo.append(default_hw), opt.append(default_hw), hi.append(default_hw)
+                    why.append(f"axis {ax}: the model's crop {default_hw}")
+                else:
+                    raise UsageError(
+                        f"input {name!r} axis {ax} is dynamic in the ONNX ({fmt_dims(dims)}) and "
+                        f"nothing gives its size: pass --input-shape {_quote(name)}:"
+                        f"{','.join(str(x) if x else 'N' for x in dims)} with N replaced, or a "
+                        f"range with --min-shapes/--opt-shapes/--max-shapes "
+                        f"{_quote(name)}:{'x'.join(str(x) if x else 'N' for x in dims)}")
+            lo, opt, hi = tuple(lo), tuple(opt), tuple(hi)
+            source = "; ".join(why) if why else "static in the ONNX"
+        if static and not (lo == opt == hi):
+            lo = hi = opt
+            source += "; static for DLA (min = opt = max)"
+        out.append(InputProfile(name, dims, lo, opt, hi, source))
     return out
 
 
-def error_lines(text: str, limit: int = 20) -> list[str]:
-    """The last ``limit`` error lines of a trtexec log (``[E]``, ``ERROR``, ``&&&& FAILED``)."""
-    lines = [ln.rstrip() for ln in text.splitlines()
-             if "[E]" in ln or "ERROR" in ln or ln.startswith("&&&& FAILED")]
-    return lines[-limit:]
+def fmt_dims(dims: Sequence[int | None]) -> str:
+    """``[None, 3, 224, 224]`` -> ``"?x3x224x224"``."""
+    return "x".join("?" if d is None else str(d) for d in dims)
+
+
+def _quote(name: str) -> str:
+    return f"'{name}'" if ":" in name else name
+
+
+def trtexec_shape_name(name: str) -> str:
+    """An input name as trtexec's shape syntax needs it: quoted when it contains ``:``.
+
+    Raises:
+        UsageError: a name with ``,`` (separates inputs) or ``'`` (the quote character) cannot be
+            written in trtexec's syntax (sampleOptions.cpp ``splitNameAndValue``).
+    """
+    if "," in name or "'" in name:
+        raise UsageError(f"input name {name!r} cannot be written in trtexec's shape syntax ("
+                         "',' separates inputs and \"'\" quotes names): rename the input when "
+                         "exporting the ONNX model")
+    return _quote(name)
+
+
+def shape_flags(profiles: Sequence[InputProfile]) -> list[str]:
+    """``--minShapes/--optShapes/--maxShapes`` for the dynamic inputs (all of them in one
+    comma-separated list per flag); ``[]`` when every input is static."""
+    dyn = [p for p in profiles if p.dynamic]
+    if not dyn:
+        return []
+    out = []
+    for flag, attr in (("--minShapes", "min"), ("--optShapes", "opt"), ("--maxShapes", "max")):
+        spec = ",".join(f"{trtexec_shape_name(p.name)}:{'x'.join(str(d) for d in getattr(p, attr))}"
+                        for p in dyn)
+        out.append(f"{flag}={spec}")
+    return out
 
 
 # --------------------------------------------------------------------------------------------
 # Command lines per TensorRT major version
 # --------------------------------------------------------------------------------------------
-class UnsupportedVariant(StageError):
-    """The variant cannot be built with this TensorRT version (recorded as skipped)."""
-
-
-def dla_allowed(trt_version: Version, variant: Variant) -> str | None:
-    """Why DLA cannot be used for ``variant`` on ``trt_version`` (None if it can).
-
-    DLA runs FP16 and INT8 layers only (TensorRT DLA docs), so FP32 and INT4 weight-only
-    variants stay on the GPU. TensorRT 11.0-11.4.0 do not support DLA on JetPack; the 11.4.1
-    docs list Jetson AGX Orin with JetPack 7.2.2+.
-    """
-    if variant.kind not in ("fp16", "qdq"):
-        return (f"DLA runs FP16/INT8 layers only; {variant.name} ({variant.precision}) stays "
-                "on the GPU")
-    if trt_version[0] >= 11 and tuple(trt_version[:3]) < (11, 4, 1):
-        return (f"TensorRT {vstr(trt_version)} has no DLA support on Jetson (11.4.1+ with "
-                "JetPack 7.2.2+)")
-    return None
-
-
-def _shape(name: str, dims: Sequence[int]) -> str:
-    return f"{name}:" + "x".join(str(d) for d in dims)
-
-
 def build_command(onnx: Path | str, plan: Path | str, variant: str, trt_version: Sequence[int], *,
                   timing_cache: Path | str, layer_info: Path | str | None = None,
-                  mem_pool_mb: int | None = None, dla_core: int | None = None,
-                  input_name: str | None = None, input_shape: Sequence[int | None] | None = None,
-                  min_batch: int = 1, opt_batch: int = 1, max_batch: int = 64,
-                  no_tf32: bool = False, trtexec: str = "trtexec") -> list[str]:
+                  profiles: Sequence[InputProfile] = (), mem_pool_mb: int | None = None,
+                  dla_core: int | None = None, int8: str | None = None,
+                  calib: Path | str | None = None, no_tf32: bool = False,
+                  trtexec: str = "trtexec") -> list[str]:
     """The trtexec command that builds ``variant`` from ``onnx`` on ``trt_version``.
 
-    Precision rules (issue 4):
+    Precision rules:
     - 8.x (weakly typed only): ``--fp16`` for the FP16 graph, ``--int8`` for Q/DQ graphs (without
       it TensorRT 8 does not pick INT8 kernels for Q/DQ); nothing for FP32. INT4 graphs are not
       buildable (raises :class:`UnsupportedVariant`).
     - 9.x/10.x: ``--stronglyTyped`` for FP16, Q/DQ and INT4 graphs, so precision comes from the
-      ONNX tensor types; FP32 is a plain build. With DLA the documented 10.x path is the weakly
-      typed one (``--useDLACore=N --fp16|--int8 --allowGPUFallback``), so that is used instead.
+      ONNX tensor types; FP32 is a plain build. DLA builds and the implicit INT8 path are weakly
+      typed (``--fp16`` / ``--int8 --fp16 --calib``), the documented DLA path up to 10.7.
     - 11.x: strongly typed only; no precision flag at all (``--fp16``/``--int8``/``--best`` are
-      "Unknown option"; ``--stronglyTyped`` is a no-op and left out).
+      "Unknown option"; ``--stronglyTyped`` is a no-op and left out); no implicit INT8.
+    - The implicit INT8 path (``int8="implicit"``): ``onnx`` is the FP32 model,
+      ``--int8 --calib=<cache>``, plus ``--fp16`` (layers without a scale run in FP16; DLA has
+      no FP32) where the variant keeps FP16 high-precision layers or for DLA (NVIDIA's
+      qdq-translator README builds DLA the same way: ``--int8 --fp16 --calib``).
     Never passed: ``--explicitBatch``, ``--workspace``, ``--buildOnly``, ``--best``.
 
     Args:
@@ -515,44 +539,56 @@ def build_command(onnx: Path | str, plan: Path | str, variant: str, trt_version:
         timing_cache: ``--timingCacheFile`` (read if present, updated after the build).
         layer_info: ``--exportLayerInfo`` path (with ``--profilingVerbosity=detailed``); None
             leaves both out.
+        profiles: :func:`input_profiles` of the model; the dynamic ones become
+            ``--minShapes/--optShapes/--maxShapes`` (trtexec times the build at the opt shape).
+            With ``dla_core`` every profile must be static (min = opt = max).
         mem_pool_mb: workspace pool limit in MiB (``--memPoolSize=workspace:N`` on 8.x where the
             unit is MiB, ``workspace:NM`` on 10.x+ where suffixes are documented).
         dla_core: DLA core; always paired with ``--allowGPUFallback``.
-        input_name, input_shape: the ONNX input and its shape, ``None``/0 for the dynamic batch
-            axis; with a dynamic batch, ``--minShapes/--optShapes/--maxShapes`` use
-            ``min_batch``/``opt_batch``/``max_batch`` (trtexec then runs its timing at the opt
-            shape).
+        int8: for Q/DQ variants, ``"qdq"`` (default) or ``"implicit"`` (see above).
+        calib: calibration cache for the implicit path.
         no_tf32: add ``--noTF32`` (FP32 layers otherwise may use TF32 on Ampere+).
         trtexec: program path.
     Returns:
         argv list.
     Raises:
-        UsageError: unknown variant, TensorRT < 8, bad DLA request.
-        UnsupportedVariant: the variant needs a newer TensorRT.
+        UsageError: unknown variant, TensorRT < 8, bad DLA request, dynamic profile with DLA,
+            implicit INT8 without a cache, a bad memory pool size.
+        UnsupportedVariant: the variant cannot be built with this version or device.
     """
     if variant not in VARIANTS:
         raise UsageError(f"unknown variant {variant!r}: choose from {', '.join(VARIANTS)}")
     v = VARIANTS[variant]
-    ver = tuple(int(p) for p in trt_version)
+    ver = full_version(trt_version)
     major = ver[0]
     if major < 8:
         raise UsageError(f"TensorRT {vstr(ver)} is not supported (8.5+ needed)")
     if v.kind == "int4" and major < 10:
         raise UnsupportedVariant(f"{variant}: INT4 weight-only Q/DQ graphs need TensorRT 10+, "
                                  f"this is {vstr(ver)}")
+    implicit = v.kind == "qdq" and int8 == "implicit"
+    if implicit and major >= 11:
+        raise UnsupportedVariant(f"{variant}: TensorRT {vstr(ver)} has no implicit INT8 "
+                                 "(--int8/--calib removed in 11.0)")
+    if implicit and not calib:
+        raise UsageError(f"{variant}: the implicit INT8 path needs a calibration cache (calib=)")
     if dla_core is not None:
         if dla_core < 0:
             raise UsageError(f"--dla-core {dla_core}: must be >= 0")
         why = dla_allowed(ver, v)
         if why:
             raise UsageError(why)
+        if v.kind == "qdq" and not implicit:
+            raise UsageError(f"{variant} on DLA: DLA takes INT8 from a calibration cache "
+                             "(implicit path), not from Q/DQ nodes (NVIDIA/TensorRT#2222)")
+        dyn = [p.name for p in profiles if not p.static_profile]
+        if dyn:
+            raise UsageError(f"DLA needs a static profile (min = opt = max) for every input "
+                             f"('DLA Supported Layers and Restrictions'); dynamic: "
+                             f"{', '.join(dyn)}")
     cmd = [trtexec, f"--onnx={onnx}", f"--saveEngine={plan}", f"--timingCacheFile={timing_cache}"]
-    if input_name and input_shape and (input_shape[0] is None or input_shape[0] == 0):
-        rest = [int(d) for d in input_shape[1:]]
-        for flag, b in (("--minShapes", min_batch), ("--optShapes", opt_batch),
-                        ("--maxShapes", max_batch)):
-            cmd.append(f"{flag}={_shape(input_name, [b, *rest])}")
-    weak = major < 9 or (major < 11 and dla_core is not None)
+    cmd += shape_flags(profiles)
+    weak = major < 9 or (major < 11 and (dla_core is not None or implicit))
     if weak:
         if v.kind == "fp16":
             cmd.append("--fp16")
@@ -560,9 +596,12 @@ def build_command(onnx: Path | str, plan: Path | str, variant: str, trt_version:
             # Weak typing ignores the ONNX's float types: the layers ModelOpt left in FP16
             # (high-precision dtype fp16, e.g. the `int8` recipe) run in FP32 unless --fp16 is
             # also given; fp32 high-precision variants (`int8_hp32`) keep them FP32 on purpose.
+            # DLA has no FP32 layers, so its unquantized layers need --fp16 in any case.
             cmd.append("--int8")
-            if v.high_precision_fp16:
+            if v.high_precision_fp16 or dla_core is not None:
                 cmd.append("--fp16")
+            if implicit:
+                cmd.append(f"--calib={calib}")
     elif major < 11 and v.kind in ("fp16", "qdq", "int4"):
         cmd.append("--stronglyTyped")
     if layer_info is not None:
@@ -585,6 +624,119 @@ def plan_version_command(plan: Path | str, trt_version: Sequence[int], trtexec: 
     if trt_version[0] < 9:
         return None
     return [trtexec, f"--loadEngine={plan}", "--getPlanVersionOnly"]
+
+
+# --------------------------------------------------------------------------------------------
+# Stage 7: plan-load diagnosis, profile fit, batch invariance
+# --------------------------------------------------------------------------------------------
+def diagnose_plan_load(plan: Path | str, log: str, runtime_version: Sequence[int] | None) -> dict:
+    """:func:`trt_parsers.classify_plan_load_error` for a plan file: reads its first bytes and
+    size, then classifies ``log`` (what the runtime logged). Returns the classification with a
+    one-line ``text`` ("<message>. Fix: <fix>")."""
+    plan = Path(plan)
+    head, size = None, None
+    try:
+        size = plan.stat().st_size
+        with open(plan, "rb") as f:
+            head = f.read(PLAN_HEADER_BYTES)
+    except OSError:
+        pass
+    res = classify_plan_load_error(log, head, runtime_version=runtime_version, file_size=size,
+                                   plan=str(plan))
+    res["text"] = f"{res['message']}. Fix: {res['fix']}"
+    return res
+
+
+def fit_batch(profile: Sequence[Sequence[int]], want: int, sample_shape: Sequence[int],
+              what: str = "engine") -> int:
+    """The batch to run an input at: ``want`` clipped to the profile's batch range, after checking
+    that one sample's shape (``[C, H, W]`` ...) fits the profile's other axes.
+
+    Args:
+        profile: ``(min, opt, max)`` shapes of the input (engine or build record).
+        want: requested batch (e.g. ``--batch-size``).
+        sample_shape: shape of one preprocessed sample, without the batch axis.
+    Raises:
+        UsageError: the sample does not fit (names the profile and the stage-6 flags to rebuild).
+    """
+    lo, _opt, hi = (tuple(int(d) for d in s) for s in profile)
+    rest = tuple(int(d) for d in sample_shape)
+    if len(lo) != len(rest) + 1 or any(not (a <= s <= b) for a, s, b in
+                                       zip(lo[1:], rest, hi[1:])):
+        raise UsageError(f"the {what} takes {fmt_dims(lo)} .. {fmt_dims(hi)}, a sample is "
+                         f"N x {fmt_dims(rest)}: rebuild with 6_build_engines.sh --input-shape / "
+                         "--min-shapes/--opt-shapes/--max-shapes covering it")
+    return max(lo[0], min(int(want), hi[0]))
+
+
+# Heuristic, not from a source: a batch-1 result may differ from the batch-N one by kernel choice
+# (accumulation order); 1 % of the largest |logit| passes FP16 accumulation-order noise (~1e-3
+# relative) and flags real divergence. Top-1 must agree on every image.
+BATCH_INVARIANCE_REL_TOL = 1e-2
+# Known-issue note for a flagged row. No TensorRT release note documenting batch-dependent GEMV
+# results at batch 1 was found in the 8.6-11.x release notes searched for this toolkit; related
+# public reports: NVIDIA/TensorRT#4796 (10.x: identical samples in one batch give different
+# outputs, open), NVIDIA/TensorRT#4813 (11.1, open), NVIDIA/TensorRT-LLM#1879 (NVIDIA: "different
+# batch sizes may lead to different kernels. So, the results can be different. This is a known
+# issue.").
+BATCH_INVARIANCE_NOTE = (
+    "TensorRT may choose different kernels per batch size (e.g. a GEMV path at batch 1), so "
+    "batch-1 and batch-N outputs can differ; no TensorRT release note documenting this was found "
+    "(searched 8.6-11.x release notes); related reports: NVIDIA/TensorRT#4796, #4813, "
+    "NVIDIA/TensorRT-LLM#1879. Score with the batch you deploy, or rebuild with "
+    "--opt-batch 1 / a static batch-1 profile for batch-1 deployment.")
+
+
+def batch_invariance(infer: Callable[[dict], Mapping[str, np.ndarray]],
+                     feed: Mapping[str, np.ndarray], batch: int, output_name: str | None = None,
+                     rel_tol: float = BATCH_INVARIANCE_REL_TOL) -> dict:
+    """Run the same samples at batch 1 and at batch ``batch`` and compare the outputs.
+
+    Every batch-N call has exactly ``batch`` rows (the last one is padded with the first samples
+    and the padding discarded), so the engine really runs at that batch.
+
+    Args:
+        infer: a runner's ``infer(feed) -> {output name: array}``.
+        feed: ``{input name: array [M, ...]}`` (M >= 1 samples, batch on axis 0), preprocessed.
+        batch: N (>= 2).
+        output_name: output to compare (default: the first one returned).
+        rel_tol: allowed max |difference| as a fraction of max |output at batch 1|.
+    Returns:
+        ``{"batch": N, "n": M, "max_abs_diff": float, "max_abs_ref": float,
+        "rel_max_diff": float, "rel_tol": float, "top1_agreement": float (0..1 over the M
+        samples; None for outputs with one value per sample), "ok": bool,
+        "note": str | None (the known-issue note when not ok)}``.
+    Raises:
+        UsageError: ``batch < 2`` or no samples.
+    """
+    n = len(next(iter(feed.values()))) if feed else 0
+    if batch < 2 or n < 1:
+        raise UsageError(f"batch invariance needs batch >= 2 and samples (got {batch}, {n})")
+
+    def out_of(idx):
+        res = infer({k: v[idx] for k, v in feed.items()})
+        return np.asarray(res[output_name] if output_name else next(iter(res.values())),
+                          dtype=np.float64)
+
+    one = np.concatenate([out_of(np.array([i])) for i in range(n)])
+    many = []
+    for i in range(0, n, batch):
+        idx = np.arange(i, min(i + batch, n))
+        real = len(idx)
+        if real < batch:
+            idx = np.concatenate([idx, np.arange(batch - real) % n])
+        many.append(out_of(idx)[:real])
+    many = np.concatenate(many)
+    diff = float(np.max(np.abs(one - many))) if one.size else 0.0
+    ref = float(np.max(np.abs(one))) if one.size else 0.0
+    rel = diff / ref if ref > 0 else (0.0 if diff == 0 else float("inf"))
+    flat1, flatn = one.reshape(len(one), -1), many.reshape(len(many), -1)
+    top1 = (float(np.mean(flat1.argmax(1) == flatn.argmax(1)))
+            if flat1.shape[1] > 1 else None)
+    ok = rel <= rel_tol and (top1 is None or top1 == 1.0)
+    return {"batch": int(batch), "n": int(n), "max_abs_diff": diff, "max_abs_ref": ref,
+            "rel_max_diff": rel, "rel_tol": rel_tol, "top1_agreement": top1, "ok": bool(ok),
+            "note": None if ok else BATCH_INVARIANCE_NOTE}
 
 
 # --------------------------------------------------------------------------------------------
@@ -796,55 +948,20 @@ def detect_with_loader_fix(trtexec: Path | str, env: Mapping[str, str] | None = 
 
 
 # --------------------------------------------------------------------------------------------
-# ONNX input
+# Paths shared by stages 6 and 7
 # --------------------------------------------------------------------------------------------
-def onnx_input(path: Path | str) -> tuple[str, list[int | None]]:
-    """Name and shape of the first real graph input (dynamic dims = None); reads the graph only
-    (no external weight data)."""
-    inputs = onnx_graph.inputs(onnx_graph.load(path, external=False))
-    if not inputs:
-        raise StageError(f"{path}: the graph has no input")
-    return inputs[0][0], inputs[0][1]
-
-
-# Highest ONNX opset the ONNX parser of each TensorRT major supports (TensorRT 8.6 support
-# matrix / onnx-tensorrt "Supported ONNX opsets": 8.6 parses opsets up to 17; 10.x up to 20+).
-MAX_PARSER_OPSET = {8: 17}
-
-
-def opset_warning(path: Path | str, trt_version: Version | None) -> str | None:
-    """A warning when the ONNX file's default-domain opset is newer than the TensorRT
-    version's parser supports (8.x: 17), with the fix; None when fine or unknown."""
-    import onnx
-
-    if not trt_version or trt_version[0] not in MAX_PARSER_OPSET or not Path(path).exists():
-        return None
-    m = onnx.load(str(path), load_external_data=False)
-    opset = max((o.version for o in m.opset_import if o.domain in ("", "ai.onnx")), default=0)
-    limit = MAX_PARSER_OPSET[trt_version[0]]
-    if opset <= limit:
-        return None
-    return (f"{Path(path).name} uses ONNX opset {opset}; TensorRT {vstr(trt_version)}'s parser "
-            f"supports up to {limit}: export with `2_export_onnx.py --exporter legacy --opset "
-            f"{limit}` (and quantize that file) if the parser rejects it")
-
-
-# --------------------------------------------------------------------------------------------
-# Build driver (6_build_engines.sh)
-# --------------------------------------------------------------------------------------------
-STAGE6 = "6_build_engines"
-
-
 def engines_dir(model: str) -> Path:
     """``artifacts/<model>/engines``."""
     return common.model_artifacts(model) / "engines"
 
 
 def engine_paths(model: str, variant: str) -> dict[str, Path]:
-    """Plan, build log, layer info and timing cache paths of ``variant``."""
+    """Plan, build log, layer info, timing cache, converted ONNX and calibration cache paths of
+    ``variant``."""
     d = engines_dir(model)
     return {"plan": d / f"{variant}.plan", "log": d / f"{variant}.build.log",
-            "layers": d / f"{variant}.layers.json", "cache": d / "timing.cache"}
+            "layers": d / f"{variant}.layers.json", "cache": d / "timing.cache",
+            "opset17": d / f"{variant}.opset17.onnx", "calib": d / f"{variant}.calib.cache"}
 
 
 def onnx_path(model: str, variant: str) -> Path:
@@ -852,288 +969,23 @@ def onnx_path(model: str, variant: str) -> Path:
     return common.model_artifacts(model) / "onnx" / VARIANTS[variant].onnx_file
 
 
-def _record(args, variant: str, status: str, reason: str | None, started: float,
-            inputs: Iterable[Path] = (), **fields) -> dict:
-    v = VARIANTS[variant]
-    rec = common.result_record(STAGE6, "TensorRT", v.precision, args.model, f"trt_build_{variant}",
-                               status=status, reason=reason, variant=variant,
-                               expected_failure=v.expected_failure, **fields)
-    rec["provenance"] = common.provenance(args, list(inputs), started)
-    return rec
-
-
-def _write(args, variant: str, rec: dict) -> Path:
-    return common.write_result(args.model, f"trt_build_{variant}", rec)
-
-
-def _input_spec(args, variant: str) -> tuple[str, list[int | None], str]:
-    p = onnx_path(args.model, variant)
-    if p.exists():
-        name, shape = onnx_input(p)
-        return name, shape, "from ONNX"
-    crop = common.MODEL_TABLE[args.model].crop if args.model in common.MODEL_TABLE else 224
-    return "input", [None, 3, crop, crop], "assumed (ONNX not written yet)"
-
-
-def _dry_run(args, variants: Sequence[str]) -> None:
-    if not args.trt_version:
-        raise UsageError("--dry-run needs --trt-version (e.g. 8.6.1, 10.3.0, 11.0.0)")
-    ver = parse_version(args.trt_version)
-    ver = ver + (0,) * (3 - len(ver)) if len(ver) < 3 else ver
-    tool = os.environ.get("TRTEXEC") or "trtexec"
-    for var in variants:
-        paths = engine_paths(args.model, var)
-        name, shape, how = _input_spec(args, var)
-        dla = args.dla_core
-        if dla is not None and dla_allowed(ver, VARIANTS[var]):
-            print(f"# {var}: {dla_allowed(ver, VARIANTS[var])}: built for the GPU")
-            dla = None
-        warn = opset_warning(onnx_path(args.model, var), ver)
-        if warn:
-            print(f"# {var}: WARNING: {warn}")
-        try:
-            cmd = build_command(onnx_path(args.model, var), paths["plan"], var, ver,
-                                timing_cache=paths["cache"], layer_info=paths["layers"],
-                                mem_pool_mb=args.mem_pool_mb, dla_core=dla,
-                                input_name=name, input_shape=shape, min_batch=args.min_batch,
-                                opt_batch=args.opt_batch, max_batch=args.max_batch,
-                                no_tf32=args.no_tf32, trtexec=tool)
-        except UnsupportedVariant as e:
-            print(f"# {var}: not built with TensorRT {vstr(ver)}: {e}")
-            continue
-        print(f"# {var} ({VARIANTS[var].precision}, TensorRT {vstr(ver)}, input {name} {how})")
-        print(shlex.join(cmd))
-        check = plan_version_command(paths["plan"], ver, tool)
-        print(shlex.join(check) if check else
-              "# plan check: deserialise with the Python runtime (trtexec 8.x has no "
-              "--getPlanVersionOnly)")
-
-
-def _python_plan_check(plan: Path, env: Mapping[str, str]) -> tuple[bool | None, str]:
-    """Deserialise ``plan`` with the Python runtime in a child process (8.x plan check)."""
-    code = (
-        "import sys, tensorrt as trt\n"
-        "class L(trt.ILogger):\n"
-        "    def __init__(s):\n        trt.ILogger.__init__(s)\n"
-        "    def log(s, sev, msg):\n        print(msg)\n"
-        "rt = trt.Runtime(L())\n"
-        "e = rt.deserialize_cuda_engine(open(sys.argv[1], 'rb').read())\n"
-        "print('DESERIALIZED' if e is not None else 'FAILED')\n")
-    rc, text = _run([sys.executable, "-c", code, str(plan)], env, timeout=300)
-    if "DESERIALIZED" in text:
-        return True, "deserialised by the Python runtime"
-    if rc != 0 and "No module named" in text:
-        return None, "Python tensorrt not importable: plan not checked"
-    mm = parse_version_mismatch(text)
-    return False, (f"runtime refuses the plan: {mm}" if mm else text.strip()[-500:])
-
-
-def _verify_plan(plan: Path, det: Detected) -> dict:
-    """Check the plan's TensorRT version against the runtime that will load it."""
-    ver = det.version or (0,)
-    runtime = det.python_runtime or det.libnvinfer_version
-    cmd = plan_version_command(plan, ver, det.trtexec)
-    if cmd is None:
-        ok, detail = _python_plan_check(plan, det.env)
-        return {"method": "python-deserialize", "plan_version": None,
-                "runtime_version": vstr(det.python_runtime), "ok": ok, "detail": detail}
-    rc, text = _run(cmd, det.env)
-    pv = parse_plan_version(text)
-    if pv is None:
-        return {"method": "trtexec --getPlanVersionOnly", "plan_version": None,
-                "runtime_version": vstr(runtime), "ok": False,
-                "detail": f"no plan version in the output (rc={rc}): {text.strip()[-300:]}"}
-    n = min(len(pv), len(runtime or ()))
-    ok = bool(runtime) and tuple(pv[:n]) == tuple(runtime[:n])
-    return {"method": "trtexec --getPlanVersionOnly", "plan_version": vstr(pv),
-            "runtime_version": vstr(runtime), "ok": ok,
-            "detail": "match" if ok else f"plan {vstr(pv)} vs runtime {vstr(runtime)}"}
-
-
-def _build_one(args, var: str, det: Detected, jetson: dict | None) -> tuple[dict, bool]:
-    """Build one variant. Returns ``(record, unexpected_failure)``."""
-    started = time.time()
-    v = VARIANTS[var]
-    paths = engine_paths(args.model, var)
-    src = onnx_path(args.model, var)
-    name, shape = onnx_input(src)
-    pid = os.getpid()
-    tmp_plan = paths["plan"].with_name(f".tmp-{pid}-{paths['plan'].name}")
-    tmp_layers = paths["layers"].with_name(f".tmp-{pid}-{paths['layers'].name}")
-    dla = args.dla_core
-    dla_note = None
-    if dla is not None and dla_allowed(det.version, v):
-        dla_note, dla = dla_allowed(det.version, v), None
-    try:
-        cmd = build_command(src, tmp_plan, var, det.version, timing_cache=paths["cache"],
-                            layer_info=tmp_layers, mem_pool_mb=args.mem_pool_mb, dla_core=dla,
-                            input_name=name, input_shape=shape, min_batch=args.min_batch,
-                            opt_batch=args.opt_batch, max_batch=args.max_batch,
-                            no_tf32=args.no_tf32, trtexec=det.trtexec)
-    except UnsupportedVariant as e:
-        return _record(args, var, "skipped", str(e), started, [src],
-                       detected=det.as_dict()), False
-    paths["plan"].parent.mkdir(parents=True, exist_ok=True)
-    print(f"[{var}] {shlex.join(cmd)}", flush=True)
-    t0 = time.time()
-    with common.atomic_path(paths["log"]) as tmp_log:
-        with open(tmp_log, "w") as f:
-            f.write(f"# command: {shlex.join(cmd)}\n")
-            if det.loader_fix:
-                f.write(f"# LD_LIBRARY_PATH first entry (loader fix): {det.loader_fix}\n")
-            f.flush()
-            p = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=det.env)
-    build_s = time.time() - t0
-    text = paths["log"].read_text(errors="replace")
-    passed = p.returncode == 0 and "&&&& PASSED" in text and tmp_plan.exists()
-    fields: dict[str, Any] = {
-        "opset_warning": opset_warning(src, det.version),
-        "command": shlex.join(cmd), "returncode": p.returncode, "build_log": paths["log"],
-        "build_wall_s": round(build_s, 2), "detected": det.as_dict(), "jetson": jetson,
-        "dla_core": dla, "dla_note": dla_note,
-        "unknown_options": parse_unknown_options(text), "errors": error_lines(text)}
-    if not passed:
-        for t in (tmp_plan, tmp_layers):
-            t.unlink(missing_ok=True)
-        if v.expected_failure:
-            reason = ("expected failure reproduced: the CLI-quantised INT4 model does not parse; "
-                      f"see {paths['log']}")
-            return _record(args, var, "failed", reason, started, [src], reproduced=True,
-                           **fields), False
-        tail = "\n".join(text.splitlines()[-15:])
-        print(f"[{var}] FAILED (rc={p.returncode}); log {paths['log']}:\n{tail}", file=sys.stderr)
-        return _record(args, var, "failed", f"trtexec failed (rc={p.returncode}); see "
-                       f"{paths['log']}", started, [src], **fields), True
-    os.replace(tmp_plan, paths["plan"])
-    if tmp_layers.exists():
-        os.replace(tmp_layers, paths["layers"])
-        summary = parse_layer_info(paths["layers"].read_text())
-        fields["layer_info"] = layer_summary(summary)
-        fields["layer_info_file"] = paths["layers"]
-    fields["trtexec_perf"] = parse_performance_summary(text)
-    fields["trtexec_inference_shapes"] = parse_inference_shapes(text)
-    fields["plan"] = paths["plan"]
-    fields["size_mb"] = common.file_size_mb(paths["plan"])
-    check = _verify_plan(paths["plan"], det)
-    fields["plan_check"] = check
-    if v.expected_failure:
-        return _record(args, var, "ok", "expected the INT4 parse failure, but the build passed: "
-                       "the reproduction no longer reproduces", started, [src], reproduced=False,
-                       **fields), False
-    if check["ok"] is False:
-        return _record(args, var, "failed", f"plan version check failed: {check['detail']}",
-                       started, [src], **fields), True
-    print(f"[{var}] ok: {paths['plan']} ({fields['size_mb']:.2f} MB), plan check: "
-          f"{check['detail']}", flush=True)
-    return _record(args, var, "ok", None, started, [src], **fields), False
-
-
-def build_main(args) -> None:
-    """Entry of ``6_build_engines.sh`` (see :func:`get_build_parser`)."""
-    started = time.time()
-    bad = [v for v in args.variants if v not in VARIANTS]
-    if bad:
-        raise UsageError(f"unknown variant(s) {', '.join(bad)}: choose from {', '.join(VARIANTS)}")
-    variants = list(dict.fromkeys(args.variants)) or list(DEFAULT_VARIANTS)
-    if args.dry_run:
-        _dry_run(args, variants)
-        return
-    trtexec, how = find_trtexec()
-    if trtexec is None:
-        reason = f"{how}; engines not built (set TRTEXEC=/path/to/trtexec on a GPU machine)"
-        print(f"{STAGE6}: SKIPPED: {reason}")
-        for var in variants:
-            src = onnx_path(args.model, var)
-            why = reason if src.exists() else (
-                f"{src} missing (made by {VARIANTS[var].producer}); and {reason}")
-            path = _write(args, var, _record(args, var, "skipped", why, started))
-            print(f"  wrote {path}")
-        return
-    if args.variants:
-        for var in variants:
-            common.require(onnx_path(args.model, var), VARIANTS[var].producer)
-    else:
-        variants = [v for v in variants if onnx_path(args.model, v).exists()]
-        if not variants:
-            wanted = ", ".join(f"{onnx_path(args.model, v)} ({VARIANTS[v].producer})"
-                               for v in DEFAULT_VARIANTS)
-            raise StageError(f"no ONNX model to build; expected any of: {wanted}")
-    det, probs = detect_with_loader_fix(trtexec)
-    print(f"{STAGE6}: trtexec {trtexec} ({how}); " + json.dumps(det.as_dict()))
-    if det.loader_fix:
-        print(f"{STAGE6}: versions agree with {det.loader_fix} first on LD_LIBRARY_PATH "
-              "(put it there in env.sh to make this permanent)")
-    if probs:
-        raise StageError("TensorRT versions disagree, refusing to build plans the runtime cannot "
-                         "load:\n  - " + "\n  - ".join(probs) +
-                         "\n  The loader-path fix (library folder of the Python runtime, "
-                         "<trtexec>/../lib, $TENSORRT_HOME/lib first on LD_LIBRARY_PATH; env.sh "
-                         "does this) did not help: install trtexec and the Python tensorrt "
-                         "package of the same version, or point TRTEXEC at the matching trtexec.")
-    if det.version is None:
-        raise StageError(f"cannot tell which TensorRT {trtexec} uses ({det.ldd})")
-    if det.python_runtime is None:
-        print(f"{STAGE6}: warning: Python tensorrt not importable ({det.python_detail}); "
-              "7_trt_eval.py will skip", file=sys.stderr)
-    jetson = jetson_info()
-    if args.dla_core is not None and jetson is None:
-        raise UsageError("--dla-core: DLA exists on Jetson (Orin) only; this is not a Jetson")
-    failed = []
-    for var in variants:
-        rec, bad_fail = _build_one(args, var, det, jetson)
-        path = _write(args, var, rec)
-        print(f"  {var}: {rec['status']}{': ' + rec['reason'] if rec['reason'] else ''} -> {path}")
-        if bad_fail:
-            failed.append(var)
-    if failed:
-        raise StageError(f"engine build failed for {', '.join(failed)} (logs in "
-                         f"{engines_dir(args.model)})")
-
-
-def get_build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="6_build_engines.sh",
-        description="Build TensorRT engines from artifacts/<model>/onnx/*.onnx with trtexec "
-                    "(flags per TensorRT major version); write artifacts/<model>/engines/"
-                    "<variant>.{plan,build.log,layers.json} and results/<model>/"
-                    "trt_build_<variant>.json. Without trtexec: skipped rows, exit 0.")
-    p.add_argument("variants", nargs="*", metavar="VARIANT",
-                   help=f"any of {', '.join(VARIANTS)} (default: those whose ONNX exists)")
-    p.add_argument("--model", default=os.environ.get("MODEL", "mobilenet_v3_small"))
-    p.add_argument("--dry-run", action="store_true",
-                   help="print the trtexec command lines for --trt-version and exit")
-    p.add_argument("--trt-version", help="TensorRT version for --dry-run, e.g. 8.6.1 / 10.3 / 11.0")
-    p.add_argument("--mem-pool-mb", type=int, default=None,
-                   help="workspace memory pool limit in MiB (--memPoolSize); default: trtexec's")
-    p.add_argument("--dla-core", type=int, default=None,
-                   help="Jetson only: build FP16/INT8 variants for DLA core N with GPU fallback")
-    p.add_argument("--min-batch", type=int, default=1)
-    p.add_argument("--opt-batch", type=int, default=1,
-                   help="optimisation batch; trtexec's timing in the build log uses it")
-    p.add_argument("--max-batch", type=int, default=64)
-    p.add_argument("--no-tf32", action="store_true", help="pass --noTF32")
-    return p
-
-
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python trt_tools.py build ...`` (stage 6) or ``python trt_tools.py detect``."""
+    """``python trt_tools.py detect``: what detection finds (trtexec, the libnvinfer it really
+    loads, the Python runtime, Jetson facts) as JSON. Stage 6 is ``6_build_engines.py``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["detect"]:
-        trtexec, how = find_trtexec()
-        out: dict[str, Any] = {"trtexec": str(trtexec) if trtexec else None, "how": how,
-                               "jetson": jetson_info()}
-        if trtexec:
-            det, probs = detect_with_loader_fix(trtexec)
-            out.update(det.as_dict(), conflicts=probs)
-        else:
-            out["python_tensorrt"] = vstr(python_trt_version()[0])
-        print(json.dumps(out, indent=2))
-        return
-    if argv[:1] != ["build"]:
-        print("usage: trt_tools.py {build|detect} ...", file=sys.stderr)
+    if argv != ["detect"]:
+        print("usage: python trt_tools.py detect   (stage 6: python 6_build_engines.py --help)",
+              file=sys.stderr)
         sys.exit(2)
-    sys.argv = ["6_build_engines.sh"] + argv[1:]  # provenance records the stage command
-    common.cli(get_build_parser, build_main)
+    trtexec, how = find_trtexec()
+    out: dict[str, Any] = {"trtexec": str(trtexec) if trtexec else None, "how": how,
+                           "jetson": jetson_info()}
+    if trtexec:
+        det, probs = detect_with_loader_fix(trtexec)
+        out.update(det.as_dict(), conflicts=probs)
+    else:
+        out["python_tensorrt"] = vstr(python_trt_version()[0])
+    print(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":

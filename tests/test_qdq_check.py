@@ -24,6 +24,7 @@ import layerwise  # noqa: E402
 import onnx_graph  # noqa: E402
 import qdq_check  # noqa: E402
 import qdq_tools  # noqa: E402
+import runners  # noqa: E402
 
 int4 = importlib.import_module("5b_quantize_int4")
 make_calib = importlib.import_module("4_make_calib")
@@ -44,7 +45,7 @@ def _ort(model_or_path, feed, level="all", disabled=()):
 
     src = str(model_or_path) if isinstance(model_or_path, (str, Path)) else \
         model_or_path.SerializeToString()
-    so = common.ort_session_options(level)
+    so = runners.ort_session_options(level)
     return ort.InferenceSession(src, so, providers=["CPUExecutionProvider"],
                                 disabled_optimizers=list(disabled)).run(None, feed)[0]
 

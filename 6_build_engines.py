@@ -1,0 +1,579 @@
+#!/usr/bin/env python3
+"""Stage 6: build one TensorRT engine per ONNX variant with trtexec.
+
+Reads artifacts/<model>/onnx/<variant>.onnx (written by 2_export_onnx.py, 5_quantize.sh and
+5b_quantize_int4.py). Writes artifacts/<model>/engines/<variant>.plan, <variant>.build.log and
+<variant>.layers.json, the shared engines/timing.cache (kept between builds), for TensorRT 8.x
+Q/DQ builds engines/<variant>.opset17.onnx, for implicit INT8 builds (DLA, or 8.x when the Q/DQ
+file has no exact opset-17 form) engines/<variant>.calib.cache, and results/<model>/
+trt_build_<variant>.json with the command, the versions, the optimisation profile that stage 7
+uses, the DLA placement and the plan check.
+
+The trtexec flags follow the TensorRT version that trtexec really loads (trt_tools.py; the rule
+table with its sources is in the README, section "TensorRT"). Every input and every dynamic axis
+gets a profile: the batch axis from --min-batch/--opt-batch/--max-batch, other dynamic axes from
+--input-shape or --min-shapes/--opt-shapes/--max-shapes; DLA builds get a static profile. Without
+trtexec every variant gets a skipped row and the stage exits 0. --dry-run prints the exact command
+lines for --trt-version without TensorRT or a GPU and writes nothing.
+
+Variants: the default list is `python variants.py list --stage 6` (those whose ONNX exists);
+any registry variant can be named. Rerun alone:
+
+    bash 6_build_engines.sh --model efficientnet_lite0 fp16 int8
+    bash 6_build_engines.sh --dry-run --trt-version 8.6.2 --dla-core 0 fp16 int8
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import common
+import onnx_graph
+import trt_onnx
+import trt_parsers as tp
+import trt_tools as tt
+from common import StageError, UsageError
+
+STAGE = "6_build_engines"
+VARIANTS = tt.VARIANTS
+
+
+def get_args_parser() -> argparse.ArgumentParser:
+    p = common.stage_parser(__doc__, prog="6_build_engines.py")
+    common.add_shared_args(p, "model", "input_shape")
+    p.add_argument("variants", nargs="*", metavar="VARIANT",
+                   help=f"any of {', '.join(VARIANTS)} (default: "
+                        f"{' '.join(tt.DEFAULT_VARIANTS)}, those whose ONNX exists)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the trtexec command lines for --trt-version and exit (writes "
+                        "nothing, needs no TensorRT)")
+    p.add_argument("--trt-version", help="TensorRT version for --dry-run, e.g. 8.6.2, 10.3, 11.0")
+    p.add_argument("--min-batch", type=int, default=1,
+                   help="smallest batch of a dynamic batch axis")
+    p.add_argument("--opt-batch", type=int, default=1,
+                   help="batch the builder optimises for (trtexec's timing in the build log uses "
+                        "it; the fixed batch of DLA builds)")
+    p.add_argument("--max-batch", type=int, default=64,
+                   help="largest batch of a dynamic batch axis")
+    for which in ("min", "opt", "max"):
+        p.add_argument(f"--{which}-shapes", action="append", default=None, metavar="SPEC",
+                       help=f"{which} shapes of inputs in trtexec syntax, name:DxDxD[,name2:DxD]; "
+                            "quote names with ':' ('input:0':1x3x32x32); repeatable; --opt-shapes "
+                            "alone fixes min = opt = max")
+    p.add_argument("--mem-pool-mb", type=int, default=None,
+                   help="workspace memory pool limit in MiB (--memPoolSize); default: trtexec's")
+    p.add_argument("--dla-core", type=int, default=None,
+                   help="Jetson: build FP16/INT8 variants for DLA core N (static profile, GPU "
+                        "fallback, INT8 from a calibration cache); others stay on the GPU")
+    p.add_argument("--dla-min-fraction", type=float, default=None,
+                   help="fail a DLA build row when fewer than this fraction (0..1) of the model's "
+                        "layers run on the DLA (default: only warn below "
+                        f"{tt.DLA_MIN_FRACTION_WARN * 100:.0f} %%)")
+    p.add_argument("--int8-path", choices=("auto", "qdq", "implicit"), default="auto",
+                   help="INT8 Q/DQ variants: auto = the rule for the TensorRT version and device "
+                        "(README, 'TensorRT'), qdq = the Q/DQ file (opset 17 on 8.x), implicit = "
+                        "FP32 ONNX + calibration cache from the Q/DQ scales")
+    p.add_argument("--no-tf32", action="store_true", help="pass --noTF32")
+    return p
+
+
+# --------------------------------------------------------------------------------------------
+# Planning one variant (shared by the dry run and the build)
+# --------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class BuildPlan:
+    """Everything decided before trtexec runs for one variant."""
+
+    variant: str
+    source: Path
+    onnx: Path
+    profiles: list
+    dla_core: int | None
+    int8: str | None = None
+    calib: Path | None = None
+    convert: Any = None           # the opset-17 ModelProto to write, or None
+    convert_src: Path | None = None  # the file it was converted from
+    notes: list = dataclasses.field(default_factory=list)
+    cmd: list | None = None
+    skip: str | None = None
+    scales: dict | None = None
+    parity: dict | None = None
+
+    def record(self) -> dict:
+        return {"onnx_built": self.onnx, "source_onnx": self.source,
+                "profile": [p.as_dict() for p in self.profiles], "dla_core": self.dla_core,
+                "int8_path": self.int8, "calib_cache": self.calib, "notes": self.notes,
+                "opset17_from": self.convert_src, "opset17_parity": self.parity,
+                "calibration_scales": len(self.scales) if self.scales is not None else None}
+
+
+def _crop(model: str) -> int | None:
+    if ":" in model:
+        return None
+    try:
+        return common.model_spec(model).crop
+    except (UsageError, ImportError):
+        return common.MODEL_TABLE[model].crop if model in common.MODEL_TABLE else None
+
+
+def _load(path: Path):
+    return onnx_graph.load(path, external=False)
+
+
+def _opset17_copy(args, plan: BuildPlan, target: Path, model, version, build: bool
+                  ) -> str | None:
+    """TensorRT 8.x reads ``target`` only at opset <= 17: set ``plan.convert``/``plan.onnx`` to
+    an exact opset-17 copy (written and checked on ONNX Runtime at build time). Returns the
+    reason when there is no exact copy, None otherwise (also when no copy is needed)."""
+    limit = tt.MAX_PARSER_OPSET.get(tt.full_version(version)[0])
+    if version[0] != 8 or model is None or onnx_graph.opset(model) <= limit:
+        return None
+    conv, cnotes, reason = trt_onnx.to_opset(model, limit)
+    if conv is None:
+        return reason
+    plan.convert, plan.convert_src = conv, target
+    plan.onnx = tt.engines_dir(args.model) / f"{target.stem}.opset{limit}.onnx"
+    plan.notes.append(f"{target.name} is opset {onnx_graph.opset(model)}; TensorRT "
+                      f"{tt.vstr(version)}'s parser handles up to {limit}: built from "
+                      f"{plan.onnx.name} ({'; '.join(cnotes)})"
+                      + ("" if build else "; its parity with the original is checked on ONNX "
+                                          "Runtime before the build"))
+    return None
+
+
+def plan_variant(args, var: str, version: Sequence[int], tool: str, *, build: bool) -> BuildPlan:
+    """Decide how ``var`` is built on ``version``: input file, profile, DLA or GPU, INT8 route,
+    and for TensorRT 8.x an exact opset-17 copy of whatever file trtexec reads.
+
+    ``build`` False (dry run) never writes; conversions are checked structurally only.
+
+    Raises:
+        UsageError: bad shapes or flags for this model (message names the input and the fix).
+        StageError: an input the build needs is missing (names the stage that makes it).
+    """
+    v = VARIANTS[var]
+    paths = tt.engine_paths(args.model, var)
+    src = tt.onnx_path(args.model, var)
+    plan = BuildPlan(var, src, src, [], args.dla_core)
+    model = _load(src) if src.exists() else None
+    if model is None:
+        if build:
+            common.require(src, v.producer)
+        plan.notes.append(f"{src.name} not written yet: input assumed 'input' N x 3 x crop x crop")
+    if plan.dla_core is not None:
+        why = tt.dla_allowed(version, v)
+        if why:
+            plan.notes.append(f"built for the GPU: {why}")
+            plan.dla_core = None
+    dla = plan.dla_core is not None
+
+    opset = onnx_graph.opset(model) if model is not None else None
+    route, why = tt.int8_route(version, v, dla, opset, args.int8_path)
+    plan.int8 = route
+    if route:
+        plan.notes.append(f"INT8 path {route}: {why}")
+    built_from = model
+    if route == "qdq_opset17":
+        if model is None:
+            plan.notes.append("converted to opset 17 at build time when exact (onnx.version_"
+                              "converter + onnx.checker + ONNX Runtime parity), else implicit")
+            plan.onnx = paths["opset17"]
+        else:
+            advice = tt.opset_advice(opset, version, quantized=True)
+            if advice:
+                plan.notes.append(f"NOTE: {advice}")
+            reason = _opset17_copy(args, plan, src, model, version, build)
+            if reason is None and plan.convert is None:
+                plan.int8 = "qdq"  # already opset <= 17
+            elif reason is not None:
+                if args.int8_path == "qdq":
+                    plan.skip = (f"--int8-path qdq: {src.name} has no exact opset-17 form for "
+                                 f"TensorRT {tt.vstr(version)}: {reason}")
+                    return plan
+                plan.notes.append(f"no exact opset-17 copy of {src.name} ({reason}): implicit "
+                                  "INT8 instead")
+                plan.int8 = "implicit"
+    if plan.int8 == "implicit":
+        fp32 = tt.onnx_path(args.model, "fp32")
+        plan.onnx, plan.calib = fp32, paths["calib"]
+        fp32_model = _load(fp32) if fp32.exists() else None
+        built_from = fp32_model if fp32_model is not None else model
+        if fp32_model is not None and model is not None:
+            plan.scales, skipped = trt_onnx.calibration_scales(model, fp32_model)
+            plan.notes.append(f"calibration cache: {len(plan.scales)} activation scales of "
+                              f"{src.name} (ModelOpt, stage-4 calibration split) keyed to "
+                              f"{fp32.name}'s tensors" + (f"; {len(skipped)} quantizer(s) not "
+                                                          "usable" if skipped else ""))
+        elif build:
+            common.require(fp32, "2_export_onnx.py")
+        else:
+            plan.notes.append(f"calibration cache written at build time from {src.name}'s scales"
+                              + ("" if fp32.exists() else f"; {fp32} missing: run "
+                                 "2_export_onnx.py first"))
+        reason = _opset17_copy(args, plan, fp32, fp32_model, version, build)
+    elif plan.int8 is None:
+        reason = _opset17_copy(args, plan, src, model, version, build)
+    else:
+        reason = None
+    if reason is not None:
+        plan.skip = (f"{plan.onnx.name} is opset {onnx_graph.opset(built_from)} and has no exact "
+                     f"opset-17 form for TensorRT {tt.vstr(version)} ({reason}): "
+                     + tt.opset_advice(onnx_graph.opset(built_from), version, quantized=False))
+        return plan
+    if plan.convert is not None:
+        built_from = plan.convert
+    if built_from is not None:
+        inputs = tt.onnx_inputs(built_from)
+    else:
+        crop = _crop(args.model) or 224
+        inputs = [("input", [None, 3, crop, crop], None)]
+    plan.profiles = tt.input_profiles(
+        inputs, input_shapes=args.input_shape or (),
+        min_shapes=tt.parse_shape_specs(args.min_shapes, "--min-shapes"),
+        opt_shapes=tt.parse_shape_specs(args.opt_shapes, "--opt-shapes"),
+        max_shapes=tt.parse_shape_specs(args.max_shapes, "--max-shapes"),
+        min_batch=args.min_batch, opt_batch=args.opt_batch, max_batch=args.max_batch,
+        static=dla, default_hw=_crop(args.model))
+    if dla and any(p.dynamic and "static for DLA" in p.source for p in plan.profiles):
+        plan.notes.append("DLA needs a static profile (min = opt = max, 'DLA Supported Layers "
+                          "and Restrictions'): " + ", ".join(
+                              f"{p.name} {tt.fmt_dims(p.opt)}" for p in plan.profiles if p.dynamic))
+    try:
+        plan.cmd = tt.build_command(
+            plan.onnx, paths["plan"], var, version, timing_cache=paths["cache"],
+            layer_info=paths["layers"], profiles=plan.profiles, mem_pool_mb=args.mem_pool_mb,
+            dla_core=plan.dla_core, int8=plan.int8 if plan.int8 == "implicit" else "qdq",
+            calib=plan.calib, no_tf32=args.no_tf32, trtexec=tool)
+    except tt.UnsupportedVariant as e:
+        plan.skip = str(e)
+    return plan
+
+
+def _check_args(args) -> None:
+    bad = [v for v in args.variants if v not in VARIANTS]
+    if bad:
+        raise UsageError(f"unknown variant(s) {', '.join(bad)}: choose from {', '.join(VARIANTS)}")
+    common.check_positive(args, "min_batch", "opt_batch", "max_batch", "mem_pool_mb")
+    if args.dla_core is not None and args.dla_core < 0:
+        raise UsageError(f"--dla-core {args.dla_core}: must be >= 0")
+    if args.dla_min_fraction is not None:
+        if args.dla_core is None:
+            raise UsageError("--dla-min-fraction applies to DLA builds: add --dla-core N")
+        if not 0.0 <= args.dla_min_fraction <= 1.0:
+            raise UsageError(f"--dla-min-fraction {args.dla_min_fraction}: must be in 0..1")
+
+
+def _dry_run(args, names: Sequence[str]) -> None:
+    if not args.trt_version:
+        raise UsageError("--dry-run needs --trt-version (e.g. 8.6.2, 10.3.0, 11.0.0)")
+    ver = tt.full_version(tt.parse_version(args.trt_version))
+    tool = os.environ.get("TRTEXEC") or "trtexec"
+    for var in names:
+        plan = plan_variant(args, var, ver, tool, build=False)
+        v = VARIANTS[var]
+        where = f"DLA core {plan.dla_core}" if plan.dla_core is not None else "GPU"
+        print(f"# {var} ({v.precision}, TensorRT {tt.vstr(ver)}, {where}): profile "
+              + "; ".join(f"{p.name} {tt.fmt_dims(p.min)}/{tt.fmt_dims(p.opt)}/"
+                          f"{tt.fmt_dims(p.max)} ({p.source})" for p in plan.profiles))
+        for n in plan.notes:
+            print(f"# {var}: {n}")
+        if plan.skip:
+            print(f"# {var}: not built with TensorRT {tt.vstr(ver)}: {plan.skip}")
+            continue
+        print(shlex.join(plan.cmd))
+        check = tt.plan_version_command(tt.engine_paths(args.model, var)["plan"], ver, tool)
+        print(shlex.join(check) if check else
+              "# plan check: deserialise with the Python runtime (trtexec 8.x has no "
+              "--getPlanVersionOnly)")
+
+
+# --------------------------------------------------------------------------------------------
+# Build
+# --------------------------------------------------------------------------------------------
+def _record(args, variant: str, status: str, reason: str | None, started: float,
+            inputs: Iterable[Path] = (), **fields) -> dict:
+    v = VARIANTS[variant]
+    rec = common.result_record(STAGE, "TensorRT", v.precision, args.model, v.build_tag,
+                               status=status, reason=reason, variant=variant,
+                               expected_failure=v.expected_failure, **fields)
+    rec["provenance"] = common.provenance(args, list(inputs), started)
+    return rec
+
+
+def _write(args, variant: str, rec: dict) -> Path:
+    return common.write_result(args.model, VARIANTS[variant].build_tag, rec)
+
+
+def _python_plan_check(plan: Path, env: Mapping[str, str], runtime) -> tuple[bool | None, str]:
+    """Deserialise ``plan`` with the Python runtime in a child process (8.x plan check); a
+    refusal is classified (trt_parsers.classify_plan_load_error)."""
+    code = (
+        "import sys, tensorrt as trt\n"
+        "class L(trt.ILogger):\n"
+        "    def __init__(s):\n        trt.ILogger.__init__(s)\n"
+        "    def log(s, sev, msg):\n        print(msg)\n"
+        "rt = trt.Runtime(L())\n"
+        "e = rt.deserialize_cuda_engine(open(sys.argv[1], 'rb').read())\n"
+        "print('DESERIALIZED' if e is not None else 'FAILED')\n")
+    rc, text = tt._run([sys.executable, "-c", code, str(plan)], env, timeout=300)
+    if "DESERIALIZED" in text:
+        return True, "deserialised by the Python runtime"
+    if rc != 0 and "No module named" in text:
+        return None, "Python tensorrt not importable: plan not checked"
+    return False, tt.diagnose_plan_load(plan, text, runtime)["text"]
+
+
+def _verify_plan(plan: Path, det: tt.Detected) -> dict:
+    """Check the plan's TensorRT version against the runtime that will load it."""
+    ver = det.version or (0,)
+    runtime = det.python_runtime or det.libnvinfer_version
+    cmd = tt.plan_version_command(plan, ver, det.trtexec)
+    if cmd is None:
+        ok, detail = _python_plan_check(plan, det.env, det.python_runtime)
+        return {"method": "python-deserialize", "plan_version": None,
+                "runtime_version": tt.vstr(det.python_runtime), "ok": ok, "detail": detail}
+    rc, text = tt._run(cmd, det.env)
+    pv = tp.parse_plan_version(text)
+    if pv is None:
+        return {"method": "trtexec --getPlanVersionOnly", "plan_version": None,
+                "runtime_version": tt.vstr(runtime), "ok": False,
+                "detail": f"no plan version in the output (rc={rc}): {text.strip()[-300:]}"}
+    n = min(len(pv), len(runtime or ()))
+    ok = bool(runtime) and tuple(pv[:n]) == tuple(runtime[:n])
+    return {"method": "trtexec --getPlanVersionOnly", "plan_version": tt.vstr(pv),
+            "runtime_version": tt.vstr(runtime), "ok": ok,
+            "detail": "match" if ok else f"plan {tt.vstr(pv)} vs runtime {tt.vstr(runtime)}"}
+
+
+def _prepare_inputs(args, plan: BuildPlan, version: Sequence[int], tool: str) -> BuildPlan:
+    """Write what the build reads besides the variant's ONNX: the opset-17 file (after an exact
+    ONNX Runtime parity check; otherwise fall back to the implicit path) or the calibration cache.
+    """
+    if plan.convert is not None:
+        src_model = onnx_graph.load(plan.convert_src)
+        feed = trt_onnx.parity_feed(src_model, {p.name: p.opt for p in plan.profiles})
+        par = trt_onnx.ort_parity(src_model, plan.convert, feed)
+        plan.parity = par
+        if par["exact"]:
+            with common.atomic_path(plan.onnx) as tmp:
+                import onnx
+
+                onnx.save(plan.convert, str(tmp))
+            plan.notes.append(f"opset-17 copy {plan.onnx.name}: ONNX Runtime parity exact on "
+                              f"{par['n_tensors_compared']} tensors")
+        else:
+            if plan.int8 != "qdq_opset17" or args.int8_path == "qdq":
+                raise StageError(f"{plan.variant}: the opset-17 copy of {plan.convert_src.name} "
+                                 f"differs from it on ONNX Runtime (max |diff| "
+                                 f"{par['max_abs_diff']:.3g}): re-export with `2_export_onnx.py "
+                                 "--exporter legacy --opset 17`")
+            plan.notes.append(f"opset-17 copy not exact on ONNX Runtime (max |diff| "
+                              f"{par['max_abs_diff']:.3g}): implicit INT8 instead")
+            args2 = argparse.Namespace(**{**vars(args), "int8_path": "implicit"})
+            kept = plan.notes
+            plan = plan_variant(args2, plan.variant, version, tool, build=True)
+            plan.notes, plan.parity = kept + plan.notes, par
+            return _prepare_inputs(args, plan, version, tool)
+    if plan.int8 == "implicit":
+        if not plan.scales:
+            raise StageError(f"{plan.variant}: no per-tensor activation scale in "
+                             f"{plan.source.name} matches a tensor of {plan.onnx.name}; the "
+                             "implicit INT8 path has nothing to calibrate with")
+        trt_onnx.write_calibration_cache(plan.calib, plan.scales, tt.encode_version_int(version))
+    return plan
+
+
+def _dla_check(args, plan: BuildPlan, text: str) -> dict:
+    """DLA placement of a finished DLA build and its verdict (``ok`` False fails the row)."""
+    placement = tp.parse_dla_placement(text)
+    res: dict[str, Any] = {"placement_found": bool(placement and placement["block_found"]),
+                           "ok": True, "warning": None, "min_fraction": args.dla_min_fraction}
+    if placement is None or not placement["block_found"]:
+        res["warning"] = ("the build log has no 'Layers Running on DLA' block (builder INFO "
+                          "messages missing?): DLA placement not checked")
+        if placement and placement["no_dla_layer"]:
+            res["warning"] = "TensorRT: no layer in the network can run on DLA"
+            res["fraction"] = 0.0
+        res["ok"] = args.dla_min_fraction is None
+        return res
+    nodes = [(n.name, n.op_type) for n in _load(plan.onnx).graph.node]
+    frac = tp.dla_fraction(placement, nodes)
+    res.update(fraction=frac["fraction"], dla_layers=frac["dla_nodes"],
+               gpu_layers=frac["gpu_nodes"], n_dla_subgraphs=frac["n_dla_subgraphs"],
+               n_gpu_layers=frac["n_gpu_layers"], unmatched=frac["unmatched"],
+               fallback_warnings=placement["fallback"])
+    f = frac["fraction"]
+    shown = "unknown" if f is None else f"{f:.0%}"
+    summary = (f"{len(frac['dla_nodes'])} layer(s) on DLA, {len(frac['gpu_nodes'])} on the GPU "
+               f"({shown} on DLA)")
+    res["summary"] = summary
+    if args.dla_min_fraction is not None:
+        res["ok"] = f is not None and f >= args.dla_min_fraction
+        if not res["ok"]:
+            res["warning"] = f"{summary}: below --dla-min-fraction {args.dla_min_fraction:.0%}"
+    elif f is None or f < tt.DLA_MIN_FRACTION_WARN:
+        res["warning"] = f"{summary}: below {tt.DLA_MIN_FRACTION_WARN:.0%}"
+    return res
+
+
+def _build_one(args, var: str, det: tt.Detected, jetson: dict | None) -> tuple[dict, bool]:
+    """Build one variant. Returns ``(record, unexpected_failure)``."""
+    started = time.time()
+    v = VARIANTS[var]
+    paths = tt.engine_paths(args.model, var)
+    plan = plan_variant(args, var, det.version, str(det.trtexec), build=True)
+    if plan.skip:
+        return _record(args, var, "skipped", plan.skip, started, [plan.source],
+                       detected=det.as_dict(), **plan.record()), False
+    plan = _prepare_inputs(args, plan, det.version, str(det.trtexec))
+    inputs = [plan.source] + ([plan.onnx] if plan.onnx != plan.source else [])
+    pid = os.getpid()
+    tmp_plan = paths["plan"].with_name(f".tmp-{pid}-{paths['plan'].name}")
+    tmp_layers = paths["layers"].with_name(f".tmp-{pid}-{paths['layers'].name}")
+    cmd = [a.replace(str(paths["plan"]), str(tmp_plan)).replace(str(paths["layers"]),
+                                                                  str(tmp_layers))
+           if a.startswith(("--saveEngine=", "--exportLayerInfo=")) else a for a in plan.cmd]
+    paths["plan"].parent.mkdir(parents=True, exist_ok=True)
+    for n in plan.notes:
+        print(f"[{var}] {n}", flush=True)
+    print(f"[{var}] {shlex.join(cmd)}", flush=True)
+    t0 = time.time()
+    with common.atomic_path(paths["log"]) as tmp_log:
+        with open(tmp_log, "w") as f:
+            f.write(f"# command: {shlex.join(cmd)}\n")
+            if det.loader_fix:
+                f.write(f"# LD_LIBRARY_PATH first entry (loader fix): {det.loader_fix}\n")
+            f.flush()
+            p = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=det.env)
+    build_s = time.time() - t0
+    text = paths["log"].read_text(errors="replace")
+    passed = p.returncode == 0 and "&&&& PASSED" in text and tmp_plan.exists()
+    fields: dict[str, Any] = {
+        **plan.record(), "command": shlex.join(cmd), "returncode": p.returncode,
+        "build_log": paths["log"], "build_wall_s": round(build_s, 2), "detected": det.as_dict(),
+        "jetson": jetson, "unknown_options": tp.parse_unknown_options(text),
+        "errors": tp.error_lines(text)}
+    if not passed:
+        for t in (tmp_plan, tmp_layers):
+            t.unlink(missing_ok=True)
+        if v.expected_failure:
+            reason = ("expected failure reproduced: the CLI-quantised INT4 model does not parse; "
+                      f"see {paths['log']}")
+            return _record(args, var, "failed", reason, started, inputs, reproduced=True,
+                           **fields), False
+        tail = "\n".join(text.splitlines()[-15:])
+        print(f"[{var}] FAILED (rc={p.returncode}); log {paths['log']}:\n{tail}", file=sys.stderr)
+        return _record(args, var, "failed", f"trtexec failed (rc={p.returncode}); see "
+                       f"{paths['log']}", started, inputs, **fields), True
+    os.replace(tmp_plan, paths["plan"])
+    if tmp_layers.exists():
+        os.replace(tmp_layers, paths["layers"])
+        summary = tp.parse_layer_info(paths["layers"].read_text())
+        fields["layer_info"] = tp.layer_summary(summary)
+        fields["layer_info_file"] = paths["layers"]
+    fields["trtexec_perf"] = tp.parse_performance_summary(text)
+    fields["trtexec_inference_shapes"] = tp.parse_inference_shapes(text)
+    fields["plan"] = paths["plan"]
+    fields["size_mb"] = common.file_size_mb(paths["plan"])
+    check = _verify_plan(paths["plan"], det)
+    fields["plan_check"] = check
+    if plan.dla_core is not None:
+        dla = _dla_check(args, plan, text)
+        fields["dla"] = dla
+        if dla["warning"]:
+            print(f"[{var}] DLA: {dla['warning']}", file=sys.stderr)
+        if not dla["ok"]:
+            return _record(args, var, "failed", f"DLA: {dla['warning']}", started, inputs,
+                           **fields), True
+    if v.expected_failure:
+        return _record(args, var, "ok", "expected the INT4 parse failure, but the build passed: "
+                       "the reproduction no longer reproduces", started, inputs, reproduced=False,
+                       **fields), False
+    if check["ok"] is False:
+        return _record(args, var, "failed", f"plan version check failed: {check['detail']}",
+                       started, inputs, **fields), True
+    print(f"[{var}] ok: {paths['plan']} ({fields['size_mb']:.2f} MB), plan check: "
+          f"{check['detail']}", flush=True)
+    return _record(args, var, "ok", None, started, inputs, **fields), False
+
+
+def main(args: argparse.Namespace) -> None:
+    """Build (or, with ``--dry-run``, print) the engines of the requested variants."""
+    started = time.time()
+    _check_args(args)
+    names = list(dict.fromkeys(args.variants)) or list(tt.DEFAULT_VARIANTS)
+    if args.dry_run:
+        _dry_run(args, names)
+        return
+    trtexec, how = tt.find_trtexec()
+    if trtexec is None:
+        reason = f"{how}; engines not built (set TRTEXEC=/path/to/trtexec on a GPU machine)"
+        print(f"{STAGE}: SKIPPED: {reason}")
+        for var in names:
+            src = tt.onnx_path(args.model, var)
+            why = reason if src.exists() else (
+                f"{src} missing (made by {VARIANTS[var].producer}); and {reason}")
+            path = _write(args, var, _record(args, var, "skipped", why, started))
+            print(f"  wrote {path}")
+        return
+    if args.variants:
+        for var in names:
+            common.require(tt.onnx_path(args.model, var), VARIANTS[var].producer)
+    else:
+        names = [v for v in names if tt.onnx_path(args.model, v).exists()]
+        if not names:
+            wanted = ", ".join(f"{tt.onnx_path(args.model, v)} ({VARIANTS[v].producer})"
+                               for v in tt.DEFAULT_VARIANTS)
+            raise StageError(f"no ONNX model to build; expected any of: {wanted}")
+    det, probs = tt.detect_with_loader_fix(trtexec)
+    print(f"{STAGE}: trtexec {trtexec} ({how}); " + json.dumps(det.as_dict()))
+    if det.loader_fix:
+        print(f"{STAGE}: versions agree with {det.loader_fix} first on LD_LIBRARY_PATH "
+              "(put it there in env.sh to make this permanent)")
+    if probs:
+        raise StageError("TensorRT versions disagree, refusing to build plans the runtime cannot "
+                         "load:\n  - " + "\n  - ".join(probs) +
+                         "\n  The loader-path fix (library folder of the Python runtime, "
+                         "<trtexec>/../lib, $TENSORRT_HOME/lib first on LD_LIBRARY_PATH; env.sh "
+                         "does this) did not help: install trtexec and the Python tensorrt "
+                         "package of the same version, or point TRTEXEC at the matching trtexec.")
+    if det.version is None:
+        raise StageError(f"cannot tell which TensorRT {trtexec} uses ({det.ldd})")
+    if det.python_runtime is None:
+        print(f"{STAGE}: warning: Python tensorrt not importable ({det.python_detail}); "
+              "7_trt_eval.py will skip", file=sys.stderr)
+    jetson = tt.jetson_info()
+    if args.dla_core is not None:
+        if jetson is None:
+            raise UsageError("--dla-core: DLA exists on Jetson (Xavier/Orin) only; this is not "
+                             "a Jetson")
+        why = tt.dla_unavailable(det.version)
+        if why:
+            raise UsageError(f"--dla-core: {why}")
+    for var in names:  # usage problems (shapes, flags) surface before anything is built
+        plan_variant(args, var, det.version, str(trtexec), build=False)
+    failed = []
+    for var in names:
+        try:
+            rec, bad_fail = _build_one(args, var, det, jetson)
+        except StageError as e:
+            rec, bad_fail = _record(args, var, "failed", str(e), started), True
+        path = _write(args, var, rec)
+        print(f"  {var}: {rec['status']}{': ' + rec['reason'] if rec['reason'] else ''} -> {path}")
+        if bad_fail:
+            failed.append(var)
+    if failed:
+        raise StageError(f"engine build failed for {', '.join(failed)} (logs in "
+                         f"{tt.engines_dir(args.model)})")
+
+
+if __name__ == "__main__":
+    common.cli(get_args_parser, main)

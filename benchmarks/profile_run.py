@@ -1,0 +1,78 @@
+#!/usr/bin/env python3
+"""Where a pipeline run spends its time: runs ``run_all.sh`` (any arguments) in a scratch
+ARTIFACTS/RESULTS, then prints the wall time of every stage and, inside stages 1, 3 and 5, of
+every step: each ModelOpt quantization, and for each results row its inference pass, latency
+loop and diagnostics (``timings_s`` of the row).
+
+Usage (project root, after ``source env.sh``):
+    python benchmarks/profile_run.py -- MODEL=efficientnet_lite0            # the default run
+    python benchmarks/profile_run.py --limit-run -- MODEL=efficientnet_lite0  # + --limit 32
+Arguments after ``--`` are VAR=value environment settings for the run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import common  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=common.HelpFormatter)
+    p.add_argument("--limit-run", action="store_true", help="profile `run_all.sh --limit 32`")
+    p.add_argument("--keep", type=Path, default=None,
+                   help="scratch folder to use and keep (default: a temporary one)")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/profile_run.json"),
+                   help="JSON output")
+    p.add_argument("env", nargs="*", help="VAR=value settings for the run (after --)")
+    args = p.parse_args()
+    scratch = args.keep or Path(tempfile.mkdtemp(prefix="profile-"))
+    env = dict(os.environ, ARTIFACTS=str(scratch / "artifacts"), RESULTS=str(scratch / "results"))
+    env.update(kv.split("=", 1) for kv in args.env)
+    cmd = ["bash", "run_all.sh"] + (["--limit", "32"] if args.limit_run else [])
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    total = time.perf_counter() - t0
+    log = proc.stdout + proc.stderr
+    if proc.returncode:
+        sys.exit(f"run_all.sh failed (rc={proc.returncode}):\n{log[-3000:]}")
+    stages = {int(m.group(1)): float(m.group(2))
+              for m in re.finditer(r"^Stage (\d): finished \[elapsed=([\d.]+)s\]", log, re.M)}
+    quant = {m.group(1): float(m.group(2))
+             for m in re.finditer(r"finished (\S+) \[elapsed=([\d.]+)s\]", log)}
+    res_root = Path(env["RESULTS"])
+    rows = {}
+    for f in sorted(res_root.rglob("*.json")):
+        try:
+            r = json.loads(f.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if isinstance(r, dict) and r.get("timings_s"):
+            rows[r["tag"]] = r["timings_s"]
+    out = {"machine": common.device_info(), "date_utc": time.strftime("%Y-%m-%d"),
+           "command": " ".join(args.env + cmd), "total_s": round(total, 1), "stages_s": stages,
+           "modelopt_s": quant, "rows_s": rows, "load_average": os.getloadavg()}
+    common.write_json(args.out, out)
+    print(f"{' '.join(args.env + cmd)}: {total:.0f} s in all (load average "
+          f"{os.getloadavg()[0]:.1f} at the end)")
+    for k, v in sorted(stages.items()):
+        print(f"  stage {k}: {v:6.0f} s")
+    for k, v in quant.items():
+        print(f"    ModelOpt {k}: {v:.1f} s")
+    for tag, t in rows.items():
+        print(f"    {tag}: " + ", ".join(f"{k} {v:.1f} s" for k, v in t.items()))
+    print(f"-> {args.out}")
+
+
+if __name__ == "__main__":
+    main()

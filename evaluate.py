@@ -1,0 +1,305 @@
+"""One evaluation path for every backend (stages 1, 3 and 7): batched inference on the evaluation
+data, top-1/top-5, parity with the PyTorch reference, latency, and one results-row schema.
+
+A stage builds a runner (:mod:`runners`) and the data it is judged on (:func:`classifier_data`
+or :func:`custom_data`), then calls :func:`evaluate`, which writes the row. Diagnostics
+(backend cross-checks, layer-wise comparisons) run after the row is written, through
+:func:`diagnose`, and can never turn a good row into a failed one.
+
+Row schema (``results/<model>/<tag>.json``; every field present, None when it does not apply)::
+
+    stage, backend, precision, model, tag, variant, status ("ok"/"skipped"/"failed"), reason,
+    device ("cpu"/"cuda"), device_name, device_index, ep_requested, ep_used, cpu_fallback,
+    runtime (runner.describe(): versions, TF32 state, provider options, engine profile),
+    n_images, batch_size, preprocessing {resize, crop, interpolation, mean, std},
+    accuracy {top1, top5} (%), reason_accuracy, parity {cosine_mean, cosine_min,
+    top1_agreement (%), max_abs_err, mean_abs_err}, parity_outputs {output: parity},
+    latency {batch, warmup, iters, end_to_end_ms {p50_ms, p90_ms, p99_ms, mean_ms, min_ms,
+    max_ms, fps}, end_to_end_timer, gpu_compute_ms {...} or None, gpu_compute_timer},
+    latency_batch (same block at --latency-batch when it is not 1), harness_overhead_ms,
+    size_mb, diagnostics {name: result}, timings_s {inference, latency, diagnostic:<name>},
+    provenance.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+import common
+import runners
+
+
+@dataclasses.dataclass
+class EvalData:
+    """The inputs a row is judged on and the reference to compare with.
+
+    Classifier data (``x_u8`` set): uint8 images ``[N, 3, H, W]``, int64 labels ``y`` ``[N]``,
+    their ``files``, normalisation ``mean``/``std``, fed as ``input_name``; ``ref`` holds the
+    reference logits float32 ``[N, C]`` (None for the reference run itself); ``preprocessing``
+    the resize/crop/interpolation/mean/std recorded in the row.
+    Feed data (``feed`` set, custom models): ``{input name: array}`` with the batch on axis 0;
+    ``ref`` is ``{output name: array}`` or None.
+    """
+
+    x_u8: np.ndarray | None = None
+    y: np.ndarray | None = None
+    files: list[str] | None = None
+    mean: tuple = ()
+    std: tuple = ()
+    input_name: str = "input"
+    feed: dict[str, np.ndarray] | None = None
+    ref: Any = None
+    preprocessing: dict | None = None
+
+    @property
+    def classifier(self) -> bool:
+        return self.x_u8 is not None
+
+    def __len__(self) -> int:
+        return len(self.x_u8) if self.classifier else len(next(iter(self.feed.values())))
+
+    def batch(self, idx: np.ndarray) -> dict[str, np.ndarray]:
+        """The feed for sample indices ``idx`` (normalised here, outside any timed region)."""
+        if self.classifier:
+            return {self.input_name: common.normalize(self.x_u8[idx], self.mean, self.std)}
+        return {k: v[idx] for k, v in self.feed.items()}
+
+
+def classifier_data(spec: common.ModelSpec, limit: int | None = None,
+                    ref_path: Path | None = None, input_name: str = "input") -> EvalData:
+    """Evaluation split of ``spec``'s preprocessing, with the reference logits aligned by file.
+
+    Args:
+        ref_path: ``ref_logits.npz`` (None: no reference, e.g. stage 1).
+    Raises:
+        StageError: missing split/cache, or the reference does not cover every evaluated image
+            (the message says which rerun fixes it).
+    """
+    x, y, files = common.load_split("eval", spec, limit)
+    ref = aligned_reference(ref_path, files, limit) if ref_path is not None else None
+    return EvalData(x_u8=x, y=y, files=files, mean=spec.mean, std=spec.std,
+                    input_name=input_name, ref=ref,
+                    preprocessing=spec.preprocessing() | {"mean": spec.mean, "std": spec.std})
+
+
+def custom_data(ref_path: Path) -> EvalData:
+    """Inputs and reference outputs of a custom model from ``ref_outputs.npz`` (stage 1):
+    keys ``in:<input name>`` and ``out:<output name>``."""
+    with np.load(common.require(ref_path, "1_pytorch_baseline.py --input-shape ...")) as z:
+        feed = {k[3:]: z[k] for k in z.files if k.startswith("in:")}
+        ref = {k[4:]: z[k] for k in z.files if k.startswith("out:")}
+    return EvalData(feed=feed, ref=ref)
+
+
+def aligned_reference(ref_path: Path, files: list[str], limit: int | None) -> np.ndarray:
+    """Reference logits ``[N, C]`` for the eval ``files`` (:func:`common.align_reference`).
+
+    Raises:
+        StageError: the reference does not cover every file (stage 1 ran with a smaller
+            ``--limit`` or on another split); the message says which rerun fixes it.
+    """
+    logits, mask = common.align_reference(ref_path, files)
+    if not mask.all():
+        with np.load(ref_path) as z:
+            n_ref = len(z["files"])
+        hint = (f"pass --limit {n_ref} (or less), or rerun 1_pytorch_baseline.py "
+                "without --limit" if n_ref < len(files) else
+                "rerun 1_pytorch_baseline.py after 0_prepare_data.py")
+        raise common.StageError(
+            f"{ref_path} covers {n_ref} eval images but {int((~mask).sum())} of the "
+            f"{len(files)} asked for (--limit {limit}) are not among them: {hint}")
+    return logits
+
+
+def batch_plan(n: int, batch: int, batch_range: tuple[int, int | None]) -> tuple[int, int]:
+    """Batch size to run ``n`` samples with, given the largest wanted ``batch`` and the model's
+    accepted ``(min, max)`` batch range.
+
+    Returns:
+        ``(batch, fixed)``: the chunk size, and ``fixed`` = the static batch (min == max) the
+        last chunk must be padded to, or 0 when chunks may be smaller.
+    """
+    lo, hi = batch_range
+    b = min(batch, hi) if hi else batch
+    b = max(b, lo)
+    return b, (b if hi is not None and lo == hi else 0)
+
+
+def run_outputs(runner: runners.Runner, data: EvalData, batch: int,
+                progress: str | None = None) -> dict[str, np.ndarray]:
+    """Every output of ``runner`` over all samples of ``data``, in batches that respect the
+    model's accepted batch range (a static batch is padded by repeating the last sample and the
+    padding dropped from the outputs).
+
+    Returns:
+        ``{output name: array [N, ...]}``.
+    """
+    from tqdm import tqdm
+
+    n = len(data)
+    b, fixed = batch_plan(n, batch, runner.batch_range)
+    parts: dict[str, list[np.ndarray]] = {}
+    for i in tqdm(range(0, n, b), desc=progress or "infer", file=sys.stderr, disable=None,
+                  mininterval=2, leave=False):
+        idx = np.arange(i, min(i + b, n))
+        real = len(idx)
+        if fixed and real < fixed:
+            idx = np.concatenate([idx, np.full(fixed - real, idx[-1])])
+        for k, v in runner.infer(data.batch(idx)).items():
+            parts.setdefault(k, []).append(np.asarray(v)[:real] if np.ndim(v) else np.asarray(v))
+    return {k: np.concatenate(v) if v[0].ndim else v[0] for k, v in parts.items()}
+
+
+def latency(runner: runners.Runner, data: EvalData, batch: int, warmup: int, iters: int
+            ) -> dict:
+    """The ``latency`` block (:meth:`runners.Timing.stats`) at ``batch``, on the first
+    ``batch`` samples of ``data`` (repeated when there are fewer).
+
+    Raises:
+        UsageError: ``batch`` is outside the batch sizes the model accepts.
+    """
+    lo, hi = runner.batch_range
+    if batch < lo or (hi is not None and batch > hi):
+        raise common.UsageError(f"--latency-batch {batch}: the model accepts batch {lo}.."
+                                f"{hi if hi is not None else 'any'}")
+    feed = data.batch(np.arange(batch) % len(data))
+    return runner.time(feed, warmup, iters).stats(batch, warmup)
+
+
+def score(data: EvalData, outputs: dict[str, np.ndarray]) -> dict:
+    """Accuracy and parity fields of a row (pure function of saved outputs).
+
+    Returns:
+        ``{"n_images", "accuracy", "reason_accuracy", "parity", "parity_outputs"}``.
+    """
+    first = next(iter(outputs.values()))
+    out: dict[str, Any] = {"n_images": len(data), "accuracy": None, "reason_accuracy": None,
+                           "parity": None, "parity_outputs": None}
+    if data.classifier:
+        out["accuracy"] = common.topk_accuracy(first, data.y)
+        if data.ref is not None:
+            out["parity"] = common.parity(data.ref, first)
+    else:
+        out["reason_accuracy"] = "not an ImageNet classifier"
+        if data.ref is not None:
+            out["parity_outputs"] = {name: common.parity(ref, o) for (name, ref), o
+                                     in zip(data.ref.items(), outputs.values())}
+            out["parity"] = next(iter(out["parity_outputs"].values()))
+    return out
+
+
+def base_record(stage: str, precision: str, model: str, tag: str, runner_desc: dict | None = None,
+                backend: str | None = None, status: str = "ok", reason: str | None = None,
+                **fields) -> dict:
+    """A row with every schema field (see the module docstring), filled from ``runner_desc``
+    (:meth:`runners.Runner.describe`) and ``fields``."""
+    d = dict(runner_desc or {})
+    rec = common.result_record(stage, backend or d.get("backend", "?"), precision, model, tag,
+                               status=status, reason=reason)
+    rec.update({"variant": None, "device": d.get("device"), "device_name": d.get("device_name"),
+                "device_index": d.get("device_index"), "ep_requested": d.get("ep_requested"),
+                "ep_used": d.get("ep_used"), "cpu_fallback": d.get("cpu_fallback"),
+                "runtime": d or None, "n_images": None, "batch_size": None,
+                "preprocessing": None, "accuracy": None, "reason_accuracy": None,
+                "parity": None, "parity_outputs": None, "latency": None, "latency_batch": None,
+                "harness_overhead_ms": None, "size_mb": None, "diagnostics": {},
+                "timings_s": {}})
+    rec.update(fields)
+    return rec
+
+
+def evaluate(runner: runners.Runner, data: EvalData, *, stage: str, precision: str, model: str,
+             tag: str, args: Any, started: float, inputs: list = (), batch_size: int = 64,
+             latency_batch: int = 1, warmup: int = 20, iters: int = 200,
+             write: bool = True, **fields) -> tuple[dict, dict[str, np.ndarray]]:
+    """Run ``data`` through ``runner``, score it, time it, and write the row.
+
+    Args:
+        stage: script name (``3_onnx_eval``). precision: row label. tag: row id.
+        args / started / inputs: for the row's provenance (parsed arguments, start time,
+            input files to hash).
+        batch_size: largest batch of the accuracy pass. latency_batch: batch of the second
+            latency measurement (batch 1 is always measured).
+        write: write ``results/<model>/<tag>.json`` (False: the caller writes it).
+        fields: extra row fields (``variant``, ``size_mb``, ``preprocessing``, ...).
+    Returns:
+        ``(record, outputs)`` with ``outputs`` every model output over all samples.
+    """
+    desc = runner.describe()
+    t0 = time.perf_counter()
+    outputs = run_outputs(runner, data, batch_size, progress=f"{tag}")
+    t1 = time.perf_counter()
+    b, _ = batch_plan(len(data), batch_size, runner.batch_range)
+    rec = base_record(stage, precision, model, tag, desc, batch_size=b,
+                      preprocessing=data.preprocessing, **score(data, outputs))
+    lat1 = 1 if runner.batch_range[0] <= 1 else runner.batch_range[0]
+    rec["latency"] = latency(runner, data, lat1, warmup, iters)
+    if latency_batch != lat1:
+        rec["latency_batch"] = latency(runner, data, latency_batch, warmup, iters)
+    rec["harness_overhead_ms"] = runners.harness_overhead_ms()
+    # Where the stage's time went (s), for benchmarks/profile_run.py.
+    rec["timings_s"] = {"inference": round(t1 - t0, 3),
+                        "latency": round(time.perf_counter() - t1, 3)}
+    rec.update(fields)
+    rec["provenance"] = common.provenance(args, inputs, started,
+                                          f"cuda:{desc.get('device_index') or 0}"
+                                          if desc.get("device") == "cuda" else None)
+    if write:
+        common.write_result(model, tag, rec)
+    return rec, outputs
+
+
+def diagnose(rec: dict, name: str, fn: Callable[[], dict]) -> dict | None:
+    """Run the diagnostic ``fn`` after the row was written, store its result under
+    ``rec["diagnostics"][name]`` and rewrite the row; the row's status never changes. An error
+    in the diagnostic is recorded there (and printed), never raised.
+
+    Returns:
+        the diagnostic's result, or None when it failed.
+    """
+    t0 = time.perf_counter()
+    try:
+        res = fn()
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:  # noqa: BLE001 - a diagnostic must never fail the row
+        msg = f"{type(e).__name__}: {e}"
+        print(f"WARNING: diagnostic {name} of {rec['tag']} failed (the row stays "
+              f"{rec['status']}): {msg}", file=sys.stderr)
+        rec.setdefault("diagnostics", {})[name] = {"status": "error", "error": msg}
+        res = None
+    else:
+        rec.setdefault("diagnostics", {})[name] = res
+    rec.setdefault("timings_s", {})[f"diagnostic:{name}"] = round(time.perf_counter() - t0, 3)
+    common.write_result(rec["model"], rec["tag"], rec)
+    return res
+
+
+def primary_latency(rec: dict) -> dict:
+    """The batch-1 end-to-end latency stats of a row (``{}`` when it has none)."""
+    lat = rec.get("latency") or {}
+    return lat.get("end_to_end_ms") or {}
+
+
+def summary_line(rec: dict) -> str:
+    """One console line: backend, precision, EP, accuracy/parity and batch-1 p50."""
+    acc, par = rec.get("accuracy"), rec.get("parity") or {}
+    bits = [f"{rec['backend']} {rec['precision']} ({rec.get('ep_used') or rec.get('device')})"]
+    if acc:
+        bits.append(f"top-1 {acc['top1']:.2f}% top-5 {acc['top5']:.2f}% on {rec['n_images']} "
+                    "images")
+    if par:
+        bits.append(f"cosine {par['cosine_mean']:.5f}" + (
+            f" top-1 agreement {par['top1_agreement']:.1f}%" if "top1_agreement" in par else ""))
+    p50 = primary_latency(rec).get("p50_ms")
+    if p50 is not None:
+        bits.append(f"batch-1 p50 {p50:.3f} ms")
+    gpu = ((rec.get("latency") or {}).get("gpu_compute_ms") or {}).get("p50_ms")
+    if gpu is not None:
+        bits.append(f"GPU compute p50 {gpu:.3f} ms")
+    return ", ".join(bits)

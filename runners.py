@@ -1,0 +1,704 @@
+"""Backend runners: one interface for PyTorch, ONNX Runtime, TensorRT and a null backend.
+
+Every stage and tool that runs a model goes through these classes (after Polygraphy's
+``BaseRunner`` and timm's ``benchmark.py``):
+
+- a context manager: ``with OrtRunner(path) as r: ...``;
+- ``infer(feed) -> {output name: np.ndarray}``: ``feed`` maps input names to host arrays with the
+  batch on axis 0; outputs come back on the host (floating outputs as float32);
+- ``time(feed, warmup, iters) -> Timing``: the runner's own timer (``time.perf_counter`` around
+  a host call on the CPU, plus CUDA events around the GPU work on a GPU); preprocessing is never
+  inside the timed region;
+- ``describe() -> dict``: backend, device, the EP or engine really used, versions, TF32 state;
+- ``input_names`` / ``output_names``; ``batch_range``: the batch sizes the model accepts.
+
+Terms (trtexec's): *end-to-end* latency is host wall-clock from host inputs to host outputs
+(H2D copy + compute + D2H copy + synchronisation); *GPU Compute Time* is the device time of the
+work alone, from CUDA events. Units: milliseconds (ms).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from common import StageError, UsageError, latency_stats
+
+
+# --------------------------------------------------------------------------------------------
+# Timing
+# --------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Timing:
+    """Per-iteration latencies of one timed loop.
+
+    Attributes:
+        end_to_end_ms: host wall-clock per iteration (ms), always measured.
+        gpu_compute_ms: CUDA-event time per iteration (ms), GPU runners only, else None.
+        end_to_end_timer / gpu_compute_timer: how each was measured (for the results row).
+        extra: further figures of the same work on a GPU, ``{name: (times_ms or None, timer
+            or the reason it could not be measured)}``, e.g. ``cuda_graph`` (graph replay),
+            ``device_buffers`` (ORT I/O binding on device buffers), ``compile``
+            (``torch.compile``).
+    """
+
+    end_to_end_ms: list[float]
+    end_to_end_timer: str
+    gpu_compute_ms: list[float] | None = None
+    gpu_compute_timer: str | None = None
+    extra: dict[str, tuple[list[float] | None, str]] = dataclasses.field(default_factory=dict)
+
+    def stats(self, batch: int, warmup: int) -> dict:
+        """The ``latency`` block of a results row: ``{"batch", "warmup", "iters",
+        "end_to_end_ms": latency_stats, "end_to_end_timer", "gpu_compute_ms": latency_stats or
+        None, "gpu_compute_timer"}`` plus ``"<name>_ms"`` and ``"<name>_timer"`` (or
+        ``"<name>_error"``) for each extra figure."""
+        out = {"batch": batch, "warmup": warmup, "iters": len(self.end_to_end_ms),
+               "end_to_end_ms": latency_stats(self.end_to_end_ms, batch),
+               "end_to_end_timer": self.end_to_end_timer,
+               "gpu_compute_ms": (latency_stats(self.gpu_compute_ms, batch)
+                                  if self.gpu_compute_ms else None),
+               "gpu_compute_timer": self.gpu_compute_timer}
+        for name, (times, how) in self.extra.items():
+            out[f"{name}_ms"] = latency_stats(times, batch) if times else None
+            out[f"{name}_timer" if times else f"{name}_error"] = how
+        return out
+
+
+def try_extra(timing: Timing, name: str, fn: Callable[[], tuple[list[float], str]]) -> None:
+    """Measure an extra figure into ``timing.extra[name]``; a failure (a model that cannot be
+    captured in a CUDA graph, say) is recorded with its reason instead of raised."""
+    try:
+        timing.extra[name] = fn()
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:  # noqa: BLE001 - any capture/compile failure is a recorded finding
+        timing.extra[name] = (None, f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+
+
+# Time budget of one timed loop: it stops after ``iters`` iterations or this many seconds,
+# whichever comes first, but never before MIN_ITERS iterations (MLPerf's LoadGen bounds a run
+# the same way, by a minimum query count and a minimum duration). A 400 ms INT8 model on a busy
+# 2-core CPU would otherwise spend 80 s on 200 iterations; the row records how many ran.
+MAX_SECONDS = 10.0
+MIN_ITERS = 20
+
+
+def wall_loop(fn: Callable[[], Any], warmup: int, iters: int,
+              sync: Callable[[], None] | None = None,
+              max_seconds: float | None = None) -> list[float]:
+    """Wall-clock latency (ms) of ``fn()``: ``warmup`` untimed calls, then up to ``iters`` timed
+    ones with ``time.perf_counter`` (fewer once ``max_seconds``, default :data:`MAX_SECONDS`, has
+    passed, but at least ``min(iters, MIN_ITERS)``); ``sync()`` (a device synchronisation) runs
+    before each timestamp so asynchronous work is counted."""
+    budget = MAX_SECONDS if max_seconds is None else max_seconds
+    for _ in range(warmup):
+        fn()
+    if sync:
+        sync()
+    times: list[float] = []
+    start = time.perf_counter()
+    for i in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        if sync:
+            sync()
+        t1 = time.perf_counter()
+        times.append((t1 - t0) * 1e3)
+        if i + 1 >= MIN_ITERS and t1 - start > budget:
+            break
+    return times
+
+
+def cuda_event_loop(fn: Callable[[], Any], warmup: int, iters: int, stream=None) -> list[float]:
+    """Device time (ms) of the work ``fn()`` enqueues on ``stream`` (default: the current torch
+    stream), from a pair of CUDA events per iteration, after ``warmup`` untimed calls; the same
+    iteration/time bounds as :func:`wall_loop`."""
+    import torch
+
+    stream = stream or torch.cuda.current_stream()
+    for _ in range(warmup):
+        fn()
+    stream.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times: list[float] = []
+    t_start = time.perf_counter()
+    for i in range(iters):
+        start.record(stream)
+        fn()
+        end.record(stream)
+        end.synchronize()
+        times.append(float(start.elapsed_time(end)))
+        if i + 1 >= MIN_ITERS and time.perf_counter() - t_start > MAX_SECONDS:
+            break
+    return times
+
+
+# --------------------------------------------------------------------------------------------
+# Interface
+# --------------------------------------------------------------------------------------------
+class Runner:
+    """Base class: a model on one backend. Subclasses set ``input_names``/``output_names`` and
+    implement :meth:`infer`, :meth:`time` and :meth:`describe`."""
+
+    backend = "?"
+    input_names: list[str] = []
+    output_names: list[str] = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def close(self) -> None:
+        """Release the backend's resources (idempotent)."""
+
+    @property
+    def batch_range(self) -> tuple[int, int | None]:
+        """``(min, max)`` batch size the model accepts; ``max`` None = unbounded. A static batch
+        B gives ``(B, B)``."""
+        return 1, None
+
+    def infer(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run one batch.
+
+        Args:
+            feed: ``{input name: array}``, batch on axis 0, dtypes as the model declares.
+        Returns:
+            ``{output name: host array}``, floating outputs as float32.
+        """
+        raise NotImplementedError
+
+    def time(self, feed: dict[str, np.ndarray], warmup: int, iters: int) -> Timing:
+        """Latency of :meth:`infer`-equivalent work on ``feed`` (see :class:`Timing`)."""
+        return Timing(wall_loop(lambda: self.infer(feed), warmup, iters),
+                      "time.perf_counter around infer() (host arrays in and out)")
+
+    def describe(self) -> dict:
+        """What really ran: ``{"backend", "device" ("cpu"/"cuda"), "device_name", "ep_requested",
+        "ep_used", "cpu_fallback", "versions", "tf32", ...}``."""
+        raise NotImplementedError
+
+
+class NullRunner(Runner):
+    """A backend that does nothing: its :meth:`time` is the harness's own cost (MLPerf's "null
+    backend" idea); latencies within a few times it are not meaningful."""
+
+    backend = "null"
+
+    def infer(self, feed):
+        return {}
+
+    def time(self, feed, warmup, iters):
+        return Timing(wall_loop(lambda: None, warmup, iters), "time.perf_counter around a no-op")
+
+    def describe(self):
+        return {"backend": self.backend, "device": "cpu"}
+
+
+def harness_overhead_ms(iters: int = 200) -> float:
+    """Median cost (ms) of the timing loop itself (:class:`NullRunner`)."""
+    return float(np.median(NullRunner().time({}, 10, iters).end_to_end_ms))
+
+
+def _host_name() -> str:
+    from common import device_info
+
+    return device_info()["cpu"]
+
+
+# --------------------------------------------------------------------------------------------
+# PyTorch
+# --------------------------------------------------------------------------------------------
+class TorchRunner(Runner):
+    """PyTorch eager runner.
+
+    Args:
+        model: ``torch.nn.Module`` (moved to ``device``, eval mode).
+        device: ``cpu`` or ``cuda[:i]``.
+        output_names: names of the model's outputs (one tensor or a tuple); other counts get
+            ``output_<i>``.
+        input_names: names of ``forward()``'s arguments, in order (feeds are passed
+            positionally in this order).
+        dtype: ``fp32``, or ``fp16`` (``model.half()``, floating inputs cast to float16 on the
+            device; CUDA only).
+        tf32: on CUDA, allow TF32 in matmul/cuDNN convolutions (PyTorch's own default leaves
+            matmul TF32 off and cuDNN TF32 on); False = strict FP32.
+        compile: also time ``torch.compile(model)`` (extra figure ``compile``).
+    Raises:
+        StageError: ``device`` is CUDA and torch sees no GPU.
+        UsageError: ``fp16`` on the CPU.
+    """
+
+    backend = "PyTorch"
+
+    def __init__(self, model, device: str = "cpu", output_names: Sequence[str] = ("logits",),
+                 input_names: Sequence[str] = ("input",), dtype: str = "fp32",
+                 tf32: bool | None = None, compile: bool = False):
+        import torch
+
+        self.torch = torch
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise StageError(f"device {device}: torch {torch.__version__} sees no CUDA GPU; "
+                             "use --device cpu")
+        if dtype not in ("fp32", "fp16"):
+            raise UsageError(f"dtype {dtype}: choose fp32 or fp16")
+        if dtype == "fp16" and not device.startswith("cuda"):
+            raise UsageError("FP16 PyTorch runs on CUDA only (CPU half kernels are slow and "
+                             "partial): use --device cuda")
+        self.device = torch.device(device)
+        self.dtype = dtype
+        if self.device.type == "cuda" and tf32 is not None:
+            torch.backends.cuda.matmul.allow_tf32 = bool(tf32)
+            torch.backends.cudnn.allow_tf32 = bool(tf32)
+        self.model = model.to(self.device).eval()
+        if dtype == "fp16":
+            self.model = self.model.half()
+        self.compile = compile
+        self.output_names = list(output_names)
+        self.input_names = list(input_names)
+
+    def sync(self) -> None:
+        """Wait for the device (no-op on the CPU)."""
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize(self.device)
+
+    def _args(self, feed: dict[str, np.ndarray]) -> list:
+        names = [n for n in self.input_names if n in feed] or list(feed)
+        if len(names) != len(feed):
+            names = list(feed)
+        out = []
+        for n in names:
+            t = self.torch.from_numpy(np.ascontiguousarray(feed[n])).to(self.device)
+            if self.dtype == "fp16" and t.is_floating_point():
+                t = t.half()
+            out.append(t)
+        return out
+
+    def _forward(self, args, model=None):
+        with self.torch.inference_mode():
+            # not ``model or self.model``: truth-testing a module calls __len__ (Sequential)
+            return (self.model if model is None else model)(*args)
+
+    def infer(self, feed):
+        out = self._forward(self._args(feed))
+        outs = out if isinstance(out, (tuple, list)) else [out]
+        names = self.output_names if len(self.output_names) == len(outs) else [
+            f"output_{i}" for i in range(len(outs))]
+        return {n: o.float().cpu().numpy() if o.is_floating_point() else o.cpu().numpy()
+                for n, o in zip(names, outs)}
+
+    def time(self, feed, warmup, iters):
+        """Inputs are copied to the device once, outside the timed region; end-to-end is the
+        wall-clock of ``forward()`` with a device sync (on CUDA this is launch overhead plus
+        GPU time), GPU Compute Time the CUDA-event time of the same call. On CUDA also the
+        replay of a CUDA graph of ``forward()`` (extra ``cuda_graph``: no launch overhead) and,
+        with ``compile``, ``torch.compile``'s module (extra ``compile``)."""
+        args = self._args(feed)
+        cuda = self.device.type == "cuda"
+        wall = wall_loop(lambda: self._forward(args), warmup, iters, self.sync if cuda else None)
+        t = Timing(wall, "time.perf_counter around forward() on device-resident inputs"
+                   + (" + torch.cuda.synchronize" if cuda else ""))
+        if cuda:
+            t.gpu_compute_ms = cuda_event_loop(lambda: self._forward(args), warmup, iters)
+            t.gpu_compute_timer = "torch.cuda.Event pair around forward()"
+            try_extra(t, "cuda_graph", lambda: self._time_graph(args, warmup, iters))
+        if self.compile:
+            try_extra(t, "compile", lambda: self._time_compiled(args, warmup, iters))
+        return t
+
+    def _time_graph(self, args, warmup: int, iters: int) -> tuple[list[float], str]:
+        torch = self.torch
+        static = [a.clone() for a in args]
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # warm-up on a side stream before capture (PyTorch docs)
+            for _ in range(3):
+                self._forward(static)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._forward(static)
+        times = cuda_event_loop(graph.replay, warmup, iters)
+        return times, "torch.cuda.Event pair around torch.cuda.CUDAGraph.replay() of forward()"
+
+    def _time_compiled(self, args, warmup: int, iters: int) -> tuple[list[float], str]:
+        compiled = self.torch.compile(self.model)
+        for _ in range(3):  # compilation happens here, outside the timed loop
+            self._forward(args, compiled)
+        self.sync()
+        cuda = self.device.type == "cuda"
+        if cuda:
+            return (cuda_event_loop(lambda: self._forward(args, compiled), warmup, iters),
+                    "torch.cuda.Event pair around torch.compile(model)(...)")
+        return (wall_loop(lambda: self._forward(args, compiled), warmup, iters),
+                "time.perf_counter around torch.compile(model)(...)")
+
+    def describe(self):
+        torch = self.torch
+        d: dict[str, Any] = {"backend": self.backend, "device": self.device.type,
+                             "device_index": self.device.index, "ep_requested": None,
+                             "ep_used": None, "cpu_fallback": None, "dtype": self.dtype,
+                             "versions": {"torch": torch.__version__}}
+        if self.device.type == "cuda":
+            d["device_name"] = torch.cuda.get_device_name(self.device)
+            d["versions"]["cuda"] = torch.version.cuda
+            d["tf32"] = {"torch.backends.cuda.matmul.allow_tf32":
+                         bool(torch.backends.cuda.matmul.allow_tf32),
+                         "torch.backends.cudnn.allow_tf32": bool(torch.backends.cudnn.allow_tf32)}
+        else:
+            d["device_name"] = _host_name()
+            d["threads"] = torch.get_num_threads()
+        return d
+
+
+# --------------------------------------------------------------------------------------------
+# ONNX Runtime
+# --------------------------------------------------------------------------------------------
+ORT_EPS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider",
+           "trt": "TensorrtExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
+
+
+def ort_session_options(level: str = "all", threads: int = 0):
+    """``onnxruntime.SessionOptions`` with a named graph-optimisation level
+    (``disable``/``basic``/``extended``/``all``) and intra-op threads (0 = ORT default)."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = {
+        "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+        "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+        "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}[level]
+    if threads:
+        so.intra_op_num_threads = threads
+    so.log_severity_level = 3
+    return so
+
+
+class OrtRunner(Runner):
+    """ONNX Runtime runner that records the execution provider (EP) it really uses.
+
+    Args:
+        path: ONNX file, or serialized model bytes.
+        ep: ``cpu``, ``cuda`` or ``trt`` (the EP asked for; CPU is always appended as fallback
+            for unsupported nodes, as ORT does).
+        allow_cpu_fallback: if False and the session's first EP is not the requested one, raise.
+        opt_level / disabled_optimizers: passed to the session (see :func:`ort_session_options`).
+        threads: intra-op threads (0 = ORT's default).
+        tf32: CUDA EP ``use_tf32`` (None: ORT's default). device_id: CUDA device.
+        session_config: ``SessionOptions.add_session_config_entry`` pairs, e.g.
+            ``{"session.x64quantprecision": "1"}``.
+    Raises:
+        UsageError: unknown ``ep``.
+        StageError: the requested EP is not used and CPU fallback is not allowed (the message
+            gives the reason: EP not in this onnxruntime build, or failed to load), or ORT cannot
+            load the model.
+    """
+
+    backend = "ORT"
+
+    def __init__(self, path: Path | str | bytes, ep: str = "cpu", allow_cpu_fallback: bool = False,
+                 opt_level: str = "all", disabled_optimizers: Sequence[str] = (),
+                 threads: int = 0, tf32: bool | None = None, device_id: int = 0,
+                 session_config: dict[str, str] | None = None):
+        if ep not in ORT_EPS:
+            raise UsageError(f"--ep {ep}: choose one of {sorted(set(ORT_EPS))}")
+        if ep != "cpu":
+            # onnxruntime-gpu finds the CUDA/cuDNN libraries that torch's wheels carry once
+            # torch is imported (ORT docs, "Compatibility with PyTorch"); harmless otherwise.
+            try:
+                import torch  # noqa: F401
+            except ImportError:
+                pass
+        import onnxruntime as ort
+
+        self.ort = ort
+        self.device_id = device_id
+        self.path = path if isinstance(path, bytes) else Path(path)
+        self.label = "<in-memory model>" if isinstance(path, bytes) else str(self.path)
+        self.requested = ORT_EPS[ep]
+        self.opt_level, self.disabled_optimizers = opt_level, list(disabled_optimizers)
+        self.session_config = dict(session_config or {})
+        available = ort.get_available_providers()
+        providers = [self.requested] + (["CPUExecutionProvider"]
+                                        if self.requested != "CPUExecutionProvider" else [])
+        self.fallback_reason = None
+        if self.requested not in available:
+            self.fallback_reason = (f"{self.requested} is not in this onnxruntime build "
+                                    f"({ort.__version__}, available: {available}); install "
+                                    "onnxruntime-gpu instead of onnxruntime for CUDA/TensorRT")
+            providers = ["CPUExecutionProvider"]
+            if not allow_cpu_fallback:
+                raise StageError(self.fallback_reason + " (or pass --allow-cpu-fallback)")
+        self.threads = threads
+        # GPU EP options: the device, and TF32 (CUDA EP ``use_tf32``, on by default in ORT's
+        # CUDA EP; "0" makes FP32 convolutions/matmuls strict FP32).
+        self.gpu_options: dict[str, str] = {}
+        if self.requested == "CUDAExecutionProvider" and providers[0] == self.requested:
+            self.gpu_options = {"device_id": str(device_id)}
+            if tf32 is not None:
+                self.gpu_options["use_tf32"] = "1" if tf32 else "0"
+        self.session = self._session(providers)
+        self.used = self.session.get_providers()[0]
+        if self.used != self.requested and self.fallback_reason is None:
+            self.fallback_reason = (f"{self.requested} failed to initialise (missing CUDA/cuDNN "
+                                    "libraries on the loader path? source env.sh), session "
+                                    f"runs on {self.used}")
+            if not allow_cpu_fallback:
+                raise StageError(self.fallback_reason + " (or pass --allow-cpu-fallback)")
+        self.inputs = self.session.get_inputs()
+        self.input_names = [i.name for i in self.inputs]
+        self.output_names = [o.name for o in self.session.get_outputs()]
+
+    def _session(self, providers: list[str], extra_options: dict | None = None):
+        ort = self.ort
+        so = ort_session_options(self.opt_level, threads=self.threads)
+        for k, v in self.session_config.items():
+            so.add_session_config_entry(k, v)
+        src = self.path if isinstance(self.path, bytes) else str(self.path)
+        opts = [({**self.gpu_options, **(extra_options or {})}
+                 if p == "CUDAExecutionProvider" else {}) for p in providers]
+        try:
+            return ort.InferenceSession(src, sess_options=so, providers=providers,
+                                        provider_options=opts,
+                                        disabled_optimizers=self.disabled_optimizers)
+        except Exception as e:  # noqa: BLE001 - ORT raises its own Fail/InvalidGraph types
+            raise StageError(f"onnxruntime cannot load {self.label}: {e}") from e
+
+    @property
+    def batch_range(self):
+        dims = [i.shape[0] for i in self.inputs if i.shape]
+        fixed = {d for d in dims if isinstance(d, int) and d > 0}
+        if len(fixed) == 1:
+            b = fixed.pop()
+            return b, b
+        return 1, None
+
+    def infer(self, feed):
+        outs = self.session.run(None, {k: v for k, v in feed.items() if k in self.input_names})
+        return {n: (o.astype(np.float32) if np.issubdtype(o.dtype, np.floating)
+                    and o.dtype != np.float32 else o)
+                for n, o in zip(self.output_names, outs)}
+
+    def time(self, feed, warmup, iters):
+        """End-to-end: ``InferenceSession.run`` on host arrays (copies included). On the CUDA EP
+        also I/O binding on device buffers (extra ``device_buffers``: no host copies) and the
+        CUDA EP's CUDA graph (``enable_cuda_graph``; extra ``cuda_graph``; a model with nodes
+        outside the CUDA EP or with dynamic shapes inside cannot be captured, and the reason is
+        recorded)."""
+        feed = {k: v for k, v in feed.items() if k in self.input_names}
+        t = Timing(wall_loop(lambda: self.session.run(None, feed), warmup, iters),
+                   "time.perf_counter around InferenceSession.run (host arrays in and out)")
+        if self.used == "CUDAExecutionProvider":
+            try_extra(t, "device_buffers",
+                      lambda: self._time_bound(self.session, feed, warmup, iters, "I/O binding"))
+            try_extra(t, "cuda_graph", lambda: self._time_bound(
+                self._session(["CUDAExecutionProvider"], {"enable_cuda_graph": "1"}), feed,
+                warmup, iters, "CUDA graph replay (enable_cuda_graph=1)"))
+        return t
+
+    def _time_bound(self, session, feed, warmup: int, iters: int, what: str
+                    ) -> tuple[list[float], str]:
+        """Wall-clock of ``run_with_iobinding`` with inputs and outputs bound to CUDA buffers
+        (the call returns once the GPU work is done)."""
+        ort = self.ort
+        binding = session.io_binding()
+        keep = []
+        for name, arr in feed.items():
+            v = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(arr), "cuda",
+                                                 self.device_id)
+            keep.append(v)
+            binding.bind_ortvalue_input(name, v)
+        for o in session.get_outputs():
+            binding.bind_output(o.name, "cuda", self.device_id)
+        session.run_with_iobinding(binding)  # first run: allocation / graph capture
+        binding.synchronize_outputs()
+        times = wall_loop(lambda: session.run_with_iobinding(binding), warmup, iters,
+                          binding.synchronize_outputs)
+        return times, f"time.perf_counter around run_with_iobinding ({what}, device buffers)"
+
+    def describe(self):
+        ort = self.ort
+        cuda = self.used in ("CUDAExecutionProvider", "TensorrtExecutionProvider")
+        d: dict[str, Any] = {"backend": self.backend, "device": "cuda" if cuda else "cpu",
+                             "ep_requested": self.requested, "ep_used": self.used,
+                             "cpu_fallback": self.fallback_reason, "opt_level": self.opt_level,
+                             "disabled_optimizers": self.disabled_optimizers,
+                             "session_config": self.session_config,
+                             "versions": {"onnxruntime": ort.__version__}}
+        if cuda:
+            opts = self.session.get_provider_options().get(self.used, {})
+            d["device_index"] = int(opts.get("device_id", 0))
+            d["provider_options"] = dict(opts)
+            if "use_tf32" in opts:  # what the session really uses, read back from ORT
+                d["tf32"] = {"use_tf32": opts["use_tf32"] in ("1", "True", "true")}
+            torch = sys.modules.get("torch")
+            if torch is not None and torch.cuda.is_available():
+                d["device_name"] = torch.cuda.get_device_name(d["device_index"])
+        else:
+            d["device_name"] = _host_name()
+            d["threads"] = self.threads or None
+        return d
+
+
+# --------------------------------------------------------------------------------------------
+# TensorRT
+# --------------------------------------------------------------------------------------------
+class TrtRunner(Runner):
+    """TensorRT engine runner (tensor-name API, ``execute_async_v3``; TensorRT 8.5+), with
+    torch CUDA tensors as device buffers (no pycuda).
+
+    Args:
+        plan: serialized engine (path or bytes).
+        device: CUDA device index.
+        profile: optimisation profile index.
+        dla_core: DLA core of a plan built for DLA (``runtime.DLA_core`` before loading).
+    Attributes:
+        profile_shapes: ``{input: (min, opt, max) shapes}``; ``version``: ``tensorrt.__version__``.
+    Raises:
+        StageError: TensorRT or CUDA missing, or the runtime refuses the plan (the message gives
+            the class of the failure and its fix: not a plan, truncated, built by another
+            TensorRT (both versions named), built for another GPU, or a library-path mismatch
+            that a rebuild would not fix).
+    """
+
+    backend = "TensorRT"
+
+    def __init__(self, plan: Path | str | bytes, device: int = 0, profile: int = 0,
+                 dla_core: int | None = None):
+        try:
+            import tensorrt as trt
+        except Exception as e:  # noqa: BLE001 - ImportError, missing libnvinfer (OSError)
+            raise StageError(f"TensorRT is not installed here (import tensorrt: "
+                             f"{type(e).__name__}: {e})") from e
+        import torch
+
+        if not torch.cuda.is_available():
+            raise StageError("no CUDA GPU visible to torch (TensorRT needs one)")
+        import trt_parsers
+
+        self.trt, self.torch = trt, torch
+        self.dev = torch.device("cuda", device)
+        torch.cuda.set_device(self.dev)
+
+        class _Logger(trt.ILogger):
+            def __init__(self):
+                trt.ILogger.__init__(self)
+                self.messages: list[str] = []
+
+            def log(self, severity, msg):
+                self.messages.append(str(msg))
+                if severity <= trt.ILogger.Severity.WARNING:
+                    print(f"[TRT] {msg}", file=sys.stderr)
+
+        self.logger = _Logger()
+        self.runtime = trt.Runtime(self.logger)
+        if dla_core is not None:  # a plan built for DLA runs on the core set before loading
+            self.runtime.DLA_core = int(dla_core)
+        blob = plan if isinstance(plan, bytes) else Path(plan).read_bytes()
+        self.label = "<in-memory plan>" if isinstance(plan, bytes) else str(plan)
+        self.engine = self.runtime.deserialize_cuda_engine(blob)
+        if self.engine is None:
+            # Classified with its fix (not a plan / truncated / another TensorRT / another GPU /
+            # library path), trt_parsers.classify_plan_load_error.
+            why = trt_parsers.classify_plan_load_error(
+                "\n".join(self.logger.messages), blob[:trt_parsers.PLAN_HEADER_BYTES],
+                runtime_version=tuple(int(p) for p in re.findall(r"\d+", trt.__version__)[:4]),
+                file_size=len(blob), plan=self.label)
+            raise StageError(f"TensorRT {trt.__version__} cannot load {self.label} "
+                             f"[{why['kind']}]: {why['message']}. Fix: {why['fix']}")
+        self.context = self.engine.create_execution_context()
+        self.profile = profile
+        if profile:
+            self.context.set_optimization_profile_async(profile, torch.cuda.current_stream().cuda_stream)
+        self.version = trt.__version__
+        names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
+        self.input_names = [n for n in names
+                            if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
+        self.output_names = [n for n in names if n not in self.input_names]
+        self.profile_shapes = {
+            n: tuple(tuple(s) for s in self.engine.get_tensor_profile_shape(n, profile))
+            for n in self.input_names}
+        self.dtypes = {n: self._torch_dtype(self.engine.get_tensor_dtype(n)) for n in names}
+        self.stream = torch.cuda.Stream(self.dev)
+        self.device_name = torch.cuda.get_device_name(self.dev)
+        self._bufs: dict[str, Any] = {}
+
+    def _torch_dtype(self, dt):
+        t = self.torch
+        return {np.dtype(np.float32): t.float32, np.dtype(np.float16): t.float16,
+                np.dtype(np.int8): t.int8, np.dtype(np.int32): t.int32,
+                np.dtype(np.int64): t.int64, np.dtype(np.bool_): t.bool,
+                np.dtype(np.uint8): t.uint8}[np.dtype(self.trt.nptype(dt))]
+
+    def close(self):
+        self._bufs.clear()
+
+    @property
+    def batch_range(self):
+        first = self.profile_shapes[self.input_names[0]]
+        return int(first[0][0]), int(first[2][0])
+
+    def bind(self, feed: dict[str, np.ndarray]) -> None:
+        """Copy ``feed`` to device buffers, set input shapes, allocate outputs, set addresses."""
+        torch = self.torch
+        for name in self.input_names:
+            x = torch.from_numpy(np.ascontiguousarray(feed[name])).to(self.dev, self.dtypes[name])
+            self._bufs[name] = x
+            self.context.set_input_shape(name, tuple(x.shape))
+            self.context.set_tensor_address(name, x.data_ptr())
+        for name in self.output_names:
+            shape = tuple(self.context.get_tensor_shape(name))
+            y = torch.empty(shape, dtype=self.dtypes[name], device=self.dev)
+            self._bufs[name] = y
+            self.context.set_tensor_address(name, y.data_ptr())
+
+    def execute(self) -> None:
+        """Enqueue one inference on the runner's stream (no synchronisation)."""
+        if not self.context.execute_async_v3(self.stream.cuda_stream):
+            raise StageError("execute_async_v3 returned False (see the [TRT] messages above)")
+
+    def _outputs(self) -> dict[str, np.ndarray]:
+        return {n: self._bufs[n].float().cpu().numpy() if self._bufs[n].is_floating_point()
+                else self._bufs[n].cpu().numpy() for n in self.output_names}
+
+    def infer(self, feed):
+        self.bind(feed)
+        self.execute()
+        self.stream.synchronize()
+        return self._outputs()
+
+    def time(self, feed, warmup, iters):
+        """End-to-end: host arrays to host arrays (H2D, ``execute_async_v3``, D2H, sync), as
+        trtexec's "Latency"; GPU Compute Time: CUDA events around ``execute_async_v3`` alone on
+        bound device buffers, as trtexec's "GPU Compute Time"."""
+        wall = wall_loop(lambda: self.infer(feed), warmup, iters)
+        self.bind(feed)
+        gpu = cuda_event_loop(self.execute, warmup, iters, self.stream)
+        return Timing(wall, "time.perf_counter around H2D + execute_async_v3 + D2H + sync",
+                      gpu, "torch.cuda.Event pair around execute_async_v3 on bound buffers")
+
+    def layer_info(self) -> dict:
+        """Engine inspector JSON summarised by :func:`trt_parsers.parse_layer_info`."""
+        import trt_parsers
+
+        insp = self.engine.create_engine_inspector()
+        insp.execution_context = self.context
+        return trt_parsers.parse_layer_info(
+            insp.get_engine_information(self.trt.LayerInformationFormat.JSON))
+
+    def describe(self):
+        return {"backend": self.backend, "device": "cuda", "device_index": self.dev.index,
+                "device_name": self.device_name, "ep_requested": "TensorRT",
+                "ep_used": f"TensorRT {self.version} on {self.device_name}",
+                "cpu_fallback": None, "versions": {"tensorrt": self.version},
+                "inputs": self.input_names, "outputs": self.output_names,
+                "profile": {k: [list(s) for s in v] for k, v in self.profile_shapes.items()}}
