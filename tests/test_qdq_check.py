@@ -228,42 +228,62 @@ def test_nan_inf_zero_negative_and_fp16_subnormal_scales(tmp_path, capsys):
     assert _check("check", path).returncode == 1
 
 
+def depthwise_models(per_channel: bool, x: np.ndarray):
+    """Depthwise Conv (32 channels, channel c scaled to max|w| = 10^(-3 + 3c/31)) in float and
+    quantized the way ONNX Runtime's quantize_static does it (symmetric int8 weights per tensor
+    or per channel, uint8 activations with min/max ranges of ``x``, int32 bias)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((32, 1, 3, 3))
+    w = (w / np.abs(w).max(axis=(1, 2, 3), keepdims=True)
+         * 10.0 ** (-3 + 3 * np.arange(32) / 31)[:, None, None, None]).astype(np.float32)
+    vi = [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 32, 8, 8]),
+          helper.make_tensor_value_info("output", TensorProto.FLOAT, ["N", 32, 8, 8])]
+    conv = dict(group=32, pads=[1] * 4, kernel_shape=[3, 3])
+
+    def model(nodes, inits):
+        g = helper.make_graph(nodes, "dw", vi[:1], vi[1:], inits)
+        return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+    fp32 = model([helper.make_node("Conv", ["input", "w"], ["output"], name="/Conv", **conv)],
+                 [numpy_helper.from_array(w, "w")])
+    y = _ort(fp32, {"input": x})
+
+    def act(a):  # uint8 min/max quantization parameters (ORT's MinMax calibrator)
+        lo, hi = min(float(a.min()), 0.0), max(float(a.max()), 0.0)
+        s = (hi - lo) / 255
+        return np.float32(s), np.uint8(round(-lo / s))
+
+    ws = (np.abs(w).max(axis=(1, 2, 3)) if per_channel else np.abs(w).max(keepdims=True)) / 127
+    ws = ws.astype(np.float32).reshape(-1)
+    wq = np.clip(np.rint(w / ws.reshape(-1, 1, 1, 1)), -127, 127).astype(np.int8)
+    (xs, xz), (ys, yz) = act(x), act(y)
+    inits = [numpy_helper.from_array(v, k) for k, v in (
+        ("xs", np.array(xs)), ("xz", np.array(xz)), ("ys", np.array(ys)), ("yz", np.array(yz)),
+        ("wq", wq), ("ws", ws if per_channel else ws.reshape(())),
+        ("wz", np.zeros(32 if per_channel else (), np.int8)))]
+    nodes = [helper.make_node("QuantizeLinear", ["input", "xs", "xz"], ["xq"]),
+             helper.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xd"]),
+             helper.make_node("DequantizeLinear", ["wq", "ws", "wz"], ["wd"],
+                              **({"axis": 0} if per_channel else {})),
+             helper.make_node("Conv", ["xd", "wd"], ["output_QuantizeLinear_Input"], name="/Conv",
+                              **conv),
+             helper.make_node("QuantizeLinear", ["output_QuantizeLinear_Input", "ys", "yz"],
+                              ["yq"]),
+             helper.make_node("DequantizeLinear", ["yq", "ys", "yz"], ["output"])]
+    return fp32, model(nodes, inits)
+
+
 @pytest.fixture(scope="module")
 def depthwise_ort(tmp_path_factory):
-    """Depthwise Conv (32 channels, channel c scaled to max|w| = 10^(-3 + 3c/31)) quantized by
-    ONNX Runtime's own quantizer, per tensor and per channel."""
-    import torch
-    from onnxruntime.quantization import (CalibrationDataReader, QuantFormat, QuantType,
-                                          quantize_static)
-
+    """Float and Q/DQ (per tensor ``pt``, per channel ``pc``) depthwise models, saved."""
     d = tmp_path_factory.mktemp("dw")
-    torch.manual_seed(0)
-    conv = torch.nn.Conv2d(32, 32, 3, groups=32, padding=1)
-    with torch.no_grad():
-        w = torch.randn(32, 1, 3, 3)
-        w = w / w.abs().amax(dim=(1, 2, 3), keepdim=True)
-        conv.weight.copy_(w * (10.0 ** (-3 + 3 * torch.arange(32) / 31))[:, None, None, None])
-        conv.bias.zero_()
-    torch.onnx.export(conv.eval(), (torch.randn(1, 32, 8, 8),), str(d / "fp32.onnx"),
-                      input_names=["input"], output_names=["output"], opset_version=17,
-                      dynamo=False, dynamic_axes={"input": {0: "N"}, "output": {0: "N"}})
     x = np.random.default_rng(1).standard_normal((16, 32, 8, 8)).astype(np.float32)
-
-    class Reader(CalibrationDataReader):
-        def __init__(self):
-            self.it = iter([{"input": x[i:i + 1]} for i in range(len(x))])
-
-        def get_next(self):
-            return next(self.it, None)
-
-    out = {"fp32": d / "fp32.onnx", "x": x}
-    for pc in (False, True):
-        p = d / f"q_{'pc' if pc else 'pt'}.onnx"
-        quantize_static(str(d / "fp32.onnx"), str(p), Reader(), quant_format=QuantFormat.QDQ,
-                        per_channel=pc, weight_type=QuantType.QInt8,
-                        activation_type=QuantType.QUInt8)
-        out["pc" if pc else "pt"] = p
-    return out
+    fp32, pt = depthwise_models(False, x)
+    _, pc = depthwise_models(True, x)
+    return {"fp32": _save(fp32, d / "fp32.onnx"), "pt": _save(pt, d / "q_pt.onnx"),
+            "pc": _save(pc, d / "q_pc.onnx"), "x": x}
 
 
 def test_per_tensor_depthwise_dead_channels(depthwise_ort):
@@ -569,6 +589,13 @@ def test_custom_model_reaches_stages_4_and_5(tmp_path):
     assert rec["calibration"]["batch_size"] == 16 and rec["calibration"]["order_seed"] == 3
     assert "qdq_tools.py modelopt --calib-batch 16 --" in rec["command"]
     assert rec["check"]["ok"] in (True, False) and "summary" in rec["check"]
+    # Stage 3 cross-checks the custom Q/DQ model against its unoptimised graph (every output).
+    run("3_onnx_eval.py", "--model", name, "--onnx", str(art / "onnx" / "int8_hp32.onnx"),
+        "--tag", "ort_int8_hp32", "--iters", "2", "--warmup", "1")
+    row = json.loads((tmp_path / "r" / common.model_tag(name) / "ort_int8_hp32.json")
+                     .read_text())
+    cc = row["diagnostics"]["backend_cross_check"]
+    assert row["status"] == "ok" and set(cc["outputs"]) == set(row["parity_outputs"])
 
 
 # --------------------------------------------------------------------------------------------
