@@ -714,13 +714,15 @@ def _attach_verdict(result: dict, a_model, b_model, rows: list[dict]) -> None:
 # --------------------------------------------------------------------------------------------
 # Quantization error vs backend error (Q/DQ models)
 # --------------------------------------------------------------------------------------------
-#: A backend reproduces a Q/DQ graph when every tensor stays within one quantization step of the
-#: graph's own semantics (DequantizeLinear + float ops, ORT optimisations off): an integer kernel
-#: may round a requantized value the other way (ties, fused scale products), nothing more. For
-#: tensors without a quantization scale, cosine >= 0.999 (the FP16 line: fp16 scales make ORT CPU
-#: compute through inserted casts in either run) and max |error| <= 2 % of the tensor's range
-#: (cosine alone cannot see a wrong magnitude, e.g. a one-value output that saturates).
-BACKEND_TOL = {"max_steps": 1.0, "min_cosine": 0.999, "max_rel_err": 0.02}
+#: A backend reproduces a Q/DQ graph when every tensor stays, on average, well within one
+#: quantization step of the graph's own semantics (DequantizeLinear + float ops, ORT
+#: optimisations off): an integer kernel may round a requantized value the other way (ties, fused
+#: scale products) and such one-step flips propagate to later layers as sparse larger errors, so
+#: the test is on the mean error and the cosine, not on the largest element: mean |error| <= 0.5
+#: step (<= 2 % of the tensor's range where the graph does not quantize it; cosine alone cannot
+#: see a wrong magnitude, e.g. a one-value output that saturates) and cosine >= 0.999 (the FP16
+#: line: fp16 scales make ORT CPU compute through inserted casts in either run).
+BACKEND_TOL = {"max_mean_steps": 0.5, "min_cosine": 0.999, "max_mean_rel_err": 0.02}
 
 
 def quantization_steps(model) -> dict[str, float]:
@@ -752,12 +754,29 @@ def _pair_result(st: TensorStat, tol: dict, step: float | None, backend: bool) -
         r["steps_max"] = r["max_abs_err"] / step
         r["steps_mean"] = r["mean_abs_err"] / step
     if backend and "max_abs_err" in r:
+        mean_ok = (r["steps_mean"] <= BACKEND_TOL["max_mean_steps"] if step else
+                   r["mean_abs_err"] <= 1e-6 + BACKEND_TOL["max_mean_rel_err"] * r["ref_abs_max"])
         ok = (st.nonfinite_b == 0 and np.isfinite(r["cosine_min"])
-              and (r["cosine_min"] >= BACKEND_TOL["min_cosine"]
-                   and r["max_abs_err"] <= 1e-6 + BACKEND_TOL["max_rel_err"] * r["ref_abs_max"]
-                   if not step else r["steps_max"] <= BACKEND_TOL["max_steps"]))
+              and r["cosine_min"] >= BACKEND_TOL["min_cosine"] and mean_ok)
         r["status"] = "pass" if ok else "fail"
     return r
+
+
+def _severity(r: dict) -> float:
+    """Sort key of a comparison (lower = worse): non-finite first, then by cosine."""
+    c = r.get("cosine_min")
+    return -np.inf if (r.get("note") and "NaN" in r["note"]) or c is None or not np.isfinite(c) \
+        else float(c)
+
+
+def _describe(r: dict) -> str:
+    """``cosine 0.61`` or ``NaN/Inf`` for a verdict."""
+    if _severity(r) == -np.inf:
+        return "NaN/Inf"
+    text = f"cosine {r['cosine_min']:.4g}"
+    if r.get("top1_agreement") is not None:
+        text += f", top-1 agreement {r['top1_agreement']:.1f} %"
+    return text
 
 
 def _channel_cosines(acc: np.ndarray) -> dict:
@@ -897,6 +916,14 @@ def quant_backend_table(fp32_onnx: Path | str, qdq_onnx: Path | str, feed: dict[
     if first_b or fin_b:
         where = f"first at {first_b['node']} ({first_b['op_type']})" if first_b else \
             "in the final outputs only (a fused kernel)"
+        bad = [r for r in rows if r["verdict"] in ("backend", "both")]
+        worst = min(bad, key=lambda r: _severity(r["backend"]), default=None)
+        if worst is not None and worst is not first_b:
+            where += (f", worst at {worst['node']} ({worst['op_type']}, "
+                      f"{_describe(worst['backend'])})")
+        if fin_b:
+            where += "; final output " + ", ".join(
+                f"{k} {_describe(finals[k]['backend'])}" for k in fin_b)
         parts.append(f"backend error: {backend_name} does not reproduce the Q/DQ graph, {where}")
     if first_q or fin_q:
         where = f"first at {first_q['node']} ({first_q['op_type']})" if first_q else \
@@ -938,7 +965,8 @@ def render_quant_backend(result: dict, max_rows: int | None = None) -> str:
         if r.get("steps_max") is not None:
             return f"{_fmt(r['steps_max'], '.3g')} / {_fmt(r.get('steps_mean'), '.2g')} steps"
         if r.get("rel_err") is not None:
-            return f"{_fmt(100 * r['rel_err'], '.3g')} % of range"
+            mean = (100 * r["mean_abs_err"] / r["ref_abs_max"]) if r.get("ref_abs_max") else None
+            return (f"{_fmt(100 * r['rel_err'], '.3g')} / {_fmt(mean, '.2g')} % of range")
         return "-"
 
     tq = result["tolerances"]["quantization"]
@@ -946,11 +974,12 @@ def render_quant_backend(result: dict, max_rows: int | None = None) -> str:
              f"- quantization error: Q/DQ graph vs float graph, both ORT CPU with optimisations "
              f"off (fail if cosine_min < {tq['min_cosine']})",
              f"- backend error: {result['backend']} vs the same Q/DQ graph with optimisations off "
-             f"(fail if more than {BACKEND_TOL['max_steps']:g} quantization step; where a tensor "
-             f"has no step, cosine_min < {BACKEND_TOL['min_cosine']} or max error > "
-             f"{100 * BACKEND_TOL['max_rel_err']:g} % of its range)",
+             f"(fail if cosine_min < {BACKEND_TOL['min_cosine']} or the mean error exceeds "
+             f"{BACKEND_TOL['max_mean_steps']:g} quantization step, or "
+             f"{100 * BACKEND_TOL['max_mean_rel_err']:g} % of the range of a tensor the graph "
+             "does not quantize)",
              "- error: max / mean |error| in steps of the tensor's quantization scale; for a "
-             "tensor the graph does not quantize, max |error| in % of the tensor's range",
+             "tensor the graph does not quantize, in % of the tensor's range",
              f"- samples: {result['n_samples']}", "", f"**Verdict:** {result['verdict']}.", "",
              "| final output | quant cosine_min | quant error | quant top-1 agree % | backend "
              "cosine_min | backend error | backend top-1 agree % |", "|---|---|---|---|---|---|---|"]
