@@ -13,7 +13,13 @@ Splits. With several images per class, each class gives ``--calib-per-class`` im
 embedded sample has one image per class, so a seeded ``--calib-fraction`` of the *classes*
 (default 0.1: 100 images) is held out for calibration and the other 900 images are evaluated.
 ``--calib-fraction 0`` evaluates all 1000 images and leaves no calibration split (stage 4 then
-refuses to run). Images that cannot be decoded are named and dropped, never a crash mid-run.
+refuses to run). A class with only a few images always keeps one for evaluation, so the
+evaluation split is never empty. Images that cannot be decoded are named and dropped, never a
+crash mid-run.
+
+Labels: every class folder, file-name prefix or CSV label must be one of the 1000 ImageNet WNIDs;
+the class index is its position in that list. Data covering only some classes is refused unless
+``--allow-class-subset`` (``ALLOW_CLASS_SUBSET=1``) is given.
 """
 from __future__ import annotations
 
@@ -42,12 +48,21 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--calib-fraction", type=float, default=0.1,
                    help="fraction of classes held out for calibration on one-image-per-class data")
     p.add_argument("--seed", type=int, default=0, help="seed of the split")
+    p.add_argument("--limit", type=int, default=None,
+                   help="smoke runs: keep the first N images of each split (the same images a "
+                        "full split's --limit N would use), so no stage decodes more")
+    p.add_argument("--allow-class-subset", action="store_true",
+                   default=os.environ.get("ALLOW_CLASS_SUBSET", "") not in ("", "0"),
+                   help="accept data that covers only some of the 1000 ImageNet classes (labels "
+                        "stay the WNID's index in the full list; default from "
+                        "$ALLOW_CLASS_SUBSET)")
     return p
 
 
 def main(args: argparse.Namespace) -> dict:
     """Write the split and caches; return the summary dict written to ``data.json``."""
     started = time.time()
+    common.check_positive(args, "limit")
     if not 0.0 <= args.calib_fraction < 1.0:
         raise common.UsageError("--calib-fraction must be in [0, 1)")
     if args.calib_per_class < 0 or (args.eval_per_class is not None and args.eval_per_class < 1):
@@ -57,18 +72,30 @@ def main(args: argparse.Namespace) -> dict:
     if not spec.classifier:
         raise common.UsageError(f"--model {args.model} is not an ImageNet classifier: the data "
                                 "stage does not apply (export and parity use --input-shape)")
-    items, layout = common.list_images(root, args.labels_csv)
+    # Check the output folders before the long preprocessing, not after it.
+    common.check_writable(common.artifacts_dir(), common.model_results(args.model))
+    items, layout = common.list_images(root, args.labels_csv, args.allow_class_subset)
     ev, ca = common.make_splits(items, args.eval_per_class, args.calib_per_class,
                                 args.calib_fraction, args.seed)
     assert not {p for p, _ in ev} & {p for p, _ in ca}, "eval/calib overlap"
+    counts: dict[int, int] = {}
+    for _, c in items:
+        counts[c] = counts.get(c, 0) + 1
+    few = sum(1 for n in counts.values() if 1 < n <= args.calib_per_class)
+    if few:
+        print(f"note: {few} classes have 2..{args.calib_per_class} images (--calib-per-class "
+              f"{args.calib_per_class}): each keeps one image for evaluation", file=sys.stderr)
     ev, dup = common.drop_content_duplicates(root, ev, ca)
     for rel in dup:
         print(f"WARNING: eval image {root / rel} has the same bytes as a calibration image: "
               "dropped from eval", file=sys.stderr)
+    if args.limit:  # the first N of each sorted split: what load_split(limit=N) would use
+        ev, ca = ev[:args.limit], ca[:args.limit]
     prep = spec.preprocessing()
     split = {"data_root": str(root.resolve()), "layout": layout, "seed": args.seed,
+             "n_classes": len(counts), "class_subset": len(counts) < 1000,
              "eval_per_class": args.eval_per_class, "calib_per_class": args.calib_per_class,
-             "calib_fraction": args.calib_fraction, "n_listed": len(items),
+             "calib_fraction": args.calib_fraction, "limit": args.limit, "n_listed": len(items),
              "eval": [list(i) for i in ev], "calib": [list(i) for i in ca], "unreadable": [],
              "eval_dropped_same_bytes_as_calib": dup}
     caches = {}
@@ -83,11 +110,15 @@ def main(args: argparse.Namespace) -> dict:
         split["unreadable"] += [{"file": rel, "split": name, "error": err} for rel, err in bad]
         split[name] = [list(i) for i in good]
         caches[name] = (x, good)
-    common.write_json(common.splits_path(), split)
+    if not split["eval"]:
+        raise common.StageError(f"no readable evaluation image in {root} (see the warnings "
+                                "above); the previous splits.json is unchanged")
+    # Caches first, then the split that names them: a failure leaves the previous pair intact.
     for name, (x, _) in caches.items():
         common.save_cache(split, name, prep, x)
+    common.write_json(common.splits_path(), split)
     summary = {"stage": "0_prepare_data", "data_root": str(root), "layout": layout,
-               "n_listed": len(items), "n_eval": len(split["eval"]),
+               "n_listed": len(items), "n_classes": len(counts), "n_eval": len(split["eval"]),
                "n_calib": len(split["calib"]), "n_unreadable": len(split["unreadable"]),
                "n_eval_dropped_duplicates": len(dup),
                "eval_classes": len({c for _, c in split["eval"]}),

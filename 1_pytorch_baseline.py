@@ -67,6 +67,7 @@ def main(args: argparse.Namespace) -> dict:
     import torch
 
     common.check_positive(args, "batch_size", "latency_batch", "iters", "limit")
+    common.check_writable(common.model_artifacts(args.model), common.model_results(args.model))
     common.check_positive(args, "warmup", "threads", allow_zero=("warmup", "threads"))
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -133,6 +133,13 @@ def check_file(path: Path, feed: dict, ref: dict, min_cosine: float) -> dict:
 
 def main(args: argparse.Namespace) -> dict:
     started = time.time()
+    # Checked before anything is exported: an impossible threshold would fail every file.
+    for flag in ("min_cosine_fp32", "min_cosine_fp16"):
+        v = getattr(args, flag)
+        if not -1.0 <= v <= 1.0:
+            raise common.UsageError(f"--{flag.replace('_', '-')} {v}: a cosine similarity lies "
+                                    "in [-1, 1] (e.g. 0.999); nothing was exported")
+    common.check_writable(common.model_artifacts(args.model), common.model_results(args.model))
     model, spec = common.build_model(args.model, args.weights, pretrained=not args.random_init)
     opset = args.opset or (18 if args.exporter == "dynamo" else 17)
     shapes = common.parse_input_shapes(args.input_shape)

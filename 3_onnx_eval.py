@@ -159,6 +159,8 @@ def main(args: argparse.Namespace) -> dict:
             created or run (the failure is recorded in the row first).
     """
     started = time.time()
+    common.safe_name(args.tag, "--tag")
+    common.check_writable(common.model_results(args.model))
     common.check_positive(args, "limit", "batch_size", "latency_batch", "iters")
     common.check_positive(args, "warmup", "threads", allow_zero=("warmup", "threads"))
     spec = common.model_spec(args.model)

@@ -96,8 +96,11 @@ STEM=()
 echo "stage 5: $MODEL: ${#DW[@]} depthwise conv(s), stem ${STEM[*]}, calibration EP $EPS"
 
 # ModelOpt 0.47.0 rewrites the file given as --onnx_path (same bytes, new mtime): it gets a
-# private copy, so fp32.onnx is never written while another stage may be reading it.
-WORK=$(mktemp -d "${TMPDIR:-/tmp}/5_quantize.XXXXXX")
+# private copy, so fp32.onnx is never written while another stage may be reading it. The work
+# folder sits beside the outputs (same file system: the final mv is an atomic rename) and also
+# receives ModelOpt's intermediate files (<name>_opset19.onnx, <name>_reconciled.onnx, written
+# beside --output_path and left there when ModelOpt fails); the trap removes it on any exit.
+WORK=$(mktemp -d "$ONNX_DIR/.tmp-5_quantize.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
 cp "$SRC" "$WORK/fp32.onnx"
 
@@ -115,7 +118,7 @@ for variant in "${selected[@]}"; do
   mapfile -t FLAGS <<<"$flags_out"
   out=$ONNX_DIR/$variant.onnx
   log=$ONNX_DIR/$variant.quant.log
-  tmp=$ONNX_DIR/.tmp-$$-$variant.onnx
+  tmp=$WORK/$variant.onnx
   # ModelOpt's own CLI flags and quantize(), with the calibration batch set apart from the
   # shapes its GEMV rule reads (qdq_tools.py modelopt_quantize says why).
   cmd=("$PYTHON" qdq_tools.py modelopt --calib-batch "$calib_batch" -- --onnx_path "$WORK/fp32.onnx"

@@ -163,6 +163,9 @@ def plan_variant(args, var: str, version: Sequence[int], tool: str, *, build: bo
     paths = tt.engine_paths(args.model, var)
     src = tt.onnx_path(args.model, var)
     plan = BuildPlan(var, src, src, [], args.dla_core)
+    plan.skip = tt.variant_unsupported(version, v)
+    if plan.skip:  # before any opset handling: its advice would not apply
+        return plan
     model = _load(src) if src.exists() else None
     if model is None:
         if build:
@@ -242,6 +245,8 @@ def plan_variant(args, var: str, version: Sequence[int], tool: str, *, build: bo
         max_shapes=tt.parse_shape_specs(args.max_shapes, "--max-shapes"),
         min_batch=args.min_batch, opt_batch=args.opt_batch, max_batch=args.max_batch,
         static=dla, default_hw=_crop(args.model))
+    if built_from is not None:
+        tt.check_named_dims(built_from, plan.profiles)
     if dla and any(p.dynamic and "static for DLA" in p.source for p in plan.profiles):
         plan.notes.append("DLA needs a static profile (min = opt = max, 'DLA Supported Layers "
                           "and Restrictions'): " + ", ".join(
@@ -271,10 +276,23 @@ def _check_args(args) -> None:
             raise UsageError(f"--dla-min-fraction {args.dla_min_fraction}: must be in 0..1")
 
 
+def _check_dla_version(args, version: Sequence[int]) -> None:
+    """``--dla-core`` on a TensorRT without DLA is refused, by the build and its dry run alike.
+
+    Raises:
+        UsageError: the reason (trt_tools.dla_unavailable, with its sources).
+    """
+    why = tt.dla_unavailable(version) if args.dla_core is not None else None
+    if why:
+        raise UsageError(f"--dla-core: {why}")
+
+
 def _dry_run(args, names: Sequence[str]) -> None:
     if not args.trt_version:
         raise UsageError("--dry-run needs --trt-version (e.g. 8.6.2, 10.3.0, 11.0.0)")
     ver = tt.full_version(tt.parse_version(args.trt_version))
+    tt.check_supported(ver)
+    _check_dla_version(args, ver)
     tool = os.environ.get("TRTEXEC") or "trtexec"
     for var in names:
         plan = plan_variant(args, var, ver, tool, build=False)
@@ -309,7 +327,11 @@ def _record(args, variant: str, status: str, reason: str | None, started: float,
 
 
 def _write(args, variant: str, rec: dict) -> Path:
-    return common.write_result(args.model, VARIANTS[variant].build_tag, rec)
+    # A failed build that produced no plan keeps an earlier good row (and its plan); a row
+    # that describes a plan now on disk (``plan`` set: a check failed after it was written)
+    # replaces it (common.write_result).
+    return common.write_result(args.model, VARIANTS[variant].build_tag, rec,
+                               keep_good=rec.get("plan") is None)
 
 
 def _python_plan_check(plan: Path, env: Mapping[str, str], runtime) -> tuple[bool | None, str]:
@@ -346,8 +368,7 @@ def _verify_plan(plan: Path, det: tt.Detected) -> dict:
         return {"method": "trtexec --getPlanVersionOnly", "plan_version": None,
                 "runtime_version": tt.vstr(runtime), "ok": False,
                 "detail": f"no plan version in the output (rc={rc}): {text.strip()[-300:]}"}
-    n = min(len(pv), len(runtime or ()))
-    ok = bool(runtime) and tuple(pv[:n]) == tuple(runtime[:n])
+    ok = tp.same_version(pv, runtime)
     return {"method": "trtexec --getPlanVersionOnly", "plan_version": tt.vstr(pv),
             "runtime_version": tt.vstr(runtime), "ok": ok,
             "detail": "match" if ok else f"plan {tt.vstr(pv)} vs runtime {tt.vstr(runtime)}"}
@@ -404,7 +425,7 @@ def _dla_check(args, plan: BuildPlan, text: str) -> dict:
             res["fraction"] = 0.0
         res["ok"] = args.dla_min_fraction is None
         return res
-    nodes = [(n.name, n.op_type) for n in _load(plan.onnx).graph.node]
+    nodes = tt.trt_layer_names(_load(plan.onnx))
     frac = tp.dla_fraction(placement, nodes)
     res.update(fraction=frac["fraction"], dla_layers=frac["dla_nodes"],
                gpu_layers=frac["gpu_nodes"], n_dla_subgraphs=frac["n_dla_subgraphs"],
@@ -473,33 +494,43 @@ def _build_one(args, var: str, det: tt.Detected, jetson: dict | None) -> tuple[d
         print(f"[{var}] FAILED (rc={p.returncode}); log {paths['log']}:\n{tail}", file=sys.stderr)
         return _record(args, var, "failed", f"trtexec failed (rc={p.returncode}); see "
                        f"{paths['log']}", started, inputs, **fields), True
-    os.replace(tmp_plan, paths["plan"])
+    # Checked before it replaces anything: a build whose row fails leaves no plan under the final
+    # name (stage 7 would evaluate it as built) and keeps the plan of an earlier good build.
     if tmp_layers.exists():
-        os.replace(tmp_layers, paths["layers"])
-        summary = tp.parse_layer_info(paths["layers"].read_text())
+        summary = tp.parse_layer_info(tmp_layers.read_text())
         fields["layer_info"] = tp.layer_summary(summary)
         fields["layer_info_file"] = paths["layers"]
     fields["trtexec_perf"] = tp.parse_performance_summary(text)
     fields["trtexec_inference_shapes"] = tp.parse_inference_shapes(text)
-    fields["plan"] = paths["plan"]
-    fields["size_mb"] = common.file_size_mb(paths["plan"])
-    check = _verify_plan(paths["plan"], det)
+    fields["size_mb"] = common.file_size_mb(tmp_plan)
+    check = _verify_plan(tmp_plan, det)
+    check["detail"] = str(check["detail"]).replace(str(tmp_plan), str(paths["plan"]))
     fields["plan_check"] = check
+    failure = None
     if plan.dla_core is not None:
         dla = _dla_check(args, plan, text)
         fields["dla"] = dla
         if dla["warning"]:
             print(f"[{var}] DLA: {dla['warning']}", file=sys.stderr)
         if not dla["ok"]:
-            return _record(args, var, "failed", f"DLA: {dla['warning']}", started, inputs,
-                           **fields), True
+            failure = f"DLA: {dla['warning']}"
+    if failure is None and not v.expected_failure and check["ok"] is False:
+        failure = f"plan version check failed: {check['detail']}"
+    if failure is not None:
+        for t in (tmp_plan, tmp_layers):
+            t.unlink(missing_ok=True)
+        fields.pop("layer_info_file", None)
+        kept = f"; {paths['plan']} left as it was" if paths["plan"].exists() else ""
+        return _record(args, var, "failed", f"{failure} (plan not kept{kept})", started, inputs,
+                       **fields), True
+    os.replace(tmp_plan, paths["plan"])
+    if tmp_layers.exists():
+        os.replace(tmp_layers, paths["layers"])
+    fields["plan"] = paths["plan"]
     if v.expected_failure:
         return _record(args, var, "ok", "expected the INT4 parse failure, but the build passed: "
                        "the reproduction no longer reproduces", started, inputs, reproduced=False,
                        **fields), False
-    if check["ok"] is False:
-        return _record(args, var, "failed", f"plan version check failed: {check['detail']}",
-                       started, inputs, **fields), True
     print(f"[{var}] ok: {paths['plan']} ({fields['size_mb']:.2f} MB), plan check: "
           f"{check['detail']}", flush=True)
     return _record(args, var, "ok", None, started, inputs, **fields), False
@@ -547,6 +578,7 @@ def main(args: argparse.Namespace) -> None:
                          "package of the same version, or point TRTEXEC at the matching trtexec.")
     if det.version is None:
         raise StageError(f"cannot tell which TensorRT {trtexec} uses ({det.ldd})")
+    tt.check_supported(det.version)
     if det.python_runtime is None:
         print(f"{STAGE}: warning: Python tensorrt not importable ({det.python_detail}); "
               "7_trt_eval.py will skip", file=sys.stderr)
@@ -555,9 +587,7 @@ def main(args: argparse.Namespace) -> None:
         if jetson is None:
             raise UsageError("--dla-core: DLA exists on Jetson (Xavier/Orin) only; this is not "
                              "a Jetson")
-        why = tt.dla_unavailable(det.version)
-        if why:
-            raise UsageError(f"--dla-core: {why}")
+    _check_dla_version(args, det.version)
     for var in names:  # usage problems (shapes, flags) surface before anything is built
         plan_variant(args, var, det.version, str(trtexec), build=False)
     failed = []

@@ -27,7 +27,6 @@ region.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -146,8 +145,26 @@ def main(args) -> dict | None:
         UsageError: bad flags. StageError: missing inputs, a plan the runtime refuses.
     """
     started = time.time()
+    common.safe_name(args.tag, "--tag")
+    common.check_writable(common.model_results(args.model))
     common.check_positive(args, "iters", "batch_size", "latency_batch", "limit")
     common.check_positive(args, "warmup", allow_zero=("warmup",))
+    # The engine file is checked before TensorRT, so a wrong path is named on any machine and
+    # writes no row; a variant that stage 6 did not build on purpose is reported as skipped.
+    variant = variants.variant_of_file(args.engine)
+    if Path(args.engine).is_dir():
+        raise UsageError(f"--engine {args.engine} is a folder: give the .plan file")
+    if not Path(args.engine).exists():
+        build_row = (common.model_results(args.model) / f"{variant.build_tag}.json"
+                     if variant else None)
+        row = common.load_json(build_row) if build_row is not None and build_row.exists() else {}
+        if isinstance(row, dict) and row.get("status") not in (None, "ok"):
+            # e.g. no TensorRT here, INT4 on TensorRT 8.x, the int4_cli_broken reproduction
+            _skip(args, f"engine not built by 6_build_engines.sh ({row.get('status')}: "
+                  f"{row.get('reason')})", started)
+            return None
+        raise common.StageError(f"--engine {args.engine}: no such file (build it with "
+                                "6_build_engines.sh, or check the path); no row written")
     try:
         import tensorrt as trt  # noqa: F401 - availability check
     except ImportError as e:
@@ -164,20 +181,11 @@ def main(args) -> dict | None:
         return None
 
     spec = common.model_spec(args.model)
-    variant = variants.variant_of_file(args.engine)
+    # stage 6's build row of this engine (the engine exists: checked above)
     build_row = (common.model_results(args.model) / f"{variant.build_tag}.json"
                  if variant else None)
-    if not Path(args.engine).exists() and build_row is not None and build_row.exists():
-        # Stage 6 ran and did not produce this engine on purpose (e.g. INT4 on TensorRT 8.x,
-        # the int4_cli_broken reproduction): report that instead of failing the pipeline.
-        row = json.loads(build_row.read_text())
-        if row.get("status") != "ok":
-            _skip(args, f"engine not built by 6_build_engines.sh ({row.get('status')}: "
-                  f"{row.get('reason')})", started)
-            return None
-    common.require(args.engine, "6_build_engines.sh")
-    build = json.loads(build_row.read_text()) if build_row is not None and build_row.exists() \
-        else {}
+    build = common.load_json(build_row) if build_row is not None and build_row.exists() else {}
+    build = build if isinstance(build, dict) else {}
     dla_core = build.get("dla_core") if build.get("status") == "ok" else None
     art = common.model_artifacts(args.model)
     if spec.classifier:

@@ -21,6 +21,7 @@ import argparse
 import csv
 import io
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -43,33 +44,96 @@ def _variant(r: dict) -> str:
     return r.get("variant") or (tag.split("_", 1)[1] if "_" in tag else tag)
 
 
+def _is_rerun(r: dict) -> bool:
+    """True for a rerun's failure kept beside a good row (``<tag>.failed.json``,
+    :func:`common.write_result`)."""
+    return r.get("_file", f"{r['tag']}.json") != f"{r['tag']}.json"
+
+
 def _sort_key(r: dict) -> tuple:
     return (_ORDER.get(r["backend"], 9), variants.PRECISION_ORDER.get(r["precision"][:4], 9),
-            variants.order(_variant(r)), r["tag"])
+            variants.order(_variant(r)), r["tag"], _is_rerun(r))
+
+
+# Types of the row fields the report reads (``evaluate`` schema); None is always allowed for the
+# optional ones. A row that breaks them is listed as "invalid" naming the file and the field.
+_NUM = (int, float)
+_FIELDS = {"backend": (str,), "precision": (str,), "tag": (str,), "status": (str,),
+           "reason": (str, type(None)), "device": (str, type(None)),
+           "ep_used": (str, type(None)), "n_images": (int, type(None)),
+           "size_mb": _NUM + (type(None),), "accuracy": (dict, type(None)),
+           "parity": (dict, type(None)), "latency": (dict, type(None)),
+           "diagnostics": (dict, type(None)), "reference": (str, type(None))}
+_NESTED = {"accuracy": ("top1", "top5"), "parity": ("cosine_mean", "top1_agreement")}
+_LATENCY = ("end_to_end_ms", "gpu_compute_ms")
+_STATS = ("p50_ms", "mean_ms", "fps")
+
+
+def row_problem(rec: dict) -> str | None:
+    """The first field of ``rec`` whose type the report cannot use, as ``"field X is T
+    (value), expected ..."``; None when the row is usable."""
+    def bad(name, v, types):
+        want = " or ".join("null" if t is type(None) else {"str": "a string", "int": "an "
+                           "integer", "float": "a number", "dict": "an object"}[t.__name__]
+                           for t in types)
+        return f"field {name} is {type(v).__name__} ({json.dumps(v)[:40]}), expected {want}"
+
+    for name, types in _FIELDS.items():
+        v = rec.get(name)
+        if (name in ("backend", "precision", "tag", "status") or v is not None) and (
+                not isinstance(v, types) or isinstance(v, bool)):
+            return bad(name, v, types)
+    for name, keys in _NESTED.items():
+        for k in keys:
+            v = (rec.get(name) or {}).get(k)
+            if v is not None and (not isinstance(v, _NUM) or isinstance(v, bool)):
+                return bad(f"{name}.{k}", v, _NUM)
+    for block in _LATENCY:
+        stats = (rec.get("latency") or {}).get(block)
+        if stats is not None and not isinstance(stats, dict):
+            return bad(f"latency.{block}", stats, (dict,))
+        for k in _STATS:
+            v = (stats or {}).get(k)
+            if v is not None and (not isinstance(v, _NUM) or isinstance(v, bool)):
+                return bad(f"latency.{block}.{k}", v, _NUM)
+    return None
 
 
 def load_rows(folder: Path) -> list[dict]:
     """Results records in ``folder`` that describe a backend run, in pipeline order.
 
-    Raises:
-        StageError: a JSON file cannot be parsed (named).
+    A file that is not valid JSON, or whose fields have types the report cannot use, becomes
+    an ``invalid`` row naming the file and the field (and a warning), so one bad file never
+    hides the others.
     """
     rows = []
     for f in sorted(folder.glob("*.json")):
+        problem, rec = None, None
         try:
             rec = json.loads(f.read_text())
-        except json.JSONDecodeError as e:
-            raise common.StageError(f"{f} is not valid JSON ({e}); rerun the stage that wrote it")
-        if isinstance(rec, dict) and "backend" in rec:
-            rec["_file"] = f.name
-            rows.append(rec)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            problem = f"not valid JSON ({e})"
+        if rec is not None and not (isinstance(rec, dict) and "backend" in rec):
+            continue  # data.json, export.json, quant_*.json, ...: not a backend row
+        if problem is None:
+            problem = row_problem(rec)
+        if problem is not None:
+            print(f"WARNING: {f}: {problem}: listed as invalid; rerun the stage that wrote it",
+                  file=sys.stderr)
+            tag = rec.get("tag") if isinstance(rec, dict) and isinstance(rec.get("tag"), str) \
+                else f.stem
+            rec = common.result_record("8_report", str(rec.get("backend")) if isinstance(
+                rec, dict) else "?", "?", "", tag, status="invalid",
+                reason=f"{f.name}: {problem}; rerun the stage that wrote it")
+        rec["_file"] = f.name
+        rows.append(rec)
     # The Q/DQ health check of the file a row ran (stages 5/5b record it in quant_<variant>.json).
     for rec in rows:
         q = folder / f"quant_{_variant(rec)}.json"
-        if rec["precision"].startswith("INT") and q.exists():
+        if str(rec.get("precision", "")).startswith("INT") and q.exists():
             try:
                 rec["_quant_check"] = (json.loads(q.read_text()).get("check") or {}).get("summary")
-            except json.JSONDecodeError:
+            except (OSError, json.JSONDecodeError):
                 pass
     rows.sort(key=_sort_key)
     return rows
@@ -113,6 +177,8 @@ def table_rows(rows: list[dict]) -> list[dict]:
         if r.get("cpu_fallback"):
             ep += " (fallback)"
         status = r["status"]
+        if _is_rerun(r):
+            status = f"latest rerun {status} ({r['_file']}; the ok row above is kept)"
         if r.get("reason"):
             status += f": {r['reason'].splitlines()[0][:320]}"
         diags = r.get("diagnostics") or {}
@@ -300,7 +366,9 @@ def render_markdown(model: str, rows: list[dict], data: dict | None,
                   "|---|---|---|\n")
         for b in builds:
             detail = (b.get("reason") or b.get("plan") or "").splitlines()
-            buf.write(f"| {b['tag'].removeprefix('trt_build_')} | {b['status']} | "
+            st = b["status"] + (f" (latest rerun, {b['_file']}; the ok row above is kept)"
+                                if _is_rerun(b) else "")
+            buf.write(f"| {b['tag'].removeprefix('trt_build_')} | {st} | "
                       f"{(detail[0] if detail else '')[:200].replace('|', '/')} |\n")
     return buf.getvalue()
 
@@ -329,13 +397,15 @@ def main(args: argparse.Namespace) -> Path:
     rows = load_rows(folder) if folder.is_dir() else []
     rows += gpu_rows(args.model, folder) if not args.no_gpu_rows else []
     rows.sort(key=_sort_key)
+    if rows:
+        common.check_writable(folder, common.results_dir())
     if not rows:
         raise common.StageError(f"no results in {folder}: run the stages first "
                                 "(bash run_all.sh)")
     if common.model_spec(args.model).classifier:
         rows = sorted(missing_rows(rows, args.model) + rows, key=_sort_key)
     data_file = folder / "data.json"
-    data = json.loads(data_file.read_text()) if data_file.exists() else None
+    data = common.load_json(data_file, "0_prepare_data.py") if data_file.exists() else None
     runs = split_builds(rows)[0]
     trs = table_rows(runs)
     plots = render_plots(runs, folder)
@@ -363,21 +433,28 @@ def main(args: argparse.Namespace) -> Path:
 def summary(model: str, runs: list[dict], path: Path) -> str:
     """One console line: rows ok/failed/skipped, the best quantized recipe by top-1 agreement
     with FP32 and its speedup, and where the report is."""
-    st = {k: sum(r["status"] == k for r in runs) for k in ("ok", "failed", "skipped", "not run")}
-    trs = {t["tag"]: t for t in table_rows(runs)}
+    st = {k: sum(r["status"] == k for r in runs)
+          for k in ("ok", "failed", "skipped", "not run", "invalid")}
+    # A rerun's failure kept beside a good row has the same tag: look the good row up.
+    trs = {t["tag"]: t for r, t in zip(runs, table_rows(runs)) if not _is_rerun(r)}
     q = [r for r in runs if r["status"] == "ok" and r["precision"][:3] == "INT"
          and (r.get("parity") or {}).get("top1_agreement") is not None
          and (r.get("accuracy") or {}).get("top1") is not None]  # custom models: no top-1
     best = max(q, key=lambda r: r["parity"]["top1_agreement"], default=None)
     bits = [f"report {model}: {st['ok']} ok, {st['failed']} failed, {st['skipped']} skipped"
-            + (f", {st['not run']} not run" if st["not run"] else "")]
+            + (f", {st['not run']} not run" if st["not run"] else "")
+            + (f", {st['invalid']} invalid" if st["invalid"] else "")]
     if best:
         bits.append(f"best quantized row {best['tag']} (top-1 {best['accuracy']['top1']:.2f}%, "
                     f"agreement {best['parity']['top1_agreement']:.1f}%, speedup "
                     f"{trs[best['tag']]['speedup'] or 'n/a'})")
-    failed = [r["tag"] for r in runs if r["status"] == "failed"]
+    failed = [r["tag"] + (" (a rerun; its ok row is kept)" if _is_rerun(r) else "")
+              for r in runs if r["status"] == "failed"]
     if failed:
         bits.append("failed: " + ", ".join(failed))
+    invalid = [r["_file"] for r in runs if r["status"] == "invalid"]
+    if invalid:
+        bits.append("invalid (see the warnings): " + ", ".join(invalid))
     return "; ".join(bits) + f" -> {path}"
 
 

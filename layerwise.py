@@ -1587,6 +1587,39 @@ def load_feed(npz: Path | str | None, model: str | None, n: int, onnx_path: Path
     return common.example_inputs(spec, shapes, batch=n, seed=seed)
 
 
+def match_inputs(a_onnx: Path | str, b_onnx: Path | str, feed: dict[str, np.ndarray],
+                 mapping: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+    """Make one ``feed`` (keyed by A's input names) usable by B when B names its inputs
+    differently.
+
+    Args:
+        mapping: ``B_NAME=A_NAME`` strings (``diff --map-input``); B's input ``B_NAME`` gets the
+            array fed to A's ``A_NAME``.
+    Returns:
+        ``feed`` plus one entry per mapped B input (the same arrays).
+    Raises:
+        UsageError: a B input is neither in ``feed`` nor mapped (the message lists both
+            models' input names and the ``--map-input`` that maps them), or a bad mapping.
+    """
+    a_names = [n for n, _, _ in onnx_graph.inputs(onnx_graph.load(a_onnx, external=False))]
+    b_names = [n for n, _, _ in onnx_graph.inputs(onnx_graph.load(b_onnx, external=False))]
+    out = dict(feed)
+    for m in mapping or []:
+        b, sep, a = m.partition("=")
+        if not sep or b not in b_names or a not in feed:
+            raise UsageError(f"--map-input {m!r}: expected B_NAME=A_NAME with B_NAME one of "
+                             f"{b_names} ({b_onnx}) and A_NAME one of {sorted(feed)}")
+        out[b] = feed[a]
+    unmatched = [n for n in b_names if n not in out]
+    if unmatched:
+        left = [n for n in a_names if n not in b_names]
+        hint = " ".join(f"--map-input {b}={a}" for b, a in zip(unmatched, left)) or \
+            "--map-input B_NAME=A_NAME"
+        raise UsageError(f"the two files name their inputs differently: {a_onnx} has {a_names}, "
+                         f"{b_onnx} has {b_names}; say which A input feeds each B input: {hint}")
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------------------------
@@ -1624,6 +1657,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     d.add_argument("--opt-level", default="all", choices=["disable", "basic", "extended", "all"])
     d.add_argument("--max-rows", type=int, default=60, help="rows printed (all are in the JSON)")
     d.add_argument("--fail-on-divergence", action="store_true", help="exit 1 on a divergence")
+    d.add_argument("--map-input", action="append", metavar="B_NAME=A_NAME",
+                   help="B's input B_NAME takes A's input A_NAME (files whose input names "
+                        "differ; repeatable)")
     add_inputs(d)
 
     qb = sub.add_parser("quant-backend", help="per layer: quantization error (float vs Q/DQ "
@@ -1662,6 +1698,7 @@ def main(args) -> dict:
         if args.inputs and args.model:
             raise UsageError("give --inputs or --model, not both")
         feed = load_feed(args.inputs, args.model, args.n, args.a, args.input_shape)
+        feed = match_inputs(args.a, args.b, feed, args.map_input)
         res = run_layer_diff(
             args.a, args.b, feed, ep_a=args.ep_a, ep_b=args.ep_b, b_engine=args.engine_b,
             b_trt=args.trt, trt_build={"fp16": args.trt_fp16 or None, "int8": args.trt_int8 or None},

@@ -6,15 +6,19 @@
 #   bash run_all.sh --stage 3 --stop-stage 3 # rerun one stage
 #   bash run_all.sh --all-variants           # also the INT8 ablations of stage 5
 #   WEIGHTS=ckpt.pth bash run_all.sh         # a local state dict instead of the default weights
+#   bash run_all.sh --limit 64               # smoke run: artifacts/smoke/, results/smoke/
 #
 # Stages: 0 data, 1 PyTorch baseline, 2 ONNX export, 3 ORT eval (FP32/FP16), 4 calibration data,
 # 5 INT8/INT4 quantization + ORT eval, 6 TensorRT engines, 7 TensorRT eval, 8 report.
 # Every stage writes results/<model>/*.json; stops at the first failing stage with its log tail.
+# One run at a time per artifacts folder (a lock names the run that holds it); Ctrl-C says
+# which stage was interrupted and the --stage N command that resumes.
 set -euo pipefail
 
 usage() {
-  sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'
-  echo "options: --stage N --stop-stage M --all-variants --limit N (first N eval images; smoke runs)"
+  sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'
+  echo "options: --stage N --stop-stage M --all-variants --limit N (first N eval images; smoke"
+  echo "         runs, written to \$ARTIFACTS/smoke and \$RESULTS/smoke, never over a full run)"
 }
 
 stage=0
@@ -60,15 +64,37 @@ if ! python -c 'import sys, common; common.model_spec(sys.argv[1])' "$MODEL" 2>/
     "a torchvision classifier name or package.module:factory (README, Models)" >&2
   exit 2
 fi
-ART="${ARTIFACTS:-artifacts}/$MODEL_TAG"
+# Artifacts and results roots, absolute and exported so every stage uses the same ones. A smoke
+# run (--limit) gets folders of its own: it never replaces or moves a full run's files.
+ART_ROOT="${ARTIFACTS:-artifacts}"
+RES_ROOT="${RESULTS:-results}"
+case "$ART_ROOT" in /*) ;; *) ART_ROOT="$PWD/$ART_ROOT" ;; esac
+case "$RES_ROOT" in /*) ;; *) RES_ROOT="$PWD/$RES_ROOT" ;; esac
+user_roots=""  # ARTIFACTS / RESULTS to repeat in a resume command (when not the defaults)
+[ "$ART_ROOT" = "$PWD/artifacts" ] || user_roots+=" ARTIFACTS=$ART_ROOT"
+[ "$RES_ROOT" = "$PWD/results" ] || user_roots+=" RESULTS=$RES_ROOT"
+if [ -n "$limit" ]; then
+  ART_ROOT="$ART_ROOT/smoke"
+  RES_ROOT="$RES_ROOT/smoke"
+fi
+export ARTIFACTS="$ART_ROOT" RESULTS="$RES_ROOT"
+ART="$ART_ROOT/$MODEL_TAG"
 ONNX_DIR="$ART/onnx"
-LOG_DIR="${ARTIFACTS:-artifacts}/logs/$MODEL_TAG"
-mkdir -p "$LOG_DIR"
+LOG_DIR="$ART_ROOT/logs/$MODEL_TAG"
+RES_DIR="$RES_ROOT/$MODEL_TAG"
+# A smoke run shrinks every stage: stage 0 keeps the first N images of each split, so the
+# calibration set, every evaluation and every cross-check are N images; timed loops are short.
 lim=()
-if [ -n "$limit" ]; then lim=(--limit "$limit"); fi
+timing=()
+if [ -n "$limit" ]; then lim=(--limit "$limit"); timing=(--warmup 2 --iters 20); fi
 # WEIGHTS=/path/state_dict.pth: a local checkpoint instead of the model's default weights.
 weights=()
 if [ -n "${WEIGHTS:-}" ]; then
+  if [ -d "$WEIGHTS" ]; then
+    echo "run_all.sh: WEIGHTS=$WEIGHTS is a folder: give the state-dict file itself" \
+      "(e.g. WEIGHTS=$WEIGHTS/model.pth)" >&2
+    exit 2
+  fi
   [ -f "$WEIGHTS" ] || { echo "run_all.sh: WEIGHTS=$WEIGHTS: no such file" >&2; exit 2; }
   weights=(--weights "$WEIGHTS")
 fi
@@ -81,18 +107,157 @@ if [[ "$MODEL" == *:* ]]; then
   [ -n "${INPUT_SHAPE:-}" ] || { echo "run_all.sh: MODEL=$MODEL is a custom model: set INPUT_SHAPE=\"name:d0,d1,...[:dtype] ...\"" >&2; exit 2; }
   # shellcheck disable=SC2086  # INPUT_SHAPE is a space-separated list on purpose
   for s in $INPUT_SHAPE; do shape_args+=(--input-shape "$s"); done
+  # shellcheck disable=SC2086
+  python - $INPUT_SHAPE <<'EOF' || exit 2
+import sys, common
+try:
+    common.parse_input_shapes(sys.argv[1:])
+except common.UsageError as e:
+    sys.exit(f"run_all.sh: INPUT_SHAPE: {e}")
+EOF
 fi
 
-# Run one command of a stage; on failure print its log tail and stop the pipeline.
-run() {
-  local log="$LOG_DIR/$1.log"; shift
-  if ! "$@" >"$log" 2>&1; then
-    echo "  FAILED: $*" >&2
-    tail -n 25 "$log" | sed 's/^/  | /' >&2
-    echo "  full log: $log" >&2
+# Both roots must take files before any long work starts.
+for d in "$ART_ROOT" "$RES_ROOT"; do
+  if ! mkdir -p "$d" 2>/dev/null || ! probe="$(mktemp "$d/.write-probe-XXXXXX" 2>/dev/null)"; then
+    echo "run_all.sh: cannot write to $d: make it writable, or set ARTIFACTS / RESULTS to a" \
+      "writable folder (nothing was changed)" >&2
     exit 1
   fi
-  grep -v '^\[torch.onnx\]' "$log" | tail -n 3 | sed 's/^/  /'
+  rm -f "$probe"
+done
+mkdir -p "$LOG_DIR"
+
+# The command that reruns this run from stage $1 (printed on Ctrl-C and on a failed stage).
+resume_cmd() {
+  local c="bash run_all.sh --stage $1"
+  [ "$stop_stage" = 8 ] || c+=" --stop-stage $stop_stage"
+  [ -z "$limit" ] || c+=" --limit $limit"
+  [ "$all_variants" = 0 ] || c+=" --all-variants"
+  local envs="MODEL=$MODEL$user_roots"
+  [ -z "${WEIGHTS:-}" ] || envs+=" WEIGHTS=$WEIGHTS"
+  [ -z "${VAL_ROOT:-}" ] || envs+=" VAL_ROOT=$VAL_ROOT"
+  [ -z "${INPUT_SHAPE:-}" ] || envs+=" INPUT_SHAPE=\"$INPUT_SHAPE\""
+  echo "$envs $c"
+}
+
+# One run per artifacts folder: two runs would share logs, caches and temporaries. The lock is a
+# folder (mkdir/rename are atomic) holding the owner's pid, start time and command; a lock whose
+# owner is gone (killed run) is reported and cleared.
+LOCK="$ART_ROOT/.run_all.lock"
+lock_held=0
+proc_start() { awk '{print $22}' "/proc/$1/stat" 2>/dev/null || true; }
+lock_owner_alive() { # pid pstart host
+  [ -n "$1" ] || return 1
+  if [ -n "$3" ] && [ "$3" != "$(hostname)" ]; then return 0; fi  # another host: cannot tell
+  kill -0 "$1" 2>/dev/null || return 1
+  # pid reused by another process since the lock was taken?
+  if [ -n "$2" ] && [ -r "/proc/$1/stat" ] && [ "$(proc_start "$1")" != "$2" ]; then return 1; fi
+  return 0
+}
+take_lock() {
+  local tmpd pid pstart started host cmd
+  for _ in 1 2 3; do
+    tmpd="$(mktemp -d "$ART_ROOT/.run_all.lock.new-XXXXXX")"
+    printf 'pid=%s\npstart=%s\nstarted=%s\nhost=%s\ncommand=%s\n' "$$" "$(proc_start $$)" \
+      "$(date -u +%FT%TZ)" "$(hostname)" "$run_cmd" > "$tmpd/owner"
+    if mv -T "$tmpd" "$LOCK" 2>/dev/null; then lock_held=1; return 0; fi
+    rm -rf "$tmpd"
+    pid="$(sed -n 's/^pid=//p' "$LOCK/owner" 2>/dev/null || true)"
+    pstart="$(sed -n 's/^pstart=//p' "$LOCK/owner" 2>/dev/null || true)"
+    started="$(sed -n 's/^started=//p' "$LOCK/owner" 2>/dev/null || true)"
+    host="$(sed -n 's/^host=//p' "$LOCK/owner" 2>/dev/null || true)"
+    cmd="$(sed -n 's/^command=//p' "$LOCK/owner" 2>/dev/null || true)"
+    if lock_owner_alive "$pid" "$pstart" "$host"; then
+      echo "run_all.sh: another run_all.sh is using $ART_ROOT: pid $pid on ${host:-this host}," \
+        "started $started, command: $cmd" >&2
+      echo "  wait for it to finish (or stop it: kill $pid), or give this run folders of its" \
+        "own: ARTIFACTS=/other/artifacts RESULTS=/other/results bash run_all.sh ..." >&2
+      exit 1
+    fi
+    echo "run_all.sh: clearing a stale lock of a run that is no longer running (pid ${pid:-?}," \
+      "started ${started:-?}, command: ${cmd:-?})" >&2
+    mv -T "$LOCK" "$LOCK.stale.$$" 2>/dev/null && rm -rf "$LOCK.stale.$$"
+  done
+  echo "run_all.sh: could not take the lock $LOCK (remove it if no run is active)" >&2
+  exit 1
+}
+release_lock() {
+  if [ "$lock_held" = 1 ] && [ "$(sed -n 's/^pid=//p' "$LOCK/owner" 2>/dev/null)" = "$$" ]; then
+    rm -rf "$LOCK"
+  fi
+  lock_held=0
+}
+
+# Progress: stages write tqdm bars into their log (PIPELINE_PROGRESS=1, common.progress); on a
+# terminal a one-line ticker shows the running command, its time and the log's last line.
+export PIPELINE_PROGRESS=1
+ticker=""
+start_ticker() { # log label
+  [ -t 1 ] || return 0
+  (
+    t0=$SECONDS
+    while sleep 5; do
+      kill -0 $$ 2>/dev/null || exit 0
+      last="$(tail -c 4000 "$1" 2>/dev/null | tr '\r' '\n' | grep -v '^[[:space:]]*$' | tail -n 1 | cut -c1-110 || true)"
+      printf '\r\033[K  ... %s %ds: %s' "$2" $((SECONDS - t0)) "$last"
+    done
+  ) &
+  ticker=$!
+}
+stop_ticker() {
+  if [ -n "$ticker" ]; then
+    kill "$ticker" 2>/dev/null || true
+    wait "$ticker" 2>/dev/null || true
+    ticker=""
+    printf '\r\033[K'
+  fi
+}
+
+cur_stage=""
+cur_what=""
+cur_cmd=""
+on_interrupt() { # what exit-status
+  trap - INT TERM
+  stop_ticker
+  echo >&2
+  if [ -n "$cur_stage" ]; then
+    echo "run_all.sh: $1: interrupted during stage $cur_stage ($cur_what)${cur_cmd:+; command: $cur_cmd}" >&2
+    echo "  finished stages keep their outputs; the interrupted stage reruns from its start." >&2
+    echo "  resume with: $(resume_cmd "$cur_stage")" >&2
+  else
+    echo "run_all.sh: $1: interrupted before the first stage started; nothing was changed" >&2
+  fi
+  release_lock
+  exit "$2"
+}
+run_cmd="$(resume_cmd "$stage")"
+trap 'on_interrupt Ctrl-C 130' INT
+trap 'on_interrupt terminated 143' TERM
+trap 'stop_ticker; release_lock' EXIT
+take_lock
+
+# A log without progress-bar updates (tqdm's \r lines) and exporter chatter.
+log_text() { tr '\r' '\n' < "$1" | grep -v -E '^[[:space:]]*$|^\[torch\.onnx\]| [0-9]+/[0-9]+ \[' || true; }
+
+# Run one command of a stage; on failure print its log tail and stop the pipeline. On success
+# print skip reasons and warnings (first 3), then the last 3 lines.
+run() {
+  local name="$1" log="$LOG_DIR/$1.log"; shift
+  cur_cmd="$*"
+  start_ticker "$log" "$name"
+  if ! "$@" >"$log" 2>&1; then
+    stop_ticker
+    echo "  FAILED: $*" >&2
+    log_text "$log" | tail -n 25 | sed 's/^/  | /' >&2
+    echo "  full log: $log" >&2
+    echo "  after fixing it, resume with: $(resume_cmd "$cur_stage")" >&2
+    exit 1
+  fi
+  stop_ticker
+  cur_cmd=""
+  log_text "$log" | grep -E '(^|: )(SKIPPED|WARNING)' | head -n 3 | cut -c1-300 | sed 's/^/  /' || true
+  log_text "$log" | grep -v -E '(^|: )(SKIPPED|WARNING)' | tail -n 3 | sed 's/^/  /' || true
 }
 
 # A command that must fail (a failure reproduction): its failure is the expected result.
@@ -120,35 +285,38 @@ classifier_only() {
 
 begin() { # begin N "what: inputs -> outputs"
   stage_start=$SECONDS
+  cur_stage="$1"
+  cur_what="${2%%:*}"
   echo "Stage $1: $2"
 }
 end() { echo "Stage $1: finished [elapsed=$((SECONDS - stage_start))s]"; }
 want() { [ "$stage" -le "$1" ] && [ "$stop_stage" -ge "$1" ]; }
 
-echo "run_all.sh: model=$MODEL stages $stage..$stop_stage $(date -u +%FT%TZ)"
+echo "run_all.sh: model=$MODEL stages $stage..$stop_stage $(date -u +%FT%TZ)" \
+  "(artifacts: $ART_ROOT, results: $RES_ROOT${limit:+; smoke run on $limit images})"
 
 # A full run replaces the model's results: rows of an earlier run (other variants, another
 # machine) must not mix into this run's report. They are moved, not deleted.
-RES_DIR="${RESULTS:-results}/$MODEL_TAG"
 if [ "$stage" = 0 ] && [ "$stop_stage" = 8 ] && [ -d "$RES_DIR" ] && \
    [ -n "$(ls -A "$RES_DIR" 2>/dev/null)" ]; then
-  prev="${ARTIFACTS:-artifacts}/previous_results/$MODEL_TAG-$(date -u +%Y%m%dT%H%M%SZ)"
+  prev="$ART_ROOT/previous_results/$MODEL_TAG-$(date -u +%Y%m%dT%H%M%SZ)"
   mkdir -p "$(dirname "$prev")"
   mv "$RES_DIR" "$prev"
   echo "previous results of $MODEL moved to $prev"
 fi
 
 if want 0; then
-  begin 0 "prepare data: ${VAL_ROOT:-data/imagenet-sample-1k} -> ${ARTIFACTS:-artifacts}/splits.json + cache"
+  begin 0 "prepare data: ${VAL_ROOT:-data/imagenet-sample-1k} -> $ART_ROOT/splits.json + cache"
   if classifier_only; then
-    run 0_prepare_data python 0_prepare_data.py --model "$MODEL"
+    run 0_prepare_data python 0_prepare_data.py --model "$MODEL" "${lim[@]}"
   fi
   end 0
 fi
 
 if want 1; then
-  begin 1 "PyTorch FP32 baseline: eval split -> $ART/ref_{logits,outputs}.npz, results/$MODEL_TAG/pytorch_fp32_cpu.json"
-  run 1_pytorch_baseline python 1_pytorch_baseline.py --model "$MODEL" "${lim[@]}" "${shape_args[@]}" "${weights[@]}"
+  begin 1 "PyTorch FP32 baseline: eval split -> $ART/ref_{logits,outputs}.npz, $RES_DIR/pytorch_fp32_cpu.json"
+  run 1_pytorch_baseline python 1_pytorch_baseline.py --model "$MODEL" "${lim[@]}" "${timing[@]}" \
+    "${shape_args[@]}" "${weights[@]}"
   end 1
 fi
 
@@ -159,12 +327,12 @@ if want 2; then
 fi
 
 if want 3; then
-  begin 3 "ONNX Runtime eval: $ONNX_DIR/{fp32,fp16}.onnx -> results/$MODEL_TAG/ort_{fp32,fp16}.json"
+  begin 3 "ONNX Runtime eval: $ONNX_DIR/{fp32,fp16}.onnx -> $RES_DIR/ort_{fp32,fp16}.json"
   export_out="$(python variants.py list --stage 3)"
   mapfile -t export_variants <<<"$export_out"
   for v in "${export_variants[@]}"; do
     run "3_onnx_eval_$v" python 3_onnx_eval.py --model "$MODEL" --onnx "$ONNX_DIR/$v.onnx" \
-      --tag "ort_$v" "${lim[@]}"
+      --tag "ort_$v" "${lim[@]}" "${timing[@]}"
   done
   end 3
 fi
@@ -191,17 +359,17 @@ if want 5; then
       if [ "$v" = int4_cli_broken ]; then
         # Reproduces ModelOpt 0.47.0's INT4 axis bug on purpose: ORT must refuse to run it.
         run_expect_failure "3_onnx_eval_$v" python 3_onnx_eval.py --model "$MODEL" \
-          --onnx "$ONNX_DIR/$v.onnx" --tag "ort_$v" "${lim[@]}"
+          --onnx "$ONNX_DIR/$v.onnx" --tag "ort_$v" "${lim[@]}" "${timing[@]}"
       else
         run "3_onnx_eval_$v" python 3_onnx_eval.py --model "$MODEL" --onnx "$ONNX_DIR/$v.onnx" \
-          --tag "ort_$v" "${lim[@]}"
+          --tag "ort_$v" "${lim[@]}" "${timing[@]}"
       fi
     done
   fi
   if [ "$custom" = 0 ] && have 5b_quantize_int4.py; then
     run 5b_quantize_int4 python 5b_quantize_int4.py --model "$MODEL" --no-eval
     run 3_onnx_eval_int4 python 3_onnx_eval.py --model "$MODEL" --onnx "$ONNX_DIR/int4.onnx" \
-      --tag ort_int4 "${lim[@]}"
+      --tag ort_int4 "${lim[@]}" "${timing[@]}"
   fi
   end 5
 fi
@@ -215,21 +383,21 @@ if want 6; then
 fi
 
 if want 7; then
-  begin 7 "TensorRT eval: $ART/engines/*.plan -> results/$MODEL_TAG/trt_*.json (skips without TensorRT)"
+  begin 7 "TensorRT eval: $ART/engines/*.plan -> $RES_DIR/trt_*.json (skips without TensorRT)"
   if classifier_only && have 7_trt_eval.py; then
     trt_out="$(python variants.py list --stage 7)"
     mapfile -t trt_variants <<<"$trt_out"
     for v in "${trt_variants[@]}"; do
       run "7_trt_eval_$v" python 7_trt_eval.py --model "$MODEL" --engine "$ART/engines/$v.plan" \
-        --tag "trt_$v" "${lim[@]}"
+        --tag "trt_$v" "${lim[@]}" "${timing[@]}"
     done
   fi
   end 7
 fi
 
 if want 8; then
-  begin 8 "report: results/$MODEL_TAG/*.json -> results/$MODEL_TAG/REPORT.md, REPORT.csv, results/REPORT.md"
+  begin 8 "report: $RES_DIR/*.json -> $RES_DIR/REPORT.md, REPORT.csv, $RES_ROOT/REPORT.md"
   run 8_report python 8_report.py --model "$MODEL"
   end 8
-  echo "report: ${RESULTS:-results}/$MODEL_TAG/REPORT.md"
+  echo "report: $RES_DIR/REPORT.md"
 fi

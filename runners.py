@@ -564,7 +564,8 @@ class TrtRunner(Runner):
     Attributes:
         profile_shapes: ``{input: (min, opt, max) shapes}``; ``version``: ``tensorrt.__version__``.
     Raises:
-        StageError: TensorRT or CUDA missing, or the runtime refuses the plan (the message gives
+        StageError: the plan cannot be read (a folder, a missing file), TensorRT or CUDA
+            missing, or the runtime refuses the plan (the message gives
             the class of the failure and its fix: not a plan, truncated, built by another
             TensorRT (both versions named), built for another GPU, or a library-path mismatch
             that a rebuild would not fix).
@@ -574,6 +575,11 @@ class TrtRunner(Runner):
 
     def __init__(self, plan: Path | str | bytes, device: int = 0, profile: int = 0,
                  dla_core: int | None = None):
+        try:  # first: a folder or a missing file is named, whatever is installed
+            blob = plan if isinstance(plan, bytes) else Path(plan).read_bytes()
+        except OSError as e:
+            raise StageError(f"cannot read the plan {plan}: {e.strerror or e} (pass the .plan "
+                             "file 6_build_engines.sh wrote)") from e
         try:
             import tensorrt as trt
         except Exception as e:  # noqa: BLE001 - ImportError, missing libnvinfer (OSError)
@@ -603,7 +609,6 @@ class TrtRunner(Runner):
         self.runtime = trt.Runtime(self.logger)
         if dla_core is not None:  # a plan built for DLA runs on the core set before loading
             self.runtime.DLA_core = int(dla_core)
-        blob = plan if isinstance(plan, bytes) else Path(plan).read_bytes()
         self.label = "<in-memory plan>" if isinstance(plan, bytes) else str(plan)
         self.engine = self.runtime.deserialize_cuda_engine(blob)
         if self.engine is None:

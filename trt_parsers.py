@@ -141,7 +141,9 @@ def parse_performance_summary(text: str) -> dict | None:
     return out or None
 
 
-_BINDING = re.compile(r"(?:Created )?(?P<io>[Ii]nput|[Oo]utput) binding for (?P<name>\S+) with "
+# The name is printed as it is (sampleInference.cpp: ``<< " binding for " << name << " with
+# dimensions "``), so it may hold spaces, ':' or ','.
+_BINDING = re.compile(r"(?:Created )?(?P<io>[Ii]nput|[Oo]utput) binding for (?P<name>.+?) with "
                       r"dimensions (?P<dims>[0-9x]+)")
 
 
@@ -288,9 +290,9 @@ PLAN_LOAD_CLASSES = ("not_a_plan", "truncated", "other_version", "library_path",
                      "unknown")
 
 
-def _same_version(a: Sequence[int] | None, b: Sequence[int] | None) -> bool:
+def same_version(a: Sequence[int] | None, b: Sequence[int] | None) -> bool:
     """Equal on every component both give (8.6.1.4 and 8.6.1.6 differ; 8.6.1 and 8.6.1.6 do
-    not)."""
+    not); False when either is unknown."""
     if not a or not b:
         return False
     n = min(len(a), len(b))
@@ -371,15 +373,15 @@ def classify_plan_load_error(log: str, header: bytes | None = None, *,
                   "LD_LIBRARY_PATH) or remove the other TensorRT from LD_LIBRARY_PATH; "
                   "`python trt_tools.py detect` shows which libnvinfer is loaded")
     if mm and mm["kind"] == "library":
-        if rt and lib_v and not _same_version(lib_v, rt):
+        if rt and lib_v and not same_version(lib_v, rt):
             return out("library_path", f"the Python package is tensorrt {_vs(rt)} but the "
                        f"libnvinfer that tried to load {plan} is {_vs(lib_v)}: another TensorRT "
                        "library is found first on the loader path", loader_fix)
         return other_version()
     tag_error = bool(_MAGIC.search(log or "")) or (mm is not None and
                                                    mm["kind"] == "serialization")
-    if tag_error or (plan_v and rt and not _same_version(plan_v, rt)):
-        if plan_v and rt and _same_version(plan_v, rt):
+    if tag_error or (plan_v and rt and not same_version(plan_v, rt)):
+        if plan_v and rt and same_version(plan_v, rt):
             # The plan says it was built by the package's own version, yet the runtime refuses it:
             # the library that runs is not the package's (NVIDIA/TensorRT#1596, #2195).
             return out("library_path", f"{plan} was built by TensorRT {_vs(plan_v)}, the same "

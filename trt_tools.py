@@ -16,18 +16,22 @@ tested) on machines without TensorRT or a GPU. ``python trt_tools.py detect`` pr
 detection finds.
 
 Sources relied on (read to learn; flag names checked per release in NVIDIA/TensorRT
-``samples/common/sampleOptions.cpp`` at tags v8.6.1, v9.3.0, v10.0.1, v10.3.0, v10.16, v11.0,
-v11.1):
+``samples/common/sampleOptions.cpp`` at tags 8.5.1, v8.6.1, v9.3.0, v10.0.1, v10.1.0, v10.3.0,
+v10.16, v11.0, v11.1):
 - trtexec flags: ``--onnx``, ``--saveEngine``, ``--loadEngine``, ``--timingCacheFile``,
-  ``--min/opt/maxShapes``, ``--memPoolSize=workspace:<size>`` (8.4+; MiB unless a suffix; the
-  ``K/M/G`` suffixes are documented from 10.x), ``--profilingVerbosity=detailed`` +
-  ``--exportLayerInfo`` (8.2+), ``--useDLACore`` / ``--allowGPUFallback``, ``--noTF32``,
+  ``--min/opt/maxShapes``, ``--memPoolSize=workspace:<size>`` (8.4+),
+  ``--profilingVerbosity=detailed`` + ``--exportLayerInfo`` (8.2+), ``--useDLACore`` / ``--allowGPUFallback``, ``--noTF32``,
   ``--calib=<file>`` (8.x-10.x; with ``--int8``).
 - Shape specs: ``name:DxDxD``, several inputs comma-separated; "Input names can be wrapped with
   escaped single quotes (ex: 'Input:0')" (trtexec --help); ``splitNameAndValue`` in
   sampleOptions.cpp (8.5+) takes the text inside exactly two single quotes as the name, else
   splits on the last ``:``; the list is split on ``,`` first. So a name with ``,`` or ``'`` cannot
   be written (refused here) and a name with ``:`` is quoted.
+- ``--memPoolSize=workspace:N`` is written without a unit suffix: a plain number is MiB in every
+  release ("in MiB" in 8.4-10.0's help; "If none of suffixes is appended, the defualt unit is in
+  MiB" from 10.1). The ``B/K/M/G`` suffixes are parsed from 10.0.0, but 10.0.0/10.0.1 turn
+  ``512M`` into 512 * 2**20 and then ``roundToBytes`` multiplies by 2**20 again (a limit 2**20
+  times too large); 10.1.0 fixed it (``workspace = memPoolSize / 1.0_MiB``).
 - ``--fp16`` / ``--int8`` / ``--best`` exist up to 10.x and are gone in 11.x ("Unknown option",
   captured in tests/data/trt/trtexec_11.0.0_b200_..._unknown_option_fp16_int8_best.log).
 - ``--stronglyTyped`` exists from 9.x; in 11.x it is a documented no-op (strong typing is the only
@@ -68,11 +72,6 @@ from trt_parsers import (Version, classify_plan_load_error, decode_version_int,
 VARIANTS = variants.VARIANTS
 Variant = variants.Variant
 DEFAULT_VARIANTS = tuple(v.name for v in variants.for_stage(6))
-
-
-def variant_for_engine(path: Path | str) -> Variant | None:
-    """The variant whose plan file is ``path`` (``<variant>.plan``), or None."""
-    return VARIANTS.get(Path(path).stem)
 
 
 # --------------------------------------------------------------------------------------------
@@ -117,6 +116,26 @@ class UnsupportedVariant(StageError):
     """The variant cannot be built with this TensorRT version or device (recorded as skipped)."""
 
 
+# Oldest TensorRT the toolkit runs: stage 7 (runners.TrtRunner) uses the tensor-name API
+# (enqueueV3 / execute_async_v3, setInputShape, getProfileShape by name), which NvInferRuntime.h
+# has from tag 8.5.1 and lacks at 8.4.3 (NVIDIA/TensorRT); trtexec 8.2 also has no --memPoolSize
+# (sampleOptions.cpp, tag 8.2.1).
+MIN_VERSION = (8, 5)
+
+
+def check_supported(trt_version: Sequence[int]) -> None:
+    """Refuse a TensorRT older than :data:`MIN_VERSION`.
+
+    Raises:
+        UsageError: the version, the minimum and why.
+    """
+    v = full_version(trt_version)
+    if tuple(v[:2]) < MIN_VERSION:
+        raise UsageError(f"TensorRT {vstr(v)} is not supported (8.5+ needed): stage 7 runs engines "
+                         "with the tensor-name API (enqueueV3/execute_async_v3, setInputShape) "
+                         "that TensorRT 8.5 introduced; install TensorRT 8.5 or newer")
+
+
 # Highest ONNX opset the ONNX parser of a TensorRT major handles: onnx-tensorrt
 # docs/operators.md, release/8.5-GA and release/8.6-GA: "supports operators up to Opset 17";
 # 10.0-GA: "opset 9 to opset 20". The 8.x parser does not refuse newer opsets, it misreads them
@@ -134,6 +153,19 @@ MAX_PARSER_OPSET = {8: 17, 10: 20}
 DLA_LAST_10X = (10, 7)
 DLA_BACK_IN_11 = (11, 4, 1)
 DLA_MIN_FRACTION_WARN = 0.5  # issue 13: warn below 50 % of layers on DLA unless a minimum is set
+
+
+def variant_unsupported(trt_version: Sequence[int], variant: Variant) -> str | None:
+    """Why ``variant`` cannot be built on ``trt_version`` at all (None if it can): INT4
+    weight-only Q/DQ graphs need TensorRT 10+ (onnx-tensorrt docs/operators.md: DequantizeLinear
+    takes INT8 at release/8.6-GA, "INT8, FP8, INT4" at release/10.0-GA; ONNX has INT4 from opset
+    21, above the 8.x parser's 17, MAX_PARSER_OPSET). Checked before any opset handling, whose
+    re-export advice does not apply to such a file."""
+    v = full_version(trt_version)
+    if variant.kind == "int4" and v[0] < 10:
+        return (f"{variant.name}: INT4 weight-only Q/DQ graphs need TensorRT 10+, this is "
+                f"{vstr(v)}")
+    return None
 
 
 def dla_unavailable(trt_version: Sequence[int]) -> str | None:
@@ -293,29 +325,6 @@ class InputProfile:
                 "opt": list(self.opt), "max": list(self.max), "source": self.source}
 
 
-def _dims(text: str, what: str) -> tuple[int, ...]:
-    try:
-        dims = tuple(int(d) for d in re.split(r"[x,]", text.strip()) if d != "")
-    except ValueError:
-        dims = ()
-    if not dims or any(d < 1 for d in dims):
-        raise UsageError(f"{what}: dims {text!r} are not positive integers like 1x3x224x224")
-    return dims
-
-
-def _split_name(item: str, what: str) -> tuple[str | None, str]:
-    """``'na:me':rest`` / ``name:rest`` (last ``:``) / ``rest`` -> (name or None, rest)."""
-    if item.startswith("'"):
-        end = item.find("'", 1)
-        if end < 0 or item[end + 1:end + 2] != ":":
-            raise UsageError(f"{what} {item!r}: a quoted name must look like 'name:0':1x3x224x224")
-        return item[1:end], item[end + 2:]
-    if ":" not in item:
-        return None, item
-    name, rest = item.rsplit(":", 1)
-    return name, rest
-
-
 def parse_shape_specs(items: Sequence[str] | None, what: str = "--opt-shapes"
                       ) -> dict[str, tuple[int, ...]]:
     """Parse trtexec-style shape specs: each item ``name:DxDxD[,name2:DxD...]``; a name with
@@ -328,38 +337,13 @@ def parse_shape_specs(items: Sequence[str] | None, what: str = "--opt-shapes"
     for item in items or []:
         # trtexec splits the list on every ","; names are quoted only to hold ":".
         for part in re.findall(r"(?:'[^']*'|[^,'])+", item):
-            name, dims = _split_name(part.strip(), what)
+            name, dims = common.split_shape_name(part.strip(), what)
             if not name:
                 raise UsageError(f"{what} {part!r}: expected name:DxDxD")
             if name in out:
                 raise UsageError(f"{what}: input {name!r} given twice")
-            out[name] = _dims(dims, f"{what} {part!r}")
+            out[name] = common.parse_dims(dims, f"{what} {part!r}")
     return out
-
-
-def parse_input_shape(item: str) -> tuple[str | None, tuple[int, ...], str | None]:
-    """Parse one ``--input-shape`` value for stage 6: ``name:d0,d1,...[:dtype]`` (also ``x`` as
-    separator, a quoted ``'name:0':...`` or no name). Unlike ``common.parse_input_shapes`` it
-    accepts input names containing ``:`` (TensorFlow-style ``input:0``).
-
-    Returns:
-        ``(name or None (the index-th input), dims, dtype or None)``.
-    Raises:
-        UsageError: malformed value.
-    """
-    what = "--input-shape"
-    dtype = None
-    body = item
-    tail = item.rsplit(":", 1)
-    if (len(tail) == 2 and re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", tail[1])
-            and not item.endswith("'")):
-        try:
-            np.dtype(tail[1])
-            dtype, body = tail[1], tail[0]
-        except TypeError:
-            raise UsageError(f"{what} {item!r}: unknown dtype {tail[1]!r}") from None
-    name, dims = _split_name(body, what)
-    return name, _dims(dims, f"{what} {item!r}"), dtype
 
 
 def input_profiles(inputs: Sequence[tuple[str, Sequence[int | None], Any]], *,
@@ -371,7 +355,9 @@ def input_profiles(inputs: Sequence[tuple[str, Sequence[int | None], Any]], *,
     """The optimisation profile for every input.
 
     For each input: explicit ``--min/--opt/--max-shapes`` win (all three, or opt alone which
-    then also sets min and max, as trtexec does); otherwise a dynamic axis 0 takes
+    then also sets min and max, as trtexec does; other partial sets are refused: trtexec's
+    ``processShapes`` (sampleOptions.cpp, 8.5.1-v11.1) broadcasts them with only a warning for
+    the build profile, and 8.5-10.x refuse them for the calibration profile); otherwise a dynamic axis 0 takes
     ``min/opt/max_batch`` and every other dynamic axis (spatial, sequence, ...) takes its size
     from the input's ``--input-shape`` value, else, for a 4-D image input, ``default_hw`` (the
     model's crop) on axes 2 and 3. ``static`` (DLA: "DLA does not support dynamic dimensions, so
@@ -380,7 +366,7 @@ def input_profiles(inputs: Sequence[tuple[str, Sequence[int | None], Any]], *,
 
     Args:
         inputs: :func:`onnx_inputs` of the model.
-        input_shapes: ``--input-shape`` values (:func:`parse_input_shape`; an unnamed value is
+        input_shapes: ``--input-shape`` values (:func:`common.parse_input_shape`; an unnamed one is
             the input at its position).
         min_shapes, opt_shapes, max_shapes: :func:`parse_shape_specs` results.
         min_batch, opt_batch, max_batch: batch range for a dynamic axis 0.
@@ -395,7 +381,7 @@ def input_profiles(inputs: Sequence[tuple[str, Sequence[int | None], Any]], *,
     names = [n for n, _, _ in inputs]
     given: dict[str, tuple[int, ...]] = {}
     for i, item in enumerate(input_shapes or ()):
-        name, dims, _ = parse_input_shape(item)
+        name, dims, _ = common.parse_input_shape(item)
         name = name if name is not None else (names[i] if i < len(names) else None)
         if name not in names:
             raise UsageError(f"--input-shape {item!r}: the model has no input {name!r} "
@@ -430,7 +416,9 @@ def input_profiles(inputs: Sequence[tuple[str, Sequence[int | None], Any]], *,
         if any(explicit):
             if explicit != [True] * 3 and explicit != [False, True, False]:
                 raise UsageError(f"input {name!r}: give --opt-shapes alone or all of --min-shapes, "
-                                 "--opt-shapes, --max-shapes (trtexec's rule)")
+                                 "--opt-shapes, --max-shapes (a partial set is ambiguous: "
+                                 "trtexec fills it in with a warning, and refuses it for the "
+                                 "calibration profile of --int8 builds)")
             opt = check(opt_shapes[name], "--opt-shapes")
             lo = check(min_shapes.get(name, opt), "--min-shapes")
             hi = check(max_shapes.get(name, opt), "--max-shapes")
@@ -467,6 +455,47 @@ def input_profiles(inputs: Sequence[tuple[str, Sequence[int | None], Any]], *,
             source += "; static for DLA (min = opt = max)"
         out.append(InputProfile(name, dims, lo, opt, hi, source))
     return out
+
+
+def trt_layer_names(model) -> list[tuple[str, str]]:
+    """``[(layer name, op type)]`` of an ONNX model's nodes, in graph order, named as TensorRT's
+    ONNX parser names their layers (and build logs print them): the node name, or
+    ``node_of_<first output>`` for an unnamed node (onnx-tensorrt ``getNodeName``:
+    ``onnx2trt_utils.cpp`` at release/8.5-GA and 8.6-GA, ``importerUtils.cpp`` at 10.0-GA to
+    main)."""
+    return [(n.name or (f"node_of_{n.output[0]}" if len(n.output) else ""), n.op_type)
+            for n in model.graph.node]
+
+
+def check_named_dims(model, profiles: Sequence[InputProfile]) -> None:
+    """Refuse profiles in which inputs that share an ONNX dim name get disjoint ranges.
+
+    "Two network inputs with the same named dimension parameter are considered equal. TensorRT
+    supports this feature by checking that in the optimization profile these dimensions have
+    overlapping intervals and that at runtime they have the same value" (NVIDIA/TensorRT
+    samples/sampleNamedDimensions README, tags 8.5.1 to v11.1), so such a profile fails the build.
+
+    Args:
+        model: the ONNX model the profiles were made for (``dim_param`` names are read from it).
+        profiles: :func:`input_profiles` of that model.
+    Raises:
+        UsageError: the dim name, each (input, axis) that holds it with its range, and the fix.
+    """
+    by_name = {p.name: p for p in profiles}
+    users: dict[str, list[tuple[str, int, int, int]]] = {}
+    for i in model.graph.input:
+        p = by_name.get(i.name)
+        if p is None:
+            continue
+        for ax, d in enumerate(i.type.tensor_type.shape.dim):
+            if d.dim_param and ax < len(p.min):
+                users.setdefault(d.dim_param, []).append((i.name, ax, p.min[ax], p.max[ax]))
+    for dim, uses in users.items():
+        if len(uses) > 1 and max(u[2] for u in uses) > min(u[3] for u in uses):
+            where = ", ".join(f"{n} axis {ax}: {lo}..{hi}" for n, ax, lo, hi in uses)
+            raise UsageError(f"the ONNX names these dims {dim!r}, so TensorRT needs them equal, "
+                             f"but their profile ranges do not overlap ({where}): give them the "
+                             "same size in --input-shape / --min/--opt/--max-shapes")
 
 
 def fmt_dims(dims: Sequence[int | None]) -> str:
@@ -542,8 +571,8 @@ def build_command(onnx: Path | str, plan: Path | str, variant: str, trt_version:
         profiles: :func:`input_profiles` of the model; the dynamic ones become
             ``--minShapes/--optShapes/--maxShapes`` (trtexec times the build at the opt shape).
             With ``dla_core`` every profile must be static (min = opt = max).
-        mem_pool_mb: workspace pool limit in MiB (``--memPoolSize=workspace:N`` on 8.x where the
-            unit is MiB, ``workspace:NM`` on 10.x+ where suffixes are documented).
+        mem_pool_mb: workspace pool limit in MiB (``--memPoolSize=workspace:N``, a plain number,
+            which every trtexec reads as MiB; see the module docstring).
         dla_core: DLA core; always paired with ``--allowGPUFallback``.
         int8: for Q/DQ variants, ``"qdq"`` (default) or ``"implicit"`` (see above).
         calib: calibration cache for the implicit path.
@@ -552,7 +581,7 @@ def build_command(onnx: Path | str, plan: Path | str, variant: str, trt_version:
     Returns:
         argv list.
     Raises:
-        UsageError: unknown variant, TensorRT < 8, bad DLA request, dynamic profile with DLA,
+        UsageError: unknown variant, TensorRT < 8.5, bad DLA request, dynamic profile with DLA,
             implicit INT8 without a cache, a bad memory pool size.
         UnsupportedVariant: the variant cannot be built with this version or device.
     """
@@ -561,11 +590,10 @@ def build_command(onnx: Path | str, plan: Path | str, variant: str, trt_version:
     v = VARIANTS[variant]
     ver = full_version(trt_version)
     major = ver[0]
-    if major < 8:
-        raise UsageError(f"TensorRT {vstr(ver)} is not supported (8.5+ needed)")
-    if v.kind == "int4" and major < 10:
-        raise UnsupportedVariant(f"{variant}: INT4 weight-only Q/DQ graphs need TensorRT 10+, "
-                                 f"this is {vstr(ver)}")
+    check_supported(ver)
+    why = variant_unsupported(ver, v)
+    if why:
+        raise UnsupportedVariant(why)
     implicit = v.kind == "qdq" and int8 == "implicit"
     if implicit and major >= 11:
         raise UnsupportedVariant(f"{variant}: TensorRT {vstr(ver)} has no implicit INT8 "
@@ -609,7 +637,9 @@ def build_command(onnx: Path | str, plan: Path | str, variant: str, trt_version:
     if mem_pool_mb is not None:
         if mem_pool_mb <= 0:
             raise UsageError(f"--mem-pool-mb {mem_pool_mb}: must be > 0")
-        cmd.append(f"--memPoolSize=workspace:{mem_pool_mb}" + ("M" if major >= 10 else ""))
+        # A plain number: MiB in every trtexec. No unit suffix: 10.0.x scales "N<suffix>" to
+        # bytes and then again as MiB (module docstring).
+        cmd.append(f"--memPoolSize=workspace:{mem_pool_mb}")
     if dla_core is not None:
         cmd += [f"--useDLACore={dla_core}", "--allowGPUFallback"]
     if no_tf32:

@@ -492,7 +492,7 @@ def test_run_all_end_to_end(tmp_path):
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     for n in range(9):
         assert f"Stage {n}: finished" in p.stdout
-    md = (tmp_path / "r" / "efficientnet_lite0" / "REPORT.md").read_text()
+    md = (tmp_path / "r" / "smoke" / "efficientnet_lite0" / "REPORT.md").read_text()  # --limit
     for row in ("| PyTorch | FP32 |", "| ORT | FP16 |", "| ORT | INT8 | ort_int8 |",
                 "| ORT | INT8 | ort_int8_hp32 |", "| ORT | INT4 | ort_int4 |"):
         assert row in md, row

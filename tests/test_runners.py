@@ -218,3 +218,15 @@ def test_torch_compile_figure_on_cpu():
     assert "__len__" not in how and "len()" not in how, how
     if times is not None:  # a C++ toolchain is needed for inductor on the CPU
         assert len(times) == 3 and "torch.compile" in how
+
+
+def test_one_input_shape_parser_for_every_stage():
+    """Stages 1-3 and 6 read --input-shape with one parser: quoted names holding ':', dtypes,
+    'x' or ',' between dims, and a clear error for dims < 1."""
+    assert common.parse_input_shapes(["x:2,3,8,8", "'ids:0':1x16:int64", "4,3"]) == [
+        ("x", (2, 3, 8, 8), "float32"), ("ids:0", (1, 16), "int64"), ("input_2", (4, 3), "float32")]
+    assert common.parse_input_shape("input:0:1x3x32x32") == ("input:0", (1, 3, 32, 32), None)
+    with pytest.raises(common.UsageError, match="every dimension must be >= 1"):
+        common.parse_input_shapes(["x:0,3,8,8"])
+    with pytest.raises(common.UsageError, match="unknown dtype"):
+        common.parse_input_shapes(["x:1,3:floaty"])

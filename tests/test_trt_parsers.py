@@ -121,6 +121,17 @@ def test_inference_shapes():
     assert s["inputs"] == {"tensor-0": [4, 1, 28, 28]}
 
 
+def test_inference_shapes_names_with_spaces_and_colons():
+    """trtexec prints the tensor name as it is (sampleInference.cpp: `<< " binding for " << name
+    << " with dimensions "`); the captured lines with their name replaced (derived text)."""
+    text = read("trtexec_10.16.1_h100pcie_onnx_cnn_build_run.log")
+    text = text.replace("binding for x ", "binding for in put:0 ").replace(
+        "binding for y ", "binding for out, 1 ")
+    s = tp.parse_inference_shapes(text)
+    assert s["inputs"] == {"in put:0": [1, 1, 28, 28]}
+    assert s["outputs"] == {"out, 1": [1, 10], "z": [1]}
+
+
 # --------------------------------------------------------------------------------------------
 # Unknown options (11.x rejects the weak-typing flags; 10.x removed --workspace etc.)
 # --------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import common  # noqa: E402
 import trt_onnx  # noqa: E402
 import trt_parsers as tp  # noqa: E402
 import trt_tools as tt  # noqa: E402
@@ -310,6 +311,37 @@ def test_profile_errors():
         tt.input_profiles(IMG, min_batch=4, opt_batch=2, max_batch=8)
 
 
+def shared_dim_net():
+    """Two inputs that share the named dims N and L: tokens [N, L, 16], mask [N, L]."""
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node("ReduceSum", ["tokens"], ["t"], axes=[2], keepdims=0, name="sum"),
+             helper.make_node("Add", ["t", "mask"], ["y"], name="add")]
+    g = helper.make_graph(nodes, "shared",
+                          [helper.make_tensor_value_info("tokens", TensorProto.FLOAT,
+                                                         ["N", "L", 16]),
+                           helper.make_tensor_value_info("mask", TensorProto.FLOAT, ["N", "L"])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", "L"])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 11)])
+    m.ir_version = 8
+    return m
+
+
+def test_named_dims_need_overlapping_profile_ranges(tmp_path):
+    """Inputs with the same ONNX dim name must get overlapping profile intervals (TensorRT
+    samples/sampleNamedDimensions README, 8.5.1+): disjoint ones are a usage error naming the dim,
+    not a trtexec failure after the build started."""
+    model = "mypkg.seq:build"
+    save(shared_dim_net(), tmp_path / "a" / "mypkg.seq-build" / "onnx" / "fp32.onnx")
+    ok = stage6(tmp_path, "--dry-run", "--trt-version", "10.3.0", "--model", model, "fp32",
+                "--input-shape", "tokens:1,20,16", "--input-shape", "mask:1,20", model=model)
+    assert ok.returncode == 0 and len(trtexec_lines(ok.stdout)) == 1, ok.stderr
+    p = stage6(tmp_path, "--dry-run", "--trt-version", "10.3.0", "--model", model, "fp32",
+               "--input-shape", "tokens:1,20,16", "--input-shape", "mask:1,30", model=model)
+    assert p.returncode == 2 and trtexec_lines(p.stdout) == [], p.stdout
+    assert "'L'" in p.stderr and "tokens axis 1" in p.stderr and "mask axis 1" in p.stderr
+
+
 def test_names_trtexec_cannot_write_are_refused():
     with pytest.raises(UsageError, match="cannot be written in trtexec's shape syntax"):
         tt.shape_flags(tt.input_profiles([("a,b", [None, 3], F32)], default_hw=None))
@@ -321,14 +353,14 @@ def test_names_trtexec_cannot_write_are_refused():
 def test_shape_spec_parsing():
     assert tt.parse_shape_specs(["'in:0':1x3x8x8,b:2x5", "c:0:4x4"]) == {
         "in:0": (1, 3, 8, 8), "b": (2, 5), "c:0": (4, 4)}
-    assert tt.parse_input_shape("tokens:1,16:int64") == ("tokens", (1, 16), "int64")
-    assert tt.parse_input_shape("input:0:1,3,32,32") == ("input:0", (1, 3, 32, 32), None)
-    assert tt.parse_input_shape("1x3x8x8") == (None, (1, 3, 8, 8), None)
+    assert common.parse_input_shape("tokens:1,16:int64") == ("tokens", (1, 16), "int64")
+    assert common.parse_input_shape("input:0:1,3,32,32") == ("input:0", (1, 3, 32, 32), None)
+    assert common.parse_input_shape("1x3x8x8") == (None, (1, 3, 8, 8), None)
     for bad in (["x:1x0"], ["x:"], ["1x3"], ["a:1,a:2"]):
         with pytest.raises(UsageError):
             tt.parse_shape_specs(bad)
     with pytest.raises(UsageError, match="unknown dtype"):
-        tt.parse_input_shape("x:1,2:notatype")
+        common.parse_input_shape("x:1,2:notatype")
 
 
 def test_static_profile_for_dla():
@@ -397,7 +429,7 @@ def test_commands_trt11_never_weak_flags(variant):
     log = read("trtexec_11.0.0_b200_stronglytyped_skipinference_then_unknown_option_fp16_int8_best.log")
     rejected = {o.split("=")[0] for o in tp.parse_unknown_options(log)}
     assert not flags(c) & rejected
-    assert "--memPoolSize=workspace:2048M" in c
+    assert "--memPoolSize=workspace:2048" in c
 
 
 def test_commands_dynamic_and_static_shapes():
@@ -409,9 +441,14 @@ def test_commands_dynamic_and_static_shapes():
     assert not any(a.startswith(("--minShapes", "--optShapes", "--maxShapes")) for a in c)
 
 
-def test_commands_mem_pool_units():
-    assert "--memPoolSize=workspace:1024" in cmd("fp16", V86, mem_pool_mb=1024)
-    assert "--memPoolSize=workspace:1024M" in cmd("fp16", V103, mem_pool_mb=1024)
+@pytest.mark.parametrize("version", [(8, 5, 2), V86, (9, 3, 0), (10, 0, 1), V103, V1016, V110])
+def test_commands_mem_pool_units(version):
+    """A plain number is MiB in every trtexec (8.x-9.x: "in MiB"; 10.1+: "If none of suffixes
+    is appended, the defualt unit is in MiB"). A suffix is not: trtexec 10.0.x multiplies
+    "1024M" by 2**20 and then again by 2**20 as MiB (sampleOptions.cpp stringToValue<double> x
+    getUnitMultiplier, sampleEngines.cpp roundToBytes, tag v10.0.1): a limit 2**20 times the one asked for."""
+    c = cmd("fp16", version, mem_pool_mb=1024)
+    assert "--memPoolSize=workspace:1024" in c
     assert not any(a.startswith("--memPoolSize") for a in cmd("fp16", V103))
     with pytest.raises(UsageError):
         cmd("fp16", V103, mem_pool_mb=0)
@@ -461,6 +498,20 @@ def test_commands_bad_input():
         cmd("fp64", V103)
     with pytest.raises(UsageError):
         cmd("fp32", (7, 2, 3))
+
+
+@pytest.mark.parametrize("version", [(8, 0, 1), (8, 2, 1), (8, 4, 3)])
+def test_commands_refuse_tensorrt_before_8_5(version):
+    """Stage 7 runs engines with enqueueV3 / setInputShape (NvInferRuntime.h from tag 8.5.1;
+    absent at 8.4.3), and trtexec 8.2 has no --memPoolSize: 8.0-8.4 are refused, not printed."""
+    with pytest.raises(UsageError, match=r"8\.5\+ needed.*enqueueV3"):
+        cmd("fp32", version)
+
+
+def test_stage6_dry_run_refuses_tensorrt_before_8_5(tmp_path):
+    p = stage6(tmp_path, "--dry-run", "--trt-version", "8.2.1", "fp32")
+    assert p.returncode == 2 and "TensorRT 8.2.1 is not supported" in p.stderr, p.stderr
+    assert trtexec_lines(p.stdout) == []
 
 
 def test_plan_version_command_per_version():
@@ -833,10 +884,13 @@ def test_stage6_dry_run_dla_static_implicit_and_refusals(tmp_path):
                    for w in int8.split())
         assert "DLA takes INT8 from a calibration cache" in p.stdout
         assert "calibration cache: 2 activation scales" in p.stdout
-    for version, why in (("10.16.1", "10.7 was the last"), ("11.0.0", "no DLA support")):
+    # a version without DLA: the dry run refuses as the build does (exit 2, the reason), it does
+    # not print GPU command lines that the build would never run
+    for version, why in (("10.16.1", "10.7 was the last"), ("11.0.0", "no DLA support"),
+                         ("11.4.0", "no DLA support")):
         p = stage6(tmp_path, "--dry-run", "--trt-version", version, "--dla-core", "0", "fp16")
-        assert p.returncode == 0 and why in p.stdout
-        assert "--useDLACore" not in trtexec_lines(p.stdout)[0]
+        assert p.returncode == 2 and why in p.stderr and "--dla-core" in p.stderr, p.stderr
+        assert trtexec_lines(p.stdout) == []
 
 
 def test_stage6_dry_run_trt8_converts_opset19_qdq(tmp_path):
@@ -894,6 +948,37 @@ def test_stage6_dry_run_trt8_float_files_above_17(tmp_path):
     p = stage6(tmp_path, "--dry-run", "--trt-version", "8.6.1", "fp32")
     assert p.returncode == 0 and trtexec_lines(p.stdout) == []
     assert "not built" in p.stdout and "--exporter legacy --opset 17" in p.stdout
+
+
+def int4_net():
+    """INT4 weight-only: a blocked DequantizeLinear of INT4 weights into a MatMul, opset 21 (the
+    first opset with INT4 and block_size), as ModelOpt's INT4 output."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = np.random.default_rng(3).integers(-8, 8, (16, 8)).astype(np.int8)
+    nodes = [helper.make_node("DequantizeLinear", ["wq", "ws"], ["w"], axis=0, block_size=16,
+                              name="w_dq"),
+             helper.make_node("MatMul", ["input", "w"], ["logits"], name="mm")]
+    g = helper.make_graph(
+        nodes, "int4", [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 16])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 8])],
+        [helper.make_tensor("wq", TensorProto.INT4, [16, 8], w.flatten().tolist()),
+         numpy_helper.from_array(np.full((1, 8), 0.1, np.float32), "ws")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
+    m.ir_version = 10
+    return m
+
+
+@pytest.mark.parametrize("variant", ["int4", "int4_cli_broken"])
+def test_stage6_dry_run_int4_on_trt8_says_int4_needs_10(tmp_path, variant):
+    """An INT4 file on TensorRT 8.x is skipped because INT4 needs TensorRT 10+, not with advice to
+    re-export at opset 17 (an INT4 file has no opset-17 form, and stage 2 does not make it)."""
+    save(int4_net(), tmp_path / "a" / "mobilenet_v3_small" / "onnx" / f"{variant}.onnx")
+    p = stage6(tmp_path, "--dry-run", "--trt-version", "8.6.1", variant)
+    assert p.returncode == 0, p.stderr
+    skip = [ln for ln in p.stdout.splitlines() if "not built" in ln]
+    assert len(skip) == 1 and "INT4 weight-only Q/DQ graphs need TensorRT 10+" in skip[0], p.stdout
+    assert "2_export_onnx.py" not in p.stdout and "opset 17" not in skip[0]
 
 
 def test_stage6_skip_names_missing_onnx(tmp_path):
@@ -968,9 +1053,55 @@ def test_stage6_dla_fraction_fails_the_row_below_the_minimum(fake_build):
     with pytest.raises(StageError, match="engine build failed for fp16"):
         run("--dla-core", "0", "--dla-min-fraction", "0.95", "fp16",
             log="dla_placement_8.4_orin_model_bn_int8.log")
-    rec = json.loads((res / "trt_build_fp16.json").read_text())
+    # The failed rebuild kept no plan, so the earlier good row (and plan) stay; the failure is
+    # written beside it.
+    assert json.loads((res / "trt_build_fp16.json").read_text())["status"] == "ok"
+    rec = json.loads((res / "trt_build_fp16.failed.json").read_text())
     assert rec["status"] == "failed" and "below --dla-min-fraction 95%" in rec["reason"]
     assert "9 layer(s) on DLA, 1 on the GPU (90% on DLA)" in rec["reason"]
+
+
+def test_stage6_failed_dla_check_keeps_no_plan_and_the_earlier_one(fake_build):
+    """A build whose row fails (DLA share below --dla-min-fraction) leaves no plan of its own under
+    the final name, where stage 7 would evaluate it as built, and does not replace the plan of an
+    earlier good build."""
+    run, res, art = fake_build
+    save(conv_net(fp16=True, names=BN_NODE_NAMES), art / "onnx" / "fp16.onnx")
+    plan = art / "engines" / "fp16.plan"
+    with pytest.raises(StageError):  # first build ever, below the minimum
+        run("--dla-core", "0", "--dla-min-fraction", "0.95", "fp16",
+            log="dla_placement_8.4_orin_model_bn_int8.log")
+    rec = json.loads((res / "trt_build_fp16.json").read_text())
+    assert rec["status"] == "failed" and not plan.exists() and rec.get("plan") is None
+    run("--dla-core", "0", "fp16", log="dla_placement_8.4_orin_model_bn_int8.log")  # a good one
+    plan.write_bytes(b"ftrt-earlier-good-plan")
+    with pytest.raises(StageError):
+        run("--dla-core", "0", "--dla-min-fraction", "0.95", "fp16",
+            log="dla_placement_8.4_orin_model_bn_int8.log")
+    assert plan.read_bytes() == b"ftrt-earlier-good-plan"
+    assert not [f.name for f in plan.parent.iterdir() if f.name.startswith(".tmp-")]
+
+
+def test_stage6_dla_fraction_counts_unnamed_onnx_nodes(fake_build, tmp_path):
+    """TensorRT's ONNX parser names the layer of an unnamed node ``node_of_<first output>``
+    (onnx-tensorrt getNodeName, release/8.5-GA to main), and the DLA block uses those names. The
+    log here is the real captured block with its layer names mapped to the names TensorRT gives
+    this test's unnamed nodes (a derived text, not a capture)."""
+    run, res, art = fake_build
+    m = conv_net(fp16=True)
+    for n in m.graph.node:
+        n.name = ""
+    save(m, art / "onnx" / "fp16.onnx")
+    log = read("dla_placement_8.4_orin_model_bn_int8.log")
+    for captured, trt_name in (("Conv_0", "node_of_c0"), ("Relu_7", "node_of_r3"),
+                               ("Gemm_15", "node_of_l"), ("GlobalAveragePool_8", "node_of_g")):
+        log = log.replace(captured, trt_name)
+    (tmp_path / "unnamed.log").write_text(log)
+    run("--dla-core", "0", "--dla-min-fraction", "0.8", "fp16", log=str(tmp_path / "unnamed.log"))
+    rec = json.loads((res / "trt_build_fp16.json").read_text())
+    assert rec["status"] == "ok", rec["reason"]
+    assert rec["dla"]["fraction"] == pytest.approx(0.9)  # as for the named nodes above
+    assert rec["dla"]["gpu_layers"] == ["node_of_g"] and "node_of_c0" in rec["dla"]["dla_layers"]
 
 
 def test_stage6_dla_default_warns_below_half(fake_build, capsys):
@@ -1018,6 +1149,8 @@ def _no_trt():
 @pytest.mark.skipif(not _no_trt(), reason="TensorRT is importable here")
 def test_stage7_skips_without_tensorrt(tmp_path):
     eng = tmp_path / "a" / "mobilenet_v3_small" / "engines" / "int8.plan"
+    eng.parent.mkdir(parents=True)
+    eng.write_bytes(b"a plan file")  # a missing plan is an error named before this check
     p = subprocess.run([sys.executable, "7_trt_eval.py", "--engine", str(eng), "--tag", "trt_int8"],
                        cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
@@ -1034,6 +1167,16 @@ def test_stage7_usage_error_exit_2(tmp_path):
                         "--iters", "0"], cwd=ROOT, env=_env(tmp_path), capture_output=True,
                        text=True, timeout=300)
     assert p.returncode == 2 and "usage:" in p.stderr
+
+
+def test_trt_runner_names_an_unreadable_plan(tmp_path):
+    """--engine given a folder (e.g. artifacts/M/engines) or a missing file: a message naming the
+    path, not an IsADirectoryError traceback from reading it."""
+    import runners
+
+    for bad in (tmp_path, tmp_path / "missing.plan"):
+        with pytest.raises(StageError, match=f"cannot read the plan {bad}"):
+            runners.TrtRunner(bad)
 
 
 class _FakeRunner:
