@@ -14,8 +14,12 @@ Q/DQ file this stage therefore also runs images with all graph optimisations dis
 DequantizeLinear + float ops, the graph's reference semantics): by default the first 128, and the
 whole split as soon as any of them differs; and flags a backend disagreement when top-1 differs
 by more than ``--cross-check-tol`` points. A "collapse" that disappears there is an ORT optimiser
-effect, not a quantization failure. The cross-check runs after the row is written and never
-changes its status.
+effect, not a quantization failure. A model that is not a classifier gets the same cross-check
+on every output (cosine; ``qdq_tools.backend_cross_check``). When the backend disagrees (and
+with ``--layerwise``) the stage also writes the per-layer table that separates quantization error
+(float vs Q/DQ graph, both unoptimised) from backend error (the Q/DQ graph optimised vs not):
+``results/<model>/quant_backend_<tag>/`` (``layerwise.py quant-backend``). These diagnostics run
+after the row is written and never change its status.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ import numpy as np
 import common
 import evaluate
 import onnx_graph
+import qdq_tools
 import runners
 import variants
 
@@ -80,7 +85,7 @@ def is_qdq(precision: str) -> bool:
     return precision.startswith("INT")
 
 
-X64_PRECISION = {"session.x64quantprecision": "1"}
+X64_PRECISION = qdq_tools.X64_QUANT_PRECISION
 CROSS_CHECK_FIRST = 128  # images of the adaptive cross-check's first look
 CROSS_CHECK_MIN_COSINE = 0.999  # per-image logits cosine under which the two sessions "differ"
 
@@ -218,22 +223,54 @@ def main(args: argparse.Namespace) -> dict:
     path = common.model_results(args.model) / f"{args.tag}.json"
     print(f"{evaluate.summary_line(rec)} -> {path}")
     # Diagnostics: after the row is written; they never change its status.
-    if (data.classifier and is_qdq(precision) and args.cross_check_images
-            and args.opt_level != "disable"):
-        cc = evaluate.diagnose(rec, "backend_cross_check", lambda: cross_check(
-            onnx_path, data, next(iter(outputs.values())), args.cross_check_images,
-            args.cross_check_tol, args.batch_size, args.opt_level,
-            X64_PRECISION if args.x64_quant_precision else None))
+    cc = None
+    if is_qdq(precision) and args.cross_check_images and args.opt_level != "disable":
+        config = X64_PRECISION if args.x64_quant_precision else None
+        if data.classifier:
+            cc = evaluate.diagnose(rec, "backend_cross_check", lambda: cross_check(
+                onnx_path, data, next(iter(outputs.values())), args.cross_check_images,
+                args.cross_check_tol, args.batch_size, args.opt_level, config))
+        else:  # any model: every output compared (cosine), no labels
+            cc = evaluate.diagnose(rec, "backend_cross_check", lambda: qdq_tools.backend_cross_check(
+                onnx_path, data.feed, outputs, batch=args.batch_size, opt_level=args.opt_level,
+                session_config=config))
         if cc and cc["disagreement"]:
-            print(f"WARNING: ORT backend disagreement on {onnx_path.name}: top-1 "
-                  f"{cc['top1_main']:.1f}% at opt level {args.opt_level} vs "
-                  f"{cc['top1_unoptimized']:.1f}% with graph optimisations disabled "
-                  f"({cc['n']} images). ONNX Runtime, not the quantization, changes the "
-                  "result: do not report this as a collapse."
+            what = (f"top-1 {cc['top1_main']:.1f}% at opt level {args.opt_level} vs "
+                    f"{cc['top1_unoptimized']:.1f}% with graph optimisations disabled "
+                    f"({cc['n']} images)" if data.classifier else cc["reason"])
+            print(f"WARNING: ORT backend disagreement on {onnx_path.name}: {what}. ONNX Runtime, "
+                  "not the quantization, changes the result: do not report this as a collapse."
                   + (f" Cause: {cc['cause']}." if cc.get("cause") else ""), file=sys.stderr)
+    # Quantization error vs backend error, per layer: with --layerwise, and whenever the
+    # cross-check saw the backend disagree with the graph.
+    if is_qdq(precision) and (args.layerwise or (cc and cc.get("disagreement"))):
+        evaluate.diagnose(rec, "quant_backend", lambda: _quant_backend(
+            args, spec, data, onnx_path))
     if args.layerwise:
         evaluate.diagnose(rec, "layerwise", lambda: _layerwise(args, spec, onnx_path, precision))
     return rec
+
+
+def _quant_backend(args, spec, data: evaluate.EvalData, onnx_path: Path) -> dict:
+    """``layerwise.quant_backend_table`` of ``onnx_path`` against the model's FP32 ONNX on
+    ``--layerwise-images`` samples; writes ``results/<model>/quant_backend_<tag>/`` and returns
+    a summary for the row."""
+    import layerwise
+
+    ref_onnx = common.require(common.model_artifacts(args.model) / "onnx" / "fp32.onnx",
+                              "2_export_onnx.py")
+    n = args.layerwise_images
+    feed = (layerwise.load_feed(None, args.model, n, ref_onnx) if spec.classifier
+            else {k: v[:n] for k, v in data.feed.items()})
+    out_dir = common.model_results(args.model) / f"quant_backend_{args.tag}"
+    res = layerwise.quant_backend_table(ref_onnx, onnx_path, feed, ep=args.ep,
+                                        opt_level=args.opt_level,
+                                        disabled_optimizers=args.disable_optimizer,
+                                        batch=args.batch_size, out_dir=out_dir)
+    print(layerwise.render_quant_backend(res, max_rows=40))
+    return {"out_dir": str(out_dir), "verdict": res["verdict"],
+            "first_quant": res["first_quant"], "first_backend": res["first_backend"],
+            "channels_lost": res["channels_lost"][:5]}
 
 
 def _layerwise(args, spec, onnx_path: Path, precision: str) -> dict:

@@ -1,13 +1,29 @@
 #!/usr/bin/env python3
-"""Stage 4: calibration data for ModelOpt: the calibration split (never an eval image),
-preprocessed exactly as evaluation (``common.load_split`` + ``common.normalize``), saved as an
-``.npz`` keyed to the input name read from the ONNX model.
+"""Stage 4: calibration data for ModelOpt, keyed to the ONNX model's input names, checked
+against the model and against the evaluation data before any quantizer sees it.
 
-Reads:  ``artifacts/splits.json`` + calib cache (0_prepare_data.py),
-        ``artifacts/<model>/onnx/fp32.onnx`` (2_export_onnx.py) for the input name and dtype.
-Writes: ``artifacts/<model>/calib.npz`` (``{<input name>: float32 [N,3,crop,crop]}``),
-        ``results/<model>/calib.json`` (files used, input name, provenance).
-Rerun:  ``python 4_make_calib.py --model efficientnet_lite0``
+Image classifiers: the calibration split (never an eval image), preprocessed exactly as
+evaluation (``common.load_split`` + ``common.normalize``). Any other model
+(``--model package.module:factory``): ``--inputs NPZ`` (your calibration samples, one array per
+input name, batch on axis 0) or ``--random N`` (N seeded samples from the generator stage 1 uses
+for its reference inputs: structure runs only, never an accuracy claim).
+
+Every input of the model gets an array (read from the ONNX graph with ``onnx_graph.inputs``).
+The samples are shuffled with ``--seed`` (the order is recorded: it decides which samples share
+a calibration batch when stage 5 calibrates in several batches). Before writing, the data are
+validated (``qdq_tools.validate_calibration``): keys equal the model's input names, shapes and
+dtypes fit, no NaN/Inf, and per-input mean/std/range are close to the evaluation data's (the
+eval split through the same preprocessing; for other models stage 1's reference inputs), so
+swapped or unnormalised inputs are refused with the numbers.
+
+Reads:  ``artifacts/<model>/onnx/fp32.onnx`` (2_export_onnx.py); classifiers:
+        ``artifacts/splits.json`` + caches (0_prepare_data.py); other models: ``--inputs`` and
+        ``artifacts/<model>/ref_outputs.npz`` (1_pytorch_baseline.py, for the statistics check).
+Writes: ``artifacts/<model>/calib.npz`` (``{<input name>: [N, ...]}``),
+        ``results/<model>/calib.json`` (source, order seed, per-input statistics, sha256 of the
+        npz, provenance).
+Rerun:  ``python 4_make_calib.py --model efficientnet_lite0``;
+        ``python 4_make_calib.py --model pkg.mod:factory --inputs my_calib.npz``
 
 The stage refuses to run (exit 1) when any calibration file is also an evaluation file, so a
 quantized model is never calibrated on the images it is scored on.
@@ -22,33 +38,43 @@ import numpy as np
 
 import common
 import onnx_graph
+import qdq_tools
 
 
 def get_args_parser() -> argparse.ArgumentParser:
     p = common.stage_parser(__doc__)
     common.add_shared_args(p, "model")
     p.add_argument("--onnx", type=Path, default=None,
-                   help="ONNX model whose input name keys the npz (default: "
+                   help="ONNX model whose inputs key the npz (default: "
                         "artifacts/<model>/onnx/fp32.onnx)")
     p.add_argument("--output", type=Path, default=None,
                    help="output npz (default: artifacts/<model>/calib.npz)")
     p.add_argument("--limit", type=int, default=None,
-                   help="use the first N calibration images only (default: all)")
+                   help="use the first N calibration samples only (default: all)")
+    p.add_argument("--inputs", type=Path, default=None,
+                   help="custom models: npz of calibration samples keyed by input name "
+                        "(batch on axis 0)")
+    p.add_argument("--random", type=int, default=None, metavar="N",
+                   help="custom models: N seeded random samples (stage 1's generator; structure "
+                        "runs only)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the sample order (and of --random's generator)")
+    p.add_argument("--no-stats-check", action="store_true",
+                   help="do not compare the per-input statistics with the evaluation data "
+                        "(recorded; use when the evaluation inputs are not representative)")
     return p
 
 
-def onnx_input(path: Path) -> tuple[str, np.dtype]:
-    """Name and numpy dtype of the single real input of an ONNX model.
+def model_inputs(path: Path) -> list[tuple[str, list[int | None], np.dtype]]:
+    """Every real input of an ONNX model: ``[(name, dims (None = dynamic), numpy dtype)]``.
 
     Raises:
-        StageError: the model has no input or more than one (calibration of multi-input models
-            needs one array per input: not supported by this stage).
+        StageError: the model cannot be read or has no input.
     """
     inputs = onnx_graph.inputs(onnx_graph.load(path, external=False))
-    if len(inputs) != 1:
-        raise common.StageError(f"{path}: {len(inputs)} graph inputs "
-                                f"({[i[0] for i in inputs]}); stage 4 supports one image input")
-    return inputs[0][0], inputs[0][2]
+    if not inputs:
+        raise common.StageError(f"{path}: the model has no graph input to calibrate")
+    return inputs
 
 
 def check_disjoint(split: dict) -> None:
@@ -65,38 +91,116 @@ def check_disjoint(split: dict) -> None:
                                 f"(first: {both[0]}); rerun 0_prepare_data.py")
 
 
-def main(args: argparse.Namespace) -> dict:
-    """Write the calibration npz; return the record written to ``results/<model>/calib.json``."""
-    started = time.time()
-    if args.limit is not None and args.limit < 1:
-        raise common.UsageError("--limit must be >= 1")
-    spec = common.model_spec(args.model)
-    if not spec.classifier:
-        raise common.UsageError(f"--model {args.model}: stage 4 needs an image classifier")
-    onnx_path = Path(args.onnx or common.model_artifacts(args.model) / "onnx" / "fp32.onnx")
-    common.require(onnx_path, "2_export_onnx.py")
+def classifier_data(args, spec, inputs) -> tuple[dict[str, np.ndarray], dict]:
+    """Calibration split of an image classifier, preprocessed as evaluation.
+
+    Returns:
+        ``({input name: float [N, 3, crop, crop]}, record fields)``.
+    Raises:
+        UsageError: the model has more than one input, or --inputs/--random were given.
+        StageError: the split is missing or overlaps the eval split.
+    """
+    if args.inputs or args.random:
+        raise common.UsageError(f"--model {args.model} is an image classifier: its calibration "
+                                "data is the calibration split; --inputs/--random are for "
+                                "custom models")
+    if len(inputs) != 1:
+        raise common.UsageError(f"--model {args.model}: the ONNX has {len(inputs)} inputs "
+                                f"({[i[0] for i in inputs]}); an image classifier takes one")
     common.require(common.splits_path(), "0_prepare_data.py")
-    name, dtype = onnx_input(onnx_path)
     split = common.load_splits()
     check_disjoint(split)
     x_u8, _, files = common.load_split("calib", spec, args.limit)
-    eval_files = {p for p, _ in split["eval"]}
-    if eval_files & set(files):  # the cache is keyed to the split, but check what we really use
+    if {p for p, _ in split["eval"]} & set(files):  # what is really used, not only the split
         raise common.StageError("calibration cache holds evaluation images: rerun "
                                 "0_prepare_data.py")
+    name, _, dtype = inputs[0]
     x = common.normalize(x_u8, spec.mean, spec.std).astype(dtype)
+    return {name: x}, {"source": "calibration split", "files": files,
+                       "preprocessing": {**spec.preprocessing(), "mean": spec.mean,
+                                         "std": spec.std}}
+
+
+def custom_data(args, inputs) -> tuple[dict[str, np.ndarray], dict]:
+    """Calibration samples of a custom model: ``--inputs`` npz or ``--random N``.
+
+    Returns:
+        ``({input name: array [N, ...]}, record fields)``.
+    Raises:
+        UsageError: neither or both of --inputs/--random, or --random < 1.
+        StageError: the npz is missing or unreadable.
+    """
+    if bool(args.inputs) == bool(args.random):
+        raise common.UsageError(
+            f"--model {args.model} is not an image classifier: give --inputs NPZ (calibration "
+            "samples keyed by input name "
+            f"{[i[0] for i in inputs]}) or --random N (seeded structure-run data)")
+    if args.random is not None and args.random < 1:
+        raise common.UsageError(f"--random must be >= 1 (got {args.random})")
+    if args.inputs:
+        data = qdq_tools.load_npz(args.inputs, "your calibration samples (np.savez)")
+        return data, {"source": f"--inputs {args.inputs}",
+                      "input_sha256": common.sha256_file(args.inputs)}
+    shapes = []
+    for name, dims, dtype in inputs:
+        if any(d is None for d in dims[1:]):
+            raise common.UsageError(f"input {name} has dynamic non-batch axes {dims}: --random "
+                                    "cannot choose their sizes; give --inputs NPZ")
+        shapes.append((name, tuple([1] + list(dims[1:])), str(dtype)))
+    spec = common.ModelSpec(args.model, "custom", classifier=False)
+    data = common.example_inputs(spec, shapes, batch=args.random, seed=args.seed)
+    return data, {"source": f"--random {args.random} (common.example_inputs, seed {args.seed}): "
+                            "structure runs only"}
+
+
+def main(args: argparse.Namespace) -> dict:
+    """Write the calibration npz; return the record written to ``results/<model>/calib.json``.
+
+    Raises:
+        UsageError: bad flags (see :func:`classifier_data` / :func:`custom_data`).
+        StageError: missing inputs, overlapping splits, or calibration data that fail
+            :func:`qdq_tools.validate_calibration` (nothing is written then).
+    """
+    started = time.time()
+    common.check_positive(args, "limit")
+    spec = common.model_spec(args.model)
+    onnx_path = common.require(Path(args.onnx or common.model_artifacts(args.model) / "onnx"
+                                    / "fp32.onnx"), "2_export_onnx.py")
+    inputs = model_inputs(onnx_path)
+    data, fields = (classifier_data(args, spec, inputs) if spec.classifier
+                    else custom_data(args, inputs))
+    n = {len(v) for v in data.values()}
+    if len(n) == 1 and args.limit:
+        data = {k: v[:args.limit] for k, v in data.items()}
+    # Seeded order: which samples share a calibration batch is then a recorded choice, not an
+    # accident of file names (the split is sorted by path, i.e. by class).
+    if len(n) == 1:
+        order = np.random.default_rng(args.seed).permutation(len(next(iter(data.values()))))
+        data = {k: v[order] for k, v in data.items()}
+        if "files" in fields:
+            fields["files"] = [fields["files"][i] for i in order]
+    reference, ref_source = qdq_tools.calibration_reference(args.model, onnx_path)
+    report = qdq_tools.validate_calibration(
+        onnx_path, data, None if args.no_stats_check else reference, source="calibration data",
+        reference_source=ref_source)
     out = Path(args.output or common.model_artifacts(args.model) / "calib.npz")
     with common.atomic_path(out) as tmp:
-        np.savez(tmp, **{name: x})
+        np.savez(tmp, **data)
     record = {"stage": "4_make_calib", "model": args.model, "onnx": str(onnx_path),
-              "input_name": name, "dtype": str(dtype), "shape": list(x.shape),
-              "n_images": len(files), "files": files, "output": str(out),
-              "preprocessing": {**spec.preprocessing(), "mean": spec.mean, "std": spec.std},
-              "provenance": common.provenance(args, [onnx_path, common.splits_path(), out],
-                                              started)}
+              "inputs": report["inputs"], "n_samples": report["n_samples"],
+              "order_seed": args.seed, "stats_check": report["stats_check"],
+              "output": str(out), "sha256": common.sha256_file(out), **fields}
+    # Kept for readers of the single-input record.
+    first = next(iter(report["inputs"]))
+    record.update(input_name=first, dtype=report["inputs"][first]["dtype"],
+                  shape=report["inputs"][first]["shape"],
+                  n_images=report["n_samples"] if spec.classifier else None)
+    record["provenance"] = common.provenance(args, [onnx_path, out], started)
     common.write_json(common.model_results(args.model) / "calib.json", record)
-    print(f"calib: {len(files)} calibration images -> {out} (key {name!r}, {x.dtype}, "
-          f"{tuple(x.shape)})")
+    shapes = ", ".join(f"{k!r} {v['dtype']} {tuple(v['shape'])}"
+                       for k, v in report["inputs"].items())
+    print(f"calib: {report['n_samples']} samples ({fields['source'].split(':')[0]}, order seed "
+          f"{args.seed}) -> {out} ({shapes}); statistics check: {report['stats_check']}")
     return record
 
 

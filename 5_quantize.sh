@@ -1,17 +1,25 @@
 #!/usr/bin/env bash
-# Stage 5: INT8 (and the broken INT4 CLI reproduction) with the ModelOpt ONNX CLI, one variant
-# per command.
+# Stage 5: INT8 (and the broken INT4 CLI reproduction) with ModelOpt's ONNX PTQ (its CLI flags,
+# run through qdq_tools.py modelopt for the calibration batch), one variant per command.
 #
 # Reads:  artifacts/<model>/onnx/fp32.onnx (2_export_onnx.py), artifacts/<model>/calib.npz
 #         (4_make_calib.py).
 # Writes: artifacts/<model>/onnx/<variant>.onnx, artifacts/<model>/onnx/<variant>.quant.log,
 #         results/<model>/quant_<variant>.json (wall time, exact command, ModelOpt warnings,
-#         `qdq_tools.py inspect` summary).
+#         calibration samples/batch/order seed, `qdq_tools.py inspect` summary and the
+#         `qdq_tools.py check` findings of the file).
 # Rerun:  MODEL=efficientnet_lite0 ./5_quantize.sh int8
 #
 # Usage:  5_quantize.sh [--model M] VARIANT [VARIANT ...] | --default | --all-variants | --list
-# Env:    MODEL (default mobilenet_v3_small), EPS (calibration EP: cpu, cuda:0, trt; default
-#         cuda:0 when onnxruntime has the CUDA EP, else cpu), PYTHON (default: python).
+# Env:    MODEL (default mobilenet_v3_small; package.module:factory works too), EPS (calibration
+#         EP: cpu, cuda:0, trt; default cuda:0 when onnxruntime has the CUDA EP, else cpu),
+#         CALIB_BATCH (calibration batch: all (default: one batch, see qdq_tools.py
+#         calibration_plan for why) or a number), CALIB_STATS_CHECK (1; 0 skips the comparison
+#         of the calibration data with the evaluation data, recorded), PYTHON (default: python).
+#
+# Before ModelOpt runs, the calibration npz is validated against the model (qdq_tools.py
+# check-calib: input names, shapes, dtypes, NaN/Inf, statistics vs the evaluation data); after
+# it, every file is health-checked (qdq_tools.py check: findings recorded, printed, not fatal).
 #
 # The depthwise list comes from the graph (qdq_tools.py list-depthwise --anchored: ^name$
 # regexes, because ModelOpt matches --nodes_to_exclude with re.match, a prefix match).
@@ -64,6 +72,9 @@ SRC=$ONNX_DIR/fp32.onnx
 CALIB=$ART/calib.npz
 [[ -f $SRC ]] || { echo "$0: FAILED: $SRC missing: run 2_export_onnx.py --model $MODEL" >&2; exit 1; }
 [[ -f $CALIB ]] || { echo "$0: FAILED: $CALIB missing: run 4_make_calib.py --model $MODEL" >&2; exit 1; }
+CALIB_BATCH=${CALIB_BATCH:-all}
+stats_flag=()
+[[ ${CALIB_STATS_CHECK:-1} == 0 ]] && stats_flag=(--no-stats-check)
 
 if [[ -z ${EPS:-} ]]; then
   if "$PYTHON" -c 'import onnxruntime as o, sys; sys.exit("CUDAExecutionProvider" not in o.get_available_providers())' 2>/dev/null; then
@@ -93,6 +104,14 @@ WORK=$(mktemp -d "$ONNX_DIR/.tmp-5_quantize.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
 cp "$SRC" "$WORK/fp32.onnx"
 
+# Calibration data checked before ModelOpt sees it (ModelOpt itself only asserts); prints the
+# calibration batch (ModelOpt's CLI would use the model's batch dim, i.e. 1 for a dynamic batch).
+if ! calib_batch=$("$PYTHON" qdq_tools.py check-calib "$SRC" --calib "$CALIB" --model "$MODEL" \
+    --batch "$CALIB_BATCH" "${stats_flag[@]}" --json "$WORK/calib.json"); then
+  echo "$0: FAILED: calibration data $CALIB refused (above); nothing was quantized" >&2
+  exit 1
+fi
+
 for variant in "${selected[@]}"; do
   flags_out=$("$PYTHON" variants.py modelopt-args "$variant" --calib "$CALIB" --eps "$EPS" \
     --depthwise "${DW[@]}" --stem "${STEM[@]}")
@@ -100,8 +119,10 @@ for variant in "${selected[@]}"; do
   out=$ONNX_DIR/$variant.onnx
   log=$ONNX_DIR/$variant.quant.log
   tmp=$WORK/$variant.onnx
-  cmd=("$PYTHON" -m modelopt.onnx.quantization --onnx_path "$WORK/fp32.onnx" "${FLAGS[@]}"
-       --output_path "$tmp")
+  # ModelOpt's own CLI flags and quantize(), with the calibration batch set apart from the
+  # shapes its GEMV rule reads (qdq_tools.py modelopt_quantize says why).
+  cmd=("$PYTHON" qdq_tools.py modelopt --calib-batch "$calib_batch" -- --onnx_path "$WORK/fp32.onnx"
+       "${FLAGS[@]}" --output_path "$tmp")
   shown=$(printf '%q ' "${cmd[@]}")
   shown=${shown//"$tmp"/"$out"}
   shown=${shown//"$WORK/fp32.onnx"/"$SRC"}
@@ -118,7 +139,8 @@ for variant in "${selected[@]}"; do
     rm -f "$tmp"
   fi
   "$PYTHON" qdq_tools.py record-quant --model "$MODEL" --variant "$variant" --onnx "$out" \
-    --source "$SRC" --calib "$CALIB" --log "$log" --wall-s "$wall" --status "$status" \
+    --source "$SRC" --calib "$CALIB" --calib-report "$WORK/calib.json" --log "$log" \
+    --wall-s "$wall" --status "$status" \
     --description "$("$PYTHON" variants.py describe "$variant")" --command "${shown% }"
   if [[ $status != ok ]]; then
     echo "$0: FAILED: ModelOpt failed on $variant; last lines of $log:" >&2

@@ -1,20 +1,27 @@
 #!/usr/bin/env python3
 """Stage 5b: INT4 weight-only blocked quantization of Gemm/MatMul through ModelOpt's Python API,
-with a block size that divides every quantized K, the DequantizeLinear axis repair where (and
-only where) the scale layout and ``axis`` disagree, then ORT evaluation.
+with blocks along the reduction axis K of every quantized weight, a block size that divides
+every K, every block axis verified, then ORT evaluation.
 
 Reads:  ``artifacts/<model>/onnx/fp32.onnx`` (2_export_onnx.py), ``artifacts/<model>/calib.npz``
         (4_make_calib.py; awq_clip needs it, rtn_dq does not).
 Writes: ``artifacts/<model>/onnx/int4.onnx``, ``artifacts/<model>/onnx/int4.quant.log``,
-        ``results/<model>/quant_int4.json`` (block size, K dims, repairs, wall time, warnings);
-        with evaluation, ``results/<model>/ort_int4.json`` via 3_onnx_eval.py.
+        ``results/<model>/quant_int4.json`` (block size, K dims, layout changes, per-weight
+        verification, calibration record, health check, wall time, warnings); with evaluation,
+        ``results/<model>/ort_int4.json`` via 3_onnx_eval.py.
 Rerun:  ``python 5b_quantize_int4.py --model efficientnet_lite0``
 
-Why the repair: ModelOpt 0.47.0 writes ``axis=0`` on the blocked DequantizeLinear of a Gemm
-weight with ``transB=1`` while laying the scale out along axis 1 (``[N, K/block]``); ONNX Runtime
-rejects the node at run time ("x_scale must be ceil(Di/block_size) on the quantize axis").
-``5_quantize.sh int4_cli_broken`` reproduces the unrepaired model. Every repaired node is
-verified: its weights dequantized with the new axis must match the float weights (cosine).
+Block axis: ModelOpt 0.47.0's INT4 path assumes MatMul's ``[K, N]`` weight layout and blocks
+along axis 0 (modelopt/onnx/quantization/int4.py writes ``axis=0``). For a Gemm with
+``transB=1`` (``[N, K]``, how ``torch.nn.Linear`` exports) that is the output axis: ``rtn_dq``
+then quantizes blocks of output channels (small channels lose their weights) and ``awq_clip``
+lays the scale out along K but writes ``axis=0`` (ORT: "x_scale must be ceil(Di/block_size) on
+the quantize axis"; ``5_quantize.sh int4_cli_broken`` reproduces it). This stage therefore hands
+ModelOpt every Gemm weight as ``[K, N]`` (``transB=0``, the same function), so axis 0 is K for
+every quantized weight, then verifies each blocked DequantizeLinear: its axis is the reduction
+axis of its consumer, its scale fits that axis, and the dequantized weight matches the float
+weight per output channel (``qdq_check``). An ``axis`` attribute that disagrees with a scale laid
+out along K is repaired; anything else is refused (nothing is written).
 """
 from __future__ import annotations
 
@@ -53,7 +60,13 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--eps", default=os.environ.get("EPS", "cpu"),
                    help="calibration execution provider for ModelOpt (default from $EPS)")
     p.add_argument("--no-repair", action="store_true",
-                   help="keep ModelOpt's axis as written (reproduces the ORT failure)")
+                   help="keep ModelOpt's axis as written (reproduces the ORT failure; the file "
+                        "is still verified and refused if wrong)")
+    p.add_argument("--keep-layout", action="store_true",
+                   help="hand ModelOpt the Gemm weights as they are (transB=1 stays [N, K]); "
+                        "the result is verified and refused if a block axis is wrong")
+    p.add_argument("--no-stats-check", action="store_true",
+                   help="do not compare the calibration data with the evaluation data (recorded)")
     p.add_argument("--no-eval", action="store_true", help="skip 3_onnx_eval.py")
     p.add_argument("--eval-ep", default="cpu", help="EP for the evaluation (blocked "
                    "DequantizeLinear runs on ORT's CPU EP)")
@@ -112,62 +125,103 @@ def choose_block_size(ks: list[int], override: int | None = None,
                             f"({sorted(set(ks))}): pass --block-size or --block-candidates")
 
 
-def verify_repairs(model, fixed: list[dict]) -> list[dict]:
-    """Sanity check of each repaired node on its own data: dequantize with the new axis and
-    record whether the result is finite and the median over blocks of max |q - zp|
-    (``block_qmax_median``: about 7 for symmetric INT4 max-scaling when blocks and scales
-    belong together). The decisive check against the float weights is :func:`weight_cosine`."""
+def layout_for_int4(model) -> tuple[object, list[dict]]:
+    """Copy of ``model`` whose Gemm weights are ``[K, N]``: every Gemm with ``transB=1`` and a
+    constant 2-D weight gets the transposed weight (new initializer ``<name>_KN``) and
+    ``transB=0`` (the same function). ModelOpt's INT4 path blocks along axis 0, which is then K
+    for every Gemm and MatMul weight.
+
+    Returns:
+        ``(new model, [{"node", "weight", "new_weight", "shape"}])``.
+    """
+    import copy
+
+    from onnx import helper, numpy_helper
+
+    model = copy.deepcopy(model)
     consts = onnx_graph.constants(model)
+    inits = {i.name for i in model.graph.initializer}
+    changed = []
+    for n in model.graph.node:
+        if (n.op_type != "Gemm" or len(n.input) < 2 or n.input[1] not in inits
+                or not int(onnx_graph.attr(n, "transB", 0))):
+            continue
+        w = consts[n.input[1]]
+        if w.ndim != 2:
+            continue
+        new = f"{n.input[1]}_KN"
+        if new not in inits:
+            model.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(w.T), new))
+            inits.add(new)
+        changed.append({"node": n.name, "weight": n.input[1], "new_weight": new,
+                        "shape": list(w.T.shape)})
+        n.input[1] = new
+        keep = [a for a in n.attribute if a.name != "transB"]
+        del n.attribute[:]
+        n.attribute.extend(keep + [helper.make_attribute("transB", 0)])
+    used = {i for n in model.graph.node for i in n.input}
+    keep = [i for i in model.graph.initializer if i.name in used]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(keep)
+    return model, changed
+
+
+VERIFY_KINDS = ("block_axis", "block_scale_shape", "block_opset", "weight_error", "dead_channels")
+
+
+def verify_blocks(q_model, float_model) -> tuple[list[dict], list[dict]]:
+    """Every quantized weight checked: blocked DequantizeLinear axis = reduction axis of its
+    consumer, scale shape fits, opset defines ``block_size``, dequantized weight within the
+    bit width's tolerance of the float weight per output channel (:mod:`qdq_check`).
+
+    Returns:
+        ``(problems [finding dicts of the kinds in VERIFY_KINDS], per-weight rows)``.
+    """
+    import qdq_check
+
+    consts = onnx_graph.constants(q_model)
+    problems = [f.as_dict() for f in qdq_check.check_weights(q_model, consts)
+                if f.kind in VERIFY_KINDS]
+    found, rows = qdq_check.check_against_float(q_model, float_model, consts)
+    problems += [f.as_dict() for f in found]
+    return problems, rows
+
+
+def repair_axes(model) -> list[dict]:
+    """Set ``axis`` of blocked DequantizeLinear nodes to the reduction axis of their consumer
+    where the scale is laid out along that axis and ``axis`` says otherwise (ModelOpt's
+    awq_clip on ``[N, K]`` Gemm weights). Other inconsistencies are left for
+    :func:`verify_blocks` to refuse.
+
+    Returns:
+        the :func:`qdq_tools.check_blocked_dq` records of the repaired nodes (``new_axis``).
+    """
+    import qdq_check
+    from onnx import helper
+
+    cons = onnx_graph.consumers(model)
+    fixed = []
     nodes = {n.name: n for n in model.graph.node}
-    for rec in fixed:
-        n = nodes[rec["name"]]
-        q = consts[n.input[0]].astype(np.int32)
-        s = consts[n.input[1]].astype(np.float64)
-        zp = consts.get(n.input[2]) if len(n.input) > 2 and n.input[2] else None
-        axis, block = rec["new_axis"], rec["block_size"]
-        w = qdq_tools.dequantize_blocked(q, s, axis, block, zp)
-        rec["dequantized_finite"] = bool(np.isfinite(w).all())
-        # Per block, the largest |q| should reach ~7 (symmetric INT4 max-scaling) when the scale
-        # belongs to that block; with the wrong axis the blocks and scales are mismatched.
-        qa = np.abs(q - (0 if zp is None else np.repeat(zp.astype(np.int32), block, axis=axis)
-                         .take(np.arange(q.shape[axis]), axis=axis)))
-        pad = (-q.shape[axis]) % block
-        if pad:
-            widths = [(0, 0)] * q.ndim
-            widths[axis] = (0, pad)
-            qa = np.pad(qa, widths)
-        qa = np.moveaxis(qa, axis, 0)
-        blocks = qa.reshape(qa.shape[0] // block, block, *qa.shape[1:]).max(axis=1)
-        rec["block_qmax_median"] = float(np.median(blocks))
+    for r in qdq_tools.check_blocked_dq(model):
+        if r["status"] != "mismatch":
+            continue
+        dq = nodes[r["name"]]
+        users = qdq_check._weight_consumers(dq.output[0], cons)
+        if not users:
+            continue
+        node, pos = users[0]
+        red = qdq_check.reduction_axis(node, len(r["x_shape"]), pos)
+        if red is None or red not in r["valid_axes"]:
+            continue
+        keep = [a for a in dq.attribute if a.name != "axis"]
+        del dq.attribute[:]
+        dq.attribute.extend(keep + [helper.make_attribute("axis", red)])
+        fixed.append(dict(r, new_axis=red))
     return fixed
 
 
-def weight_cosine(src_model, q_model, fixed: list[dict]) -> None:
-    """Add ``cosine_vs_float`` to each repaired record: the dequantized INT4 weight against the
-    float weight of the same Gemm/MatMul in the source model (the decisive check that the new
-    axis is the one the data were quantized on)."""
-    src = onnx_graph.constants(src_model)
-    qc = onnx_graph.constants(q_model)
-    cons = onnx_graph.consumers(q_model)
-    src_nodes = {n.name: n for n in src_model.graph.node}
-    qnodes = {n.name: n for n in q_model.graph.node}
-    for rec in fixed:
-        dq = qnodes[rec["name"]]
-        users = cons.get(dq.output[0], [])
-        rec["cosine_vs_float"] = None
-        if not users or users[0].name not in src_nodes:
-            continue
-        wf = src.get(src_nodes[users[0].name].input[1])
-        zp = qc.get(dq.input[2]) if len(dq.input) > 2 and dq.input[2] else None
-        wq = qdq_tools.dequantize_blocked(qc[dq.input[0]], qc[dq.input[1]], rec["new_axis"],
-                                          rec["block_size"], zp)
-        if wf is None or wf.shape != wq.shape:
-            continue
-        rec["cosine_vs_float"] = float(common.cosine_rows(wf.ravel(), wq.ravel())[0])
-
-
 def run_modelopt(src: Path, dst: Path, log: Path, calib: Path | None, method: str, block: int,
-                 eps: str) -> list[str]:
+                 eps: str, calibration_shapes: str | None = None) -> list[str]:
     """``modelopt.onnx.quantization.quantize`` (INT4) with its log captured in ``log``.
 
     Returns:
@@ -182,13 +236,21 @@ def run_modelopt(src: Path, dst: Path, log: Path, calib: Path | None, method: st
 
     # ModelOpt 0.47.0 rewrites the file given as onnx_path: hand it a private copy.
     work = Path(tempfile.mkdtemp(prefix="5b_int4_"))
-    src = Path(shutil.copy2(src, work / "fp32.onnx"))
+    if isinstance(src, Path):
+        src = Path(shutil.copy2(src, work / "fp32.onnx"))
+    else:  # a ModelProto (the [K, N] layout)
+        import onnx
+
+        onnx.save(src, str(work / "fp32.onnx"))
+        src = work / "fp32.onnx"
     kwargs = {"onnx_path": str(src), "quantize_mode": "int4", "calibration_method": method,
               "calibration_eps": [eps], "block_size": block, "output_path": str(dst),
               "log_file": str(log), "log_level": "INFO"}
     if calib is not None:
         with np.load(calib) as z:
             kwargs["calibration_data"] = {k: z[k] for k in z.files}
+        if calibration_shapes:
+            kwargs["calibration_shapes"] = calibration_shapes
     try:
         quantize(**kwargs)
     except Exception as e:  # noqa: BLE001 - ModelOpt raises many types
@@ -205,65 +267,89 @@ def run_modelopt(src: Path, dst: Path, log: Path, calib: Path | None, method: st
 
 
 def main(args: argparse.Namespace) -> dict:
+    """Quantize, lay out, repair and verify; write ``int4.onnx`` and ``quant_int4.json``.
+
+    Raises:
+        UsageError: bad flags. StageError: missing inputs, calibration data refused, ModelOpt
+            failure, or a quantized weight that cannot be made right (nothing written then).
+    """
     started = time.time()
     import onnx
 
     onnx_dir = common.model_artifacts(args.model) / "onnx"
     src = common.require(Path(args.onnx or onnx_dir / "fp32.onnx"), "2_export_onnx.py")
     out = Path(args.output or onnx_dir / "int4.onnx")
-    calib = None
-    if args.calibration_method == "awq_clip":
-        calib = common.require(Path(args.calib or common.model_artifacts(args.model)
-                                    / "calib.npz"), "4_make_calib.py")
+    calib, calib_rec = None, None
     src_model = onnx_graph.load(src)
     ks = quantized_k_dims(src_model)
     block = choose_block_size([k["k"] for k in ks], args.block_size, args.block_candidates)
+    if args.calibration_method == "awq_clip":
+        calib = common.require(Path(args.calib or common.model_artifacts(args.model)
+                                    / "calib.npz"), "4_make_calib.py")
+        data = qdq_tools.load_npz(calib, "4_make_calib.py")
+        ref, ref_src = (None, "skipped (--no-stats-check)") if args.no_stats_check else \
+            qdq_tools.calibration_reference(args.model, src)
+        calib_rec = qdq_tools.validate_calibration(src, data, ref, source=str(calib),
+                                                   reference_source=ref_src)
+        calib_rec["plan"] = qdq_tools.calibration_plan(src, data, "all")
+        calib_rec.update(calib=str(calib), sha256=common.sha256_file(calib))
     print(f"int4: {len(ks)} Gemm/MatMul, K = {sorted({k['k'] for k in ks})} -> block {block}"
           + (" (--block-size)" if args.block_size else ""))
+    float_model, laid_out = (src_model, []) if args.keep_layout else layout_for_int4(src_model)
+    for r in laid_out:
+        print(f"  {r['node']}: weight handed to ModelOpt as [K, N] {r['shape']} (transB=0), so "
+              "its blocks run along K")
     log = out.with_name(out.stem + ".quant.log")
     log.unlink(missing_ok=True)
     t0 = time.time()
     with common.atomic_path(out) as tmp:
-        warnings_kept = run_modelopt(src, tmp, log, calib, args.calibration_method, block,
-                                     args.eps)
+        warnings_kept = run_modelopt(src if args.keep_layout else float_model, tmp, log, calib,
+                                     args.calibration_method, block, args.eps,
+                                     calib_rec["plan"]["calibration_shapes"] if calib_rec else None)
         quant_wall = time.time() - t0
         model = onnx.load(str(tmp))
         before = qdq_tools.check_blocked_dq(model)
-        fixed = []
-        if not args.no_repair:
-            model, fixed = qdq_tools.fix_int4_axis(model)
-            verify_repairs(model, fixed)
-            weight_cosine(src_model, model, fixed)
-            bad = [r for r in fixed if r.get("cosine_vs_float") is not None
-                   and r["cosine_vs_float"] < 0.95]
-            if bad:
-                raise common.StageError(f"axis repair of {bad[0]['name']} gives weights with "
-                                        f"cosine {bad[0]['cosine_vs_float']:.3f} to the float "
-                                        "weights: the data layout is not the scale's; not saved")
+        fixed = [] if args.no_repair else repair_axes(model)
+        problems, weights = verify_blocks(model, float_model)
+        if problems:
+            lines = "\n".join(f"  [{p['kind']}] {p['message']}" for p in problems[:8])
+            raise common.StageError(
+                f"INT4 result refused, {out} not written: {len(problems)} quantized weight "
+                f"problem(s):\n{lines}\nfix: " + problems[0]["fix"]
+                + ("" if not args.keep_layout else " (drop --keep-layout)"))
+        if fixed:
             onnx.save(model, str(tmp))
         after = qdq_tools.check_blocked_dq(model)
     for r in fixed:
         print(f"  repaired {r['name']}: axis {r['axis']} -> {r['new_axis']} (x {r['x_shape']}, "
-              f"scale {r['scale_shape']}, block {r['block_size']}), weight cosine vs float "
-              f"{r.get('cosine_vs_float')}")
+              f"scale {r['scale_shape']}, block {r['block_size']})")
+    for w in weights:
+        print(f"  verified {w['node']}: {w.get('status')}, per-channel weight error max "
+              f"{w.get('rel_err_max', float('nan')):.3f} median "
+              f"{w.get('rel_err_median', float('nan')):.3f} (tolerance {w.get('tolerance')})")
     untouched = [r["name"] for r in before if r["status"] == "ok"]
     record = {"stage": "5b_quantize_int4", "model": args.model, "variant": "int4",
               "status": "ok", "output": str(out), "block_size": block,
               "block_size_source": "override" if args.block_size else "auto",
               "k_dims": ks, "calibration_method": args.calibration_method,
               "calibration_eps": args.eps, "quant_wall_time_s": round(quant_wall, 3),
-              "blocked_dq_before": before, "blocked_dq_after": after, "repaired": fixed,
-              "left_untouched": untouched, "warnings": warnings_kept, "log": str(log),
-              "size_mb": common.file_size_mb(out)}
+              "layout_kn": laid_out, "blocked_dq_before": before, "blocked_dq_after": after,
+              "repaired": fixed, "left_untouched": untouched, "weights_verified": weights,
+              "warnings": warnings_kept, "log": str(log), "size_mb": common.file_size_mb(out)}
+    if calib_rec:
+        record["calibration"] = qdq_tools.calibration_summary(
+            dict(calib_rec, order_seed=_stage4_seed(args.model, calib_rec["sha256"])))
     rep = qdq_tools.inspect_model(model)
     rep.pop("_helper", None)
     record["inspect"] = rep
+    record["check"] = qdq_tools.check_record(out, src, calib)
     record["provenance"] = common.provenance(args, [src, out] + ([calib] if calib else []),
                                              started)
     record["wall_time_s"] = record["provenance"]["wall_time_s"]
     common.write_json(common.model_results(args.model) / "quant_int4.json", record)
     print(f"int4: {out} ({record['size_mb']:.2f} MB), quantization {quant_wall:.1f}s, "
-          f"{len(fixed)} axis repair(s)")
+          f"{len(laid_out)} weight(s) laid out as [K, N], {len(fixed)} axis repair(s), "
+          f"{len(weights)} weight(s) verified; {record['check'].get('summary')}")
     if not args.no_eval:
         cmd = [sys.executable, str(common.ROOT / "3_onnx_eval.py"), "--onnx", str(out),
                "--tag", "ort_int4", "--model", args.model, "--ep", args.eval_ep]
@@ -274,6 +360,18 @@ def main(args: argparse.Namespace) -> dict:
         if rc:
             raise common.StageError(f"3_onnx_eval.py failed on {out} (exit {rc})")
     return record
+
+
+def _stage4_seed(model: str, sha: str) -> int | None:
+    """Order seed stage 4 recorded for the npz with this sha256 (None if another npz)."""
+    import json
+
+    path = common.model_results(model) / "calib.json"
+    try:
+        rec = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return rec.get("order_seed") if rec.get("sha256") == sha else None
 
 
 if __name__ == "__main__":

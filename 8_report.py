@@ -127,6 +127,14 @@ def load_rows(folder: Path) -> list[dict]:
                 reason=f"{f.name}: {problem}; rerun the stage that wrote it")
         rec["_file"] = f.name
         rows.append(rec)
+    # The Q/DQ health check of the file a row ran (stages 5/5b record it in quant_<variant>.json).
+    for rec in rows:
+        q = folder / f"quant_{_variant(rec)}.json"
+        if str(rec.get("precision", "")).startswith("INT") and q.exists():
+            try:
+                rec["_quant_check"] = (json.loads(q.read_text()).get("check") or {}).get("summary")
+            except (OSError, json.JSONDecodeError):
+                pass
     rows.sort(key=_sort_key)
     return rows
 
@@ -187,9 +195,14 @@ def table_rows(rows: list[dict]) -> list[dict]:
                 status += f"; diagnostic {name} failed: {str(d.get('error'))[:120]}"
         cc = diags.get("backend_cross_check") or {}
         if cc.get("disagreement"):
-            status += (f"; BACKEND DISAGREEMENT: top-1 {cc['top1_unoptimized']:.1f}% with ORT "
-                       f"optimisations disabled ({cc['n']} images)"
-                       + (f"; cause: {cc['cause']}" if cc.get("cause") else ""))
+            if cc.get("top1_unoptimized") is not None:
+                status += (f"; BACKEND DISAGREEMENT: top-1 {cc['top1_unoptimized']:.1f}% with "
+                           f"ORT optimisations disabled ({cc['n']} images)")
+            else:  # a model without labels: the cross-check says what differs
+                status += f"; BACKEND DISAGREEMENT: {cc.get('reason')}"
+            status += f"; cause: {cc['cause']}" if cc.get("cause") else ""
+        if r.get("_quant_check") and r["_quant_check"] != "check: clean":
+            status += f"; Q/DQ {r['_quant_check']} (qdq_tools.py check)"
         if lat.get("mean_ms") and lat.get("p50_ms") and lat["mean_ms"] > 1.5 * lat["p50_ms"]:
             status += (f"; noisy timing: mean {lat['mean_ms']:.1f} ms vs p50 "
                        f"{lat['p50_ms']:.1f} ms (busy machine?)")
@@ -427,7 +440,8 @@ def summary(model: str, runs: list[dict], path: Path) -> str:
     # A rerun's failure kept beside a good row has the same tag: look the good row up.
     trs = {t["tag"]: t for r, t in zip(runs, table_rows(runs)) if not _is_rerun(r)}
     q = [r for r in runs if r["status"] == "ok" and r["precision"][:3] == "INT"
-         and (r.get("parity") or {}).get("top1_agreement") is not None]
+         and (r.get("parity") or {}).get("top1_agreement") is not None
+         and (r.get("accuracy") or {}).get("top1") is not None]  # custom models: no top-1
     best = max(q, key=lambda r: r["parity"]["top1_agreement"], default=None)
     bits = [f"report {model}: {st['ok']} ok, {st['failed']} failed, {st['skipped']} skipped"
             + (f", {st['not run']} not run" if st["not run"] else "")

@@ -22,6 +22,12 @@ Subcommands
   max |x|, p99.9 of |x| and their ratio on the calibration set, worst first (why one per-tensor
   INT8 scale fails), for 4-D tensors the spread of per-channel max, and an FP16 flag (max above
   65504, or most of the mass below FP16's smallest normal). A static batch is respected.
+- ``check Q.onnx [--fp32 F.onnx] [--calib C.npz]``: the Q/DQ health check (``qdq_check``);
+  exit 1 on any finding, each naming the node or initializer and the fix.
+- ``check-calib F.onnx --calib C.npz [--model M]``: refuse calibration data that does not fit the
+  model or the evaluation data; print the calibration batch stage 5 uses.
+- ``modelopt [--calib-batch B] -- FLAGS``: ModelOpt's ONNX PTQ with its own flags and a
+  calibration batch of its own (:func:`modelopt_quantize`).
 - ``layer-diff A B [args...]``: delegated to ``layerwise.py`` (imported lazily).
 - ``record-quant``: write ``results/<model>/quant_<variant>.json`` (used by 5_quantize.sh).
 
@@ -36,6 +42,7 @@ import re
 import sys
 from collections import Counter, defaultdict
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -258,33 +265,36 @@ def inspect_model(model) -> dict:
         is_weight = n.input[0] in consts or (src is not None and src.op_type == "QuantizeLinear"
                                              and src.input[0] in consts)
         kind = "weight" if is_weight else "activation"
-        for v in np.abs(s.astype(np.float64)).ravel():
+        for v in s.astype(np.float64).ravel():
             scales.append((float(v), n.name, kind))
-    vals = np.array([v for v, _, _ in scales]) if scales else np.zeros(0)
-    smallest = sorted(scales)[:10]
-    # Bias: a Conv/Gemm whose data and weight come from DQ. A DQ-fed bias is quantized already;
-    # a float bias is what ORT's WeightBiasQuantization turns into int32 with scale
-    # act_scale * weight_scale, computed in the scale dtype: in fp16 tiny products become 0.
+    signed = np.array([v for v, _, _ in scales]) if scales else np.zeros(0)
+    vals = np.abs(signed)
+    # Smallest by magnitude, printed with their sign; NaN first (they are the worst).
+    smallest = sorted(scales, key=lambda t: (not np.isnan(t[0]), abs(t[0]) if not np.isnan(t[0])
+                                             else 0.0))[:10]
+    # Bias: a DQ-fed bias is quantized already; a float bias of a node ORT's
+    # WeightBiasQuantization selects (qdq_check.wbq_candidates, its own rules) becomes int32
+    # with scale act_scale * weight_scale, computed in the scale dtype: in fp16 tiny products
+    # become 0. Whether that changes the output is qdq_check.check_bias_requant's question.
+    import qdq_check
+
     bias = {"quantized_bias": 0, "float_bias_wbq_candidates": 0,
             "min_product_fp32": None, "n_products_zero_in_fp16": 0,
             "n_products_below_fp16_normal": 0, "n_products": 0, "scale_dtype": None}
-    mins = []
     for n in nodes:
-        if n.op_type not in ("Conv", "Gemm") or len(n.input) < 3 or not n.input[2]:
-            continue
-        if n.input[2] in dq_out:
+        if (n.op_type in ("Conv", "ConvTranspose", "Gemm") and len(n.input) > 2
+                and n.input[2] in dq_out):
             bias["quantized_bias"] += 1
+    mins = []
+    for c in qdq_check.wbq_candidates(model, consts):
+        if c["bias"] is None or c["dq_w"] is None:
             continue
-        if n.input[0] not in dq_out or n.input[1] not in dq_out:
-            continue
-        a_dq, w_dq = dq_out[n.input[0]], dq_out[n.input[1]]
-        a_s, w_s = consts.get(a_dq.input[1]), consts.get(w_dq.input[1])
-        if a_s is None or w_s is None:
-            continue
+        a_s, w_s = consts.get(c["dq_in"].input[1]), consts.get(c["dq_w"].input[1])
         bias["float_bias_wbq_candidates"] += 1
         bias["scale_dtype"] = str(w_s.dtype)
         p32 = a_s.astype(np.float32).ravel()[0] * w_s.astype(np.float32).ravel()
-        p16 = (a_s.astype(np.float16).ravel()[0] * w_s.astype(np.float16).ravel()).astype(np.float16)
+        p16 = (a_s.astype(np.float16).ravel()[0]
+               * w_s.astype(np.float16).ravel()).astype(np.float16)
         bias["n_products"] += int(p32.size)
         bias["n_products_zero_in_fp16"] += int((p16 == 0).sum())
         bias["n_products_below_fp16_normal"] += int((np.abs(p32) < FP16_MIN_NORMAL).sum())
@@ -300,6 +310,10 @@ def inspect_model(model) -> dict:
         "granularity": dict(gran), "scale_dtypes": dict(dtypes),
         "n_scale_values": int(vals.size),
         "smallest_scales": [{"value": v, "node": nm, "kind": k} for v, nm, k in smallest],
+        "unusable_scales": [{"value": v, "node": nm, "kind": k} for v, nm, k in scales
+                            if not np.isfinite(v) or v <= 0][:10],
+        "n_scales_nan": int(np.isnan(signed).sum()), "n_scales_inf": int(np.isinf(signed).sum()),
+        "n_scales_zero": int((signed == 0).sum()), "n_scales_negative": int((signed < 0).sum()),
         "n_scales_below_fp16_subnormal": int((vals < FP16_MIN_SUBNORMAL).sum()),
         "n_scales_below_fp16_normal": int((vals < FP16_MIN_NORMAL).sum()),
         "n_scales_at_6e-08": int(np.isclose(vals, 6e-08, rtol=0.01, atol=0).sum()),  # fp16 5.96e-08
@@ -312,6 +326,10 @@ def inspect_model(model) -> dict:
         "onnx_ir_version": model.ir_version,
         "_helper": helper.__name__,
     }
+
+
+def _short(names: list[str], n: int = 4) -> str:
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
 def print_inspect(rep: dict, path: Path) -> None:
@@ -327,19 +345,33 @@ def print_inspect(rep: dict, path: Path) -> None:
           f"({FP16_MIN_SUBNORMAL:.2e}), {rep['n_scales_below_fp16_normal']} below fp16 normal "
           f"({FP16_MIN_NORMAL:.2e}), {rep['n_scales_at_6e-08']} equal to 6e-08 "
           "(ModelOpt's fp16 underflow replacement)")
+    bad = {k: rep[f"n_scales_{k}"] for k in ("nan", "inf", "zero", "negative")
+           if rep.get(f"n_scales_{k}")}
+    if bad:
+        print("  WARNING: unusable scales: " + ", ".join(f"{v} {k}" for k, v in bad.items())
+              + ": " + ", ".join(f"{u['value']:.3e} ({u['kind']} {u['node']})"
+                                 for u in rep.get("unusable_scales", [])[:6])
+              + " (python qdq_tools.py check says how to fix them)")
     for s in rep["smallest_scales"][:5]:
-        print(f"    smallest: {s['value']:.3e} {s['kind']} {s['node']}")
+        print(f"    smallest |scale|: {s['value']:.3e} {s['kind']} {s['node']}")
     b = rep["bias"]
     print(f"  bias:              {b['quantized_bias']} quantized; "
           f"{b['float_bias_wbq_candidates']} float biases ORT's WeightBiasQuantization would "
           f"quantize with act_scale*weight_scale (min {b['min_product_fp32']}); in fp16 "
           f"{b['n_products_zero_in_fp16']}/{b['n_products']} products are 0 and "
           f"{b['n_products_below_fp16_normal']} subnormal")
-    if b["scale_dtype"] == "float16" and b["n_products_zero_in_fp16"]:
-        print("  WARNING: fp16 scales + float biases: ORT CPU (opt level >= basic) may mis-run "
-              "this model; compare with --opt-level disable or --disable-optimizer "
-              "WeightBiasQuantization before calling it a quantization collapse")
+    flagged = rep.get("bias_requant_changes")
+    if flagged:
+        print(f"  WARNING: ORT's WeightBiasQuantization (opt level >= basic) changes the output of "
+              f"{len(flagged)} node(s) by more than one quantization step ({_short(flagged)}): "
+              "ORT CPU mis-runs this model; python qdq_tools.py check says why, compare with "
+              "--opt-level disable or --disable-optimizer WeightBiasQuantization before calling "
+              "it a quantization collapse")
     bad = [r for r in rep["blocked_dq"] if r["status"] not in ("ok",)]
+    ops = rep["opset"].get("ai.onnx", 0)
+    if rep["blocked_dq"] and ops < 21:
+        print(f"  WARNING: {len(rep['blocked_dq'])} blocked DequantizeLinear in a model that "
+              f"imports opset {ops}: block_size needs opset >= 21 (ONNX Runtime refuses the model)")
     if rep["blocked_dq"]:
         print(f"  blocked DQ:        {len(rep['blocked_dq'])}, inconsistent axis: "
               + (", ".join(f"{r['name']} axis={r['axis']} scale {r['scale_shape']} "
@@ -425,6 +457,374 @@ def activation_stats(onnx_path: Path, calib: Path, batch: int = 10, sample: int 
 
 
 # --------------------------------------------------------------------------------------------
+# Calibration data: validation (stages 4, 5, 5b) and the calibration batch plan (stage 5)
+# --------------------------------------------------------------------------------------------
+# Statistics check: calibration vs evaluation data, per input. Refused when the means differ by
+# more than STATS_MAX_MEAN_SHIFT standard deviations (the larger of the two stds) or the stds by
+# more than a factor STATS_MAX_STD_RATIO. Calibration and eval splits of the same images differ
+# far less (embedded sample, EfficientNet-Lite0: means within 0.05 std, stds within 3 %);
+# unnormalised 0..255 pixels give a mean shift of ~1.8 std and a std ratio of ~100, inputs swapped
+# between the keys of a two-input model a std ratio of the two inputs' ratio.
+STATS_MAX_MEAN_SHIFT = 1.0
+STATS_MAX_STD_RATIO = 3.0
+
+
+def load_npz(path: Path | str, producer: str) -> dict[str, np.ndarray]:
+    """``{key: array}`` of an ``.npz`` file.
+
+    Raises:
+        StageError: missing (naming ``producer``) or unreadable file.
+    """
+    path = common.require(Path(path), producer)
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            return {k: z[k] for k in z.files}
+    except Exception as e:  # noqa: BLE001 - zipfile/ValueError/OSError
+        raise common.StageError(f"cannot read {path} as an .npz of arrays ({e}): write it with "
+                                "np.savez(path, <input name>=array, ...)") from e
+
+
+def input_stats(a: np.ndarray) -> dict:
+    """mean, std, min, max (float64, finite values only) and sample count of an array."""
+    v = np.asarray(a).astype(np.float64).ravel()
+    v = v[np.isfinite(v)]
+    if not v.size:
+        return {"n": int(len(a)), "mean": None, "std": None, "min": None, "max": None}
+    return {"n": int(len(a)), "mean": float(v.mean()), "std": float(v.std()),
+            "min": float(v.min()), "max": float(v.max())}
+
+
+def calibration_reference(model: str, onnx_path: Path | str, n: int = 64
+                          ) -> tuple[dict[str, np.ndarray] | None, str]:
+    """The evaluation data the calibration statistics are compared with.
+
+    Image classifiers: the first ``n`` eval images through the evaluation preprocessing
+    (:func:`common.load_split` + :func:`common.normalize`). Other models: the inputs stage 1 ran
+    the PyTorch reference on (``artifacts/<model>/ref_outputs.npz``, keys ``in:<name>``).
+
+    Returns:
+        ``(arrays keyed by input name or None, where they come from / why there are none)``.
+    """
+    try:
+        spec = common.model_spec(model)
+    except common.UsageError:
+        spec = None
+    names = [i[0] for i in onnx_graph.inputs(onnx_graph.load(onnx_path, external=False))]
+    if spec is not None and spec.classifier:
+        if not common.splits_path().exists():
+            return None, f"none: {common.splits_path()} missing (run 0_prepare_data.py)"
+        try:
+            x, _, _ = common.load_split("eval", spec, n)
+        except common.StageError as e:
+            return None, f"none: {e}"
+        return {names[0]: common.normalize(x, spec.mean, spec.std)}, \
+            f"first {len(x)} eval images, evaluation preprocessing"
+    ref = common.model_artifacts(model) / "ref_outputs.npz"
+    if not ref.exists():
+        return None, f"none: {ref} missing (1_pytorch_baseline.py writes it)"
+    data = {k[3:]: v for k, v in load_npz(ref, "1_pytorch_baseline.py").items()
+            if k.startswith("in:")}
+    return data, f"the inputs stage 1 evaluated ({ref})"
+
+
+def validate_calibration(onnx_path: Path | str, data: dict[str, np.ndarray],
+                         reference: dict[str, np.ndarray] | None = None, *,
+                         source: str = "calibration data", reference_source: str = "") -> dict:
+    """Refuse calibration data that does not fit the model, before any quantizer runs.
+
+    Checks: keys equal the model's input names; each array has the input's rank, static dims and
+    dtype; every input has the same sample count N >= 1 (a multiple of a static batch); no
+    NaN/Inf; with ``reference``, per input mean/std within :data:`STATS_MAX_MEAN_SHIFT` /
+    :data:`STATS_MAX_STD_RATIO` of the evaluation data's.
+
+    Args:
+        data: ``{input name: array [N, ...]}``. reference: the same for evaluation data
+            (:func:`calibration_reference`), or None to skip the statistics check.
+    Returns:
+        ``{"n_samples", "inputs": {name: {"shape", "dtype", "stats", "reference_stats"}},
+        "stats_check": "passed" | "skipped: ..."}``.
+    Raises:
+        StageError: every problem found, with the numbers and the fix.
+    """
+    inputs = onnx_graph.inputs(onnx_graph.load(onnx_path, external=False))
+    names = [i[0] for i in inputs]
+    problems: list[str] = []
+    missing = [k for k in names if k not in data]
+    extra = [k for k in data if k not in names]
+    if missing or extra:
+        what = "; ".join(x for x in (f"missing {missing}" if missing else "",
+                                     f"not inputs of the model: {extra}" if extra else "") if x)
+        raise common.StageError(
+            f"{source} has keys {sorted(data)} but the model's inputs are {names} ({what}): key "
+            "each array by its ONNX input name (np.savez(path, "
+            + ", ".join(f"{k}=..." for k in names) + ")); 4_make_calib.py does")
+    counts = {}
+    info = {}
+    for name, dims, dtype in inputs:
+        a = np.asarray(data[name])
+        info[name] = {"shape": list(a.shape), "dtype": str(a.dtype)}
+        if a.ndim != len(dims):
+            problems.append(f"input {name!r}: array of shape {list(a.shape)} for an input of rank "
+                            f"{len(dims)} {dims} (batch on axis 0, one sample per row)")
+            continue
+        bad = [(k, d, a.shape[k]) for k, d in enumerate(dims) if k and d and d != a.shape[k]]
+        if bad:
+            problems.append(f"input {name!r}: shape {list(a.shape)} does not fit the model's "
+                            f"{['N' if d is None else d for d in dims]} (axis {bad[0][0]}: "
+                            f"{bad[0][2]} vs {bad[0][1]})")
+        if a.dtype != dtype:
+            problems.append(f"input {name!r} is {a.dtype} but the model takes {dtype}: save it "
+                            f"with .astype(np.{dtype.name})")
+        counts[name] = len(a) if a.ndim else 0
+        if np.issubdtype(a.dtype, np.floating):
+            nan, inf = int(np.isnan(a).sum()), int(np.isinf(a).sum())
+            if nan or inf:
+                rows = np.flatnonzero(~np.isfinite(a.reshape(len(a), -1)).all(1))
+                problems.append(f"input {name!r} has {nan} NaN and {inf} Inf values (samples "
+                                f"{rows[:5].tolist()}{' ...' if rows.size > 5 else ''}): remove "
+                                "or repair those samples")
+        if dims and dims[0] and counts[name] % dims[0]:
+            problems.append(f"input {name!r}: {counts[name]} samples for a static batch of "
+                            f"{dims[0]}: use a multiple of {dims[0]} samples")
+        info[name]["stats"] = input_stats(a)
+    if len(set(counts.values())) > 1:
+        problems.append(f"inputs have different sample counts {counts}: one row per sample in "
+                        "every input")
+    if any(c < 1 for c in counts.values()):
+        problems.append(f"no samples ({counts})")
+    stats_note = "passed"
+    if reference is None:
+        stats_note = f"skipped ({reference_source or 'no evaluation data given'})"
+    elif not problems:
+        for name in names:
+            if name not in reference:
+                continue
+            r = input_stats(reference[name])
+            c = info[name]["stats"]
+            info[name]["reference_stats"] = r
+            if r["std"] is None or c["std"] is None:
+                continue
+            spread = max(r["std"], c["std"], 1e-12)
+            shift = abs(c["mean"] - r["mean"]) / spread
+            ratio = max(c["std"], 1e-12) / max(r["std"], 1e-12)
+            if shift > STATS_MAX_MEAN_SHIFT or not (
+                    1 / STATS_MAX_STD_RATIO <= ratio <= STATS_MAX_STD_RATIO):
+                problems.append(
+                    f"input {name!r}: {source} mean {c['mean']:.4g} std {c['std']:.4g} range "
+                    f"[{c['min']:.4g}, {c['max']:.4g}] vs evaluation data mean {r['mean']:.4g} std "
+                    f"{r['std']:.4g} range [{r['min']:.4g}, {r['max']:.4g}] ({reference_source}):"
+                    f" mean shift {shift:.2f} std, std ratio {ratio:.3g} - not preprocessed like "
+                    "the evaluation data (unnormalised? inputs swapped between keys?); the "
+                    "quantization scales would be fitted to other data")
+        stats_note = f"passed against {reference_source}"
+    if problems:
+        raise common.StageError(f"{source} refused: " + "; ".join(problems)
+                                + (" (if the data are right and the evaluation inputs are not "
+                                   "representative, pass --no-stats-check / CALIB_STATS_CHECK=0)"
+                                   if any("evaluation data" in p for p in problems) else ""))
+    return {"n_samples": int(next(iter(counts.values()))), "inputs": info,
+            "stats_check": stats_note}
+
+
+def activation_bytes_per_sample(onnx_path: Path | str, data: dict[str, np.ndarray]) -> int:
+    """Bytes of every float intermediate tensor for one sample (ONNX shape inference with the
+    inputs' non-batch dims taken from ``data``): what a calibrator that records all activations
+    holds per sample. An upper bound: ModelOpt records the inputs of the ops it quantizes
+    (measured on EfficientNet-Lite0: estimate 95 MiB per image, ModelOpt's peak RSS grows by
+    ~62 MiB per image: 1.4 GiB at batch 1, 7.5 GiB at batch 100)."""
+    import onnx
+
+    model = onnx_graph.load(onnx_path, external=False)
+    for i in model.graph.input:
+        if i.name in data:
+            shape = (1,) + tuple(np.shape(data[i.name])[1:])
+            dims = i.type.tensor_type.shape.dim
+            for d, v in zip(dims, shape):
+                d.ClearField("dim_param")
+                d.dim_value = int(v)
+    try:
+        model = onnx.shape_inference.infer_shapes(model)
+    except Exception:  # noqa: BLE001 - shape inference is best effort here
+        return 0
+    total = 0
+    for v in list(model.graph.value_info) + list(model.graph.output):
+        t = v.type.tensor_type
+        if t.elem_type not in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16):
+            continue
+        dims = [d.dim_value for d in t.shape.dim]
+        if dims and all(d > 0 for d in dims):
+            total += int(np.prod(dims)) * (4 if t.elem_type == onnx.TensorProto.FLOAT else 2)
+    return total
+
+
+def _mem_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+# Default calibration batch: the whole calibration set in one batch.
+# Why: ModelOpt 0.47.0's ONNX CLI splits the npz into int(N / B) batches of B = the batch dim of
+# --calibration_shapes (default: the model's, 1 when dynamic) (modelopt/onnx/quantization/
+# calib_utils.py, CalibrationDataProvider), and entropy calibration runs ONNX Runtime's
+# HistogramCollector batch by batch: the first batch fixes the bin width, each later batch whose
+# range is wider adds bins of that width (onnxruntime/quantization/calibrate.py, merge_histogram),
+# and get_entropy_threshold searches only thresholds beyond the first num_quantized_bins (128)
+# bins. So with several batches the entropy scales depend on which samples come first. Measured
+# (ModelOpt 0.47.0, ORT 1.32.0, 256 N(0,1) samples, 5 random orders, two small CNNs from
+# ../shared/cases c13/c17): the spread of an activation scale across orders is up to 46 % / 31 %
+# at batch 1, 18 % / 14 % at batch 4, 9-34 % at batch 16-128, and 0.0 % with all 256 samples in
+# one batch. With one batch the histogram has exactly 128 bins and the search has one candidate,
+# max |x|: entropy then equals max calibration (same scales, measured), deterministic and
+# independent of order. A smaller batch (--calib-batch / CALIB_BATCH) is used only when one
+# batch would not fit in memory; the sample order (seeded by stage 4) is then recorded.
+CALIB_MEMORY_FRACTION = 0.5
+
+
+def calibration_plan(onnx_path: Path | str, data: dict[str, np.ndarray],
+                     batch: str | int = "all", memory_fraction: float = CALIB_MEMORY_FRACTION
+                     ) -> dict:
+    """Calibration batch for ModelOpt and the ``--calibration_shapes`` that sets it.
+
+    Args:
+        data: validated calibration arrays (:func:`validate_calibration`).
+        batch: ``"all"`` (default: every sample in one batch, capped by memory) or a number.
+        memory_fraction: share of the available memory one batch of activations may use.
+    Returns:
+        ``{"batch_size", "n_samples", "batches" (sizes ModelOpt will use: it splits N into
+        int(N / B) parts with np.array_split), "calibration_shapes", "order_dependent",
+        "reason", "bytes_per_sample"}``.
+    Raises:
+        UsageError: ``batch`` is not "all" or a positive integer.
+        StageError: a static batch axis the data cannot be cut into.
+    """
+    inputs = onnx_graph.inputs(onnx_graph.load(onnx_path, external=False))
+    n = len(next(iter(data.values())))
+    static = {d[0] for _, d, _ in inputs if d and d[0]}
+    per = activation_bytes_per_sample(onnx_path, data)
+    if static:
+        b = min(static)
+        reason = f"the model's batch axis is static ({b})"
+    elif str(batch) == "all":
+        b, reason = n, "whole calibration set in one batch (order-independent)"
+        avail = _mem_available()
+        if per and avail and n * per > memory_fraction * avail:
+            parts = int(np.ceil(n * per / (memory_fraction * avail)))
+            b = max(1, n // parts)
+            reason = (f"one batch of {n} would hold ~{n * per / 2 ** 30:.1f} GiB of activations, "
+                      f"more than {memory_fraction:.0%} of the {avail / 2 ** 30:.1f} GiB "
+                      f"available: {parts} batches")
+    else:
+        try:
+            b = int(batch)
+        except ValueError:
+            b = 0
+        if b < 1:
+            raise common.UsageError(f"calibration batch {batch!r}: 'all' or a positive integer")
+        b = min(b, n)
+        reason = "requested"
+    k = max(1, n // b)
+    sizes = [len(x) for x in np.array_split(np.arange(n), k)]
+    shapes = ",".join(f"{name}:" + "x".join(str(v) for v in (b,) + tuple(np.shape(data[name])[1:]))
+                      for name, _, _ in inputs)
+    return {"batch_size": b, "n_samples": n, "batches": sizes, "calibration_shapes": shapes,
+            "order_dependent": len(sizes) > 1, "reason": reason, "bytes_per_sample": per}
+
+
+def deployment_shapes(onnx_path: Path | str, data: dict[str, np.ndarray]) -> str:
+    """``name:1xCxHxW,...``: the model's inputs at batch 1 (or their static batch) with the other
+    dims from ``data``: the shapes ModelOpt's GEMV rule should see (it excludes a MatMul/Gemm
+    whose M is 1, a TensorRT performance rule about the deployed batch, not the calibration one)."""
+    out = []
+    for name, dims, _ in onnx_graph.inputs(onnx_graph.load(onnx_path, external=False)):
+        shape = (dims[0] or 1,) + tuple(np.shape(data[name])[1:])
+        out.append(f"{name}:" + "x".join(str(v) for v in shape))
+    return ",".join(out)
+
+
+def modelopt_quantize(argv: Sequence[str], calib_batch: str | int = "all") -> None:
+    """``python -m modelopt.onnx.quantization ARGV`` (ModelOpt's own argument parser and
+    ``quantize()``), with the calibration batch set on its own.
+
+    ModelOpt 0.47.0's CLI has one knob for two things: ``--calibration_shapes`` is both the
+    calibration batch (calib_utils.CalibrationDataProvider) and the shapes its GEMV rule reads
+    (graph_utils.find_nodes_from_matmul_to_exclude: a Gemm whose M is 1 stays float). Without
+    it the batch is the model's batch dim, 1 when dynamic. Here the calibration data reader gets
+    the batch of :func:`calibration_plan` and, unless ARGV says otherwise, the GEMV rule keeps
+    seeing the deployment batch (:func:`deployment_shapes`), so the nodes ModelOpt quantizes are
+    the same as with its CLI; only the calibration batch differs.
+
+    Raises:
+        UsageError: ``--autotune`` (use ModelOpt's CLI for it).
+    """
+    import inspect
+
+    from modelopt.onnx.quantization import quantize
+    from modelopt.onnx.quantization.__main__ import get_parser
+    from modelopt.onnx.quantization.calib_utils import CalibrationDataProvider
+
+    args = get_parser().parse_args(list(argv))
+    if args.autotune is not None:
+        raise common.UsageError("--autotune: run python -m modelopt.onnx.quantization directly")
+    params = inspect.signature(quantize).parameters
+    kw = {k: v for k, v in vars(args).items() if k in params and k != "onnx_path"}
+    kw["autotune"] = False
+    if args.calibration_data_path:
+        data = load_npz(args.calibration_data_path, "4_make_calib.py")
+        plan = calibration_plan(args.onnx_path, data, calib_batch)
+        kw["calibration_data"] = data
+        kw["calibration_data_reader"] = CalibrationDataProvider(args.onnx_path, data,
+                                                                plan["calibration_shapes"])
+        if not args.calibration_shapes:
+            kw["calibration_shapes"] = deployment_shapes(args.onnx_path, data)
+        print(f"calibration batch {plan['batch_size']} ({len(plan['batches'])} batch(es) of "
+              f"{plan['batches'][:4]}); ModelOpt's GEMV rule sees {kw['calibration_shapes']}")
+    quantize(args.onnx_path, **kw)
+
+
+def check_calib_cli(args: argparse.Namespace) -> dict:
+    """``check-calib``: validate the npz for a model, plan the calibration batch, print the
+    ``--calibration_shapes`` value (stdout, one line) and write the record (``--json``)."""
+    data = load_npz(args.calib, "4_make_calib.py")
+    ref, ref_src = (None, "skipped (--no-stats-check)")
+    if not args.no_stats_check:
+        if args.reference:
+            ref, ref_src = load_npz(args.reference, "np.savez"), str(args.reference)
+        elif args.model:
+            ref, ref_src = calibration_reference(args.model, args.onnx)
+    rep = validate_calibration(args.onnx, data, ref, source=str(args.calib),
+                               reference_source=ref_src)
+    plan = calibration_plan(args.onnx, data, args.batch)
+    rec = {**rep, "plan": plan, "calib": str(args.calib), "sha256": common.sha256_file(args.calib)}
+    made = common.model_results(args.model) / "calib.json" if args.model else None
+    rec["order_seed"] = None
+    rec["made_by"] = "unknown (not the npz stage 4 recorded)"
+    if made is not None and made.exists():
+        try:
+            c = json.loads(made.read_text())
+        except json.JSONDecodeError:
+            c = {}
+        if c.get("sha256") == rec["sha256"]:
+            rec["order_seed"] = c.get("order_seed")
+            rec["made_by"] = f"4_make_calib.py ({c.get('source')})"
+    if args.json:
+        common.write_json(args.json, rec)
+    print(plan["batch_size"])
+    note = (f"calibration: {plan['n_samples']} samples, batch {plan['batch_size']} "
+            f"({len(plan['batches'])} batch(es): {plan['reason']}); statistics "
+            f"{rep['stats_check']}")
+    print(note, file=sys.stderr)
+    if plan["order_dependent"]:
+        print(f"NOTE: {len(plan['batches'])} calibration batches: entropy scales depend on the "
+              f"sample order (order seed {rec['order_seed']})", file=sys.stderr)
+    return rec
+
+
+# --------------------------------------------------------------------------------------------
 # record-quant (5_quantize.sh)
 # --------------------------------------------------------------------------------------------
 KEEP_WARNINGS = re.compile(r"WARNING|replaced with|smaller than smallest|Error|error:", re.I)
@@ -461,14 +861,140 @@ def ort_smoke(path: Path) -> dict:
         return {"ok": False, "error": f"{type(e).__name__}: {str(e)[:600]}"}
 
 
+# --------------------------------------------------------------------------------------------
+# Backend cross-check (stage 3): the same Q/DQ file with ORT graph optimisations off
+# --------------------------------------------------------------------------------------------
+#: ORT session option that makes its x86-64 int8 kernels use u8u8 instead of u8s8, which cannot
+#: saturate on CPUs without VNNI (onnxruntime PR #12088, session.x64quantprecision).
+X64_QUANT_PRECISION = {"session.x64quantprecision": "1"}
+
+
+def backend_cross_check(onnx_path: Path | str, inputs: dict[str, np.ndarray],
+                        outputs: dict[str, np.ndarray], *, labels: np.ndarray | None = None,
+                        batch: int = 64, tol_points: float = 2.0, min_cosine: float = 0.99,
+                        opt_level: str = "all", session_config: dict | None = None) -> dict:
+    """Rerun a Q/DQ model with every ORT graph optimisation off (DequantizeLinear + float ops:
+    the graph's own semantics) on the inputs of the main run and compare, for any model.
+
+    ONNX Runtime is not a neutral judge of Q/DQ graphs (``WeightBiasQuantization``, QDQ fusions
+    into integer kernels): a result that changes here is the backend's, not the quantization's.
+    When they disagree on an x86-64 CPU without VNNI, the optimised graph is run once more with
+    :data:`X64_QUANT_PRECISION` to tell u8s8 kernel saturation from a graph optimiser effect.
+
+    Args:
+        inputs: ``{input name: array [N, ...]}`` exactly as fed to the main run.
+        outputs: ``{output name: array [N, ...]}`` of the main run (same order of samples).
+        labels: int ``[N]`` for classifiers (top-1 of the first output compared, in points).
+        batch: samples per run (the model's static batch, if any, wins: evaluate.run_outputs).
+        tol_points: top-1 difference (points) that counts as a disagreement (with labels).
+        min_cosine: without labels, an output whose cosine (min over samples) falls below this
+            counts as a disagreement.
+        opt_level, session_config: how the main run was made (for the saturation leg).
+    Returns:
+        ``{"n", "opt_level": "disable", "outputs": {name: parity}, "disagreement": bool,
+        "reason", "cause"}`` plus ``top1_main``/``top1_unoptimized``/``top1_agreement`` with
+        labels.
+    Raises:
+        StageError: ORT cannot load or run the model unoptimised.
+    """
+    import evaluate
+
+    data = evaluate.EvalData(feed=inputs)
+    n = len(data)
+
+    def run(**kw) -> dict[str, np.ndarray]:
+        with runners.OrtRunner(onnx_path, "cpu", **kw) as r:
+            return evaluate.run_outputs(r, data, batch, progress="cross-check")
+
+    def compare(ref: dict, main: dict) -> tuple[dict, tuple | None]:
+        pars, worst = {}, None
+        for name, m in main.items():
+            if name in ref and ref[name].shape == np.shape(m):
+                pars[name] = common.parity(ref[name], m)
+                if worst is None or pars[name]["cosine_min"] < worst[1]["cosine_min"]:
+                    worst = (name, pars[name])
+        return pars, worst
+
+    ref = run(opt_level="disable")
+    pars, worst = compare(ref, outputs)
+    rec: dict = {"n": int(n), "opt_level": "disable", "outputs": pars, "cause": None}
+    first = next(iter(outputs))
+    if labels is not None and first in ref:
+        t_main = common.topk_accuracy(outputs[first], labels, (1,))["top1"]
+        t_ref = common.topk_accuracy(ref[first], labels, (1,))["top1"]
+        rec.update(top1_main=t_main, top1_unoptimized=t_ref, tolerance_points=tol_points,
+                   top1_agreement=float(100.0 * (ref[first].argmax(1)
+                                                 == outputs[first].argmax(1)).mean()),
+                   disagreement=bool(abs(t_main - t_ref) > tol_points))
+        rec["reason"] = (f"top-1 {t_main:.2f}% optimised vs {t_ref:.2f}% with ORT graph "
+                         f"optimisations off ({n} samples)")
+    else:
+        bad = worst is not None and worst[1]["cosine_min"] < min_cosine
+        rec.update(min_cosine=min_cosine, disagreement=bool(bad))
+        rec["reason"] = (f"output {worst[0]}: cosine min {worst[1]['cosine_min']:.4f} between the "
+                         f"optimised and the unoptimised run ({n} samples)" if worst else
+                         "no comparable output")
+    if rec["disagreement"] and common.cpu_has_vnni() is False and not session_config:
+        fixed = run(opt_level=opt_level, session_config=X64_QUANT_PRECISION)
+        _, w2 = compare(ref, fixed)
+        if w2 is not None and w2[1]["cosine_min"] >= min_cosine:
+            rec["cause"] = ("u8s8 saturation in ORT's int8 CPU kernels on this CPU without VNNI: "
+                            f"with session.x64quantprecision=1 the outputs agree (cosine min "
+                            f"{w2[1]['cosine_min']:.4f}; rerun with --x64-quant-precision)")
+    return rec
+
+
+def run_check(onnx_path: Path | str, fp32: Path | str | None = None,
+              calib: Path | str | None = None, calib_limit: int = 32) -> dict:
+    """:func:`qdq_check.check_model` on files (see ``qdq_tools.py check --help``).
+
+    Returns:
+        the check report plus ``file``, ``fp32``, ``calib``.
+    Raises:
+        StageError: a file is missing/unreadable, or the model cannot run on ``calib``.
+    """
+    import qdq_check
+
+    model = onnx_graph.load(onnx_path)
+    fp32_model = onnx_graph.load(fp32, "2_export_onnx.py") if fp32 else None
+    data = load_npz(calib, "4_make_calib.py") if calib else None
+    rep = qdq_check.check_model(model, path=onnx_path, fp32_model=fp32_model, calib=data,
+                                calib_limit=calib_limit)
+    return {"file": str(onnx_path), "fp32": str(fp32) if fp32 else None,
+            "calib": str(calib) if calib else None, **rep}
+
+
+def print_check(rep: dict, limit: int | None = None) -> None:
+    """Findings of :func:`run_check`, one block each (message, then the fix); ``limit``: print
+    the first ``limit`` of each kind only."""
+    import qdq_check
+
+    print(f"{rep['file']}: {qdq_check.summary_line(rep)} (bias re-quantization judged on "
+          f"{rep['basis']}; {rep['checked']['n_wbq_candidates']} Conv/Gemm rewritten by ORT's "
+          f"WeightBiasQuantization, {rep['checked']['n_weights']} quantized weights"
+          + (", compared with the float weights" if rep["checked"]["fp32"] else "") + ")")
+    shown: dict[str, int] = defaultdict(int)
+    for f in rep["findings"]:
+        shown[f["kind"]] += 1
+        if limit is None or shown[f["kind"]] <= limit:
+            print(f"  [{f['kind']}] {f['message']}\n      fix: {f['fix']}")
+        elif shown[f["kind"]] == limit + 1:
+            print(f"  [{f['kind']}] ... {rep['kinds'][f['kind']] - limit} more (all in the "
+                  "JSON; python qdq_tools.py check prints them)")
+
+
 def record_quant(args: argparse.Namespace) -> dict:
     """Write ``results/<model>/quant_<variant>.json``: wall time, the exact command, ModelOpt's
-    warnings, and the :func:`inspect_model` summary of the output."""
+    warnings, the calibration record (``--calib-report``: samples, batch, order seed), the
+    :func:`inspect_model` summary and the health check (:func:`run_check` with the float model
+    and the calibration data) of the output."""
     onnx_path = Path(args.onnx)
     rec = {"stage": "5_quantize", "model": args.model, "variant": args.variant,
            "status": args.status, "output": str(onnx_path), "wall_time_s": args.wall_s,
            "command": args.command, "log": str(args.log), "description": args.description,
            "warnings": log_warnings(args.log) if Path(args.log).exists() else []}
+    if args.calib_report and Path(args.calib_report).exists():
+        rec["calibration"] = calibration_summary(json.loads(Path(args.calib_report).read_text()))
     if args.status == "ok" and onnx_path.exists():
         rep = inspect_model(onnx_graph.load(onnx_path))
         rep.pop("_helper", None)
@@ -478,12 +1004,45 @@ def record_quant(args: argparse.Namespace) -> dict:
         if not rec["ort_cpu_smoke"]["ok"]:
             print(f"WARNING: ONNX Runtime cannot run {onnx_path}: "
                   f"{rec['ort_cpu_smoke']['error'][:300]}", file=sys.stderr)
+        rec["check"] = check_record(onnx_path, args.source, args.calib)
     inputs = [p for p in (args.source, args.calib, onnx_path) if p]
     rec["provenance"] = common.provenance(args, inputs)
     rec["provenance"]["wall_time_s"] = args.wall_s
     path = common.model_results(args.model) / f"quant_{args.variant}.json"
     common.write_json(path, rec)
     return rec
+
+
+def calibration_summary(rep: dict) -> dict:
+    """The calibration facts a quant JSON records (from ``check-calib --json``)."""
+    plan = rep.get("plan", {})
+    return {"npz": rep.get("calib"), "sha256": rep.get("sha256"),
+            "n_samples": rep.get("n_samples"), "batch_size": plan.get("batch_size"),
+            "batches": plan.get("batches"), "order_dependent": plan.get("order_dependent"),
+            "batch_reason": plan.get("reason"), "order_seed": rep.get("order_seed"),
+            "made_by": rep.get("made_by"), "stats_check": rep.get("stats_check"),
+            "calibration_shapes": plan.get("calibration_shapes"),
+            "inputs": {k: {"shape": v["shape"], "dtype": v["dtype"], "stats": v.get("stats")}
+                       for k, v in rep.get("inputs", {}).items()}}
+
+
+def check_record(onnx_path: Path, fp32: Path | str | None, calib: Path | str | None) -> dict:
+    """:func:`run_check` for a stage record: prints the findings, never raises (a check that
+    cannot run is recorded as ``{"ok": None, "error": ...}``)."""
+    import qdq_check
+
+    try:
+        rep = run_check(onnx_path, fp32 if fp32 and Path(fp32).exists() else None,
+                        calib if calib and Path(calib).exists() else None)
+    except (common.StageError, ValueError) as e:
+        print(f"WARNING: qdq_tools.py check could not run on {onnx_path}: {e}", file=sys.stderr)
+        return {"ok": None, "error": str(e)[:600], "summary": "check: could not run"}
+    rep["summary"] = qdq_check.summary_line(rep)
+    if rep["ok"]:
+        print(f"  {onnx_path.name}: {rep['summary']}")
+    else:
+        print_check(rep, limit=3)
+    return rep
 
 
 # --------------------------------------------------------------------------------------------
@@ -523,6 +1082,39 @@ def get_args_parser() -> argparse.ArgumentParser:
     s.add_argument("a", type=Path)
     s.add_argument("b", type=Path)
     s.add_argument("rest", nargs=argparse.REMAINDER, help="passed on to layerwise.py")
+    s = sub.add_parser("check", help="Q/DQ health check: scales, ORT bias re-quantization, "
+                                     "bias scales, per-tensor/dead channels, INT4 blocks; "
+                                     "exit 1 on any finding")
+    s.add_argument("onnx", type=Path, help="Q/DQ ONNX model")
+    s.add_argument("--fp32", type=Path, default=None,
+                   help="the float model it was made from: compare every dequantized weight "
+                        "with its float weight")
+    s.add_argument("--calib", type=Path, default=None,
+                   help="calibration npz: judge ORT's bias re-quantization on these inputs "
+                        "instead of from the scales alone")
+    s.add_argument("--calib-limit", type=int, default=32, help="calibration samples to run")
+    s.add_argument("--json", type=Path, default=None, help="also write the report as JSON")
+    s = sub.add_parser("check-calib", help="validate calibration data for a model and print "
+                                           "the calibration batch (stage 5)")
+    s.add_argument("onnx", type=Path, help="float ONNX model to be calibrated")
+    s.add_argument("--calib", type=Path, required=True, help="calibration npz")
+    s.add_argument("--model", default=None, help="model name: evaluation data for the "
+                   "statistics check (eval split, or stage 1's inputs for custom models)")
+    s.add_argument("--reference", type=Path, default=None,
+                   help="npz of evaluation inputs to compare statistics with (overrides --model)")
+    s.add_argument("--batch", default="all",
+                   help="calibration batch: 'all' (one batch, order-independent; capped by "
+                        "memory) or a number")
+    s.add_argument("--no-stats-check", action="store_true",
+                   help="skip the comparison with the evaluation data (recorded)")
+    s.add_argument("--json", type=Path, default=None, help="write the calibration record here")
+    s = sub.add_parser("modelopt", help="ModelOpt ONNX PTQ with its own CLI flags (after --) "
+                                        "and a calibration batch of its own (stage 5)")
+    s.add_argument("--calib-batch", default="all",
+                   help="calibration batch: 'all' (one batch) or a number (check-calib prints "
+                        "the one stage 5 uses)")
+    s.add_argument("modelopt_args", nargs=argparse.REMAINDER,
+                   help="-- then the flags of python -m modelopt.onnx.quantization")
     s = sub.add_parser("record-quant", help="write results/<model>/quant_<variant>.json "
                                             "(called by 5_quantize.sh)")
     s.add_argument("--model", required=True)
@@ -535,6 +1127,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     s.add_argument("--status", default="ok", choices=("ok", "failed"))
     s.add_argument("--description", default="")
     s.add_argument("--command", required=True, help="the exact quantization command")
+    s.add_argument("--calib-report", type=Path, default=None,
+                   help="JSON written by check-calib (calibration samples, batch, order seed)")
     return p
 
 
@@ -570,10 +1164,16 @@ def main(args: argparse.Namespace):
                   f"scale {r['scale_shape']} fits axes {r['valid_axes']} -> {r['status']}")
         if not report:
             print(f"{args.onnx}: no blocked DequantizeLinear nodes")
+        ops = onnx_graph.opset(model)
+        if report and ops < 21:
+            print(f"{args.onnx}: blocked DequantizeLinear in a model that imports opset {ops}: "
+                  "block_size needs opset 21 (DequantizeLinear-21); raise the opset import")
         if args.check:
             if any(r["status"] != "ok" for r in report):
                 raise common.StageError("inconsistent blocked DequantizeLinear axis "
                                         "(run without --check to repair)")
+            if report and ops < 21:
+                raise common.StageError(f"opset {ops} does not define block_size")
             return report
         model, fixed = fix_int4_axis(model)
         out = args.output or args.onnx
@@ -585,8 +1185,13 @@ def main(args: argparse.Namespace):
         print(f"repaired {len(fixed)} node(s) -> {out}")
         return fixed
     if args.cmd == "inspect":
-        rep = inspect_model(onnx_graph.load(args.onnx))
+        import qdq_check
+
+        model = onnx_graph.load(args.onnx)
+        rep = inspect_model(model)
         rep.pop("_helper", None)
+        findings, _ = qdq_check.check_bias_requant(model)
+        rep["bias_requant_changes"] = [f.node for f in findings]
         print_inspect(rep, args.onnx)
         if args.json:
             common.write_json(args.json, rep)
@@ -612,6 +1217,19 @@ def main(args: argparse.Namespace):
         return rows
     if args.cmd == "layer-diff":
         return layer_diff(args)
+    if args.cmd == "check":
+        rep = run_check(args.onnx, args.fp32, args.calib, args.calib_limit)
+        print_check(rep)
+        if args.json:
+            common.write_json(args.json, rep)
+        if not rep["ok"]:
+            raise common.StageError(f"{rep['n_findings']} finding(s) in {args.onnx} (above)")
+        return rep
+    if args.cmd == "check-calib":
+        return check_calib_cli(args)
+    if args.cmd == "modelopt":
+        argv = args.modelopt_args[1:] if args.modelopt_args[:1] == ["--"] else args.modelopt_args
+        return modelopt_quantize(argv, args.calib_batch)
     if args.cmd == "record-quant":
         return record_quant(args)
     raise common.UsageError(f"unknown command {args.cmd}")
