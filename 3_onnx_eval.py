@@ -86,67 +86,6 @@ def is_qdq(precision: str) -> bool:
 
 
 X64_PRECISION = qdq_tools.X64_QUANT_PRECISION
-CROSS_CHECK_FIRST = 128  # images of the adaptive cross-check's first look
-CROSS_CHECK_MIN_COSINE = 0.999  # per-image logits cosine under which the two sessions "differ"
-
-
-def cross_check(path: Path, data: evaluate.EvalData, logits_main: np.ndarray, n: int,
-                tol: float, batch: int, opt_level: str = "all",
-                session_config: dict | None = None) -> dict:
-    """Top-1 with ORT graph optimisations disabled (plain DequantizeLinear + float ops, the
-    graph's reference semantics) against the main session's.
-
-    ``n`` images; ``n < 0`` is adaptive: the first :data:`CROSS_CHECK_FIRST` images, extended to
-    the whole split as soon as any of them differs between the two sessions (top-1 or a logits
-    cosine below :data:`CROSS_CHECK_MIN_COSINE`). An optimiser effect comes from the weights and
-    scales (an overflowing int32 bias, a fused kernel), not from one image, so it shows on the
-    first images; and every flagged disagreement is measured on the whole split, as before.
-
-    When the two disagree on an x86-64 CPU without VNNI, the optimised graph is run once more
-    with u8u8 kernels (``session.x64quantprecision=1``) to tell kernel saturation from a graph
-    optimiser effect (``cause``).
-
-    Returns:
-        ``{"n", "adaptive", "top1_main", "top1_unoptimized", "top1_agreement",
-        "cosine_min", "tolerance_points", "disagreement": bool, "cpu_vnni", "cause"}`` (+
-        ``top1_x64quantprecision`` when that leg ran).
-    """
-    adaptive = n < 0
-    first = min(CROSS_CHECK_FIRST, len(data)) if adaptive else min(n, len(data))
-
-    def run(lo: int, hi: int) -> np.ndarray:
-        sub = dataclasses.replace(data, x_u8=data.x_u8[lo:hi], y=data.y[lo:hi],
-                                  files=data.files[lo:hi], ref=None)
-        return next(iter(evaluate.run_outputs(r, sub, batch, progress="cross-check").values()))
-
-    with runners.OrtRunner(path, "cpu", opt_level="disable") as r:
-        ref = run(0, first)
-        differs = (ref.argmax(1) != logits_main[:first].argmax(1)).any() or (
-            common.cosine_rows(ref, logits_main[:first]).min() < CROSS_CHECK_MIN_COSINE)
-        if adaptive and differs and first < len(data):
-            ref = np.concatenate([ref, run(first, len(data))])
-    k = len(ref)
-    t_main = common.topk_accuracy(logits_main[:k], data.y[:k], (1,))["top1"]
-    t_ref = common.topk_accuracy(ref, data.y[:k], (1,))["top1"]
-    agree = float(100.0 * (ref.argmax(1) == logits_main[:k].argmax(1)).mean())
-    out = {"n": k, "adaptive": adaptive, "top1_main": t_main, "top1_unoptimized": t_ref,
-           "top1_agreement": agree,
-           "cosine_min": float(common.cosine_rows(ref, logits_main[:k]).min()),
-           "tolerance_points": tol, "disagreement": bool(abs(t_main - t_ref) > tol),
-           "cpu_vnni": common.cpu_has_vnni(), "cause": None}
-    if out["disagreement"] and common.cpu_has_vnni() is False and not session_config:
-        # Which backend effect? On an x86-64 CPU without VNNI, ORT's u8s8 int8 kernels can
-        # saturate: rerun the optimised graph with u8u8 kernels (session.x64quantprecision=1).
-        with runners.OrtRunner(path, "cpu", session_config=X64_PRECISION,
-                               opt_level=opt_level) as r:
-            fixed = run(0, k)
-        t_fix = common.topk_accuracy(fixed, data.y[:k], (1,))["top1"]
-        out["top1_x64quantprecision"] = t_fix
-        if abs(t_fix - t_ref) <= tol:
-            out["cause"] = ("u8s8 saturation in ORT's int8 CPU kernels on this CPU without VNNI: "
-                            f"with session.x64quantprecision=1 top-1 is {t_fix:.1f}% (rerun with "
-                            "--x64-quant-precision; ORT PR #12088)")
-    return out
 
 
 def main(args: argparse.Namespace) -> dict:
@@ -226,19 +165,11 @@ def main(args: argparse.Namespace) -> dict:
     cc = None
     if is_qdq(precision) and args.cross_check_images and args.opt_level != "disable":
         config = X64_PRECISION if args.x64_quant_precision else None
-        if data.classifier:
-            cc = evaluate.diagnose(rec, "backend_cross_check", lambda: cross_check(
-                onnx_path, data, next(iter(outputs.values())), args.cross_check_images,
-                args.cross_check_tol, args.batch_size, args.opt_level, config))
-        else:  # any model: every output compared (cosine), no labels
-            cc = evaluate.diagnose(rec, "backend_cross_check", lambda: qdq_tools.backend_cross_check(
-                onnx_path, data.feed, outputs, batch=args.batch_size, opt_level=args.opt_level,
-                session_config=config))
+        cc = evaluate.diagnose(rec, "backend_cross_check", lambda: qdq_tools.backend_cross_check(
+            onnx_path, data, outputs, n=args.cross_check_images, batch=args.batch_size,
+            tol_points=args.cross_check_tol, opt_level=args.opt_level, session_config=config))
         if cc and cc["disagreement"]:
-            what = (f"top-1 {cc['top1_main']:.1f}% at opt level {args.opt_level} vs "
-                    f"{cc['top1_unoptimized']:.1f}% with graph optimisations disabled "
-                    f"({cc['n']} images)" if data.classifier else cc["reason"])
-            print(f"WARNING: ORT backend disagreement on {onnx_path.name}: {what}. ONNX Runtime, "
+            print(f"WARNING: ORT backend disagreement on {onnx_path.name}: {cc['reason']}. ONNX Runtime, "
                   "not the quantization, changes the result: do not report this as a collapse."
                   + (f" Cause: {cc['cause']}." if cc.get("cause") else ""), file=sys.stderr)
     # Quantization error vs backend error, per layer: with --layerwise, and whenever the

@@ -63,6 +63,16 @@ class EvalData:
     def __len__(self) -> int:
         return len(self.x_u8) if self.classifier else len(next(iter(self.feed.values())))
 
+    def subset(self, lo: int, hi: int) -> "EvalData":
+        """Samples ``lo:hi`` (their reference too)."""
+        if self.classifier:
+            return dataclasses.replace(self, x_u8=self.x_u8[lo:hi], y=self.y[lo:hi],
+                                       files=self.files[lo:hi],
+                                       ref=None if self.ref is None else self.ref[lo:hi])
+        return dataclasses.replace(
+            self, feed={k: v[lo:hi] for k, v in self.feed.items()},
+            ref=None if self.ref is None else {k: v[lo:hi] for k, v in self.ref.items()})
+
     def batch(self, idx: np.ndarray) -> dict[str, np.ndarray]:
         """The feed for sample indices ``idx`` (normalised here, outside any timed region)."""
         if self.classifier:
