@@ -1001,8 +1001,8 @@ def print_check(rep: dict, limit: int | None = None) -> None:
     import qdq_check
 
     print(f"{rep['file']}: {qdq_check.summary_line(rep)} (bias re-quantization judged on "
-          f"{rep['basis']}; {rep['checked']['n_wbq_candidates']} Conv/Gemm rewritten by ORT's "
-          f"WeightBiasQuantization, {rep['checked']['n_weights']} quantized weights"
+          f"{rep['basis']}; {rep['checked']['n_wbq_candidates']} Conv/Gemm (or MatMul+Add ORT fuses "
+          f"into a Gemm) rewritten by ORT's WeightBiasQuantization, {rep['checked']['n_weights']} quantized weights"
           + (", compared with the float weights" if rep["checked"]["fp32"] else "") + ")")
     shown: dict[str, int] = defaultdict(int)
     for f in rep["findings"]:

@@ -1,0 +1,93 @@
+"""Verdicts tried on new instances of the known fault kinds (a review as a user with their own
+model): each test builds its own small model, and the ground truth of an ONNX Runtime claim is
+ONNX Runtime itself, run in the test.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import export_checks as ec  # noqa: E402
+import qdq_check  # noqa: E402
+import runners  # noqa: E402
+
+
+def _ort(model, feed, level="all", disabled=()):
+    import onnxruntime as ort
+
+    so = runners.ort_session_options(level)
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"],
+                                disabled_optimizers=list(disabled)).run(None, feed)[0]
+
+
+def _tool(script, *argv):
+    return subprocess.run([sys.executable, script, *map(str, argv)], cwd=ROOT,
+                          capture_output=True, text=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Bias re-quantization reached through ORT's MatMulAddFusion
+# --------------------------------------------------------------------------------------------
+def matmul_add_qdq(x_shape, bias_shape=(4,)):
+    """x -> Q/DQ (uint8) -> MatMul(DQ(int8 W [8, 4], per-tensor scale 1e-12)) -> Add(bias
+    5, .1, .2, .3) -> Relu -> Q/DQ: a Dense layer as tf2onnx and others write it (no Gemm)."""
+    inits = [numpy_helper.from_array(np.array(0.01, np.float32), "xs"),
+             numpy_helper.from_array(np.array(128, np.uint8), "xz"),
+             numpy_helper.from_array(np.full((8, 4), 10, np.int8), "wq"),
+             numpy_helper.from_array(np.array(1e-12, np.float32), "ws"),
+             numpy_helper.from_array(np.array(0, np.int8), "wz"),
+             numpy_helper.from_array(np.array([5.0, 0.1, 0.2, 0.3], np.float32)
+                                     .reshape(bias_shape), "b"),
+             numpy_helper.from_array(np.array(6 / 255, np.float32), "ys"),
+             numpy_helper.from_array(np.array(0, np.uint8), "yz")]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"], name="xq"),
+             helper.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xd"], name="xdq"),
+             helper.make_node("DequantizeLinear", ["wq", "ws", "wz"], ["wd"], name="wdq"),
+             helper.make_node("MatMul", ["xd", "wd"], ["mm"], name="dense/MatMul"),
+             helper.make_node("Add", ["mm", "b"], ["pre"], name="dense/BiasAdd"),
+             helper.make_node("Relu", ["pre"], ["r"], name="relu"),
+             helper.make_node("QuantizeLinear", ["r", "ys", "yz"], ["yq"], name="yq"),
+             helper.make_node("DequantizeLinear", ["yq", "ys", "yz"], ["y"], name="ydq")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", 1, list(x_shape))],
+                          [helper.make_tensor_value_info("y", 1, None)], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 19)], ir_version=9)
+
+
+def test_bias_requant_through_matmul_add_fusion(tmp_path):
+    """ORT's MatMulAddFusion (level basic) turns MatMul + Add on a rank-2 input into a Gemm,
+    which WeightBiasQuantization then re-quantizes: the bias of 5 becomes 0. The check must see
+    the fused Gemm; on a rank-3 input (no fusion: the output would need a Reshape) ORT leaves
+    the graph alone and nothing is flagged."""
+    m = matmul_add_qdq(["N", 8])
+    feed = {"x": np.random.default_rng(0).uniform(0, 1, (4, 8)).astype(np.float32)}
+    ref, got = _ort(m, feed, "disable"), _ort(m, feed, "all")
+    assert np.abs(ref[:, 0] - got[:, 0]).min() > 4  # ground truth: ORT changes the output
+    np.testing.assert_allclose(_ort(m, feed, "all", ["MatMulAddFusion"]), ref)
+    np.testing.assert_allclose(_ort(m, feed, "all", ["WeightBiasQuantization"]), ref)
+    path = tmp_path / "m.onnx"
+    onnx.save(m, str(path))
+    for calib in (None, feed):
+        rep = qdq_check.check_model(m, path=path, calib=calib)
+        (f,) = [f for f in rep["findings"] if f["kind"] == "bias_requant"]
+        assert f["node"] == "dense/MatMul" and f["details"]["channels_changed"] == [0, 1, 2, 3]
+        assert "MatMulAddFusion" in f["message"] and "dense/BiasAdd" in f["message"]
+    p = _tool("qdq_tools.py", "check", path)
+    assert p.returncode == 1 and "[bias_requant] dense/MatMul" in p.stdout, p.stdout
+
+    m3 = matmul_add_qdq(["N", 3, 8])
+    feed3 = {"x": np.random.default_rng(0).uniform(0, 1, (4, 3, 8)).astype(np.float32)}
+    np.testing.assert_allclose(_ort(m3, feed3, "all"), _ort(m3, feed3, "disable"))
+    assert not [f for f in qdq_check.check_model(m3)["findings"] if f["kind"] == "bias_requant"]
+    # a [1, N] bias is fused too, but WeightBiasQuantization takes 1-D biases only
+    m2 = matmul_add_qdq(["N", 8], (1, 4))
+    np.testing.assert_allclose(_ort(m2, feed, "all"), _ort(m2, feed, "disable"))
+    assert not [f for f in qdq_check.check_model(m2)["findings"] if f["kind"] == "bias_requant"]
