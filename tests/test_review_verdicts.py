@@ -91,3 +91,62 @@ def test_bias_requant_through_matmul_add_fusion(tmp_path):
     m2 = matmul_add_qdq(["N", 8], (1, 4))
     np.testing.assert_allclose(_ort(m2, feed, "all"), _ort(m2, feed, "disable"))
     assert not [f for f in qdq_check.check_model(m2)["findings"] if f["kind"] == "bias_requant"]
+
+
+# --------------------------------------------------------------------------------------------
+# The FP16 remedy (keep a node in FP32) also keeps the constants it reads in FP32
+# --------------------------------------------------------------------------------------------
+def fp16_constants_model():
+    """y1 = (x * 1e5 - 1e5) * 1e-5 + 1e-9 (a Constant node), y2 = x * 1e5 sharing the
+    initializer: 1e5 is clamped to 65504 by the FP16 converter, 1e-9 raised to 5.96e-8, and
+    1e-5 (listed in value_info) is made FP16 before a Cast back."""
+    nodes = [helper.make_node("Constant", [], ["tiny"], name="c_tiny",
+                              value=numpy_helper.from_array(np.array(1e-9, np.float32))),
+             helper.make_node("Mul", ["x", "big"], ["m"], name="mul"),
+             helper.make_node("Sub", ["m", "big"], ["s"], name="sub"),
+             helper.make_node("Mul", ["s", "small"], ["t"], name="scale"),
+             helper.make_node("Add", ["t", "tiny"], ["y1"], name="add"),
+             helper.make_node("Mul", ["x", "big"], ["y2"], name="mul3")]
+    inits = [numpy_helper.from_array(np.array(1e5, np.float32), "big"),
+             numpy_helper.from_array(np.array(1e-5, np.float32), "small")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", 1, ["N", 4])],
+                          [helper.make_tensor_value_info("y1", 1, ["N", 4]),
+                           helper.make_tensor_value_info("y2", 1, ["N", 4])], inits,
+                          # the dynamo exporter lists initializers in value_info too
+                          value_info=[helper.make_tensor_value_info("small", 1, [])])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_fp16_keep_fp32_keeps_the_constants_of_the_kept_nodes():
+    """onnxconverter-common converts (and clamps) the constants a node of its block list reads,
+    then casts them back to FP32: keeping the node in FP32, the fix the FP16 checks print, did
+    not undo the change, so the same check failed again."""
+    m = fp16_constants_model()
+    keep = ["mul", "sub", "scale", "add"]
+    feed = {"x": np.random.default_rng(0).uniform(0, 1, (3, 4)).astype(np.float32)}
+    y32 = _ort(m, feed, "disable")
+    m16, warn = ec.convert_fp16(m, keep)
+    onnx.checker.check_model(m16)
+    y16 = _ort(m16, feed, "disable")
+    np.testing.assert_allclose(y16, y32, atol=1e-3)  # the kept nodes compute with 1e5
+    res = ec.fp16_converter_changes(m, m16, warn, keep_fp32=keep)
+    fails = [r for r in res if r["status"] == "fail" and not r.get("summary")]
+    # the shared initializer is still changed for the node that was not kept, and only it
+    (f,) = fails
+    assert f["constant"] == "big" and f["keep_fp32"] == ["mul3"], f
+    m16b, warn = ec.convert_fp16(m, keep + ["mul3"])
+    res = ec.fp16_converter_changes(m, m16b, warn, keep_fp32=keep + ["mul3"])
+    assert ec.worst(res) == "pass", res
+    # nothing left behind: the FP16 copies only the kept nodes read are gone
+    assert "big" not in {i.name for i in m16b.graph.initializer}
+    assert "c_tiny" not in {n.name for n in m16b.graph.node}
+
+
+def test_fp16_constant_summary_row_does_not_contradict_the_finding():
+    m = fp16_constants_model()
+    m16, warn = ec.convert_fp16(m, [])
+    res = ec.fp16_converter_changes(m, m16, warn)
+    summary = [r for r in res if r.get("summary")]
+    assert summary and "no constant changed" not in summary[0]["detail"]
+    assert {r["constant"] for r in res if r["status"] == "fail" and not r.get("summary")} == \
+        {"big", "tiny"}
