@@ -1090,9 +1090,10 @@ def fp16_true_arithmetic(fp16_path: Path | str, feed: dict[str, np.ndarray],
     """Run the FP16 file with ``onnx.reference`` (the ONNX reference evaluator computes every op
     in the graph's dtypes, with :func:`_reference_ops` where it ignores ``stash_type``; unlike
     ORT's CPU EP, which inserts Casts and computes most FP16
-    graphs in FP32) on up to ``max_samples`` samples, one at a time, within ``budget_s``
-    seconds (measured: EfficientNet-Lite0 at 224 px takes about 7.5 s per sample on 2 CPU
-    cores); compare with PyTorch and name the first node whose FP16 output is non-finite.
+    graphs in FP32) on up to ``max_samples`` runs of one sample each (of the static batch B,
+    B samples, for a file exported with one), within ``budget_s`` seconds (measured:
+    EfficientNet-Lite0 at 224 px takes about 7.5 s per sample on 2 CPU cores); compare with
+    PyTorch and name the first node whose FP16 output is non-finite.
 
     Returns:
         one ``fp16_true_arithmetic`` row: ``fail`` for non-finite outputs or cosine below
@@ -1105,7 +1106,8 @@ def fp16_true_arithmetic(fp16_path: Path | str, feed: dict[str, np.ndarray],
 
     model = onnx.load(str(fp16_path))
     ins = [n for n, _, _ in onnx_graph.inputs(model)]
-    one = {k: v[:1] for k, v in feed.items() if k in ins}
+    step = onnx_graph.static_batch(model) or 1  # samples per run: a static batch is fed whole
+    one = {k: v[:step] for k, v in feed.items() if k in ins}
     try:  # estimate the evaluator's time from one ORT run (measured ratio, see the constant)
         run = ort_runner(fp16_path)
         run(one)
@@ -1127,11 +1129,16 @@ def fp16_true_arithmetic(fp16_path: Path | str, feed: dict[str, np.ndarray],
                        f"{str(e).splitlines()[0][:160]})")]
     nodes = list(model.graph.node)
     t0, done, problems, first_bad = time.time(), 0, [], None
-    n = len(next(iter(feed.values())))
+    n = len(next(iter(feed.values()))) // step
+    if not n:
+        return [result("fp16_true_arithmetic", "skip",
+                       f"the file takes exactly {step} samples per run (static batch); "
+                       f"{len(next(iter(feed.values())))} given")]
     for i in range(min(max_samples, n)):
         if i and time.time() - t0 > budget_s / 2:
             break
-        one = {k: v[i:i + 1] for k, v in feed.items() if k in ins}
+        sl = slice(i * step, (i + 1) * step)
+        one = {k: v[sl] for k, v in feed.items() if k in ins}
         try:
             with np.errstate(all="ignore"):
                 inter = ev.run(None, one, intermediate=True)
@@ -1139,9 +1146,9 @@ def fp16_true_arithmetic(fp16_path: Path | str, feed: dict[str, np.ndarray],
             return [result("fp16_true_arithmetic", "skip",
                            f"onnx.reference failed on the file ({type(e).__name__}: "
                            f"{str(e).splitlines()[0][:160]})")]
-        done += 1
+        done += step
         outs = {o.name: inter[o.name] for o in model.graph.output}
-        problems += _compare({k: v[i:i + 1] for k, v in ref.items()}, outs, min_cosine)
+        problems += _compare({k: v[sl] for k, v in ref.items()}, outs, min_cosine)
         if first_bad is None:
             for nd in nodes:
                 vals = [inter.get(o) for o in nd.output if o]
@@ -1178,19 +1185,24 @@ def fp16_true_arithmetic(fp16_path: Path | str, feed: dict[str, np.ndarray],
 
 
 def fp16_backends(fp16_path: Path | str, feed: dict[str, np.ndarray],
-                  ref: dict[str, np.ndarray], min_cosine: float) -> list[dict]:
+                  ref: dict[str, np.ndarray], min_cosine: float,
+                  batch: int | None = None) -> list[dict]:
     """Run the FP16 file where FP16 is computed in FP16: ONNX Runtime's CUDA EP and TensorRT
     (via Polygraphy), when present; parity with PyTorch. Without them a ``skip`` row says that
-    ORT's CPU EP computed the FP16 graph in FP32."""
+    ORT's CPU EP computed the FP16 graph in FP32. ``batch``: samples per run (a static batch
+    wins, :func:`layerwise.chunk_size`; None: all at once)."""
     import onnxruntime as ort
 
     import layerwise
 
     out = []
+    batch = layerwise.chunk_size([fp16_path], batch)
     if "CUDAExecutionProvider" in ort.get_available_providers():
         try:
             with runners.OrtRunner(fp16_path, "cuda") as r:
-                got = r.infer({k: v for k, v in feed.items() if k in r.input_names})
+                got = layerwise._collect(
+                    (r.infer({k: v for k, v in c.items() if k in r.input_names}), 0)
+                    for c in layerwise._iter_chunks(feed, batch))
             p = _compare(ref, got, min_cosine)
             out.append(result("fp16_backends", "fail" if p else "pass",
                               "ORT CUDA EP: " + ("; ".join(p) or f"matches PyTorch (cosine >= "
@@ -1201,7 +1213,7 @@ def fp16_backends(fp16_path: Path | str, feed: dict[str, np.ndarray],
     if ok:
         try:
             got = layerwise._collect(layerwise.trt_activations(
-                fp16_path, feed, build={"fp16": True}, mark_all=False))
+                fp16_path, feed, build={"fp16": True}, batch=batch, mark_all=False))
             p = _compare(ref, got, min_cosine)
             out.append(result("fp16_backends", "fail" if p else "pass",
                               f"TensorRT {info}: " + ("; ".join(p) or "matches PyTorch"),
@@ -1245,7 +1257,7 @@ def fp16_checks(fp32_model, fp16_path: Path | str, feed: dict[str, np.ndarray],
                                           budget_s=true_fp16_budget_s):
                 r["keep_fp32"] = [k for k in r.get("keep_fp32", []) if k in names]
                 out.append(r)
-        out += fp16_backends(fp16_path, feed, ref, min_cosine)
+        out += fp16_backends(fp16_path, feed, ref, min_cosine, batch)
     if not trained:  # one warning per range check instead of a verdict per tensor
         kept, seen = [], {}
         for r in out:
@@ -1531,11 +1543,18 @@ def cmd_fp16(args) -> list[dict]:
     """``export_checks.py fp16``: convert, check, install only when every check passes."""
     import onnx
 
+    import layerwise
+
     keep = _split_names(args.keep_fp32)
     m32 = onnx_graph.load(args.onnx)
     feed, real = _feed(args, args.onnx)
-    ref = runners.OrtRunner(args.onnx).infer({k: v for k, v in feed.items()
-                                             if k in {n for n, _, _ in onnx_graph.inputs(m32)}})
+    names = {n for n, _, _ in onnx_graph.inputs(m32)}
+    # A static batch is fed exactly (samples that do not fill a run are left out, said on
+    # stderr); a dynamic one takes --batch samples per run.
+    feed, per_run = layerwise.feed_plan({k: v for k, v in feed.items() if k in names}, [m32],
+                                        args.batch)
+    ref = layerwise._collect(layerwise.ort_activations(args.onnx, feed, batch=per_run,
+                                                       mark_all=False))
     m16, warn = convert_fp16(m32, keep)
     out_path = Path(args.output)
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -1544,8 +1563,9 @@ def cmd_fp16(args) -> list[dict]:
         onnx.save(m16, str(cand))
         onnx.checker.check_model(str(cand))
         res = fp16_checks(m32, cand, feed, ref, args.min_cosine, converter_warnings=warn,
-                          real_inputs=real, keep_fp32=keep, batch=args.batch)
-        par = _compare(ref, ort_runner(cand)(feed), args.min_cosine)
+                          real_inputs=real, keep_fp32=keep, batch=per_run or args.batch)
+        par = _compare(ref, layerwise._collect(layerwise.ort_activations(
+            cand, feed, batch=per_run, mark_all=False)), args.min_cosine)
         res.append(result("fp16_ort_cpu_parity", "fail" if par else "pass",
                           "; ".join(par) or f"matches the FP32 file on ORT CPU (cosine >= "
                           f"{args.min_cosine}; computed in FP32 there)"))

@@ -150,3 +150,59 @@ def test_fp16_constant_summary_row_does_not_contradict_the_finding():
     assert summary and "no constant changed" not in summary[0]["detail"]
     assert {r["constant"] for r in res if r["status"] == "fail" and not r.get("summary")} == \
         {"big", "tiny"}
+
+
+# --------------------------------------------------------------------------------------------
+# Tools that feed a model respect its static batch
+# --------------------------------------------------------------------------------------------
+def static_batch_model(batch=4):
+    """A user's file exported with a fixed batch: x [4, 6] -> Gemm -> Relu -> y [4, 3]."""
+    rng = np.random.default_rng(0)
+    g = helper.make_graph(
+        [helper.make_node("Gemm", ["x", "w", "b"], ["h"], name="fc", transB=1),
+         helper.make_node("Relu", ["h"], ["y"], name="relu")], "g",
+        [helper.make_tensor_value_info("x", 1, [batch, 6])],
+        [helper.make_tensor_value_info("y", 1, [batch, 3])],
+        [numpy_helper.from_array(rng.standard_normal((3, 6)).astype(np.float32), "w"),
+         numpy_helper.from_array(np.zeros(3, np.float32), "b")])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_fp16_command_feeds_a_static_batch(tmp_path):
+    """``export_checks.py fp16`` (the printed FP16 remedy) on a file with a static batch of 4:
+    it fed all 16 samples at once and died with ORT's raw traceback ("Got: 16 Expected: 4")."""
+    src = tmp_path / "static4.onnx"
+    onnx.save(static_batch_model(4), str(src))
+    out = tmp_path / "static4_fp16.onnx"
+    p = _tool("export_checks.py", "fp16", src, "-o", out, "--n", 10)
+    assert "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert out.exists() and "static batch 4" in p.stderr
+    feed = {"x": np.ones((4, 6), np.float32)}
+    np.testing.assert_allclose(_ort(onnx.load(str(out)), feed), _ort(onnx.load(str(src)), feed),
+                               atol=1e-2)
+
+
+def test_true_fp16_arithmetic_runs_a_static_batch(tmp_path):
+    """onnx.reference was fed one sample at a time: a file with a static batch of 4 (a Reshape
+    to [4, 6]) failed there and the true-FP16 verdict became a skip, hiding an overflow
+    ((300 x)^2 > 65504) that only FP16 arithmetic shows."""
+    g = helper.make_graph(
+        [helper.make_node("Reshape", ["x", "shp"], ["f"], name="flat"),
+         helper.make_node("Mul", ["f", "k"], ["h"], name="scale"),
+         helper.make_node("Mul", ["h", "h"], ["sq"], name="square"),
+         helper.make_node("Mul", ["sq", "inv"], ["y"], name="rescale")], "g",
+        [helper.make_tensor_value_info("x", 1, [4, 2, 3])],
+        [helper.make_tensor_value_info("y", 1, [4, 6])],
+        [numpy_helper.from_array(np.array([4, 6], np.int64), "shp"),
+         numpy_helper.from_array(np.array(300.0, np.float32), "k"),
+         numpy_helper.from_array(np.array(1e-4, np.float32), "inv")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    m16, _ = ec.convert_fp16(m)
+    path = tmp_path / "fp16.onnx"
+    onnx.save(m16, str(path))
+    feed = {"x": np.random.default_rng(0).uniform(1, 2, (8, 2, 3)).astype(np.float32)}
+    ref = {"y": np.concatenate([_ort(m, {"x": feed["x"][i:i + 4]}) for i in (0, 4)])}
+    (r,) = ec.fp16_true_arithmetic(path, feed, ref, 0.999)
+    assert r["status"] == "fail", r
+    assert "square" in r["detail"] and r["n_samples"] >= 4
