@@ -249,22 +249,49 @@ def lint_hardsigmoid(model, against_torch: bool = False) -> list[dict]:
 
 
 def lint_squeeze_axes(model) -> list[dict]:
-    """Squeeze without axes whose input has a dynamic axis: it removes every axis of size 1 at
-    run time, so at batch 1 the batch axis goes too and the output rank depends on the batch
-    (a PyTorch ``.squeeze()`` head)."""
+    """Squeeze that depends on a dynamic axis being 1. Without axes it removes every axis of
+    size 1 at run time, so at batch 1 the batch axis goes too and the output rank depends on the
+    batch (a PyTorch ``.squeeze()`` head). With axes that name a dynamic axis (PyTorch's
+    ``x.squeeze(0)``, a no-op for a batch > 1, exported with a symbolic batch) it fails for any
+    size but 1: "If an axis is selected with shape entry not equal to one, an error is raised"
+    (ONNX Operators.md, Squeeze-13). The fix names the axes that are 1 in the graph."""
     shapes = value_shapes(model)
     ops = onnx_graph.opset(model)
+    consts = onnx_graph.constants(model)
     out, n_sq = [], 0
     for n in model.graph.node:
         if n.op_type != "Squeeze":
             continue
         n_sq += 1
-        has_axes = (len(n.input) > 1 and n.input[1]) if ops >= 13 else \
-            onnx_graph.attr(n, "axes") is not None
-        if has_axes:
-            continue
+        if ops >= 13:
+            axes = consts.get(n.input[1]) if len(n.input) > 1 and n.input[1] else None
+            has_axes = bool(len(n.input) > 1 and n.input[1])
+        else:
+            axes = onnx_graph.attr(n, "axes")
+            has_axes = axes is not None
         dims = shapes.get(n.input[0])
         dyn = [i for i, d in enumerate(dims or []) if not isinstance(d, int) or d == 0]
+        ones = [i for i, d in enumerate(dims or []) if isinstance(d, int) and d == 1]
+        keep = ("x.squeeze(" + (str(ones[0]) if len(ones) == 1 else str(tuple(ones))) + ")"
+                if ones else "x.flatten(1)")
+        if has_axes:
+            if axes is None or dims is None:
+                continue  # axes computed at run time, or unknown rank: nothing to judge
+            named = sorted({int(a) % len(dims) for a in np.asarray(axes).reshape(-1)})
+            bad = [a for a in named if a in dyn]
+            if not bad:
+                continue
+            out.append(result(
+                "squeeze_axes", "fail",
+                f"Squeeze axes {named} on {dims} include the dynamic axis {bad[0]} "
+                f"({dims[bad[0]] or '?'}): ONNX Squeeze fails unless that axis is 1 at run time "
+                "(batch 1 only), while PyTorch's squeeze(dim) is a no-op for other sizes",
+                node=_with_source(n),
+                fix=(f"drop the squeeze({bad[0]}) in the model (for batch 1 index it explicitly, "
+                     f"x[0]), or squeeze only the axes that are 1: {keep}" if ones else
+                     f"drop the squeeze({bad[0]}) in the model (for batch 1 index it explicitly, "
+                     "x[0])")))
+            continue
         if dims is not None and not dyn:
             continue  # all sizes fixed: the squeezed axes are known
         where = (f"dynamic axes {dyn} of {dims}" if dims is not None else "an input of unknown "
@@ -274,8 +301,11 @@ def lint_squeeze_axes(model) -> list[dict]:
             f"Squeeze without axes on {where}: it also removes a dynamic axis whenever that "
             "axis is 1 at run time (batch 1), so the output rank depends on the batch",
             node=_with_source(n),
-            fix="squeeze only the axes you mean (x.squeeze((2, 3)) or x.flatten(1) in PyTorch; "
-                "an 'axes' input in the ONNX)"))
+            fix=(f"squeeze only the axes you mean: {keep}"
+                 + (" or x.flatten(1)" if dims and ones == list(range(2, len(dims))) else "")
+                 + f" in PyTorch (axes {ones} are 1 here; an 'axes' input in the ONNX)" if ones else
+                 "squeeze only the axes you mean (x.squeeze(dims) or x.flatten(1) in PyTorch; "
+                 "an 'axes' input in the ONNX)")))
     if not n_sq:
         return [result("squeeze_axes", "skip", "no Squeeze nodes")]
     return out or [result("squeeze_axes", "pass", f"{n_sq} Squeeze nodes name their axes")]
@@ -617,8 +647,9 @@ def check_batch_parity(ref_by_batch: dict[int, dict[str, np.ndarray]],
         problems.append(f"the model's own output rank depends on the batch (PyTorch ranks by "
                         f"batch: {ranks})")
         node = sq[0]["node"] if sq else None
-        fix = ("squeeze only the axes you mean in the model: x.flatten(1) or x.squeeze((2, 3)) "
-               "instead of x.squeeze()")
+        fix = sq[0]["fix"] if sq and sq[0].get("fix") else (
+            "squeeze only the axes you mean in the model: x.flatten(1) or x.squeeze((2, 3)) "
+            "instead of x.squeeze()")
     shapes, parity = {}, {}
     for b, feed in feed_by_batch.items():
         try:

@@ -206,3 +206,56 @@ def test_true_fp16_arithmetic_runs_a_static_batch(tmp_path):
     (r,) = ec.fp16_true_arithmetic(path, feed, ref, 0.999)
     assert r["status"] == "fail", r
     assert "square" in r["detail"] and r["n_samples"] >= 4
+
+
+# --------------------------------------------------------------------------------------------
+# Squeeze on a dynamic axis, with or without axes
+# --------------------------------------------------------------------------------------------
+def _sq_model(x_shape, axes=None):
+    inits, ins = [], ["x"]
+    if axes is not None:
+        inits.append(numpy_helper.from_array(np.array(axes, np.int64), "ax"))
+        ins.append("ax")
+    g = helper.make_graph([helper.make_node("Squeeze", ins, ["y"], name="head/sq")], "g",
+                          [helper.make_tensor_value_info("x", 1, x_shape)],
+                          [helper.make_tensor_value_info("y", 1, None)], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_lint_squeeze_with_axes_on_the_dynamic_batch():
+    """PyTorch's ``x.squeeze(0)`` on ``[B, 10]`` is a no-op for B > 1; exported with a symbolic
+    batch it becomes Squeeze(axes=[0]), which ONNX Runtime refuses for any batch but 1 ("If
+    an axis is selected with shape entry not equal to one, an error is raised", ONNX Squeeze-13).
+    The lint passed it as "names its axes"."""
+    (r,) = [r for r in ec.lint(_sq_model(["batch", 10], [0])) if r["check"] == "squeeze_axes"]
+    assert r["status"] == "fail" and r["node"] == "head/sq", r
+    assert "axis 0" in r["detail"] and "squeeze(0)" in r["fix"]
+    x = np.ones((3, 10), np.float32)
+    with pytest.raises(Exception, match="must be 1"):  # ground truth: ORT refuses batch 3
+        _ort(_sq_model(["batch", 10], [0]), {"x": x})
+    # named static axes, and a negative one, stay clean
+    for axes in ([1], [-1]):
+        (r,) = [r for r in ec.lint(_sq_model(["batch", 1, 10] if axes == [1] else
+                                             ["batch", 10, 1], axes))
+                if r["check"] == "squeeze_axes"]
+        assert r["status"] == "pass", r
+
+
+def test_lint_squeeze_without_axes_fix_names_the_axes_to_keep():
+    """The fix named ``x.squeeze((2, 3))`` whatever the shape; for [B, 1, 10] it is axis 1."""
+    (r,) = [r for r in ec.lint(_sq_model(["batch", 1, 10])) if r["check"] == "squeeze_axes"]
+    assert r["status"] == "fail" and "squeeze(1)" in r["fix"], r
+
+
+def test_batch_parity_names_the_squeeze_and_its_fix():
+    """When PyTorch's own output rank depends on the batch, the row names the lint's Squeeze
+    and repeats its fix (it printed the ``.squeeze()`` advice for a ``squeeze(0)``)."""
+    lint = [r for r in ec.lint(_sq_model(["batch", 10], [0])) if r["check"] == "squeeze_axes"]
+    ref = {1: {"y": np.zeros(10, np.float32)}, 3: {"y": np.zeros((3, 10), np.float32)}}
+    feeds = {1: {"x": np.zeros((1, 10), np.float32)}, 3: {"x": np.zeros((3, 10), np.float32)}}
+
+    def run(feed):
+        return {"y": feed["x"][0]}
+
+    (r,) = ec.check_batch_parity(ref, feeds, run, 0.99999, lint)
+    assert r["status"] == "fail" and r["node"] == "head/sq" and "squeeze(0)" in r["fix"], r
