@@ -259,3 +259,51 @@ def test_batch_parity_names_the_squeeze_and_its_fix():
 
     (r,) = ec.check_batch_parity(ref, feeds, run, 0.99999, lint)
     assert r["status"] == "fail" and r["node"] == "head/sq" and "squeeze(0)" in r["fix"], r
+
+
+# --------------------------------------------------------------------------------------------
+# torch-vs-onnx: a module whose input already differs is not the culprit
+# --------------------------------------------------------------------------------------------
+def test_first_divergent_module_whose_input_already_differs(tmp_path):
+    """The error sits in the parent's forward between two modules (here a Mul constant of the
+    export changed from 2 to 3): the first module whose output differs is ``fc``, but its input
+    already differs. The verdict blamed ``fc`` ("look at how this module is exported")."""
+    import importlib
+    import warnings
+
+    import layerwise
+
+    torch = pytest.importorskip("torch")
+    nn = torch.nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.conv, self.fc = nn.Conv2d(3, 8, 3, padding=1), nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.fc(torch.relu(self.conv(x)).mean((2, 3)) * 2.0)
+
+    model = Net().eval()
+    feed = {"x": np.random.default_rng(0).standard_normal((2, 3, 6, 6)).astype(np.float32)}
+    path = tmp_path / "net.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (torch.from_numpy(feed["x"]),), str(path), input_names=["x"],
+                          output_names=["y"], opset_version=17, dynamo=False)
+    m = onnx.load(str(path))
+    consts = {n.output[0]: n for n in m.graph.node if n.op_type == "Constant"}
+    mul = next(n for n in m.graph.node if n.op_type == "Mul")
+    c = next(i for i in mul.input if i in consts)
+    consts[c].attribute[0].t.CopyFrom(numpy_helper.from_array(np.array(3.0, np.float32)))
+    onnx.save(m, str(path))
+
+    res = layerwise.torch_vs_onnx(model, path, feed)
+    fd = res["first_divergent"]
+    assert fd["module"] == "fc" and fd["inputs_agree"] is False, fd
+    assert fd["input_node"] == mul.name, fd
+    stage2 = importlib.import_module("2_export_onnx")
+    (r,) = stage2._first_divergent_module(model, path, feed)
+    assert r["node"] == mul.name and "input already differs" in r["detail"], r
+    assert "look at how this module is exported" not in (r["fix"] or ""), r
