@@ -307,3 +307,29 @@ def test_first_divergent_module_whose_input_already_differs(tmp_path):
     (r,) = stage2._first_divergent_module(model, path, feed)
     assert r["node"] == mul.name and "input already differs" in r["detail"], r
     assert "look at how this module is exported" not in (r["fix"] or ""), r
+
+
+def test_evaluation_of_a_static_batch_file_without_latency_flag(tmp_path):
+    """Stage 3's evaluation path on a file with a static batch of 4: without any flag it
+    stopped with "--latency-batch 1: the model accepts batch 4..4" (a usage error about a
+    flag the user never gave); the batch-1 latency is measured at the smallest batch the model
+    takes, so the default needs no second measurement."""
+    import argparse
+    import time
+
+    import evaluate
+
+    src = tmp_path / "static4.onnx"
+    onnx.save(static_batch_model(4), str(src))
+    x = np.random.default_rng(0).standard_normal((6, 6)).astype(np.float32)
+    data = evaluate.EvalData(feed={"x": x}, ref=None)
+    with runners.OrtRunner(src) as r:
+        rec, out = evaluate.evaluate(r, data, stage="3_onnx_eval", precision="FP32",
+                                     model="review:static4", tag="t", args=argparse.Namespace(),
+                                     started=time.time(), iters=3, warmup=1, write=False)
+        assert rec["latency"]["end_to_end_ms"]["batch"] == 4 and rec["latency_batch"] is None
+        assert out["y"].shape == (6, 3)
+        with pytest.raises(Exception, match="accepts batch 4"):  # an explicit other batch
+            evaluate.evaluate(r, data, stage="3_onnx_eval", precision="FP32", model="m", tag="t",
+                              args=argparse.Namespace(), started=time.time(), iters=3,
+                              warmup=1, write=False, latency_batch=2)
