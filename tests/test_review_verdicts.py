@@ -333,3 +333,31 @@ def test_evaluation_of_a_static_batch_file_without_latency_flag(tmp_path):
             evaluate.evaluate(r, data, stage="3_onnx_eval", precision="FP32", model="m", tag="t",
                               args=argparse.Namespace(), started=time.time(), iters=3,
                               warmup=1, write=False, latency_batch=2)
+
+
+# --------------------------------------------------------------------------------------------
+# Custom models without convolutions through stage 5
+# --------------------------------------------------------------------------------------------
+def test_stage5_quantizes_a_model_without_convolutions(tmp_path):
+    """An MLP (no Conv, so no stem): stage 5 refused every variant ("no stem conv found"),
+    although only excl_stem excludes a stem."""
+    import os
+
+    pytest.importorskip("modelopt.onnx.quantization")
+    env = dict(os.environ, ARTIFACTS=str(tmp_path / "a"), RESULTS=str(tmp_path / "r"),
+               MODEL="mlp", PYTHON=sys.executable, EPS="cpu", CALIB_STATS_CHECK="0")
+    d = tmp_path / "a" / "mlp"
+    (d / "onnx").mkdir(parents=True)
+    m = static_batch_model(4)
+    for vi in list(m.graph.input) + list(m.graph.output):
+        vi.type.tensor_type.shape.dim[0].dim_param = "N"
+    onnx.save(m, str(d / "onnx" / "fp32.onnx"))
+    np.savez(d / "calib.npz", x=np.random.default_rng(0).standard_normal((16, 6))
+             .astype(np.float32))
+    p = subprocess.run(["bash", "5_quantize.sh", "int8_hp32", "excl_stem"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "excl_stem not made" in p.stderr and "no Conv fed by a graph input" in p.stderr
+    assert (d / "onnx" / "int8_hp32.onnx").exists(), p.stdout + p.stderr
+    assert not (d / "onnx" / "excl_stem.onnx").exists()
+    assert "Traceback" not in p.stderr
