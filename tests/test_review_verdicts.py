@@ -361,3 +361,30 @@ def test_stage5_quantizes_a_model_without_convolutions(tmp_path):
     assert (d / "onnx" / "int8_hp32.onnx").exists(), p.stdout + p.stderr
     assert not (d / "onnx" / "excl_stem.onnx").exists()
     assert "Traceback" not in p.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# Calibration data normalised with another mean/std
+# --------------------------------------------------------------------------------------------
+def test_calibration_with_another_normalisation_is_refused(tmp_path):
+    """Pixels normalised with ImageNet's mean/std for a model that takes (x - 0.5) / 0.5 (as
+    EfficientNet-Lite0 does): std ratio 2.6, inside the std bound, and the range [-2.1, 2.6]
+    for [-1, 1] was never compared although the check documents mean/std/range."""
+    import common
+    import qdq_tools
+
+    src = tmp_path / "m.onnx"
+    g = helper.make_graph([helper.make_node("Relu", ["input"], ["y"], name="r")], "g",
+                          [helper.make_tensor_value_info("input", 1, ["N", 3, 8, 8])],
+                          [helper.make_tensor_value_info("y", 1, ["N", 3, 8, 8])])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8),
+              str(src))
+    rng = np.random.default_rng(0)
+    px = lambda n: rng.integers(0, 256, (n, 3, 8, 8), dtype=np.uint8)  # noqa: E731
+    ref = {"input": common.normalize(px(64), (0.5,) * 3, (0.5,) * 3)}
+    good = {"input": common.normalize(px(100), (0.5,) * 3, (0.5,) * 3)}
+    assert qdq_tools.validate_calibration(src, good, ref)["stats_check"].startswith("passed")
+    imagenet = {"input": common.normalize(px(100), (0.485, 0.456, 0.406),
+                                          (0.229, 0.224, 0.225))}
+    with pytest.raises(common.StageError, match="range ratio"):
+        qdq_tools.validate_calibration(src, imagenet, ref)
