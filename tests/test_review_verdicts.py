@@ -388,3 +388,38 @@ def test_calibration_with_another_normalisation_is_refused(tmp_path):
                                           (0.229, 0.224, 0.225))}
     with pytest.raises(common.StageError, match="range ratio"):
         qdq_tools.validate_calibration(src, imagenet, ref)
+
+
+# --------------------------------------------------------------------------------------------
+# A row whose outputs are NaN is not an ordinary "ok" row
+# --------------------------------------------------------------------------------------------
+def test_nan_outputs_are_named_in_the_row_the_report_and_the_summary(tmp_path):
+    """A Q/DQ file whose activation scale was edited to NaN (a custom model, no labels): stage
+    3's row said status ok with an empty cosine, and the report listed it as ok with a 3.7x
+    speedup. The row now counts the non-finite values and the report says so."""
+    import argparse
+    import importlib
+    import time
+
+    import evaluate
+
+    report = importlib.import_module("8_report")
+    g = helper.make_graph(
+        [helper.make_node("QuantizeLinear", ["x", "s"], ["q"], name="q"),
+         helper.make_node("DequantizeLinear", ["q", "s"], ["y"], name="dq")], "g",
+        [helper.make_tensor_value_info("x", 1, ["N", 4])],
+        [helper.make_tensor_value_info("y", 1, ["N", 4])],
+        [numpy_helper.from_array(np.array(np.nan, np.float32), "s")])
+    src = tmp_path / "nan.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 19)], ir_version=9),
+              str(src))
+    x = np.random.default_rng(0).standard_normal((5, 4)).astype(np.float32)
+    data = evaluate.EvalData(feed={"x": x}, ref={"y": x})
+    with runners.OrtRunner(src) as r:
+        rec, _ = evaluate.evaluate(r, data, stage="3_onnx_eval", precision="INT8",
+                                   model="review:nan", tag="ort_nan", args=argparse.Namespace(),
+                                   started=time.time(), iters=3, warmup=1, write=False)
+    assert rec["nonfinite_outputs"] == {"y": 20}, rec.get("nonfinite_outputs")
+    assert "20 NaN/Inf" in evaluate.summary_line(rec)
+    (row,) = report.table_rows([{**rec, "_file": "ort_nan.json"}])
+    assert "NON-FINITE OUTPUTS" in row["status"], row["status"]
