@@ -291,8 +291,11 @@ def check_scales(model, consts: dict | None = None) -> list[Finding]:
              "a zero scale divides by zero in QuantizeLinear: " + fix_dtype + "; a channel "
              "whose range is 0 needs a positive scale (e.g. 1.0)"),
             ("scale_negative", v < 0, "negative",
-             "scales must be positive (a negative one flips the sign of every value): fix the "
-             "tool that wrote them"),
+             "scales must be positive: fix the tool that wrote them (TensorRT requires strictly "
+             "positive scale coefficients, NvInfer.h IQuantizeLayer/IDequantizeLayer; in ONNX "
+             "a DequantizeLinear of stored integers flips the sign of every value, and a "
+             "QuantizeLinear/DequantizeLinear pair mirrors its clipping range: an unsigned one "
+             "with zero point 0 clips every positive value to 0)"),
         ]
         if s.dtype == np.float16:
             sub = (np.abs(v) > 0) & (np.abs(v) < FP16_MIN_NORMAL)

@@ -423,3 +423,24 @@ def test_nan_outputs_are_named_in_the_row_the_report_and_the_summary(tmp_path):
     assert "20 NaN/Inf" in evaluate.summary_line(rec)
     (row,) = report.table_rows([{**rec, "_file": "ort_nan.json"}])
     assert "NON-FINITE OUTPUTS" in row["status"], row["status"]
+
+
+def test_negative_scale_message_says_what_it_does():
+    """A negative scale in a QuantizeLinear -> DequantizeLinear pair does not "flip the sign of
+    every value" (the old message): an int8 pair gives the same values back, a uint8 pair with
+    zero point 0 clips every positive value to 0 (ground truth: ORT); TensorRT wants strictly
+    positive scales (NvInfer.h, IQuantizeLayer)."""
+    def pair(zp_dtype):
+        g = helper.make_graph(
+            [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"], name="q"),
+             helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"], name="dq")], "g",
+            [helper.make_tensor_value_info("x", 1, [4])], [helper.make_tensor_value_info("y", 1, [4])],
+            [numpy_helper.from_array(np.array(-0.1, np.float32), "s"),
+             numpy_helper.from_array(np.array(0, zp_dtype), "z")])
+        return helper.make_model(g, opset_imports=[helper.make_opsetid("", 19)], ir_version=9)
+
+    x = {"x": np.array([0.3, 1.0, 2.0, 5.0], np.float32)}
+    np.testing.assert_allclose(_ort(pair(np.int8), x), x["x"], atol=1e-6)
+    np.testing.assert_allclose(_ort(pair(np.uint8), x), 0)
+    (f,) = [f for f in qdq_check.check_scales(pair(np.uint8)) if f.kind == "scale_negative"]
+    assert "mirrors its clipping range" in f.fix and "TensorRT" in f.fix, f.fix
