@@ -902,10 +902,13 @@ def _check_block(model, w: dict, label: str) -> list[Finding]:
     return out
 
 
-def _fp32_weight(fp32_model, fp32_consts: dict, node, pos: int) -> np.ndarray | None:
+def _fp32_weight(fp32_model, fp32_consts: dict, node, pos: int,
+                 data_name: str | None = None) -> np.ndarray | None:
     """The float weight of the node called ``node.name`` in the float model (its input ``pos``),
     laid out like ``node``'s (a Gemm whose ``transB`` differs between the two models gets the
-    transposed float weight: 5b_quantize_int4.py hands ModelOpt ``[K, N]`` weights), or None."""
+    transposed float weight: 5b_quantize_int4.py hands ModelOpt ``[K, N]`` weights); failing
+    that (a quantizer that renames nodes), the float model's initializer called ``data_name``
+    (the float weight a QuantizeLinear quantizes keeps its name); else None."""
     for n in fp32_model.graph.node:
         if n.name == node.name and n.op_type == node.op_type and len(n.input) > pos:
             w = fp32_consts.get(n.input[pos])
@@ -913,7 +916,8 @@ def _fp32_weight(fp32_model, fp32_consts: dict, node, pos: int) -> np.ndarray | 
                     and int(attr(n, "transB", 0)) != int(attr(node, "transB", 0))):
                 w = w.T
             return w
-    return None
+    w = fp32_consts.get(data_name) if data_name else None
+    return w if w is not None and np.issubdtype(w.dtype, np.floating) else None
 
 
 def check_against_float(model, fp32_model, consts: dict | None = None
@@ -929,7 +933,7 @@ def check_against_float(model, fp32_model, consts: dict | None = None
     findings, rows = [], []
     for w in _weight_dqs(model, consts):
         node, q = w["node"], w["q"]
-        ref = _fp32_weight(fp32_model, fc, node, w["pos"])
+        ref = _fp32_weight(fp32_model, fc, node, w["pos"], w["data_name"])
         row = {"node": node.name, "weight": w["data_name"], "shape": list(q.shape)}
         if ref is None:
             row["status"] = "no float counterpart (node not in the float model)"
@@ -1021,7 +1025,9 @@ def check_model(model, *, path: Path | str | None = None, fp32_model=None,
             "basis": "calibration data" if calib is not None else "scales alone",
             "checked": {"n_wbq_candidates": len(bias_rows),
                         "n_weights": len(_weight_dqs(model, consts)),
-                        "fp32": fp32_model is not None}}
+                        "fp32": fp32_model is not None,
+                        "n_compared": sum(r.get("status") in ("ok", "fail")
+                                          for r in wrows or [])}}
 
 
 def summary_line(report: dict) -> str:

@@ -444,3 +444,43 @@ def test_negative_scale_message_says_what_it_does():
     np.testing.assert_allclose(_ort(pair(np.uint8), x), 0)
     (f,) = [f for f in qdq_check.check_scales(pair(np.uint8)) if f.kind == "scale_negative"]
     assert "mirrors its clipping range" in f.fix and "TensorRT" in f.fix, f.fix
+
+
+def test_fp32_comparison_says_what_it_compared(tmp_path):
+    """A Q/DQ file whose nodes were renamed by its quantizer: ``check --fp32`` matched no node,
+    compared nothing and still printed "compared with the float weights". The float weight is
+    now also found by the name of the weight it quantizes, and the line says how many were
+    compared."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((4, 8)).astype(np.float32)
+    f = helper.make_graph([helper.make_node("Gemm", ["x", "W"], ["y"], name="fc", transB=1)],
+                          "g", [helper.make_tensor_value_info("x", 1, ["N", 8])],
+                          [helper.make_tensor_value_info("y", 1, ["N", 4])],
+                          [numpy_helper.from_array(w, "W")])
+    fp32 = helper.make_model(f, opset_imports=[helper.make_opsetid("", 19)], ir_version=9)
+    s = (np.abs(w).max(1) / 127).astype(np.float32)
+    s[1] *= 40  # a wrong scale for output channel 1
+    q = helper.make_graph(
+        [helper.make_node("QuantizeLinear", ["W", "s", "z"], ["wq"], axis=0, name="wq"),
+         helper.make_node("DequantizeLinear", ["wq", "s", "z"], ["wd"], axis=0, name="wdq"),
+         helper.make_node("Gemm", ["x", "wd"], ["y"], name="fc_quant", transB=1)], "g",
+        [helper.make_tensor_value_info("x", 1, ["N", 8])],
+        [helper.make_tensor_value_info("y", 1, ["N", 4])],
+        [numpy_helper.from_array(w, "W"), numpy_helper.from_array(s, "s"),
+         numpy_helper.from_array(np.zeros(4, np.int8), "z")])
+    qm = helper.make_model(q, opset_imports=[helper.make_opsetid("", 19)], ir_version=9)
+    rep = qdq_check.check_model(qm, fp32_model=fp32)
+    assert rep["checked"]["n_compared"] == 1
+    (row,) = rep["weights_vs_float"]
+    assert row["status"] == "fail" and row["n_channels_over"] == 1, row  # channel 1's scale
+    assert "weight_error" in rep["kinds"]
+    # stored integers with a renamed weight: nothing to compare with, and the line says so
+    qp, fp = tmp_path / "q.onnx", tmp_path / "f.onnx"
+    onnx.save(qm, str(qp))
+    f.node[0].name = "other"
+    f.initializer[0].name = "W_float"
+    f.node[0].input[1] = "W_float"
+    onnx.save(helper.make_model(f, opset_imports=[helper.make_opsetid("", 19)], ir_version=9),
+              str(fp))
+    p = _tool("qdq_tools.py", "check", qp, "--fp32", fp)
+    assert "0 of 1 quantized weights compared with the float weights" in p.stdout, p.stdout
