@@ -156,6 +156,7 @@ for variant in "${selected[@]}"; do
   echo "  finished $variant [elapsed=${wall}s] -> $out"
 done
 if [[ ${#not_made[@]} -gt 0 ]]; then
-  echo "$0: FAILED: ${not_made[*]} not made (reason above); the other requested variants were made" >&2
+  echo "$0: FAILED: ${not_made[*]} not made (reason above); the other requested" \
+    "variants were made" >&2
   exit 1
 fi

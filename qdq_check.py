@@ -417,8 +417,8 @@ def matmul_add_gemms(model) -> dict[str, tuple[Any, Any]]:
     type (the DequantizeLinear that ``WeightBiasQuantization`` needs before A guarantees it).
     Only a rank-2 A is kept here: for a higher rank ORT puts a Reshape after the Gemm, so its
     output no longer reaches a QuantizeLinear directly and ``WeightBiasQuantization`` leaves it
-    alone. The Gemm keeps the MatMul's name (or its output's), reads ``[A, B, bias]`` (``transB=0``) and writes
-    the Add's output; :func:`wbq_candidates` then applies ``WeightBiasQuantization``'s own rules
+    alone. The Gemm keeps the MatMul's name (or its output's), reads ``[A, B, bias]``
+    (``transB=0``) and writes the Add's output; :func:`wbq_candidates` then applies ``WeightBiasQuantization``'s own rules
     (a 1-D bias initializer among them).
     """
     import export_checks  # value_shapes: ONNX shape inference (imported late: heavier)

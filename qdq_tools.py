@@ -1020,8 +1020,8 @@ def print_check(rep: dict, limit: int | None = None) -> None:
     import qdq_check
 
     print(f"{rep['file']}: {qdq_check.summary_line(rep)} (bias re-quantization judged on "
-          f"{rep['basis']}; {rep['checked']['n_wbq_candidates']} Conv/Gemm (or MatMul+Add ORT fuses "
-          f"into a Gemm) rewritten by ORT's WeightBiasQuantization, "
+          f"{rep['basis']}; {rep['checked']['n_wbq_candidates']} Conv/Gemm (or MatMul+Add ORT "
+          f"fuses into a Gemm) rewritten by ORT's WeightBiasQuantization, "
           + (f"{rep['checked'].get('n_compared', 0)} of {rep['checked']['n_weights']} quantized "
              "weights compared with the float weights (matched by node, else weight name)"
              if rep["checked"]["fp32"] else f"{rep['checked']['n_weights']} quantized weights")

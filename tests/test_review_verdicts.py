@@ -434,7 +434,8 @@ def test_negative_scale_message_says_what_it_does():
         g = helper.make_graph(
             [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"], name="q"),
              helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"], name="dq")], "g",
-            [helper.make_tensor_value_info("x", 1, [4])], [helper.make_tensor_value_info("y", 1, [4])],
+            [helper.make_tensor_value_info("x", 1, [4])],
+            [helper.make_tensor_value_info("y", 1, [4])],
             [numpy_helper.from_array(np.array(-0.1, np.float32), "s"),
              numpy_helper.from_array(np.array(0, zp_dtype), "z")])
         return helper.make_model(g, opset_imports=[helper.make_opsetid("", 19)], ir_version=9)
