@@ -89,7 +89,7 @@ def try_extra(timing: Timing, name: str, fn: Callable[[], tuple[list[float], str
 # whichever comes first, but never before MIN_ITERS iterations (MLPerf's LoadGen bounds a run
 # the same way, by a minimum query count and a minimum duration). A 400 ms INT8 model on a busy
 # 2-core CPU would otherwise spend 80 s on 200 iterations; the row records how many ran.
-MAX_SECONDS = 10.0
+MAX_SECONDS = 5.0
 MIN_ITERS = 20
 
 

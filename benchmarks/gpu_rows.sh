@@ -14,7 +14,7 @@
 # EP, default cuda:0), INT4_EPS (5b's calibration EP, default cpu: ModelOpt's GPU AWQ path needs
 # cupy), LATENCY_BATCH (throughput batch, default 64), STAGES (default "0 1 2 3 4 5": a subset
 # splits the work, e.g. STAGES="0 1 2 3" then STAGES="4 5"), WARMUP/ITERS for the GPU timed
-# loops (default 100/500; each loop also stops after 10 s).
+# loops (default 100/500; each loop also stops after 5 s).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ $# -ge 1 ] || { sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
