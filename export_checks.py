@@ -258,6 +258,8 @@ def lint_squeeze_axes(model) -> list[dict]:
     shapes = value_shapes(model)
     ops = onnx_graph.opset(model)
     consts = onnx_graph.constants(model)
+    input_syms = {d.dim_param for i in model.graph.input
+                  for d in i.type.tensor_type.shape.dim if d.dim_param}
     out, n_sq = [], 0
     for n in model.graph.node:
         if n.op_type != "Squeeze":
@@ -278,7 +280,9 @@ def lint_squeeze_axes(model) -> list[dict]:
             if axes is None or dims is None:
                 continue  # axes computed at run time, or unknown rank: nothing to judge
             named = sorted({int(a) % len(dims) for a in np.asarray(axes).reshape(-1)})
-            bad = [a for a in named if a in dyn]
+            # only axes carrying a graph input's symbol (a declared dynamic axis such as
+            # 'batch'): one whose size shape inference could not tell ('unk__0') may well be 1
+            bad = [a for a in named if isinstance(dims[a], str) and dims[a] in input_syms]
             if not bad:
                 continue
             out.append(result(

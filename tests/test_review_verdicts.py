@@ -485,3 +485,21 @@ def test_fp32_comparison_says_what_it_compared(tmp_path):
               str(fp))
     p = _tool("qdq_tools.py", "check", qp, "--fp32", fp)
     assert "0 of 1 quantized weights compared with the float weights" in p.stdout, p.stdout
+
+
+def test_lint_squeeze_with_axes_on_an_axis_of_unknown_size_is_not_an_error():
+    """An axis whose size shape inference cannot tell (a Reshape to a computed shape) may be 1:
+    a Squeeze naming it is not judged."""
+    g = helper.make_graph(
+        [helper.make_node("Shape", ["x"], ["s"], name="shape"),
+         helper.make_node("Concat", ["s", "one"], ["s1"], name="cat", axis=0),
+         helper.make_node("Reshape", ["x", "s1"], ["r"], name="rs"),
+         helper.make_node("Squeeze", ["r", "ax"], ["y"], name="sq")], "g",
+        [helper.make_tensor_value_info("x", 1, ["batch", 10])],
+        [helper.make_tensor_value_info("y", 1, None)],
+        [numpy_helper.from_array(np.array([1], np.int64), "one"),
+         numpy_helper.from_array(np.array([2], np.int64), "ax")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    (r,) = [r for r in ec.lint(m) if r["check"] == "squeeze_axes"]
+    assert r["status"] == "pass", r
+    np.testing.assert_allclose(_ort(m, {"x": np.ones((3, 10), np.float32)}), np.ones((3, 10)))
