@@ -50,6 +50,7 @@ import numpy as np
 
 import common
 import export_checks as ec
+import onnx_graph
 import runners
 
 EXAMPLE_BATCH = ec.DEFAULT_EXAMPLE_BATCH
@@ -362,11 +363,23 @@ def _first_divergent_module(model, onnx_path: Path, feed: dict) -> list[dict]:
         return [ec.result("first_divergent_module", "skip",
                           "every mapped module matches its ONNX tensor: the difference is in "
                           "unmapped nodes")]
-    return [ec.result("first_divergent_module", "fail",
-                      f"module {fd['module']} ({fd['type']}) is the first whose ONNX output "
-                      f"differs (cosine min {fd.get('cosine_min', float('nan')):.4f})",
-                      node=fd["node"], fix="look at how this module is exported (op, "
-                      "attributes, indexing); python layerwise.py torch-vs-onnx shows all rows")]
+    head = (f"module {fd['module']} ({fd['type']}) is the first whose ONNX output differs "
+            f"(cosine min {fd.get('cosine_min', float('nan')):.4f})")
+    if fd.get("inputs_agree") is False and fd.get("input_node"):
+        src = next((n for n in onnx_graph.load(onnx_path).graph.node
+                    if n.name == fd["input_node"]), None)
+        where = ec._with_source(src) if src is not None else fd["input_node"]
+        return [ec.result(
+            "first_divergent_module", "fail",
+            f"{head}, but its input already differs (tensor {fd['input_tensor']} made by "
+            f"{where}, cosine min {fd.get('input_cosine_min', float('nan')):.4f}): the error is "
+            f"upstream of {fd['module']}, in code between modules (the parent's forward), at or "
+            f"before node {fd['input_node']}", node=fd["input_node"],
+            fix=f"look at the ops that compute {fd['module']}'s input (the source line above) "
+                "and how they are exported; python layerwise.py torch-vs-onnx shows all rows")]
+    return [ec.result("first_divergent_module", "fail", head, node=fd["node"],
+                      fix="look at how this module is exported (op, attributes, indexing); "
+                          "python layerwise.py torch-vs-onnx shows all rows")]
 
 
 if __name__ == "__main__":

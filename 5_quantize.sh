@@ -92,8 +92,9 @@ DW=()
 STEM=()
 [[ -z $dw_out ]] || mapfile -t DW <<<"$dw_out"
 [[ -z $stem_out ]] || mapfile -t STEM <<<"$stem_out"
-[[ ${#STEM[@]} -gt 0 ]] || { echo "$0: FAILED: no stem conv found in $SRC" >&2; exit 1; }
-echo "stage 5: $MODEL: ${#DW[@]} depthwise conv(s), stem ${STEM[*]}, calibration EP $EPS"
+# A model without convolutions (an MLP, a transformer) has no stem: only the variants that
+# exclude it (excl_stem) do not apply, and variants.py says so for them.
+echo "stage 5: $MODEL: ${#DW[@]} depthwise conv(s), stem ${STEM[*]:-none}, calibration EP $EPS"
 
 # ModelOpt 0.47.0 rewrites the file given as --onnx_path (same bytes, new mtime): it gets a
 # private copy, so fp32.onnx is never written while another stage may be reading it. The work
@@ -112,9 +113,14 @@ if ! calib_batch=$("$PYTHON" qdq_tools.py check-calib "$SRC" --calib "$CALIB" --
   exit 1
 fi
 
+not_made=()
 for variant in "${selected[@]}"; do
-  flags_out=$("$PYTHON" variants.py modelopt-args "$variant" --calib "$CALIB" --eps "$EPS" \
-    --depthwise "${DW[@]}" --stem "${STEM[@]}")
+  if ! flags_out=$("$PYTHON" variants.py modelopt-args "$variant" --calib "$CALIB" --eps "$EPS" \
+      --depthwise "${DW[@]}" --stem "${STEM[@]}" 2>"$WORK/variant.err"); then
+    echo "$0: $variant not made: $(sed -n 's/^variants.py: error: //p' "$WORK/variant.err")" >&2
+    not_made+=("$variant")
+    continue
+  fi
   mapfile -t FLAGS <<<"$flags_out"
   out=$ONNX_DIR/$variant.onnx
   log=$ONNX_DIR/$variant.quant.log
@@ -149,3 +155,8 @@ for variant in "${selected[@]}"; do
   fi
   echo "  finished $variant [elapsed=${wall}s] -> $out"
 done
+if [[ ${#not_made[@]} -gt 0 ]]; then
+  echo "$0: FAILED: ${not_made[*]} not made (reason above); the other requested" \
+    "variants were made" >&2
+  exit 1
+fi

@@ -63,7 +63,8 @@ _FIELDS = {"backend": (str,), "precision": (str,), "tag": (str,), "status": (str
            "ep_used": (str, type(None)), "n_images": (int, type(None)),
            "size_mb": _NUM + (type(None),), "accuracy": (dict, type(None)),
            "parity": (dict, type(None)), "latency": (dict, type(None)),
-           "diagnostics": (dict, type(None)), "reference": (str, type(None))}
+           "diagnostics": (dict, type(None)), "reference": (str, type(None)),
+           "nonfinite_outputs": (dict, type(None))}
 _NESTED = {"accuracy": ("top1", "top5"), "parity": ("cosine_mean", "top1_agreement")}
 _LATENCY = ("end_to_end_ms", "gpu_compute_ms")
 _STATS = ("p50_ms", "mean_ms", "fps")
@@ -181,6 +182,11 @@ def table_rows(rows: list[dict]) -> list[dict]:
             status = f"latest rerun {status} ({r['_file']}; the ok row above is kept)"
         if r.get("reason"):
             status += f": {r['reason'].splitlines()[0][:320]}"
+        if r.get("nonfinite_outputs"):
+            status += "; NON-FINITE OUTPUTS: " + ", ".join(
+                f"{n} NaN/Inf values in {k}" for k, n in r["nonfinite_outputs"].items()) + (
+                " where the reference is finite (no result: see qdq_tools.py check / "
+                "layerwise.py diff for the node)")
         if r.get("fp16_computed_in"):
             status += f"; FP16 graph computed in {r['fp16_computed_in'].split(' (')[0]} here"
         diags = r.get("diagnostics") or {}
@@ -440,6 +446,7 @@ def summary(model: str, runs: list[dict], path: Path) -> str:
     # A rerun's failure kept beside a good row has the same tag: look the good row up.
     trs = {t["tag"]: t for r, t in zip(runs, table_rows(runs)) if not _is_rerun(r)}
     q = [r for r in runs if r["status"] == "ok" and r["precision"][:3] == "INT"
+         and not r.get("nonfinite_outputs")
          and (r.get("parity") or {}).get("top1_agreement") is not None
          and (r.get("accuracy") or {}).get("top1") is not None]  # custom models: no top-1
     best = max(q, key=lambda r: r["parity"]["top1_agreement"], default=None)

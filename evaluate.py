@@ -14,6 +14,7 @@ Row schema (``results/<model>/<tag>.json``; every field present, None when it do
     n_images, batch_size, preprocessing {resize, crop, interpolation, mean, std},
     accuracy {top1, top5} (%), reason_accuracy, parity {cosine_mean, cosine_min,
     top1_agreement (%), max_abs_err, mean_abs_err}, parity_outputs {output: parity},
+    nonfinite_outputs {output: NaN/Inf values where the reference is finite} or None,
     latency {batch, warmup, iters, end_to_end_ms {p50_ms, p90_ms, p99_ms, mean_ms, min_ms,
     max_ms, fps}, end_to_end_timer, gpu_compute_ms {...} or None, gpu_compute_timer},
     latency_batch (same block at --latency-batch when it is not 1), harness_overhead_ms,
@@ -177,15 +178,41 @@ def latency(runner: runners.Runner, data: EvalData, batch: int, warmup: int, ite
     return runner.time(feed, warmup, iters).stats(batch, warmup)
 
 
+def nonfinite_outputs(data: EvalData, outputs: dict[str, np.ndarray]) -> dict[str, int] | None:
+    """``{output name: number of NaN/Inf values where the reference is finite}`` for the outputs
+    that have any (all of them counted where there is no reference), or None when every output
+    is finite: a row whose outputs are NaN is no result, whatever else it measured."""
+    refs: dict[str, Any] = {}
+    if data.ref is not None:
+        if data.classifier:
+            refs[next(iter(outputs))] = data.ref
+        else:
+            refs = dict(zip(outputs, data.ref.values()))
+    bad = {}
+    for name, o in outputs.items():
+        o = np.asarray(o)
+        if not np.issubdtype(o.dtype, np.floating):
+            continue
+        mask = ~np.isfinite(o)
+        r = refs.get(name)
+        if r is not None and np.shape(r) == o.shape:
+            mask &= np.isfinite(np.asarray(r, np.float64))
+        if mask.any():
+            bad[name] = int(mask.sum())
+    return bad or None
+
+
 def score(data: EvalData, outputs: dict[str, np.ndarray]) -> dict:
     """Accuracy and parity fields of a row (pure function of saved outputs).
 
     Returns:
-        ``{"n_images", "accuracy", "reason_accuracy", "parity", "parity_outputs"}``.
+        ``{"n_images", "accuracy", "reason_accuracy", "parity", "parity_outputs",
+        "nonfinite_outputs"}`` (the last: :func:`nonfinite_outputs`).
     """
     first = next(iter(outputs.values()))
     out: dict[str, Any] = {"n_images": len(data), "accuracy": None, "reason_accuracy": None,
-                           "parity": None, "parity_outputs": None}
+                           "parity": None, "parity_outputs": None,
+                           "nonfinite_outputs": nonfinite_outputs(data, outputs)}
     if data.classifier:
         out["accuracy"] = common.topk_accuracy(first, data.y)
         if data.ref is not None:
@@ -212,7 +239,8 @@ def base_record(stage: str, precision: str, model: str, tag: str, runner_desc: d
                 "ep_used": d.get("ep_used"), "cpu_fallback": d.get("cpu_fallback"),
                 "runtime": d or None, "n_images": None, "batch_size": None,
                 "preprocessing": None, "accuracy": None, "reason_accuracy": None,
-                "parity": None, "parity_outputs": None, "latency": None, "latency_batch": None,
+                "parity": None, "parity_outputs": None, "nonfinite_outputs": None,
+                "latency": None, "latency_batch": None,
                 "harness_overhead_ms": None, "size_mb": None, "diagnostics": {},
                 "timings_s": {}})
     rec.update(fields)
@@ -245,7 +273,9 @@ def evaluate(runner: runners.Runner, data: EvalData, *, stage: str, precision: s
                       preprocessing=data.preprocessing, **score(data, outputs))
     lat1 = 1 if runner.batch_range[0] <= 1 else runner.batch_range[0]
     rec["latency"] = latency(runner, data, lat1, warmup, iters)
-    if latency_batch != lat1:
+    # latency_batch 1 (the default) is the batch-1 block above, measured at the smallest batch
+    # the model takes (its static batch); any other batch is a second measurement.
+    if latency_batch not in (1, lat1):
         rec["latency_batch"] = latency(runner, data, latency_batch, warmup, iters)
     rec["harness_overhead_ms"] = runners.harness_overhead_ms()
     # Where the stage's time went (s), for benchmarks/profile_run.py.
@@ -302,9 +332,12 @@ def summary_line(rec: dict) -> str:
     if par:
         bits.append(f"cosine {par['cosine_mean']:.5f}" + (
             f" top-1 agreement {par['top1_agreement']:.1f}%" if "top1_agreement" in par else ""))
+    if rec.get("nonfinite_outputs"):
+        bits.append("NON-FINITE OUTPUTS: " + ", ".join(
+            f"{n} NaN/Inf values in {k}" for k, n in rec["nonfinite_outputs"].items()))
     p50 = primary_latency(rec).get("p50_ms")
     if p50 is not None:
-        bits.append(f"batch-1 p50 {p50:.3f} ms")
+        bits.append(f"batch-{primary_latency(rec).get('batch') or 1} p50 {p50:.3f} ms")
     gpu = ((rec.get("latency") or {}).get("gpu_compute_ms") or {}).get("p50_ms")
     if gpu is not None:
         bits.append(f"GPU compute p50 {gpu:.3f} ms")

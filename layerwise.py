@@ -1259,7 +1259,9 @@ def torch_vs_onnx(model, onnx_path: Path | str, feed: dict[str, np.ndarray], *,
         tolerances: FP32 overrides (defaults: :data:`TOLERANCES` ``fp32``).
     Returns:
         dict with ``modules`` (rows in topological order of the ONNX tensor: ``module``,
-        ``tensor``, ``node``, metrics, ``status``), ``first_divergent`` (row or None),
+        ``tensor``, ``node``, metrics, ``status``; where the module's data input maps to one
+        ONNX tensor also ``input_tensor``, ``input_node`` (its producer), ``inputs_agree`` and
+        ``input_cosine_min``), ``first_divergent`` (row or None),
         ``unmapped`` (modules with an output but no single ONNX tensor), ``final_outputs``.
     """
     import torch
@@ -1279,6 +1281,7 @@ def torch_vs_onnx(model, onnx_path: Path | str, feed: dict[str, np.ndarray], *,
 
     # Forward hooks: outputs (cloned: in-place ReLU would overwrite them) and input identities.
     outs: dict[str, Any] = {}
+    ins: dict[str, Any] = {}
     keep: list[Any] = []
     first_in: dict[str, int] = {}
     out_id: dict[str, int] = {}
@@ -1295,6 +1298,8 @@ def torch_vs_onnx(model, onnx_path: Path | str, feed: dict[str, np.ndarray], *,
             if inp and isinstance(inp[0], torch.Tensor):
                 keep.append(inp[0])  # keep it alive so its id() is not reused
                 first_in[name] = id(inp[0])
+                if inp[0].is_floating_point():
+                    ins.setdefault(name, inp[0].detach().clone().float().numpy())
         return fn
 
     handles = [m.register_forward_hook(hook(q)) for q, m in named.items() if q]
@@ -1306,6 +1311,7 @@ def torch_vs_onnx(model, onnx_path: Path | str, feed: dict[str, np.ndarray], *,
             h.remove()
     finals = final if isinstance(final, (tuple, list)) else [final]
     ort_out = _collect(ort_activations(onnx_model, feed, ep=ep, batch=batch))
+    avail = {**feed, **ort_out}  # graph inputs too: a first module reads one
 
     consumers: dict[str, set[int]] = {}
     for i, n in enumerate(nodes):
@@ -1344,9 +1350,24 @@ def torch_vs_onnx(model, onnx_path: Path | str, feed: dict[str, np.ndarray], *,
         st = TensorStat()
         st.update(val, ort_out[cands[0]], len(val) if val.ndim else 1)
         r = st.result(tol)
-        rows.append({"module": q, "compared_as": cur, "type": type(named[q]).__name__,
-                     "tensor": cands[0], "node": nodes[topo[cands[0]]].name,
-                     "depth": q.count(".") + 1, "_topo": topo[cands[0]], **r})
+        row = {"module": q, "compared_as": cur, "type": type(named[q]).__name__,
+               "tensor": cands[0], "node": nodes[topo[cands[0]]].name,
+               "depth": q.count(".") + 1, "_topo": topo[cands[0]], **r}
+        # The module's data input: the one tensor its nodes read from outside the module
+        # (not a constant) with the shape PyTorch handed the module. If it already differs,
+        # the error came from upstream (code between modules), not from this module.
+        if q in ins:
+            srcs = {t for i in idx for t in nodes[i].input if t and t in avail
+                    and topo.get(t) not in idx and np.shape(avail[t]) == ins[q].shape}
+            if len(srcs) == 1:
+                t_in = srcs.pop()
+                si = TensorStat()
+                si.update(ins[q], avail[t_in], len(ins[q]) if ins[q].ndim else 1)
+                ri = si.result(tol)
+                row.update(input_tensor=t_in, inputs_agree=ri["status"] == "pass",
+                           input_cosine_min=ri.get("cosine_min"),
+                           input_node=nodes[topo[t_in]].name if t_in in topo else None)
+        rows.append(row)
     rows.sort(key=lambda r: (r["_topo"], -r["depth"]))
     for i, r in enumerate(rows):
         r["index"] = i
@@ -1651,8 +1672,13 @@ def main(args) -> dict:
         print(f"{r['index']:4d} {r['module']:40s} {r['node']:40s} "
               f"cos {r.get('cosine_min', float('nan')):.6f} {r['status']}")
     fd = res["first_divergent"]
-    print(f"first divergent module: {fd['module']} ({fd['node']})" if fd else
-          "every mapped module matches its ONNX tensor")
+    if fd and fd.get("inputs_agree") is False:
+        print(f"first divergent module: {fd['module']} ({fd['node']}), but its input "
+              f"{fd['input_tensor']} (from node {fd['input_node']}) already differs: the error "
+              "is upstream, in code between modules")
+    else:
+        print(f"first divergent module: {fd['module']} ({fd['node']})" if fd else
+              "every mapped module matches its ONNX tensor")
     return res
 
 

@@ -11,7 +11,8 @@ finding names the node or initializer, says what is wrong in numbers and how to 
 - ``bias_requant``: ONNX Runtime's ``WeightBiasQuantization`` graph optimisation (levels basic
   and above) turns the float bias of a Conv/ConvTranspose/Gemm into int32 with scale
   ``input_scale * weight_scale``, computed in the scales' dtype and cast to int32
-  (onnxruntime/core/optimizer/qdq_transformer/weight_bias_quantization.cc, ORT 1.20+). The check
+  (onnxruntime/core/optimizer/qdq_transformer/weight_bias_quantization.cc, ORT 1.20+); a
+  MatMul + Add on a rank-2 input becomes such a Gemm first (``MatMulAddFusion``). The check
   replays exactly that arithmetic with ORT's own kernels (:func:`simulate_bias_requant`) and
   flags only the nodes whose *output* then changes by more than ``tol_steps`` quantization steps
   of the output QuantizeLinear: on calibration data when given, else from the scales alone (the
@@ -290,8 +291,11 @@ def check_scales(model, consts: dict | None = None) -> list[Finding]:
              "a zero scale divides by zero in QuantizeLinear: " + fix_dtype + "; a channel "
              "whose range is 0 needs a positive scale (e.g. 1.0)"),
             ("scale_negative", v < 0, "negative",
-             "scales must be positive (a negative one flips the sign of every value): fix the "
-             "tool that wrote them"),
+             "scales must be positive: fix the tool that wrote them (TensorRT requires strictly "
+             "positive scale coefficients, NvInfer.h IQuantizeLayer/IDequantizeLayer; in ONNX "
+             "a DequantizeLinear of stored integers flips the sign of every value, and a "
+             "QuantizeLinear/DequantizeLinear pair mirrors its clipping range: an unsigned one "
+             "with zero point 0 clips every positive value to 0)"),
         ]
         if s.dtype == np.float16:
             sub = (np.abs(v) > 0) & (np.abs(v) < FP16_MIN_NORMAL)
@@ -325,16 +329,21 @@ def wbq_candidates(model, consts: dict | None = None) -> list[dict]:
     that may contain Relu/Clip; the weight from a DequantizeLinear (not blocked; per-tensor, or
     per-channel on axis 0 for Conv and on ``transB ? 0 : 1`` for Gemm, with as many scales as
     bias values) or a float32 initializer; a 1-D bias initializer (required when the weight is
-    already quantized).
+    already quantized). A MatMul + Add that ORT's ``MatMulAddFusion`` (also level basic) fuses
+    into a Gemm first is judged as that Gemm (:func:`matmul_add_gemms`).
 
     Returns:
         ``[{"node", "dq_in", "dq_w" (or None: float weight), "bias", "chain" (Relu/Clip nodes),
-        "q_out"}]`` (ONNX NodeProto objects, bias = initializer name).
+        "q_out", "label" (node name and op for messages), "fused_add" (the Add of a fused
+        MatMul, else None)}]`` (ONNX NodeProto objects, bias = initializer name; for a fused
+        MatMul ``node`` is the Gemm standing for it).
     """
     consts = constants(model) if consts is None else consts
     prod, cons = producers(model), consumers(model)
+    fused = matmul_add_gemms(model)
     out = []
-    for n in model.graph.node:
+    for n0 in model.graph.node:
+        n, add = fused.get(n0.output[0], (n0, None)) if n0.op_type == "MatMul" else (n0, None)
         if n.op_type not in ("Conv", "ConvTranspose", "Gemm") or len(n.input) < 2:
             continue
         dq_in, dq_w = prod.get(n.input[0]), prod.get(n.input[1])
@@ -390,8 +399,53 @@ def wbq_candidates(model, consts: dict | None = None) -> list[dict]:
                     expected = 0 if int(attr(n, "transB", 0)) else 1
                 if axis != expected:
                     continue
+        label = (f"{n.name} (MatMul + Add {add.name}, fused into a Gemm by ORT's "
+                 "MatMulAddFusion)" if add is not None else f"{n.name} ({n.op_type})")
         out.append({"node": n, "dq_in": dq_in, "dq_w": dq_w, "bias": bias, "chain": chain,
-                    "q_out": q_out})
+                    "q_out": q_out, "label": label, "fused_add": add})
+    return out
+
+
+def matmul_add_gemms(model) -> dict[str, tuple[Any, Any]]:
+    """The MatMul + Add pairs ORT's ``MatMulAddFusion`` (level basic, like
+    ``WeightBiasQuantization``) turns into one Gemm that the bias re-quantization then sees,
+    each as ``{MatMul output tensor: (Gemm NodeProto standing for the fused node, the Add
+    node)}``.
+
+    ORT's rules (onnxruntime/core/optimizer/matmul_add_fusion.cc): the MatMul's output has one
+    consumer, an Add, and is no graph output; A and B have known shapes, B of rank 2; a float
+    type (the DequantizeLinear that ``WeightBiasQuantization`` needs before A guarantees it).
+    Only a rank-2 A is kept here: for a higher rank ORT puts a Reshape after the Gemm, so its
+    output no longer reaches a QuantizeLinear directly and ``WeightBiasQuantization`` leaves it
+    alone. The Gemm keeps the MatMul's name (or its output's), reads ``[A, B, bias]``
+    (``transB=0``) and writes the Add's output; :func:`wbq_candidates` then applies ``WeightBiasQuantization``'s own rules
+    (a 1-D bias initializer among them).
+    """
+    import export_checks  # value_shapes: ONNX shape inference (imported late: heavier)
+    from onnx import helper
+
+    matmuls = [n for n in model.graph.node
+               if n.op_type == "MatMul" and n.domain in ("", "ai.onnx")]
+    if not matmuls:
+        return {}
+    cons = consumers(model)
+    graph_out = {o.name for o in model.graph.output}
+    shapes = export_checks.value_shapes(model)
+    out = {}
+    for mm in matmuls:
+        users = cons.get(mm.output[0], [])
+        if len(users) != 1 or mm.output[0] in graph_out or users[0].op_type != "Add":
+            continue
+        add = users[0]
+        if len(add.input) != 2 or add.input[0] == add.input[1]:
+            continue
+        a, b = shapes.get(mm.input[0]), shapes.get(mm.input[1])
+        if a is None or b is None or len(a) != 2 or len(b) != 2:
+            continue
+        bias = add.input[1] if add.input[0] == mm.output[0] else add.input[0]
+        out[mm.output[0]] = (helper.make_node("Gemm", [mm.input[0], mm.input[1], bias],
+                                              list(add.output), name=mm.name or mm.output[0]),
+                             add)
     return out
 
 
@@ -561,7 +615,7 @@ def check_bias_requant(model, consts: dict | None = None, activations: dict | No
             b_new, q_int = simulate_bias_requant(bias, s_in, s_w)
         except common.StageError as e:
             findings.append(Finding("bias_requant", n.name, c["bias"],
-                                    f"{n.name} ({n.op_type}): {e}", "keep the bias float and "
+                                    f"{c['label']}: {e}", "keep the bias float and "
                                     "check the scale dtypes (input and weight scale must match)"))
             continue
         beta = float(attr(n, "beta", 1.0)) if n.op_type == "Gemm" else 1.0
@@ -627,7 +681,7 @@ def check_bias_requant(model, consts: dict | None = None, activations: dict | No
         if row["basis"] == "calibration":
             extra = (f"; {100 * row['frac_elements_changed']:.2g} % of its output elements change,"
                      f" output cosine min {row['output_cosine_min']:.4f}")
-        msg = (f"{n.name} ({n.op_type}): ORT's WeightBiasQuantization re-quantizes bias "
+        msg = (f"{c['label']}: ORT's WeightBiasQuantization re-quantizes bias "
                f"{c['bias']} to int32 with scale input_scale x weight_scale in "
                f"{row['scale_dtype']}; {bad.size} of {b64.size} channel(s) change enough to move "
                f"the output by more than {tol_steps:g} quantization step(s) {how}: worst channel "
@@ -848,10 +902,13 @@ def _check_block(model, w: dict, label: str) -> list[Finding]:
     return out
 
 
-def _fp32_weight(fp32_model, fp32_consts: dict, node, pos: int) -> np.ndarray | None:
+def _fp32_weight(fp32_model, fp32_consts: dict, node, pos: int,
+                 data_name: str | None = None) -> np.ndarray | None:
     """The float weight of the node called ``node.name`` in the float model (its input ``pos``),
     laid out like ``node``'s (a Gemm whose ``transB`` differs between the two models gets the
-    transposed float weight: 5b_quantize_int4.py hands ModelOpt ``[K, N]`` weights), or None."""
+    transposed float weight: 5b_quantize_int4.py hands ModelOpt ``[K, N]`` weights); failing
+    that (a quantizer that renames nodes), the float model's initializer called ``data_name``
+    (the float weight a QuantizeLinear quantizes keeps its name); else None."""
     for n in fp32_model.graph.node:
         if n.name == node.name and n.op_type == node.op_type and len(n.input) > pos:
             w = fp32_consts.get(n.input[pos])
@@ -859,7 +916,8 @@ def _fp32_weight(fp32_model, fp32_consts: dict, node, pos: int) -> np.ndarray | 
                     and int(attr(n, "transB", 0)) != int(attr(node, "transB", 0))):
                 w = w.T
             return w
-    return None
+    w = fp32_consts.get(data_name) if data_name else None
+    return w if w is not None and np.issubdtype(w.dtype, np.floating) else None
 
 
 def check_against_float(model, fp32_model, consts: dict | None = None
@@ -875,7 +933,7 @@ def check_against_float(model, fp32_model, consts: dict | None = None
     findings, rows = [], []
     for w in _weight_dqs(model, consts):
         node, q = w["node"], w["q"]
-        ref = _fp32_weight(fp32_model, fc, node, w["pos"])
+        ref = _fp32_weight(fp32_model, fc, node, w["pos"], w["data_name"])
         row = {"node": node.name, "weight": w["data_name"], "shape": list(q.shape)}
         if ref is None:
             row["status"] = "no float counterpart (node not in the float model)"
@@ -967,7 +1025,9 @@ def check_model(model, *, path: Path | str | None = None, fp32_model=None,
             "basis": "calibration data" if calib is not None else "scales alone",
             "checked": {"n_wbq_candidates": len(bias_rows),
                         "n_weights": len(_weight_dqs(model, consts)),
-                        "fp32": fp32_model is not None}}
+                        "fp32": fp32_model is not None,
+                        "n_compared": sum(r.get("status") in ("ok", "fail")
+                                          for r in wrows or [])}}
 
 
 def summary_line(report: dict) -> str:

@@ -460,13 +460,24 @@ def activation_stats(onnx_path: Path, calib: Path, batch: int = 10, sample: int 
 # Calibration data: validation (stages 4, 5, 5b) and the calibration batch plan (stage 5)
 # --------------------------------------------------------------------------------------------
 # Statistics check: calibration vs evaluation data, per input. Refused when the means differ by
-# more than STATS_MAX_MEAN_SHIFT standard deviations (the larger of the two stds) or the stds by
-# more than a factor STATS_MAX_STD_RATIO. Calibration and eval splits of the same images differ
-# far less (embedded sample, EfficientNet-Lite0: means within 0.05 std, stds within 3 %);
-# unnormalised 0..255 pixels give a mean shift of ~1.8 std and a std ratio of ~100, inputs swapped
-# between the keys of a two-input model a std ratio of the two inputs' ratio.
+# more than STATS_MAX_MEAN_SHIFT standard deviations (the larger of the two stds), the stds by
+# more than a factor STATS_MAX_STD_RATIO or the value ranges (max - min) by more than a factor
+# STATS_MAX_RANGE_RATIO. Calibration and eval splits of the same images differ far less
+# (embedded sample, EfficientNet-Lite0, its 100 calibration images against the first 64 eval
+# images that calibration_reference takes: mean shift 0.09 std, std ratio 1.19, ranges equal;
+# against all 900: 0.01 std, 1.04); unnormalised 0..255 pixels give a mean shift of ~1.6 std
+# and a std ratio of ~150, [0, 1] pixels (no Normalize) a mean shift of 1.3 std, inputs swapped
+# between the keys of a two-input model a std ratio of the two inputs' ratio, and ImageNet's
+# mean/std instead of the model's 0.5/0.5 a std ratio of 2.6 (inside the std bound) with a
+# range of [-2.1, 2.6] for [-1, 1]: a range ratio of 2.4, which the input's quantization scale
+# would follow. Ranges are compared on equal numbers of samples (the calibration data's first
+# ones, as many as the reference has: the range of unbounded data grows with the sample count)
+# and only for inputs whose reference holds at least STATS_RANGE_MIN_VALUES values (two ranges
+# of 24 N(0, 1) values differ by more than 2x in 0.8 % of draws, of 96 values in 0.006 %).
 STATS_MAX_MEAN_SHIFT = 1.0
 STATS_MAX_STD_RATIO = 3.0
+STATS_MAX_RANGE_RATIO = 2.0
+STATS_RANGE_MIN_VALUES = 1000
 
 
 def load_npz(path: Path | str, producer: str) -> dict[str, np.ndarray]:
@@ -534,8 +545,8 @@ def validate_calibration(onnx_path: Path | str, data: dict[str, np.ndarray],
 
     Checks: keys equal the model's input names; each array has the input's rank, static dims and
     dtype; every input has the same sample count N >= 1 (a multiple of a static batch); no
-    NaN/Inf; with ``reference``, per input mean/std within :data:`STATS_MAX_MEAN_SHIFT` /
-    :data:`STATS_MAX_STD_RATIO` of the evaluation data's.
+    NaN/Inf; with ``reference``, per input mean/std/range within :data:`STATS_MAX_MEAN_SHIFT` /
+    :data:`STATS_MAX_STD_RATIO` / :data:`STATS_MAX_RANGE_RATIO` of the evaluation data's.
 
     Args:
         data: ``{input name: array [N, ...]}``. reference: the same for evaluation data
@@ -607,15 +618,23 @@ def validate_calibration(onnx_path: Path | str, data: dict[str, np.ndarray],
             spread = max(r["std"], c["std"], 1e-12)
             shift = abs(c["mean"] - r["mean"]) / spread
             ratio = max(c["std"], 1e-12) / max(r["std"], 1e-12)
+            span = 1.0
+            ref_arr = np.asarray(reference[name])
+            if ref_arr.size >= STATS_RANGE_MIN_VALUES:
+                cs = input_stats(np.asarray(data[name])[:max(len(ref_arr), 1)])
+                span = (max(cs["max"] - cs["min"], 1e-12) / max(r["max"] - r["min"], 1e-12)
+                        if cs["max"] is not None else 1.0)
             if shift > STATS_MAX_MEAN_SHIFT or not (
-                    1 / STATS_MAX_STD_RATIO <= ratio <= STATS_MAX_STD_RATIO):
+                    1 / STATS_MAX_STD_RATIO <= ratio <= STATS_MAX_STD_RATIO) or not (
+                    1 / STATS_MAX_RANGE_RATIO <= span <= STATS_MAX_RANGE_RATIO):
                 problems.append(
                     f"input {name!r}: {source} mean {c['mean']:.4g} std {c['std']:.4g} range "
                     f"[{c['min']:.4g}, {c['max']:.4g}] vs evaluation data mean {r['mean']:.4g} std "
                     f"{r['std']:.4g} range [{r['min']:.4g}, {r['max']:.4g}] ({reference_source}):"
-                    f" mean shift {shift:.2f} std, std ratio {ratio:.3g} - not preprocessed like "
-                    "the evaluation data (unnormalised? inputs swapped between keys?); the "
-                    "quantization scales would be fitted to other data")
+                    f" mean shift {shift:.2f} std, std ratio {ratio:.3g}, range ratio {span:.3g}"
+                    " - not preprocessed like the evaluation data (unnormalised? another "
+                    "mean/std? inputs swapped between keys?); the quantization scales would be "
+                    "fitted to other data")
         stats_note = f"passed against {reference_source}"
     if problems:
         raise common.StageError(f"{source} refused: " + "; ".join(problems)
@@ -1008,9 +1027,12 @@ def print_check(rep: dict, limit: int | None = None) -> None:
     import qdq_check
 
     print(f"{rep['file']}: {qdq_check.summary_line(rep)} (bias re-quantization judged on "
-          f"{rep['basis']}; {rep['checked']['n_wbq_candidates']} Conv/Gemm rewritten by ORT's "
-          f"WeightBiasQuantization, {rep['checked']['n_weights']} quantized weights"
-          + (", compared with the float weights" if rep["checked"]["fp32"] else "") + ")")
+          f"{rep['basis']}; {rep['checked']['n_wbq_candidates']} Conv/Gemm (or MatMul+Add ORT "
+          f"fuses into a Gemm) rewritten by ORT's WeightBiasQuantization, "
+          + (f"{rep['checked'].get('n_compared', 0)} of {rep['checked']['n_weights']} quantized "
+             "weights compared with the float weights (matched by node, else weight name)"
+             if rep["checked"]["fp32"] else f"{rep['checked']['n_weights']} quantized weights")
+          + ")")
     shown: dict[str, int] = defaultdict(int)
     for f in rep["findings"]:
         shown[f["kind"]] += 1

@@ -187,11 +187,16 @@ def modelopt_args(name: str, calib: str, eps: str, depthwise: Sequence[str] = ()
             list is empty is dropped together with the flag (``--nodes_to_exclude`` with no
             node would swallow the next flag).
     Raises:
-        KeyError: unknown variant; ValueError: the variant has no ModelOpt recipe.
+        KeyError: unknown variant; ValueError: the variant has no ModelOpt recipe, or it
+            excludes the stem and ``stem`` is empty (a model without a stem convolution).
     """
     v = get(name)
     if v.modelopt is None:
         raise ValueError(f"variant {name} is not made by the ModelOpt CLI ({v.producer} makes it)")
+    if STEM in v.modelopt and not stem:
+        raise ValueError(f"variant {name} excludes the stem convolution, but the model has none "
+                         "(qdq_tools.py list-stem finds no Conv fed by a graph input): this "
+                         "ablation does not apply to it")
     out: list[str] = []
     for tok in v.modelopt:
         if tok == DEPTHWISE:
