@@ -251,7 +251,7 @@ def gpu_table(rows: list[dict]) -> str:
                for k in ("end_to_end", "gpu_compute", "cuda_graph", "device_buffers", "compile")}
         for k in ("cuda_graph", "device_buffers"):
             if lat.get(f"{k}_error"):
-                p50[k] = "n/a: " + lat[f"{k}_error"][:60].replace("|", "/")
+                p50[k] = "n/a: " + lat[f"{k}_error"][:90].replace("|", "/")
         tf32 = (r.get("runtime") or {}).get("tf32")
         out.append([r["tag"], r.get("device_name") or "", p50["end_to_end"], p50["gpu_compute"],
                     p50["cuda_graph"], p50["device_buffers"], p50["compile"],

@@ -1206,7 +1206,10 @@ def fp16_checks(fp32_model, fp16_path: Path | str, feed: dict[str, np.ndarray],
 
 
 #: FP16 checks whose verdict depends on the weights' value ranges.
-RANGE_CHECKS = ("fp16_range", "fp16_constants", "fp16_true_arithmetic")
+# Checks whose verdict depends on the trained weights' value ranges: with random weights a
+# real-FP16 backend underflows ~1e-9 logits as surely as onnx.reference does (seen on the H200's
+# CUDA EP with a random-init MobileNetV3-Small), so they warn instead of failing.
+RANGE_CHECKS = ("fp16_range", "fp16_constants", "fp16_true_arithmetic", "fp16_backends")
 
 
 def keep_list(results: Iterable[dict], already: Sequence[str] = ()) -> list[str]:

@@ -455,6 +455,34 @@ def test_fp16_true_arithmetic_sees_what_ort_cpu_does_not(user_models, tmp_path):
     b = ec.fp16_backends(tmp_path / "fp16.onnx", {"input": x}, ref, 0.999)
     if b[0]["status"] == "skip":
         assert "computed this FP16 graph in FP32" in b[0]["detail"]
+    else:  # a real FP16 backend ran it and is named (on the H200's CUDA EP this conv model
+        # matched PyTorch: the kernel did not store the >65504 value in FP16 there)
+        assert {r["backend"] for r in b} <= {"ort-cuda", "tensorrt"}
+        assert b[0]["status"] in ("pass", "fail"), b
+
+
+def test_fp16_backend_run_sees_an_overflow_the_cpu_ep_hides(tmp_path):
+    """sqrt of a sum of squares above 65504: ORT's CPU EP returns the FP32 value (it computes
+    the FP16 graph in FP32), ORT's CUDA EP returns inf (seen on an H200 with ORT 1.31.1: 489.9
+    vs inf); fp16_backends fails it where a GPU EP exists, and says why it cannot judge on a
+    CPU-only machine."""
+    g = helper.make_graph(
+        [helper.make_node("ReduceSumSquare", ["x"], ["s"], keepdims=1),
+         helper.make_node("Sqrt", ["s"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 300])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    m16, _ = ec.convert_fp16(m)
+    onnx.save(m16, str(tmp_path / "fp16.onnx"))
+    x = np.full((2, 300), 20.0, np.float32)
+    ref = {"y": np.sqrt((x.astype(np.float64) ** 2).sum()).reshape(1, 1).astype(np.float32)}
+    cpu = ec.ort_runner(tmp_path / "fp16.onnx")({"x": x})["y"]
+    assert np.allclose(cpu, ref["y"], rtol=1e-3)  # the CPU EP's FP32 arithmetic hides it
+    b = ec.fp16_backends(tmp_path / "fp16.onnx", {"x": x}, ref, 0.999)
+    if b[0]["status"] == "skip":
+        assert "computed this FP16 graph in FP32" in b[0]["detail"]
+    else:
+        assert b[0]["backend"] == "ort-cuda" and b[0]["status"] == "fail", b
 
 
 def test_decomposed_layernorm_overflow_named(user_models, tmp_path):

