@@ -4,7 +4,7 @@ uint8 preprocessing cache for the model's resize/crop.
 
 Reads:  ``$VAL_ROOT`` (ImageNet val, class folders or flat + LOC_val_solution.csv) or, when unset,
         the embedded sample ``data/imagenet-sample-1k`` (1000 images, one per class).
-Writes: ``artifacts/splits.json``, ``artifacts/cache/{eval,calib}-<key>.npz``,
+Writes: ``artifacts/splits.json``, ``artifacts/cache/{eval,calib[,tune]}-<key>.npz``,
         ``results/<model>/data.json``.
 Rerun:  ``python 0_prepare_data.py --model efficientnet_lite0``
 
@@ -16,6 +16,14 @@ embedded sample has one image per class, so a seeded ``--calib-fraction`` of the
 refuses to run). A class with only a few images always keeps one for evaluation, so the
 evaluation split is never empty. Images that cannot be decoded are named and dropped, never a
 crash mid-run.
+
+Tuning split (only with ``--tune-fraction F``, default 0: none). The mixed-precision search of
+``int8_auto`` (``auto_precision.py``) chooses which layers stay in float on images that are
+neither evaluated nor used for calibration: a seeded fraction F of the evaluation images is moved
+to a ``tune`` split (``common.split_tuning``; the calibration split does not change). This
+shrinks the evaluation split, so every row of such a run is on fewer images:
+``bash run_all.sh --auto-precision`` does it for the whole run (F = 0.25: 225 tuning, 675
+evaluation images of the embedded sample).
 
 Labels: every class folder, file-name prefix or CSV label must be one of the 1000 ImageNet WNIDs;
 the class index is its position in that list. Data covering only some classes is refused unless
@@ -47,6 +55,10 @@ def get_args_parser() -> argparse.ArgumentParser:
                    help="calibration images per class when classes have several images")
     p.add_argument("--calib-fraction", type=float, default=0.1,
                    help="fraction of classes held out for calibration on one-image-per-class data")
+    p.add_argument("--tune-fraction", type=float, default=0.0,
+                   help="fraction of the evaluation images moved to a tuning split for the "
+                        "mixed-precision search (int8_auto); 0 = no tuning split. Shrinks the "
+                        "evaluation split (run_all.sh --auto-precision uses 0.25)")
     p.add_argument("--seed", type=int, default=0, help="seed of the split")
     p.add_argument("--limit", type=int, default=None,
                    help="smoke runs: keep the first N images of each split (the same images a "
@@ -65,6 +77,9 @@ def main(args: argparse.Namespace) -> dict:
     common.check_positive(args, "limit")
     if not 0.0 <= args.calib_fraction < 1.0:
         raise common.UsageError("--calib-fraction must be in [0, 1)")
+    if not 0.0 <= args.tune_fraction < 1.0:
+        raise common.UsageError(f"--tune-fraction {args.tune_fraction}: must be in [0, 1) (0 = "
+                                "no tuning split)")
     if args.calib_per_class < 0 or (args.eval_per_class is not None and args.eval_per_class < 1):
         raise common.UsageError("--calib-per-class must be >= 0 and --eval-per-class >= 1")
     root = Path(args.data_root) if args.data_root else common.DEFAULT_DATA
@@ -89,17 +104,27 @@ def main(args: argparse.Namespace) -> dict:
     for rel in dup:
         print(f"WARNING: eval image {root / rel} has the same bytes as a calibration image: "
               "dropped from eval", file=sys.stderr)
+    ev, tu = common.split_tuning(ev, args.tune_fraction, args.seed)
+    if tu:
+        ev, dup_t = common.drop_content_duplicates(root, ev, tu)
+        for rel in dup_t:
+            print(f"WARNING: eval image {root / rel} has the same bytes as a tuning image: "
+                  "dropped from eval", file=sys.stderr)
+        dup += dup_t
+    assert not {p for p, _ in tu} & ({p for p, _ in ev} | {p for p, _ in ca}), "tune overlap"
     if args.limit:  # the first N of each sorted split: what load_split(limit=N) would use
-        ev, ca = ev[:args.limit], ca[:args.limit]
+        ev, ca, tu = ev[:args.limit], ca[:args.limit], tu[:args.limit]
     prep = spec.preprocessing()
     split = {"data_root": str(root.resolve()), "layout": layout, "seed": args.seed,
              "n_classes": len(counts), "class_subset": len(counts) < 1000,
              "eval_per_class": args.eval_per_class, "calib_per_class": args.calib_per_class,
              "calib_fraction": args.calib_fraction, "limit": args.limit, "n_listed": len(items),
-             "eval": [list(i) for i in ev], "calib": [list(i) for i in ca], "unreadable": [],
+             "tune_fraction": args.tune_fraction,
+             "eval": [list(i) for i in ev], "calib": [list(i) for i in ca],
+             "tune": [list(i) for i in tu], "unreadable": [],
              "eval_dropped_same_bytes_as_calib": dup}
     caches = {}
-    for name in ("eval", "calib"):
+    for name in ("eval", "calib", "tune"):
         if not split[name]:
             continue
         x, good, bad = common.preprocess_items(root, [tuple(i) for i in split[name]], prep,
@@ -119,15 +144,18 @@ def main(args: argparse.Namespace) -> dict:
     common.write_json(common.splits_path(), split)
     summary = {"stage": "0_prepare_data", "data_root": str(root), "layout": layout,
                "n_listed": len(items), "n_classes": len(counts), "n_eval": len(split["eval"]),
-               "n_calib": len(split["calib"]), "n_unreadable": len(split["unreadable"]),
+               "n_calib": len(split["calib"]), "n_tune": len(split["tune"]),
+               "tune_fraction": args.tune_fraction,
+               "n_unreadable": len(split["unreadable"]),
                "n_eval_dropped_duplicates": len(dup),
                "eval_classes": len({c for _, c in split["eval"]}),
                "calib_classes": len({c for _, c in split["calib"]}),
                "preprocessing": prep,
                "provenance": common.provenance(args, [common.splits_path()], started)}
     common.write_json(common.model_results(args.model) / "data.json", summary)
-    print(f"data: {layout} {root}: {summary['n_eval']} eval / {summary['n_calib']} calib images, "
-          f"{summary['n_unreadable']} unreadable -> {common.splits_path()}")
+    print(f"data: {layout} {root}: {summary['n_eval']} eval / {summary['n_calib']} calib images"
+          + (f" / {summary['n_tune']} tuning" if summary["n_tune"] else "")
+          + f", {summary['n_unreadable']} unreadable -> {common.splits_path()}")
     return summary
 
 

@@ -10,12 +10,21 @@
 #         `qdq_tools.py check` findings of the file).
 # Rerun:  MODEL=efficientnet_lite0 ./5_quantize.sh int8
 #
+# int8_auto (mixed precision for an accuracy budget; needs a tuning split: 0_prepare_data.py
+# --tune-fraction F or run_all.sh --auto-precision): auto_precision.py search quantizes every
+# candidate once, measures each node on the tuning split and chooses the nodes to keep in float;
+# ModelOpt then re-quantizes with them as --nodes_to_exclude, and auto_precision.py verify
+# measures the file (tuning and evaluation splits) before it is installed. Budget and search
+# flags: AUTO_ARGS="--min-agreement 99 --min-cosine 0.998" (auto_precision.py search --help).
+# Writes also results/<model>/auto_precision.{json,md,png}.
+#
 # Usage:  5_quantize.sh [--model M] VARIANT [VARIANT ...] | --default | --all-variants | --list
 # Env:    MODEL (default mobilenet_v3_small; package.module:factory works too), EPS (calibration
 #         EP: cpu, cuda:0, trt; default cuda:0 when onnxruntime has the CUDA EP, else cpu),
 #         CALIB_BATCH (calibration batch: all (default: one batch, see qdq_tools.py
 #         calibration_plan for why) or a number), CALIB_STATS_CHECK (1; 0 skips the comparison
-#         of the calibration data with the evaluation data, recorded), PYTHON (default: python).
+#         of the calibration data with the evaluation data, recorded), PYTHON (default: python),
+#         AUTO_ARGS (int8_auto only: extra flags of auto_precision.py search, e.g. the budget).
 #
 # Before ModelOpt runs, the calibration npz is validated against the model (qdq_tools.py
 # check-calib: input names, shapes, dtypes, NaN/Inf, statistics vs the evaluation data); after
@@ -34,7 +43,7 @@ usage() {
   echo "usage: $0 [--model M] VARIANT [VARIANT ...] | --default | --all-variants | --list" >&2
   echo "variants (ModelOpt CLI; int4 is made by 5b_quantize_int4.py):" >&2
   local v
-  for v in $("$PYTHON" variants.py list --stage 5 --all); do
+  for v in $("$PYTHON" variants.py list --stage 5 --all --auto-precision); do
     [[ $v == int4 ]] || printf '  %-16s %s\n' "$v" "$("$PYTHON" variants.py describe "$v")" >&2
   done
   echo "--default = $(cli_variants --stage 5 | tr '\n' ' ')" >&2
@@ -55,10 +64,10 @@ while [[ $# -gt 0 ]]; do
     --default) mapfile -t -O "${#selected[@]}" selected < <(cli_variants --stage 5); shift ;;
     --all-variants) mapfile -t -O "${#selected[@]}" selected < <(cli_variants --stage 5 --all)
                     shift ;;
-    --list) cli_variants --stage 5 --all; exit 0 ;;
+    --list) cli_variants --stage 5 --all --auto-precision; exit 0 ;;
     -h|--help) usage ;;
     -*) echo "$0: unknown option $1" >&2; usage ;;
-    *) cli_variants --stage 5 --all | grep -qx -- "$1" || {
+    *) cli_variants --stage 5 --all --auto-precision | grep -qx -- "$1" || {
          echo "$0: unknown variant $1" >&2; usage; }
        selected+=("$1"); shift ;;
   esac
@@ -115,8 +124,26 @@ fi
 
 not_made=()
 for variant in "${selected[@]}"; do
+  # int8_auto: the search chooses the nodes to keep in float (anchored regexes on stdout).
+  AUTO=()
+  auto=0
+  if "$PYTHON" variants.py needs-tuning "$variant"; then
+    auto=1
+    read -r -a auto_args <<<"${AUTO_ARGS:-}"
+    echo "Stage 5: search $variant: which nodes stay in float (auto_precision.py search ${AUTO_ARGS:-})"
+    # exit 2 (a usage error in AUTO_ARGS) is passed on as it is
+    auto_out=$("$PYTHON" auto_precision.py search --model "$MODEL" --fp32 "$SRC" \
+        --calib "$CALIB" --calib-batch "$calib_batch" --eps "$EPS" --variant "$variant" \
+        "${auto_args[@]}") || {
+      rc=$?
+      echo "$0: FAILED: the mixed-precision search for $variant failed (above); nothing was" \
+        "installed" >&2
+      exit "$rc"
+    }
+    [[ -z $auto_out ]] || mapfile -t AUTO <<<"$auto_out"
+  fi
   if ! flags_out=$("$PYTHON" variants.py modelopt-args "$variant" --calib "$CALIB" --eps "$EPS" \
-      --depthwise "${DW[@]}" --stem "${STEM[@]}" 2>"$WORK/variant.err"); then
+      --depthwise "${DW[@]}" --stem "${STEM[@]}" --auto "${AUTO[@]}" 2>"$WORK/variant.err"); then
     echo "$0: $variant not made: $(sed -n 's/^variants.py: error: //p' "$WORK/variant.err")" >&2
     not_made+=("$variant")
     continue
@@ -138,6 +165,14 @@ for variant in "${selected[@]}"; do
   if ! "${cmd[@]}" >"$log.tmp" 2>&1; then status=failed; fi
   wall=$(awk -v a="$start" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
   mv -f "$log.tmp" "$log"
+  # int8_auto: measured on the tuning split (it must meet the budget) and the evaluation split
+  # before it replaces anything.
+  verify_failed=0
+  if [[ $status == ok && -f $tmp && $auto == 1 ]] && ! "$PYTHON" auto_precision.py verify \
+      --model "$MODEL" --fp32 "$SRC" --onnx "$tmp" --installed-as "$out"; then
+    verify_failed=1
+    status=failed
+  fi
   if [[ $status == ok && -f $tmp ]]; then
     mv -f "$tmp" "$out"
   else
@@ -148,6 +183,11 @@ for variant in "${selected[@]}"; do
     --source "$SRC" --calib "$CALIB" --calib-report "$WORK/calib.json" --log "$log" \
     --wall-s "$wall" --status "$status" \
     --description "$("$PYTHON" variants.py describe "$variant")" --command "${shown% }"
+  if [[ $verify_failed == 1 ]]; then
+    echo "$0: FAILED: $variant re-quantized by ModelOpt misses its budget on the tuning split" \
+      "(auto_precision.py verify, above); $out left as it was" >&2
+    exit 1
+  fi
   if [[ $status != ok ]]; then
     echo "$0: FAILED: ModelOpt failed on $variant; last lines of $log:" >&2
     tail -n 20 "$log" >&2

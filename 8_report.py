@@ -7,11 +7,14 @@ Writes: ``results/<model>/REPORT.md``, ``results/<model>/REPORT.csv`` and a copy
         at ``results/REPORT.md`` (the last model reported).
 Rerun:  ``python 8_report.py --model efficientnet_lite0``
 
-Columns: backend, precision, top-1, top-5, delta top-1 (points vs the PyTorch FP32 row), batch-1
+Columns: backend, precision, top-1, top-1 agreement with the PyTorch FP32 logits, top-5, delta
+top-1 (points vs the PyTorch FP32 row), INT8 MACs % (Q/DQ rows: share of the Conv/Gemm/MatMul
+MACs whose input and weight are INT8, from the graph, recorded by stage 5), batch-1
 end-to-end p50 ms, GPU Compute Time p50 ms (GPU rows), FPS (batch 1, from the mean), speedup
 (PyTorch FP32 end-to-end p50 on the same device / this row's; "n/a" when no PyTorch row ran on
-that device; medians resist the stalls of a shared machine), size MB, cosine similarity and top-1
-agreement (vs PyTorch FP32 logits).
+that device; medians resist the stalls of a shared machine), size MB, cosine similarity (vs
+PyTorch FP32 logits). With a mixed-precision search (``int8_auto``) the report links its
+``auto_precision.md``.
 Rows that could not run (skipped / failed) are listed with the reason; numbers are only ever
 copied from the JSON of a real run.
 """
@@ -29,10 +32,9 @@ import common
 import evaluate
 import variants
 
-COLUMNS = ["backend", "precision", "tag", "EP/device", "images", "top-1 %", "top-5 %",
-           "delta top-1", "p50 ms", "GPU compute p50 ms", "FPS", "speedup", "size MB",
-           "cosine sim", "top-1 agree %",
-           "status"]
+COLUMNS = ["backend", "precision", "tag", "EP/device", "images", "top-1 %", "top-1 agree %",
+           "top-5 %", "delta top-1", "INT8 MACs %", "p50 ms", "GPU compute p50 ms", "FPS",
+           "speedup", "size MB", "cosine sim", "status"]
 
 # Row order: the hops of the pipeline, then precision, then the variant registry's order.
 _ORDER = {"PyTorch": 0, "ORT": 1, "TensorRT": 2}
@@ -133,9 +135,11 @@ def load_rows(folder: Path) -> list[dict]:
         q = folder / f"quant_{_variant(rec)}.json"
         if str(rec.get("precision", "")).startswith("INT") and q.exists():
             try:
-                rec["_quant_check"] = (json.loads(q.read_text()).get("check") or {}).get("summary")
+                qrec = json.loads(q.read_text())
             except (OSError, json.JSONDecodeError):
-                pass
+                continue
+            rec["_quant_check"] = (qrec.get("check") or {}).get("summary")
+            rec["_int8_macs"] = (qrec.get("macs") or {}).get("int8_fraction")
     rows.sort(key=_sort_key)
     return rows
 
@@ -220,6 +224,8 @@ def table_rows(rows: list[dict]) -> list[dict]:
             "top-5 %": _fmt(acc.get("top5")),
             "delta top-1": _fmt(top1 - base_top1) if top1 is not None and base_top1 is not None
             else "",
+            "INT8 MACs %": _fmt(100 * r["_int8_macs"], 1) if isinstance(
+                r.get("_int8_macs"), (int, float)) else "",
             "p50 ms": _fmt(lat.get("p50_ms"), 3), "GPU compute p50 ms": _fmt(gpu.get("p50_ms"), 3),
             "FPS": _fmt(lat.get("fps"), 1),
             "speedup": f"{speed:.2f}x" if speed else ("n/a" if lat else ""),
@@ -334,6 +340,10 @@ def render_markdown(model: str, rows: list[dict], data: dict | None,
         buf.write(f"Data: {data.get('n_eval')} eval images ({data.get('layout')}, "
                   f"{data.get('data_root')}); {data.get('n_calib')} disjoint calibration images; "
                   f"preprocessing {data.get('preprocessing')}.")
+        if data.get("n_tune"):
+            buf.write(f" {data['n_tune']} more images (disjoint from both) form the tuning split "
+                      "of the mixed-precision search (int8_auto); the evaluation split is smaller "
+                      "by as many.")
         fewer = sorted({r["n_images"] for r in rows if r.get("n_images")
                         and r["n_images"] != data.get("n_eval")})
         if fewer:
@@ -369,6 +379,10 @@ def render_markdown(model: str, rows: list[dict], data: dict | None,
                   "copies; throughput at the row's --latency-batch):\n\n" + gpu)
     if plots:
         buf.write("\n" + "".join(f"![{alt}]({name})\n" for name, alt in plots.items()))
+    if any(_variant(r) == "int8_auto" for r in runs):
+        buf.write("\nint8_auto: which nodes stay in float, each node's sensitivity and MACs, and "
+                  "the budget on the tuning and evaluation splits: "
+                  "[auto_precision.md](auto_precision.md).\n")
     if builds:
         buf.write("\nTensorRT engine builds (stage 6):\n\n| variant | status | detail |\n"
                   "|---|---|---|\n")
@@ -430,7 +444,7 @@ def main(args: argparse.Namespace) -> Path:
             w.writerows(trs)
     # The copy one folder up links the plots through the model's folder.
     top = md
-    for name in plots:
+    for name in [*plots, "auto_precision.md"]:
         top = top.replace(f"]({name})", f"]({folder.name}/{name})")
     with common.atomic_path(common.results_dir() / "REPORT.md") as tmp:
         tmp.write_text(top)

@@ -1044,6 +1044,53 @@ def make_splits(items: Sequence[tuple[str, int]], eval_per_class: int | None,
     return sorted(ev), sorted(ca)
 
 
+def split_tuning(eval_items: Sequence[tuple[str, int]], tune_fraction: float, seed: int
+                 ) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """Carve a seeded tuning split out of the evaluation items (mixed-precision search,
+    ``auto_precision.py``): disjoint from evaluation and, since it comes from the evaluation
+    items, from calibration too.
+
+    Rules: of the classes that have one evaluation image, a seeded ``tune_fraction`` of those
+    classes gives its image to tuning; a class with several evaluation images gives
+    ``round(tune_fraction * n)`` of them (seeded) and always keeps one for evaluation. The
+    random stream is separate from :func:`make_splits`' (``default_rng([seed, 1])``), so the
+    calibration split is the same with or without a tuning split; ``tune_fraction == 0`` returns
+    the items unchanged.
+
+    Args:
+        eval_items: ``[(relative path, class)]`` from :func:`make_splits`.
+        tune_fraction: share of the evaluation images moved to tuning, in [0, 1).
+    Returns:
+        ``(eval_items, tune_items)``, each sorted.
+    Raises:
+        UsageError: ``tune_fraction`` outside [0, 1), or it would leave no evaluation image.
+    """
+    if not 0.0 <= tune_fraction < 1.0:
+        raise UsageError(f"--tune-fraction {tune_fraction}: must be in [0, 1)")
+    if tune_fraction == 0:
+        return sorted(eval_items), []
+    rng = np.random.default_rng([seed, 1])
+    by_class: dict[int, list[str]] = {}
+    for p, c in eval_items:
+        by_class.setdefault(c, []).append(p)
+    single = sorted(c for c, v in by_class.items() if len(v) == 1)
+    ev, tu = [], []
+    n_tune = int(round(tune_fraction * len(single)))
+    chosen = set(rng.choice(single, size=n_tune, replace=False).tolist()) if n_tune else set()
+    for c in single:
+        (tu if c in chosen else ev).append((by_class[c][0], c))
+    for c in sorted(c for c, v in by_class.items() if len(v) > 1):
+        paths = sorted(by_class[c])
+        order = [paths[i] for i in rng.permutation(len(paths))]
+        k = min(int(round(tune_fraction * len(paths))), len(paths) - 1)
+        tu += [(p, c) for p in order[:k]]
+        ev += [(p, c) for p in order[k:]]
+    if not ev:
+        raise UsageError(f"--tune-fraction {tune_fraction} moves every evaluation image to the "
+                         "tuning split: lower it (0.25 is the run_all.sh --auto-precision default)")
+    return sorted(ev), sorted(tu)
+
+
 def drop_content_duplicates(root: Path | str, eval_items: Sequence[tuple[str, int]],
                             calib_items: Sequence[tuple[str, int]]
                             ) -> tuple[list[tuple[str, int]], list[str]]:
@@ -1224,7 +1271,8 @@ def load_split(name: str, spec: ModelSpec, limit: int | None = None
     deleted and rebuilt from the images.
 
     Args:
-        name: ``eval`` or ``calib``.
+        name: ``eval``, ``calib`` or ``tune`` (made only by ``0_prepare_data.py
+            --tune-fraction F``).
         limit: keep the first ``limit`` images (smoke runs); None keeps all.
     Returns:
         ``(x uint8 [N,3,crop,crop], y int64 [N], files)``.
@@ -1233,8 +1281,13 @@ def load_split(name: str, spec: ModelSpec, limit: int | None = None
             that cannot be decoded while rebuilding the cache.
     """
     split = load_splits()
-    if name not in split:
+    if name not in split and name != "tune":
         raise StageError(f"split {name!r} not in {splits_path()}: rerun 0_prepare_data.py")
+    if name == "tune" and not split.get(name):
+        raise StageError(f"{splits_path()} has no tuning split (the mixed-precision search "
+                         "int8_auto needs one, disjoint from evaluation and calibration): rerun "
+                         "python 0_prepare_data.py --tune-fraction 0.25, or bash run_all.sh "
+                         "--auto-precision (either shrinks the evaluation split)")
     if not split[name]:
         flags = ("--calib-fraction (one image per class) or --calib-per-class" if name == "calib"
                  else "a lower --calib-fraction or --calib-per-class")

@@ -1046,8 +1046,9 @@ def print_check(rep: dict, limit: int | None = None) -> None:
 def record_quant(args: argparse.Namespace) -> dict:
     """Write ``results/<model>/quant_<variant>.json``: wall time, the exact command, ModelOpt's
     warnings, the calibration record (``--calib-report``: samples, batch, order seed), the
-    :func:`inspect_model` summary and the health check (:func:`run_check` with the float model
-    and the calibration data) of the output."""
+    :func:`inspect_model` summary, the MACs in INT8 (``macs``: :func:`auto_precision.mac_summary`)
+    and the health check (:func:`run_check` with the float model and the calibration data) of
+    the output."""
     onnx_path = Path(args.onnx)
     rec = {"stage": "5_quantize", "model": args.model, "variant": args.variant,
            "status": args.status, "output": str(onnx_path), "wall_time_s": args.wall_s,
@@ -1056,9 +1057,14 @@ def record_quant(args: argparse.Namespace) -> dict:
     if args.calib_report and Path(args.calib_report).exists():
         rec["calibration"] = calibration_summary(json.loads(Path(args.calib_report).read_text()))
     if args.status == "ok" and onnx_path.exists():
-        rep = inspect_model(onnx_graph.load(onnx_path))
+        qmodel = onnx_graph.load(onnx_path)
+        rep = inspect_model(qmodel)
         rep.pop("_helper", None)
         rec["inspect"] = rep
+        # Share of the Conv/Gemm/MatMul MACs that compute in INT8 (the report's column).
+        import auto_precision
+
+        rec["macs"] = auto_precision.mac_summary(qmodel)
         rec["size_mb"] = common.file_size_mb(onnx_path)
         rec["ort_cpu_smoke"] = ort_smoke(onnx_path)
         if not rec["ort_cpu_smoke"]["ok"]:

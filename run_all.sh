@@ -7,6 +7,7 @@
 #   bash run_all.sh --all-variants           # also the INT8 ablations of stage 5
 #   WEIGHTS=ckpt.pth bash run_all.sh         # a local state dict instead of the default weights
 #   bash run_all.sh --limit 64               # smoke run: artifacts/smoke/, results/smoke/
+#   bash run_all.sh --auto-precision         # + int8_auto (layers kept in float for a budget)
 #
 # Stages: 0 data, 1 PyTorch baseline, 2 ONNX export, 3 ORT eval (FP32/FP16), 4 calibration data,
 # 5 INT8/INT4 quantization + ORT eval, 6 TensorRT engines, 7 TensorRT eval, 8 report.
@@ -16,15 +17,20 @@
 set -euo pipefail
 
 usage() {
-  sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
   echo "options: --stage N --stop-stage M --all-variants --limit N (first N eval images; smoke"
   echo "         runs, written to \$ARTIFACTS/smoke and \$RESULTS/smoke, never over a full run)"
+  echo "         --auto-precision[=F] (stage 0 moves a fraction F, default 0.25, of the eval"
+  echo "         images to a tuning split, so every row of the run is on the smaller eval split;"
+  echo "         stage 5 adds int8_auto: auto_precision.py search + ModelOpt + verify; budget via"
+  echo "         AUTO_ARGS, see 5_quantize.sh)"
 }
 
 stage=0
 stop_stage=8
 all_variants=0
 limit=""
+tune_fraction=""  # --auto-precision: fraction of the eval images moved to the tuning split
 while [ $# -gt 0 ]; do
   case "$1" in
     --stage|--stop-stage|--limit)
@@ -36,6 +42,8 @@ while [ $# -gt 0 ]; do
       esac
       shift 2 ;;
     --all-variants) all_variants=1; shift ;;
+    --auto-precision) tune_fraction=0.25; shift ;;
+    --auto-precision=*) tune_fraction="${1#--auto-precision=}"; shift ;;
     -h|--help) usage; exit 0 ;;
     *) echo "run_all.sh: unknown option $1" >&2; usage >&2; exit 2 ;;
   esac
@@ -48,6 +56,10 @@ if [ "$stage" -gt "$stop_stage" ]; then
 fi
 if [ -n "$limit" ] && ! [[ "$limit" =~ ^[1-9][0-9]*$ ]]; then
   echo "run_all.sh: --limit needs a positive integer, got '$limit'" >&2; exit 2
+fi
+if [ -n "$tune_fraction" ] && ! [[ "$tune_fraction" =~ ^0?\.[0-9]*[1-9][0-9]*$ ]]; then
+  echo "run_all.sh: --auto-precision=F needs a fraction 0 < F < 1 (e.g. 0.25), got" \
+    "'$tune_fraction'" >&2; exit 2
 fi
 
 cd "$(dirname "$0")"
@@ -117,6 +129,31 @@ except common.UsageError as e:
 EOF
 fi
 
+# --auto-precision: stage 0 makes the tuning split (all later stages then use the smaller eval
+# split) and stage 5 adds the variants that need it (variants.py: int8_auto).
+auto=()
+tune=()
+if [ -n "$tune_fraction" ]; then
+  if [ "$custom" = 1 ]; then
+    echo "run_all.sh: --auto-precision: $MODEL is a custom model; run python auto_precision.py" \
+      "search --model $MODEL --tune-npz YOUR.npz and 5_quantize.sh int8_auto yourself" >&2
+    exit 2
+  fi
+  auto=(--auto-precision)
+  tune=(--tune-fraction "$tune_fraction")
+  if [ "$stage" -gt 0 ] && [ "$stage" -le 5 ] && [ "$stop_stage" -ge 5 ] && ! python -c '
+import json, sys
+try:
+    sys.exit(0 if json.load(open(sys.argv[1])).get("tune") else 1)
+except (OSError, ValueError):
+    sys.exit(1)' "$ART_ROOT/splits.json"; then
+    echo "run_all.sh: --auto-precision --stage $stage: $ART_ROOT/splits.json has no tuning split" \
+      "(stage 0 makes it, and every row must be on the same smaller eval split): start from" \
+      "stage 0: bash run_all.sh --auto-precision" >&2
+    exit 2
+  fi
+fi
+
 # Both roots must take files before any long work starts.
 for d in "$ART_ROOT" "$RES_ROOT"; do
   if ! mkdir -p "$d" 2>/dev/null || ! probe="$(mktemp "$d/.write-probe-XXXXXX" 2>/dev/null)"; then
@@ -134,6 +171,7 @@ resume_cmd() {
   [ "$stop_stage" = 8 ] || c+=" --stop-stage $stop_stage"
   [ -z "$limit" ] || c+=" --limit $limit"
   [ "$all_variants" = 0 ] || c+=" --all-variants"
+  [ -z "$tune_fraction" ] || c+=" --auto-precision=$tune_fraction"
   local envs="MODEL=$MODEL$user_roots"
   [ -z "${WEIGHTS:-}" ] || envs+=" WEIGHTS=$WEIGHTS"
   [ -z "${VAL_ROOT:-}" ] || envs+=" VAL_ROOT=$VAL_ROOT"
@@ -308,7 +346,7 @@ fi
 if want 0; then
   begin 0 "prepare data: ${VAL_ROOT:-data/imagenet-sample-1k} -> $ART_ROOT/splits.json + cache"
   if classifier_only; then
-    run 0_prepare_data python 0_prepare_data.py --model "$MODEL" "${lim[@]}"
+    run 0_prepare_data python 0_prepare_data.py --model "$MODEL" "${lim[@]}" "${tune[@]}"
   fi
   end 0
 fi
@@ -346,12 +384,12 @@ if want 4; then
 fi
 
 if want 5; then
-  begin 5 "quantization: $ONNX_DIR/fp32.onnx -> $(python variants.py list --stage 5 | tr '\n' ' ')(+ ORT eval of each)"
+  begin 5 "quantization: $ONNX_DIR/fp32.onnx -> $(python variants.py list --stage 5 "${auto[@]}" | tr '\n' ' ')(+ ORT eval of each)"
   if classifier_only && have 5_quantize.sh; then
     # Stage-5 variants from the registry (variants.py); int4 is made by 5b below.
     all_flag=()
     if [ "$all_variants" = 1 ]; then all_flag=(--all); fi
-    variants_out="$(python variants.py list --stage 5 "${all_flag[@]}")"
+    variants_out="$(python variants.py list --stage 5 "${all_flag[@]}" "${auto[@]}")"
     mapfile -t variants <<<"$variants_out"
     for v in "${variants[@]}"; do
       [ "$v" != int4 ] || continue
@@ -378,6 +416,14 @@ if want 6; then
   begin 6 "TensorRT engines: $ONNX_DIR/*.onnx -> $ART/engines/*.plan (skips without TensorRT)"
   if classifier_only && have 6_build_engines.sh; then
     run 6_build_engines bash 6_build_engines.sh
+    if [ -n "$tune_fraction" ]; then  # variants made only by this option (int8_auto)
+      opt_out="$(comm -13 <(python variants.py list --stage 6 | sort) \
+        <(python variants.py list --stage 6 --auto-precision | sort))"
+      if [ -n "$opt_out" ]; then
+        mapfile -t opt_variants <<<"$opt_out"
+        run 6_build_engines_auto bash 6_build_engines.sh "${opt_variants[@]}"
+      fi
+    fi
   fi
   end 6
 fi
@@ -385,7 +431,7 @@ fi
 if want 7; then
   begin 7 "TensorRT eval: $ART/engines/*.plan -> $RES_DIR/trt_*.json (skips without TensorRT)"
   if classifier_only && have 7_trt_eval.py; then
-    trt_out="$(python variants.py list --stage 7)"
+    trt_out="$(python variants.py list --stage 7 "${auto[@]}")"
     mapfile -t trt_variants <<<"$trt_out"
     for v in "${trt_variants[@]}"; do
       run "7_trt_eval_$v" python 7_trt_eval.py --model "$MODEL" --engine "$ART/engines/$v.plan" \

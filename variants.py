@@ -7,10 +7,12 @@ command line below), so a variant is added in one place.
 
 Command line (for the shell scripts)::
 
-    python variants.py list [--stage 5|6|7] [--all]     # names, one per line, pipeline order
+    python variants.py list [--stage 5|6|7] [--all] [--auto-precision]
+                                                         # names, one per line, pipeline order
     python variants.py describe NAME                     # one-line description
+    python variants.py needs-tuning NAME                 # exit 0 if NAME needs the tuning split
     python variants.py modelopt-args NAME --calib C --eps E [--depthwise N ...] [--stem N ...]
-                                                         # ModelOpt CLI flags, one per line
+                                     [--auto N ...]      # ModelOpt CLI flags, one per line
 
 Tags derived from a variant name ``v``: ORT row ``ort_v``, TensorRT row ``trt_v``, engine build
 row ``trt_build_v``, quantization record ``quant_v``; ONNX file ``artifacts/<model>/onnx/v.onnx``,
@@ -28,9 +30,10 @@ QUANT = "5_quantize.sh"
 INT4 = "5b_quantize_int4.py"
 
 # Placeholders in a recipe, filled from the graph by stage 5 (qdq_tools.py list-depthwise /
-# list-stem, anchored regexes).
+# list-stem, anchored regexes) or by the mixed-precision search (auto_precision.py search).
 DEPTHWISE = "{depthwise}"
 STEM = "{stem}"
+AUTO = "{auto}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +56,10 @@ class Variant:
             ``--high_precision_dtype fp16``, its default); a weakly typed TensorRT build then
             needs ``--fp16`` besides ``--int8``.
         expected_failure: made on purpose to reproduce a known failure (not a deliverable).
+        needs_tuning: made only on request, from a tuning split (``0_prepare_data.py
+            --tune-fraction``, ``run_all.sh --auto-precision``): left out of every default and
+            ``--all`` list unless ``auto_precision=True`` (:func:`for_stage`), so a default run
+            keeps its rows.
     """
 
     name: str
@@ -65,6 +72,7 @@ class Variant:
     engine: bool = False
     high_precision_fp16: bool = False
     expected_failure: bool = False
+    needs_tuning: bool = False
 
     @property
     def onnx_file(self) -> str:
@@ -121,6 +129,11 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("conv_gemm_hp32", "INT8", "qdq", QUANT,
             "ablation: fp32_only + --op_types_to_quantize Conv Gemm",
             modelopt=_INT8 + _HP32 + _CONV_GEMM),
+    Variant("int8_auto", "INT8", "qdq", QUANT,
+            "mixed precision for an accuracy budget: Conv+Gemm INT8 except the nodes the search "
+            "keeps in float (auto_precision.py), fp32 scales",
+            modelopt=_INT8 + _CONV_GEMM + ("--nodes_to_exclude", AUTO) + _HP32, engine=True,
+            needs_tuning=True),
     Variant("int4", "INT4", "int4", INT4,
             "INT4 weight-only, blocked, Gemm/MatMul, block size chosen and axis verified",
             default=True, engine=True),
@@ -150,23 +163,27 @@ def order(name: str | None) -> int:
     return names.index(name) if name in VARIANTS else len(names)
 
 
-def for_stage(stage: int, include_all: bool = False) -> list[Variant]:
+def for_stage(stage: int, include_all: bool = False, auto_precision: bool = False
+              ) -> list[Variant]:
     """Variants a stage handles, in pipeline order.
 
     Args:
         stage: 5 (quantized by ``5_quantize.sh`` + ``5b_quantize_int4.py``), 6/7 (TensorRT
             engines), 3 (ORT rows of the export stage).
         include_all: also the ablations and failure reproductions (``--all-variants``).
+        auto_precision: also the variants that need a tuning split (``needs_tuning``:
+            ``int8_auto``; ``run_all.sh --auto-precision``).
     """
+    keep = [v for v in VARIANTS.values() if auto_precision or not v.needs_tuning]
     if stage == 3:
-        return [v for v in VARIANTS.values() if v.producer == EXPORT]
+        return [v for v in keep if v.producer == EXPORT]
     if stage == 5:
-        return [v for v in VARIANTS.values() if v.producer in (QUANT, INT4)
-                and (include_all or v.default)]
+        return [v for v in keep if v.producer in (QUANT, INT4)
+                and (include_all or v.default or v.needs_tuning)]
     if stage == 6:  # a failure reproduction is built (to show the failure) when its ONNX exists
-        return [v for v in VARIANTS.values() if v.engine]
+        return [v for v in keep if v.engine]
     if stage == 7:
-        return [v for v in VARIANTS.values() if v.engine and not v.expected_failure]
+        return [v for v in keep if v.engine and not v.expected_failure]
     raise ValueError(f"no variants for stage {stage}")
 
 
@@ -178,14 +195,15 @@ def variant_of_file(path) -> Variant | None:
 
 
 def modelopt_args(name: str, calib: str, eps: str, depthwise: Sequence[str] = (),
-                  stem: Sequence[str] = ()) -> list[str]:
+                  stem: Sequence[str] = (), auto: Sequence[str] = ()) -> list[str]:
     """ModelOpt ONNX CLI flags (besides ``--onnx_path``/``--output_path``) of a stage-5 variant.
 
     Args:
         calib: ``--calibration_data_path``; eps: ``--calibration_eps``.
-        depthwise / stem: node-name regexes substituted for the placeholders; a flag whose
-            list is empty is dropped together with the flag (``--nodes_to_exclude`` with no
-            node would swallow the next flag).
+        depthwise / stem / auto: node-name regexes substituted for the placeholders (``auto``:
+            the nodes the mixed-precision search keeps in float); a flag whose list is empty
+            is dropped together with the flag (``--nodes_to_exclude`` with no node would
+            swallow the next flag).
     Raises:
         KeyError: unknown variant; ValueError: the variant has no ModelOpt recipe, or it
             excludes the stem and ``stem`` is empty (a model without a stem convolution).
@@ -203,6 +221,8 @@ def modelopt_args(name: str, calib: str, eps: str, depthwise: Sequence[str] = ()
             out += list(depthwise)
         elif tok == STEM:
             out += list(stem)
+        elif tok == AUTO:
+            out += list(auto)
         else:
             out.append(tok)
     # Drop a --nodes_to_exclude that got no names.
@@ -225,7 +245,13 @@ def get_args_parser() -> argparse.ArgumentParser:
                     help="only the variants this stage handles (default: all variants)")
     sp.add_argument("--all", action="store_true",
                     help="with --stage: include the ablations and failure reproductions")
+    sp.add_argument("--auto-precision", action="store_true",
+                    help="include the variants that need a tuning split (int8_auto)")
     sp = sub.add_parser("describe", help="one-line description of a variant",
+                        formatter_class=common.HelpFormatter)
+    sp.add_argument("name", help="variant name")
+    sp = sub.add_parser("needs-tuning", help="exit 0 if the variant needs a tuning split "
+                        "(made by the mixed-precision search), 1 if not",
                         formatter_class=common.HelpFormatter)
     sp.add_argument("name", help="variant name")
     sp = sub.add_parser("modelopt-args", help="ModelOpt CLI flags of a stage-5 variant",
@@ -237,6 +263,9 @@ def get_args_parser() -> argparse.ArgumentParser:
                     help="anchored depthwise-conv node regexes (qdq_tools.py list-depthwise)")
     sp.add_argument("--stem", nargs="*", default=[],
                     help="anchored stem-conv node regex (qdq_tools.py list-stem)")
+    sp.add_argument("--auto", nargs="*", default=[],
+                    help="anchored regexes of the nodes the mixed-precision search keeps in "
+                         "float (auto_precision.py search)")
     return p
 
 
@@ -245,13 +274,16 @@ def main(args: argparse.Namespace) -> None:
 
     try:
         if args.cmd == "list":
-            vs = VARIANTS.values() if args.stage is None else for_stage(args.stage, args.all)
+            vs = (VARIANTS.values() if args.stage is None
+                  else for_stage(args.stage, args.all, args.auto_precision))
             print("\n".join(v.name for v in vs))
         elif args.cmd == "describe":
             print(get(args.name).description)
+        elif args.cmd == "needs-tuning":
+            sys.exit(0 if get(args.name).needs_tuning else 1)
         else:
             print("\n".join(modelopt_args(args.name, args.calib, args.eps, args.depthwise,
-                                          args.stem)))
+                                          args.stem, args.auto)))
     except (KeyError, ValueError) as e:
         raise common.UsageError(str(e).strip("'\"")) from e
 

@@ -1,0 +1,565 @@
+"""Mixed precision for an accuracy budget (issue 14): the tuning split, MACs in INT8, the Q/DQ
+configurations the search edits, the search itself on random-init MobileNetV3-Small with one
+node made sensitive on purpose (structure only: random weights, never an accuracy claim), the
+cache, stage 5's int8_auto path and the report column."""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import auto_precision as ap  # noqa: E402
+import common  # noqa: E402
+import evaluate  # noqa: E402
+import onnx_graph  # noqa: E402
+import variants  # noqa: E402
+
+report = importlib.import_module("8_report")
+SAMPLE = sorted(common.DEFAULT_DATA.glob("*.JPEG"))
+
+
+def _env(tmp_path: Path, **extra) -> dict:
+    env = dict(os.environ, ARTIFACTS=str(tmp_path / "a"), RESULTS=str(tmp_path / "r"),
+               PIPELINE_ROOT=str(ROOT), PYTHONPATH=str(ROOT), PYTHON=sys.executable,
+               PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    for k in ("VAL_ROOT", "ALLOW_CLASS_SUBSET", "WEIGHTS", "INPUT_SHAPE", "AUTO_ARGS"):
+        env.pop(k, None)
+    return {**env, **extra}
+
+
+def _run(args: list[str], env: dict, timeout: int = 900) -> subprocess.CompletedProcess:
+    cmd = [sys.executable] + args if args[0].endswith(".py") else args
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+# --------------------------------------------------------------------------------- splits
+def test_tuning_split_is_carved_from_eval_seeded_and_off_by_default():
+    items, _ = common.list_images(common.DEFAULT_DATA)
+    ev, ca = common.make_splits(items, None, 10, 0.1, 0)
+    assert common.split_tuning(ev, 0.0, 0) == (ev, [])  # default: the run is unchanged
+    ev2, tu = common.split_tuning(ev, 0.25, 0)
+    assert (len(ev2), len(tu)) == (675, 225)
+    paths = [{p for p, _ in s} for s in (ev2, tu, ca)]
+    assert not (paths[0] & paths[1]) and not (paths[1] & paths[2])
+    assert paths[0] | paths[1] == {p for p, _ in ev}
+    assert common.split_tuning(ev, 0.25, 0) == (ev2, tu)
+    assert common.split_tuning(ev, 0.25, 1)[1] != tu
+    # several images per class: every class keeps one for evaluation
+    many = [(f"c{c}/{i}.JPEG", c) for c in range(20) for i in range(3)]
+    ev3, tu3 = common.split_tuning(many, 0.9, 0)
+    assert {c for _, c in ev3} == set(range(20)) and len(tu3) == 40
+    with pytest.raises(common.UsageError, match="--tune-fraction"):
+        common.split_tuning(ev, 1.0, 0)
+
+
+def test_stage0_tune_fraction_keeps_calibration_and_shrinks_eval(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    for f in SAMPLE[:40]:
+        (data / f.name).symlink_to(f)
+    env = _env(tmp_path, ALLOW_CLASS_SUBSET="1")
+    base = ["0_prepare_data.py", "--model", "efficientnet_lite0", "--data-root", str(data)]
+    p = _run(base, env)
+    assert p.returncode == 0, p.stderr
+    before = json.loads((tmp_path / "a" / "splits.json").read_text())
+    p = _run(base + ["--tune-fraction", "0.25"], env)
+    assert p.returncode == 0, p.stderr
+    after = json.loads((tmp_path / "a" / "splits.json").read_text())
+    assert after["calib"] == before["calib"] and len(after["tune"]) == 9
+    assert sorted(after["eval"] + after["tune"]) == sorted(before["eval"])
+    assert "9 tuning" in p.stdout
+    summary = json.loads((tmp_path / "r" / "efficientnet_lite0" / "data.json").read_text())
+    assert summary["n_tune"] == 9 and summary["n_eval"] == len(after["eval"])
+    p = _run(base + ["--tune-fraction", "1.5"], env)
+    assert p.returncode == 2 and "--tune-fraction 1.5: must be in [0, 1)" in p.stderr
+
+
+def test_without_tuning_split_int8_auto_names_the_flag(tmp_path, monkeypatch):
+    monkeypatch.setenv("ARTIFACTS", str(tmp_path / "a"))
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "splits.json").write_text(json.dumps(
+        {"data_root": str(common.DEFAULT_DATA), "eval": [["x.JPEG", 0]], "calib": [["y", 1]]}))
+    with pytest.raises(common.StageError, match="--tune-fraction 0.25, or bash run_all.sh "
+                                                "--auto-precision"):
+        common.load_split("tune", common.model_spec("efficientnet_lite0"))
+    # the search itself, as stage 5 calls it: exit 1 with that message, before any quantizer
+    onnx_dir = tmp_path / "a" / "efficientnet_lite0" / "onnx"
+    onnx_dir.mkdir(parents=True)
+    _save(_conv_chain(), onnx_dir / "fp32.onnx")
+    p = _run(["auto_precision.py", "search", "--model", "efficientnet_lite0"], _env(tmp_path))
+    assert p.returncode == 1 and "--tune-fraction" in p.stderr and "Traceback" not in p.stderr
+    assert not (tmp_path / "a" / "efficientnet_lite0" / "auto_precision" / "base.onnx").exists()
+
+
+def test_int8_auto_only_on_request():
+    names = lambda *a: [v.name for v in variants.for_stage(*a)]  # noqa: E731
+    for stage in (5, 6, 7):
+        assert "int8_auto" not in names(stage) and "int8_auto" not in names(stage, True)
+        assert "int8_auto" in names(stage, False, True)
+    assert variants.modelopt_args("int8_auto", "c.npz", "cpu", auto=["^a$"])[:8] == [
+        "--quantize_mode", "int8", "--op_types_to_quantize", "Conv", "Gemm",
+        "--nodes_to_exclude", "^a$", "--high_precision_dtype"]
+    assert "--nodes_to_exclude" not in variants.modelopt_args("int8_auto", "c.npz", "cpu")
+
+
+def test_run_all_auto_precision_usage(tmp_path):
+    env = _env(tmp_path, MODEL="efficientnet_lite0")
+    p = subprocess.run(["bash", "run_all.sh", "--auto-precision=1.5"], cwd=ROOT, env=env,
+                       capture_output=True, text=True)
+    assert p.returncode == 2 and "needs a fraction 0 < F < 1" in p.stderr
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "splits.json").write_text(json.dumps({"eval": [], "calib": []}))
+    p = subprocess.run(["bash", "run_all.sh", "--auto-precision", "--stage", "5"], cwd=ROOT,
+                       env=env, capture_output=True, text=True)
+    assert p.returncode == 2 and "has no tuning split" in p.stderr and "start from stage 0" \
+        in p.stderr
+
+
+# --------------------------------------------------------------------------- small graphs
+def _save(model, path: Path) -> Path:
+    import onnx
+
+    onnx.save(model, str(path))
+    return path
+
+
+def _conv_chain(size: int = 16):
+    """x [N,3,s,s] -> Conv a (3->8, 3x3) -> depthwise Conv dw -> GlobalAveragePool -> Flatten
+    -> Gemm fc (8->10) -> MatMul mm (10->4) -> y."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    w = {"wa": (8, 3, 3, 3), "wdw": (8, 1, 3, 3), "wfc": (10, 8), "wmm": (10, 4)}
+    inits = [numpy_helper.from_array(rng.standard_normal(s).astype(np.float32) * 0.3, n)
+             for n, s in w.items()]
+    nodes = [helper.make_node("Conv", ["x", "wa"], ["a"], name="a", pads=[1] * 4),
+             helper.make_node("Conv", ["a", "wdw"], ["b"], name="dw", group=8, pads=[1] * 4),
+             helper.make_node("GlobalAveragePool", ["b"], ["p"], name="gap"),
+             helper.make_node("Flatten", ["p"], ["f"], name="flat"),
+             helper.make_node("Gemm", ["f", "wfc"], ["g"], name="fc", transB=1),
+             helper.make_node("MatMul", ["g", "wmm"], ["y"], name="mm")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, ["batch", 3, size, size])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 19)])
+    m.ir_version = 9
+    return m
+
+
+def _qdq(model, tensor: str, scale, axis: int | None = None, zp_dtype=np.int8):
+    """Insert QuantizeLinear -> DequantizeLinear on ``tensor`` (every consumer reads the
+    dequantized tensor, as ONNX Runtime's quantizer does)."""
+    from onnx import helper, numpy_helper
+
+    scale = np.asarray(scale, np.float32)
+    g = model.graph
+    s, z = f"{tensor}_scale", f"{tensor}_zp"
+    g.initializer.extend([numpy_helper.from_array(scale, s),
+                          numpy_helper.from_array(np.zeros(scale.shape, zp_dtype), z)])
+    for n in g.node:
+        for i, t in enumerate(n.input):
+            if t == tensor:
+                n.input[i] = f"{tensor}_dq"
+    kw = {} if axis is None else {"axis": axis}
+    g.node.extend([helper.make_node("QuantizeLinear", [tensor, s, z], [f"{tensor}_q"],
+                                    name=f"{tensor}_QuantizeLinear", **kw),
+                   helper.make_node("DequantizeLinear", [f"{tensor}_q", s, z], [f"{tensor}_dq"],
+                                    name=f"{tensor}_DequantizeLinear", **kw)])
+    _toposort(model)
+
+
+def _toposort(model) -> None:
+    g = model.graph
+    have = {i.name for i in g.input} | {t.name for t in g.initializer}
+    nodes, out = list(g.node), []
+    while nodes:
+        for n in nodes:
+            if all(i in have for i in n.input if i):
+                out.append(n)
+                have.update(n.output)
+                nodes.remove(n)
+                break
+        else:
+            raise AssertionError("cycle")
+    del g.node[:]
+    g.node.extend(out)
+
+
+def test_macs_counted_from_the_graph_and_int8_only_with_both_inputs_quantized():
+    m = _conv_chain()
+    rows = {r["name"]: r for r in ap.mac_table(m)}
+    assert rows["a"]["macs"] == 8 * 16 * 16 * 3 * 3 * 3
+    assert rows["dw"]["macs"] == 8 * 16 * 16 * 1 * 3 * 3
+    assert rows["fc"]["macs"] == 10 * 8 and rows["mm"]["macs"] == 4 * 10
+    assert not any(r["int8"] for r in rows.values())
+    _qdq(m, "x", 0.05)                       # a: input and weight 8-bit -> INT8
+    _qdq(m, "wa", np.full(8, 0.01), axis=0)
+    _qdq(m, "wfc", np.full(10, 0.01), axis=0)  # fc: weight only -> not INT8 compute
+    rows = {r["name"]: r for r in ap.mac_table(m)}
+    assert rows["a"]["int8"] and not rows["fc"]["int8"] and not rows["dw"]["int8"]
+    s = ap.mac_summary(m)
+    total = 8 * 16 * 16 * 27 + 8 * 16 * 16 * 9 + 80 + 40
+    assert s["total_macs"] == total and s["int8_macs"] == 8 * 16 * 16 * 27
+    assert abs(s["int8_fraction"] - 8 * 16 * 16 * 27 / total) < 1e-12
+
+
+def _shared_input_model():
+    """x -> Q/DQ (shared) -> Conv A and Conv B (both with Q/DQ weights) -> Add -> y."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(1)
+    inits = [numpy_helper.from_array(rng.standard_normal((4, 3, 1, 1)).astype(np.float32), n)
+             for n in ("wA", "wB")]
+    nodes = [helper.make_node("Conv", ["x", "wA"], ["ya"], name="A"),
+             helper.make_node("Conv", ["x", "wB"], ["yb"], name="B"),
+             helper.make_node("Add", ["ya", "yb"], ["y"], name="add")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, ["batch", 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    fp32 = helper.make_model(g, opset_imports=[helper.make_opsetid("", 19)])
+    fp32.ir_version = 9
+    q = type(fp32)()
+    q.CopyFrom(fp32)
+    _qdq(q, "x", 0.1)
+    _qdq(q, "wA", np.full(4, 0.02), axis=0)
+    _qdq(q, "wB", np.full(4, 0.02), axis=0)
+    return fp32, q
+
+
+def _ort(model, x):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(model.SerializeToString(), so,
+                                providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
+
+def test_configurations_follow_modelopt_a_shared_input_stays_quantized_while_one_reader_is_int8():
+    fp32, q = _shared_input_model()
+    space = ap.QdqSpace(q, fp32)
+    assert space.names == ["A", "B"] and space.owners == {"x_DequantizeLinear": {"A", "B"}}
+    nodes = lambda m: {n.name: n for n in m.graph.node}  # noqa: E731
+    only_a_float = nodes(space.model({"A"}))
+    # A's weight is float again, but x is still quantized for B, so A reads it too (ModelOpt's
+    # --nodes_to_exclude A gives the same: ORT's quantizer rewires every consumer of x)
+    assert list(only_a_float["A"].input) == ["x_dq", "wA"]
+    assert list(only_a_float["B"].input) == ["x_dq", "wB_dq"]
+    assert "wA_QuantizeLinear" not in only_a_float  # dead Q/DQ pruned
+    all_float = space.model({"A", "B"})
+    assert not any(n.op_type in onnx_graph.QDQ_OPS for n in all_float.graph.node)
+    assert {t.name for t in all_float.graph.initializer} == {"wA", "wB"}
+    x = np.random.default_rng(2).standard_normal((2, 3, 8, 8)).astype(np.float32)
+    np.testing.assert_array_equal(_ort(all_float, x), _ort(fp32, x))
+    np.testing.assert_array_equal(_ort(space.model(()), x), _ort(q, x))
+    with pytest.raises(KeyError, match="not a quantized candidate"):
+        space.model({"add"})
+
+
+def test_integer_weights_are_restored_from_the_fp32_model():
+    """A DequantizeLinear of a constant int8 weight (ModelOpt --dq_only) has no float copy in
+    the Q/DQ model: the float weight comes from the FP32 model, and without it the error says
+    so."""
+    from onnx import numpy_helper
+
+    fp32, q = _shared_input_model()
+    consts = onnx_graph.constants(q)
+    wq = np.clip(np.round(consts["wA"] / 0.02), -128, 127).astype(np.int8)
+    q.graph.initializer.append(numpy_helper.from_array(wq, "wA_int8"))
+    for n in q.graph.node:
+        if n.name == "wA_DequantizeLinear":
+            n.input[0] = "wA_int8"
+    ap._prune(q)
+    space = ap.QdqSpace(q, fp32)
+    m = space.model({"A", "B"})
+    x = np.random.default_rng(3).standard_normal((1, 3, 8, 8)).astype(np.float32)
+    np.testing.assert_array_equal(_ort(m, x), _ort(fp32, x))
+    with pytest.raises(common.StageError, match="--fp32"):
+        ap.QdqSpace(q, None)
+
+
+def test_budget_and_its_flags():
+    ref = np.eye(4, dtype=np.float32)[[0, 1, 2, 3] * 50]
+    out = ref.copy()
+    out[0] = [0, 1, 0, 0]  # one flip in 200
+    m = ap.metrics(ref, out, np.zeros(200, np.int64))
+    assert m["agreement"] == 99.5 and m["flips"] == 1
+    assert ap.Budget(99.5, None).met(m) and not ap.Budget(99.6, None).met(m)
+    assert "cosine" in ap.Budget(None, 0.999).misses(m)[0]
+    parser = ap.get_args_parser()
+    args = parser.parse_args(["search", "--min-agreement", "off", "--min-cosine", "0.99"])
+    assert ap.budget_from_args(args) == ap.Budget(None, 0.99, None)
+    for bad, msg in ((["--min-cosine", "2"], "cosine similarity lies in"),
+                     (["--min-agreement", "off", "--min-cosine", "off"], "every budget bound")):
+        with pytest.raises(common.UsageError, match=msg):
+            ap.budget_from_args(parser.parse_args(["search", *bad]))
+
+
+def test_cache_key_covers_every_input(tmp_path):
+    fields = {"fp32": "a", "qdq": "b", "calib": "c", "tune": "d", "mode": ap.MODE}
+    c = ap.Cache(tmp_path, fields)
+    c.put({"n1"}, {"cosine_mean": 0.5})
+    assert ap.Cache(tmp_path, fields).get({"n1"}) == {"cosine_mean": 0.5}
+    for k in fields:
+        other = ap.Cache(tmp_path, {**fields, k: "changed"})
+        assert other.path != c.path and other.get({"n1"}) is None
+
+
+# ------------------------------------------------- the search on MobileNetV3-Small (random)
+def _make_sensitive(model, scale: float = 1000.0) -> str:
+    """Scale output channel 0 of a Conv that feeds a ReLU (weight and bias) by ``scale`` and the
+    next Conv's weights for that input channel by 1 / ``scale``: the float function is the same
+    (ReLU is positively homogeneous), but the next Conv's input now has one channel ``scale``
+    times wider than the others, so its per-tensor INT8 input scale flattens the rest. Returns
+    the name of that next Conv (the sensitive node)."""
+    from onnx import numpy_helper
+
+    cons, prod = onnx_graph.consumers(model), onnx_graph.producers(model)
+    consts = onnx_graph.constants(model)
+
+    def const(t):
+        while t not in consts:  # the legacy exporter shares equal constants through Identity
+            t = prod[t].input[0]
+        return consts[t].copy()
+
+    for relu in model.graph.node:
+        if relu.op_type != "Relu":
+            continue
+        x, ys = prod.get(relu.input[0]), cons[relu.output[0]]
+        if x is None or x.op_type != "Conv" or len(ys) != 1 or ys[0].op_type != "Conv":
+            continue
+        src = prod.get(x.input[0])
+        if src is not None and src.op_type in ("GlobalAveragePool", "ReduceMean"):
+            continue  # squeeze-excitation: hardly reaches the logits
+        y = ys[0]
+        wx, bx, wy = const(x.input[1]), const(x.input[2]), const(y.input[1])
+        wx[0] *= scale
+        bx[0] *= scale
+        if int(onnx_graph.attr(y, "group", 1)) == 1:
+            wy[:, 0] /= scale
+        else:
+            wy[0] /= scale
+        for node, i, arr in ((x, 1, wx), (x, 2, bx), (y, 1, wy)):
+            name = f"{node.name}_sensitive_{i}"
+            model.graph.initializer.append(numpy_helper.from_array(arr, name))
+            node.input[i] = name
+        return y.name
+    raise AssertionError("no Conv -> Relu -> Conv in the model")
+
+
+@pytest.fixture(scope="module")
+def mnv3_sensitive(tmp_path_factory):
+    """Random-init MobileNetV3-Small at 64x64 with one node made sensitive, its calibration and
+    tuning samples (seeded normal inputs: structure only)."""
+    import onnx
+    import torch
+
+    d = tmp_path_factory.mktemp("mnv3_auto")
+    model, _ = common.build_model("mobilenet_v3_small", pretrained=False)
+    model.eval()
+    torch.onnx.export(model, (torch.zeros(1, 3, 64, 64),), str(d / "plain.onnx"),
+                      input_names=["input"], output_names=["logits"], opset_version=17,
+                      dynamo=False, dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}})
+    m = onnx.load(str(d / "plain.onnx"))
+    sensitive = _make_sensitive(m)
+    _save(m, d / "fp32.onnx")
+    rng = np.random.default_rng(0)
+    np.savez(d / "calib.npz", input=rng.standard_normal((32, 3, 64, 64)).astype(np.float32))
+    np.savez(d / "tune.npz", input=rng.standard_normal((32, 3, 64, 64)).astype(np.float32))
+    # the edit keeps the float function
+    x = {"input": np.load(d / "tune.npz")["input"][:4]}
+    import onnxruntime as ort
+
+    a, b = (ort.InferenceSession(str(d / f), providers=["CPUExecutionProvider"]).run(None, x)[0]
+            for f in ("plain.onnx", "fp32.onnx"))
+    assert common.cosine_rows(a, b).min() > 0.99999
+    return d, sensitive
+
+
+def _search(d: Path, env: dict, *budget: str) -> tuple[subprocess.CompletedProcess, dict]:
+    p = _run(["auto_precision.py", "search", "--model", "mnv3_sensitive", "--fp32",
+              str(d / "fp32.onnx"), "--calib", str(d / "calib.npz"), "--tune-npz",
+              str(d / "tune.npz"), "--work-dir", str(d / "work"), "--out-dir", str(d / "out"),
+              "--min-agreement", "off", *budget], env)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    return p, json.loads((d / "out" / "auto_precision.json").read_text())
+
+
+def test_search_keeps_the_sensitive_node_in_float_and_modelopt_reproduces_it(mnv3_sensitive,
+                                                                             tmp_path):
+    pytest.importorskip("modelopt.onnx.quantization")
+    d, sensitive = mnv3_sensitive
+    env = _env(tmp_path)
+    p, rec = _search(d, env, "--min-cosine", "0.99")
+    regexes = p.stdout.split()
+    assert ap.anchored([sensitive])[0] in regexes
+    rows = {r["name"]: r for r in rec["candidates"]}
+    assert rows[sensitive]["kept_float"]
+    worst = max(rec["candidates"], key=lambda r: r["cosine_error_added"])
+    assert worst["name"] == sensitive
+    assert rec["full_int8"]["cosine_mean"] < 0.99 <= rec["predicted"]["cosine_mean"]
+    assert rec["budget_met"] and 0 < rec["int8_mac_fraction"] < 1
+    assert rec["base"]["reused"] is False and "--op_types_to_quantize Conv Gemm" in \
+        rec["base"]["command"]
+    assert ap.SEMANTICS in (d / "out" / "auto_precision.md").read_text()
+    assert (d / "out" / "auto_precision.png").stat().st_size > 1000
+    # ModelOpt re-quantizes with the anchored exclusion list; verify measures that file
+    out = d / "int8_auto.onnx"
+    q = _run(["qdq_tools.py", "modelopt", "--", "--onnx_path", str(d / "fp32.onnx"),
+              *variants.modelopt_args("int8_auto", str(d / "calib.npz"), "cpu", auto=regexes),
+              "--output_path", str(out)], env)
+    assert q.returncode == 0, q.stderr[-2000:]
+    v = _run(["auto_precision.py", "verify", "--model", "mnv3_sensitive", "--fp32",
+              str(d / "fp32.onnx"), "--onnx", str(out), "--work-dir", str(d / "work"),
+              "--out-dir", str(d / "out")], env)
+    assert v.returncode == 0, v.stderr[-3000:]
+    ver = json.loads((d / "out" / "auto_precision.json").read_text())["verify"]
+    assert ver["tune_budget_met"] and not ver["structure_differences"]
+    assert ver["vs_searched_configuration"]["cosine_min"] > 0.99999
+    int8 = {r["name"]: r["int8"] for r in ap.mac_table(onnx_graph.load(out))}
+    assert int8[sensitive] is False and sum(int8.values()) == len(rec["candidates"]) - len(
+        rec["excluded"])
+    assert ver["eval"] is None  # not an image classifier: no evaluation split here
+
+
+def _chain_qdq():
+    """The conv chain with a, dw and fc quantized by hand (per-tensor inputs, per-channel
+    weights)."""
+    fp32 = _conv_chain()
+    q = type(fp32)()
+    q.CopyFrom(fp32)
+    _qdq(q, "x", 4.0 / 127)
+    _qdq(q, "wa", np.full(8, 0.01), axis=0)
+    _qdq(q, "a", 0.2)
+    _qdq(q, "wdw", np.full(8, 0.01), axis=0)
+    _qdq(q, "f", 0.02)
+    _qdq(q, "wfc", np.full(10, 0.005), axis=0)
+    return fp32, q
+
+
+def test_search_in_process_rerun_with_another_budget_runs_no_per_node_measurement(
+        tmp_path, monkeypatch):
+    fp32, q = _chain_qdq()
+    space = ap.QdqSpace(q, fp32)
+    assert space.names == ["a", "dw", "fc"]
+    data = evaluate.EvalData(feed={"x": np.random.default_rng(4).standard_normal(
+        (16, 3, 16, 16)).astype(np.float32)})
+    ref = ap.run_model(fp32, data)
+    runs = []
+    real = ap.run_model
+    monkeypatch.setattr(ap, "run_model", lambda m, *a, **k: runs.append(1) or real(m, *a, **k))
+    fields = {"fp32": "f", "qdq": "q", "calib": None, "tune": ap.data_digest(data),
+              "mode": ap.MODE}
+    first = ap.search(space, data, ref, ap.Budget(None, 0.99999), ap.Cache(tmp_path, fields))
+    n_first = len(runs)
+    assert n_first == first["evaluations"]["run"] >= 2 + 2 * 3
+    assert len(first["path"]) == 4 and first["path"][0]["metrics"] == first["full_int8"]
+    cache = ap.Cache(tmp_path, fields)
+    second = ap.search(space, data, ref, ap.Budget(None, 0.999), cache)
+    new = len(runs) - n_first
+    # per-node measurements and the path come from the cache; only pruning trials may be new
+    assert new == second["evaluations"]["run"] == cache.misses <= len(second["steps"])
+    assert second["evaluations"]["cached"] >= 2 + 2 * 3
+    assert [p["metrics"] for p in second["path"]] == [p["metrics"] for p in first["path"]]
+    before = len(runs)
+    third = ap.search(space, data, ref, ap.Budget(None, 0.9999), ap.Cache(tmp_path, fields),
+                      prune=False)
+    assert len(runs) == before and third["evaluations"]["run"] == 0  # --no-prune: nothing new
+    assert third["excluded"] == sorted(third["order"][:third["path_choice"]],
+                                       key=space.names.index)
+    assert [r["int8_alone"] for r in first["candidates"]] == \
+        [r["int8_alone"] for r in second["candidates"]]
+    # deterministic: the same inputs give the same choice
+    again = ap.search(space, data, ref, ap.Budget(None, 0.999), ap.Cache(tmp_path, fields))
+    assert again["excluded"] == second["excluded"] and again["order"] == second["order"]
+
+
+@pytest.mark.slow
+def test_rerun_with_another_budget_uses_the_cache(mnv3_sensitive, tmp_path):
+    pytest.importorskip("modelopt.onnx.quantization")
+    d, sensitive = mnv3_sensitive
+    env = _env(tmp_path)
+    _, first = _search(d, env, "--min-cosine", "0.99")
+    _, second = _search(d, env, "--min-cosine", "0.995")
+    n = len(second["candidates"])
+    assert second["base"]["reused"] is True  # ModelOpt did not run again
+    ev = second["search"]["evaluations"]
+    assert ev["cached"] >= 2 + 2 * n  # every per-node measurement came from the cache
+    assert ev["run"] <= len(second["steps"])  # only configurations the new budget needs
+    assert second["search"]["cache"] == first["search"]["cache"]
+    for a, b in zip(first["candidates"], second["candidates"]):
+        assert a["int8_alone"] == b["int8_alone"] and a["float_alone"] == b["float_alone"]
+    assert sensitive in second["excluded"] and second["predicted"]["cosine_mean"] >= 0.995
+
+
+# --------------------------------------------------------------------------------- stage 5
+def test_quantize_sh_int8_auto_budget_usage_error_exits_2(tmp_path):
+    d = tmp_path / "a" / "tiny"
+    (d / "onnx").mkdir(parents=True)
+    _save(_conv_chain(), d / "onnx" / "fp32.onnx")
+    rng = np.random.default_rng(0)
+    np.savez(d / "calib.npz", x=rng.standard_normal((8, 3, 16, 16)).astype(np.float32))
+    np.savez(d / "tune.npz", x=rng.standard_normal((8, 3, 16, 16)).astype(np.float32))
+    env = _env(tmp_path, MODEL="tiny", EPS="cpu", CALIB_STATS_CHECK="0",
+               AUTO_ARGS="--min-cosine 2")
+    p = _run(["bash", "5_quantize.sh", "int8_auto"], env)
+    assert p.returncode == 2 and "cosine similarity lies in [-1, 1]" in p.stderr
+    assert not (d / "onnx" / "int8_auto.onnx").exists()
+
+
+@pytest.mark.slow
+def test_quantize_sh_int8_auto_end_to_end(tmp_path):
+    """5_quantize.sh int8_auto on a small model with a tuning npz: search, ModelOpt with the
+    exclusion list, verification before the file is installed, records."""
+    pytest.importorskip("modelopt.onnx.quantization")
+    d = tmp_path / "a" / "tiny"
+    (d / "onnx").mkdir(parents=True)
+    m = _conv_chain(32)
+    _save(m, d / "onnx" / "fp32.onnx")
+    rng = np.random.default_rng(0)
+    np.savez(d / "calib.npz", x=rng.standard_normal((16, 3, 32, 32)).astype(np.float32))
+    np.savez(d / "tune.npz", x=rng.standard_normal((16, 3, 32, 32)).astype(np.float32))
+    env = _env(tmp_path, MODEL="tiny", EPS="cpu", CALIB_STATS_CHECK="0",
+               AUTO_ARGS="--min-agreement off --min-cosine 0.9999")
+    p = _run(["bash", "5_quantize.sh", "int8_auto"], env)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    rec = json.loads((tmp_path / "r" / "tiny" / "auto_precision.json").read_text())
+    quant = json.loads((tmp_path / "r" / "tiny" / "quant_int8_auto.json").read_text())
+    assert rec["verify"]["tune_budget_met"] and rec["verify"]["onnx"] == str(
+        d / "onnx" / "int8_auto.onnx")
+    assert abs(quant["macs"]["int8_fraction"] - rec["int8_mac_fraction"]) < 1e-9
+    for r in ap.anchored(rec["excluded"]):
+        assert r.replace("\\", "") in quant["command"].replace("\\", "")
+
+
+# --------------------------------------------------------------------------------- report
+def test_report_shows_int8_macs_beside_agreement(tmp_path):
+    rows = [evaluate.base_record("t", "FP32", "m", "pytorch_fp32_cpu",
+                                 {"backend": "PyTorch", "device": "cpu"},
+                                 accuracy={"top1": 88.0, "top5": 97.0}, n_images=675),
+            evaluate.base_record("t", "INT8", "m", "ort_int8_auto",
+                                 {"backend": "ORT", "device": "cpu"},
+                                 accuracy={"top1": 87.5, "top5": 97.0},
+                                 parity={"cosine_mean": 0.999, "top1_agreement": 99.6},
+                                 n_images=675)]
+    for r in rows:
+        common.write_json(tmp_path / f"{r['tag']}.json", r)
+    common.write_json(tmp_path / "quant_int8_auto.json",
+                      {"macs": {"int8_fraction": 0.9123}, "check": {"summary": "check: clean"}})
+    t = {r["tag"]: r for r in report.table_rows(report.load_rows(tmp_path))}
+    assert t["ort_int8_auto"]["INT8 MACs %"] == "91.2"
+    assert t["pytorch_fp32_cpu"]["INT8 MACs %"] == ""
+    cols = report.COLUMNS
+    assert cols.index("top-1 agree %") == cols.index("top-1 %") + 1
+    md = report.render_markdown("m", report.load_rows(tmp_path), {"n_eval": 675, "n_tune": 225})
+    assert "225 more images" in md and "[auto_precision.md](auto_precision.md)" in md
