@@ -868,10 +868,10 @@ def plot_sensitivity(rec: dict, path: Path) -> Path:
     bx.legend(handles, ["INT8", "kept in float"], fontsize=7, loc="upper right")
     bx.grid(alpha=0.3, axis="y")
     plt.setp(ax.get_xticklabels(), visible=False)
-    path = [r for r in rec.get("path", []) if r["int8_mac_fraction"] is not None]
-    if path:
-        px = [100 * r["int8_mac_fraction"] for r in path]
-        cx.plot(px, [max(1 - r["metrics"]["cosine_mean"], floor) for r in path], "o-",
+    ranking = [r for r in rec.get("path", []) if r["int8_mac_fraction"] is not None]
+    if ranking:
+        px = [100 * r["int8_mac_fraction"] for r in ranking]
+        cx.plot(px, [max(1 - r["metrics"]["cosine_mean"], floor) for r in ranking], "o-",
                 color="tab:red", ms=3, label="1 - cosine (mean)")
         if budget is not None:
             cx.axhline(1 - budget, color="0.3", ls="--", lw=0.8)
@@ -880,9 +880,9 @@ def plot_sensitivity(rec: dict, path: Path) -> Path:
                       "INT8)")
         cx.set_ylabel("1 - cosine", color="tab:red")
         cx.grid(alpha=0.3)
-        if path[0]["metrics"].get("agreement") is not None:
+        if ranking[0]["metrics"].get("agreement") is not None:
             dx = cx.twinx()
-            dx.plot(px, [r["metrics"]["agreement"] for r in path], "s-", color="tab:blue",
+            dx.plot(px, [r["metrics"]["agreement"] for r in ranking], "s-", color="tab:blue",
                     ms=3, label="top-1 agreement %")
             if rec["budget"].get("min_agreement") is not None:
                 dx.axhline(rec["budget"]["min_agreement"], color="tab:blue", ls=":", lw=0.8)
