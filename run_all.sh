@@ -193,8 +193,45 @@ lock_owner_alive() { # pid pstart host
   if [ -n "$2" ] && [ -r "/proc/$1/stat" ] && [ "$(proc_start "$1")" != "$2" ]; then return 1; fi
   return 0
 }
+# The owner file alone cannot see a stage that outlives its run_all.sh (kill -9 of the script
+# leaves the running stage orphaned, still writing into the folder): an flock(1) on
+# $LOCK_FD_FILE, inherited by every stage the run starts, stays held until the last of them
+# exits, and the kernel drops it whatever killed them.
+LOCK_FD_FILE="$ART_ROOT/.run_all.flock"
+lock_holders() { # pids (with commands) of the processes that hold $LOCK_FD_FILE open
+  local p
+  for p in /proc/[0-9]*; do
+    [ "${p#/proc/}" = "$$" ] && continue
+    if ls -l "$p/fd" 2>/dev/null | grep -qF -- "-> $LOCK_FD_FILE"; then
+      printf '%s (%s) ' "${p#/proc/}" "$(tr '\0' ' ' < "$p/cmdline" 2>/dev/null | cut -c1-100)"
+    fi
+  done
+}
+take_flock() {
+  command -v flock >/dev/null 2>&1 || return 0  # no util-linux: the owner file alone decides
+  exec 9>>"$LOCK_FD_FILE" || return 0
+  flock -n 9 && return 0
+  local pid started cmd
+  pid="$(sed -n 's/^pid=//p' "$LOCK/owner" 2>/dev/null || true)"
+  started="$(sed -n 's/^started=//p' "$LOCK/owner" 2>/dev/null || true)"
+  cmd="$(sed -n 's/^command=//p' "$LOCK/owner" 2>/dev/null || true)"
+  if [ -z "$pid" ]; then
+    echo "run_all.sh: another run_all.sh is starting in $ART_ROOT: $(lock_holders)" >&2
+  elif kill -0 "$pid" 2>/dev/null; then
+    echo "run_all.sh: another run_all.sh is using $ART_ROOT: pid $pid on $(hostname)," \
+      "started $started, command: $cmd" >&2
+  else
+    echo "run_all.sh: a stage started by an earlier run_all.sh (pid ${pid:-?}, started" \
+      "${started:-?}, command: ${cmd:-?}) is still running in $ART_ROOT although that run is" \
+      "gone (killed?): $(lock_holders)" >&2
+  fi
+  echo "  wait for it to finish (or stop it: kill PID), or give this run folders of its" \
+    "own: ARTIFACTS=/other/artifacts RESULTS=/other/results bash run_all.sh ..." >&2
+  exit 1
+}
 take_lock() {
   local tmpd pid pstart started host cmd
+  take_flock
   for _ in 1 2 3; do
     tmpd="$(mktemp -d "$ART_ROOT/.run_all.lock.new-XXXXXX")"
     printf 'pid=%s\npstart=%s\nstarted=%s\nhost=%s\ncommand=%s\n' "$$" "$(proc_start $$)" \
@@ -234,6 +271,7 @@ ticker=""
 start_ticker() { # log label
   [ -t 1 ] || return 0
   (
+    exec 9>&-  # the ticker is no stage: it must not hold the run's flock
     t0=$SECONDS
     while sleep 5; do
       kill -0 $$ 2>/dev/null || exit 0

