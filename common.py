@@ -735,12 +735,45 @@ def imagenet_wnids() -> tuple[str, ...]:
     return wnids
 
 
-def _images_under(folder: Path) -> list[Path]:
+def _dir_key(path: Path) -> tuple[int, int] | None:
+    """``(st_dev, st_ino)`` of the folder ``path`` leads to (links followed), None if unreadable."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _images_under(folder: Path, seen: set | None = None,
+                  repeats: list | None = None) -> list[Path]:
     """Image files anywhere below ``folder`` (links followed, hidden names skipped), sorted;
-    the same walk as torchvision's ``ImageFolder`` (``os.walk(followlinks=True)``)."""
+    torchvision ``ImageFolder``'s walk (``os.walk(followlinks=True)``) except that a folder is
+    entered once: a link back to an enclosing folder (a loop) or to a folder already listed
+    would list its images again, under this folder's class (``os.walk`` does not track loops).
+
+    Args:
+        seen: ``(st_dev, st_ino)`` of the folders already listed (shared between calls;
+            updated). repeats: receives each link not followed, as ``(link, real folder)``.
+    """
+    seen = set() if seen is None else seen
+    key = _dir_key(folder)
+    if key is not None:
+        seen.add(key)
     out = []
     for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        keep = []
+        for d in dirnames:
+            if d.startswith("."):
+                continue
+            key = _dir_key(Path(dirpath) / d)
+            if key in seen:
+                if repeats is not None:
+                    repeats.append((Path(dirpath) / d, (Path(dirpath) / d).resolve()))
+                continue
+            if key is not None:
+                seen.add(key)
+            keep.append(d)
+        dirnames[:] = keep
         out += [Path(dirpath) / f for f in filenames
                 if not f.startswith(".") and Path(f).suffix.lower() in IMAGE_SUFFIXES]
     return sorted(out)
@@ -811,7 +844,26 @@ def list_images(root: Path | str, labels_csv: Path | str | None = None,
     items: list[tuple[str, str]] = []
     if any(_WNID.match(d.name) for d in dirs):
         layout = "class-folders"
-        per_dir = {d: _images_under(d) for d in dirs}
+        # Each folder is listed once: the class folders (and the data folder) are known before
+        # the walk, so a link inside a class folder to another class, to the data folder or to
+        # itself is not followed (its images would be listed again under the wrong class).
+        seen = {k for k in map(_dir_key, [root, *dirs]) if k is not None}
+        same = {}
+        for d in dirs:
+            same.setdefault(_dir_key(d), []).append(d)
+        twice = [ds for k, ds in same.items() if k is not None and len(ds) > 1]
+        if twice:
+            raise StageError(f"{root}: class folders {', '.join(d.name for d in twice[0])} are "
+                             f"the same folder ({twice[0][0].resolve()}), so its images would "
+                             "get two labels: remove the link(s) that make them one")
+        repeats: list[tuple[Path, Path]] = []
+        per_dir = {d: _images_under(d, seen, repeats) for d in dirs}
+        if repeats:
+            link, real = repeats[0]
+            print(f"WARNING: {len(repeats)} folder link(s) in {root} lead to a folder listed "
+                  f"already (a loop or a second way in; first: {link} -> {real}): not "
+                  "followed, so no image is listed twice or under another class's label; "
+                  "remove the link(s)", file=sys.stderr)
         unknown = [d for d in dirs if d.name not in known and per_dir[d]]
         if unknown:
             listed = ", ".join(f"{d.name} ({len(per_dir[d])} images)" for d in unknown[:5])

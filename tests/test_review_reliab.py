@@ -63,3 +63,42 @@ def test_rerun_refuses_while_a_stage_of_a_killed_run_still_writes(tmp_path):
         time.sleep(1)
     assert third is not None and third.returncode == 0, third.stderr
     assert "clearing a stale lock" in third.stderr
+
+
+# ----------------------------------------------------------------- data folder: folder links
+def _class_folders(tmp_path: Path, n: int = 3) -> tuple[Path, list[Path]]:
+    sample = sorted(common.DEFAULT_DATA.glob("n*.JPEG"))[:n]
+    data = tmp_path / "data"
+    for f in sample:
+        (data / f.name[:9]).mkdir(parents=True)
+        (data / f.name[:9] / f.name).symlink_to(f)
+    return data, sample
+
+
+@pytest.mark.parametrize("target", ["root", "other_class", "itself", "parent_of_root"])
+def test_folder_link_loops_never_list_images_twice_or_under_another_label(tmp_path, capsys,
+                                                                          target):
+    """A link inside a class folder back to the data folder (a loop: os.walk follows it until
+    ELOOP), to another class or to itself listed every image again under this class's label,
+    exit 0; now each folder is listed once and the link is named."""
+    data, sample = _class_folders(tmp_path)
+    first = data / sample[0].name[:9]
+    dest = {"root": "..", "other_class": f"../{sample[1].name[:9]}", "itself": ".",
+            "parent_of_root": "../.."}[target]
+    (first / "link").symlink_to(dest)
+    items, _ = common.list_images(data, allow_subset=True)
+    wnids = common.imagenet_wnids()
+    truth = {f"{f.name[:9]}/{f.name}": wnids.index(f.name[:9]) for f in sample}
+    assert dict(items) == truth            # each image once, with its own class's label
+    err = capsys.readouterr().err
+    assert "folder link(s)" in err and str(first / 'link') in err and "not followed" in err
+
+
+def test_two_class_folders_that_are_one_folder_are_refused(tmp_path):
+    data, sample = _class_folders(tmp_path, 2)
+    wnid = common.imagenet_wnids()[500]
+    (data / wnid).symlink_to(data / sample[0].name[:9])
+    with pytest.raises(common.StageError, match=f"{sample[0].name[:9]}, {wnid}|{wnid}, "
+                                                f"{sample[0].name[:9]}") as e:
+        common.list_images(data, allow_subset=True)
+    assert "two labels" in str(e.value)
