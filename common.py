@@ -58,7 +58,10 @@ def cli(get_args_parser: Callable[[], Any], main: Callable[[Any], Any]) -> None:
 
     argparse itself exits 2 on unknown flags; :class:`UsageError` also exits 2 (usage line
     and error printed, as argparse does; ``--help`` lists every flag);
-    :class:`StageError` exits 1 with its message; other exceptions propagate (traceback, 1).
+    :class:`StageError` exits 1 with its message. Two failures of the environment rather than
+    of the code get a message instead of a traceback: ``MemoryError`` (exit 1, naming the
+    flags that size the arrays) and Ctrl-C (``KeyboardInterrupt``, exit 130, the shell's code
+    for SIGINT). Other exceptions propagate (traceback, 1).
     """
     parser = get_args_parser()
     args = parser.parse_args()
@@ -71,6 +74,20 @@ def cli(get_args_parser: Callable[[], Any], main: Callable[[Any], Any]) -> None:
     except StageError as e:
         print(f"{parser.prog}: FAILED: {e}", file=sys.stderr)
         sys.exit(1)
+    except MemoryError as e:
+        sizing = [f"--{n.replace('_', '-')} {getattr(args, n)}" for n in
+                  ("batch_size", "latency_batch", "limit") if getattr(args, n, None)]
+        print(f"{parser.prog}: FAILED: out of memory ({e or 'MemoryError'}); "
+              + (f"this run asked for {', '.join(sizing)}: lower the batch sizes" if sizing
+                 else "close other programs or use a machine with more memory")
+              + ". Files written before stay as they were (each is written whole or not at "
+              "all)", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        print(f"\n{parser.prog}: interrupted (Ctrl-C); files written before stay as they were "
+              "(each is written whole or not at all); rerun the same command to finish",
+              file=sys.stderr)
+        sys.exit(130)
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -127,8 +144,40 @@ _SHARED_FLAGS: dict[str, tuple[tuple[str, ...], Callable[[], dict]]] = {
         type=int, default=20, help="untimed iterations before timing")),
     "iters": (("--iters",), lambda: dict(type=int, default=200, help="timed iterations")),
     "threads": (("--threads",), lambda: dict(
-        type=int, default=0, help="intra-op CPU threads of the backend (0 = its default)")),
+        type=_threads_arg, default=0,
+        help="intra-op CPU threads of the backend (0 = its default; at most the CPUs this "
+             "process may use)")),
 }
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (``os.sched_getaffinity``, which honours taskset/cgroup
+    cpusets, else ``os.cpu_count()``)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _threads_arg(text: str) -> int:
+    """``--threads`` value: 0 (the backend's default) .. :func:`usable_cpus`.
+
+    More intra-op threads than CPUs only contend (ONNX Runtime's pool spins each thread): on 2
+    CPUs ``--threads 9999`` made stage 3 run for minutes without finishing.
+
+    Raises:
+        argparse.ArgumentTypeError: not an integer, negative, or above the CPU count (exit 2).
+    """
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    cpus = usable_cpus()
+    if n < 0 or n > cpus:
+        raise argparse.ArgumentTypeError(
+            f"{n}: use 0 (the backend's default) or 1..{cpus}, the CPUs this process may use; "
+            "more threads than CPUs only contend and make every timing meaningless")
+    return n
 
 
 def add_shared_args(parser: argparse.ArgumentParser, *names: str) -> argparse.ArgumentParser:

@@ -102,3 +102,64 @@ def test_two_class_folders_that_are_one_folder_are_refused(tmp_path):
                                                 f"{sample[0].name[:9]}") as e:
         common.list_images(data, allow_subset=True)
     assert "two labels" in str(e.value)
+
+
+# ----------------------------------------------------------------- stage CLI: environment faults
+def _cli(main, argv: list[str], monkeypatch) -> SystemExit:
+    def parser():
+        p = common.stage_parser("test stage", prog="stage_x.py")
+        common.add_shared_args(p, "batch_size", "latency_batch", "limit", "threads")
+        return p
+
+    monkeypatch.setattr(sys, "argv", ["stage_x.py", *argv])
+    try:
+        with pytest.raises(SystemExit) as e:
+            common.cli(parser, main)
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C escaped common.cli as a traceback")
+    return e.value
+
+
+def test_out_of_memory_is_a_message_naming_the_batch_flags(monkeypatch, capsys):
+    """--latency-batch 100000 ended stage 1 in a numpy MemoryError traceback."""
+    def main(args):
+        raise MemoryError("Unable to allocate 56.1 GiB for an array with shape "
+                          "(100000, 3, 224, 224) and data type float32")
+
+    e = _cli(main, ["--latency-batch", "100000"], monkeypatch)
+    err = capsys.readouterr().err
+    assert e.code == 1
+    assert "stage_x.py: FAILED: out of memory (Unable to allocate 56.1 GiB" in err
+    assert "--latency-batch 100000" in err and "lower the batch sizes" in err
+    assert "Traceback" not in err
+
+
+def test_ctrl_c_of_a_stage_is_a_message_and_exit_130(monkeypatch, capsys):
+    def main(args):
+        raise KeyboardInterrupt
+
+    e = _cli(main, [], monkeypatch)
+    err = capsys.readouterr().err
+    assert e.code == 130
+    assert "stage_x.py: interrupted (Ctrl-C)" in err and "rerun the same command" in err
+
+
+CPUS = len(os.sched_getaffinity(0))
+
+
+@pytest.mark.parametrize("value", ["-1", "abc", str(CPUS + 1), "9999"])
+def test_threads_outside_0_to_cpu_count_is_a_usage_error(value, monkeypatch, capsys):
+    """--threads 9999 on 2 CPUs was accepted and stage 3 ran for minutes without finishing."""
+    e = _cli(lambda args: None, ["--threads", value], monkeypatch)
+    err = capsys.readouterr().err
+    assert e.code == 2
+    assert "argument --threads" in err and value in err
+    if value.lstrip("-").isdigit():
+        assert f"1..{CPUS}" in err
+
+
+def test_threads_within_the_cpu_count_is_accepted(monkeypatch):
+    seen = {}
+    e = _cli(lambda args: seen.update(t=args.threads) or sys.exit(0),
+             ["--threads", str(CPUS)], monkeypatch)
+    assert e.code == 0 and seen["t"] == CPUS
