@@ -102,6 +102,28 @@ def row_problem(rec: dict) -> str | None:
     return None
 
 
+ROW_STATUSES = ("ok", "failed", "skipped")  # what the stages write (common.write_result)
+
+
+def row_identity_problem(rec: dict, f: Path) -> str | None:
+    """Why the row in file ``f`` is not a row of this folder, or None: its status is not one
+    the stages write, its tag is not the file's name (``<tag>.json``, or the rerun sidecars
+    ``<tag>.failed.json`` / ``<tag>.skipped.json``), or its model is not the folder's
+    (``results/<model tag>/``). A copied or hand-edited file otherwise showed another model's
+    numbers, or stood in for another tag, as if this run had made them."""
+    if rec["status"] not in ROW_STATUSES:
+        return f"field status is {rec['status']!r}, expected one of {', '.join(ROW_STATUSES)}"
+    names = {f"{rec['tag']}{s}.json" for s in ("", ".failed", ".skipped")}
+    if f.name not in names:
+        return (f"field tag is {rec['tag']!r} but the file is {f.name} (a row is written as "
+                f"<tag>.json): a renamed or copied file")
+    model = rec.get("model")
+    if isinstance(model, str) and common.model_tag(model) != f.parent.name:
+        return (f"field model is {model!r} but the folder is {f.parent.name}/: a row of "
+                "another model, copied here")
+    return None
+
+
 def load_rows(folder: Path) -> list[dict]:
     """Results records in ``folder`` that describe a backend run, in pipeline order.
 
@@ -116,15 +138,19 @@ def load_rows(folder: Path) -> list[dict]:
             rec = json.loads(f.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             problem = f"not valid JSON ({e})"
-        if rec is not None and not (isinstance(rec, dict) and "backend" in rec):
+        if rec is not None and not isinstance(rec, dict):
+            problem = (f"a JSON {type(rec).__name__}, not a results row (an object with "
+                       "backend, tag, status, ...)")
+        elif rec is not None and "backend" not in rec:
             continue  # data.json, export.json, quant_*.json, ...: not a backend row
         if problem is None:
-            problem = row_problem(rec)
+            problem = row_problem(rec) or row_identity_problem(rec, f)
         if problem is not None:
             print(f"WARNING: {f}: {problem}: listed as invalid; rerun the stage that wrote it",
                   file=sys.stderr)
-            tag = rec.get("tag") if isinstance(rec, dict) and isinstance(rec.get("tag"), str) \
-                else f.stem
+            # The file names the row (<tag>.json, <tag>.failed.json): its own tag field may be
+            # what is wrong.
+            tag = f.name[:-len(".json")].removesuffix(".failed").removesuffix(".skipped")
             rec = common.result_record("8_report", str(rec.get("backend")) if isinstance(
                 rec, dict) else "?", "?", "", tag, status="invalid",
                 reason=f"{f.name}: {problem}; rerun the stage that wrote it")

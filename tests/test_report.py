@@ -13,6 +13,7 @@ import evaluate
 import layerwise
 
 report = importlib.import_module("8_report")
+MODEL = "efficientnet_lite0"  # the folder the report tests write to: rows name their model
 
 
 def _lat(p50: float, **extra) -> dict:
@@ -25,7 +26,7 @@ def _lat(p50: float, **extra) -> dict:
 
 def _row(tag, backend, precision, device, top1, p50, **kw):
     desc = {"backend": backend, "device": device, "device_name": "X", "ep_used": kw.pop("ep", None)}
-    return evaluate.base_record("t", precision, "m", tag, desc, accuracy={"top1": top1, "top5": 99.0},
+    return evaluate.base_record("t", precision, MODEL, tag, desc, accuracy={"top1": top1, "top5": 99.0},
                                 parity={"cosine_mean": 0.999, "top1_agreement": kw.pop("agree", 99.0)},
                                 latency=_lat(p50, **kw.pop("lat", {})), size_mb=kw.pop("size", 10.0),
                                 n_images=900, **kw)
@@ -44,7 +45,7 @@ def rows():
              diagnostics={"backend_cross_check": {"disagreement": True, "top1_unoptimized": 88.3,
                                                   "n": 900}}),
         _row("ort_int8_hp32", "ORT", "INT8", "cpu", 88.3, 8.0, agree=98.6),
-        evaluate.base_record("t", "FP32", "m", "trt_fp32", {"backend": "TensorRT", "device": "cuda"},
+        evaluate.base_record("t", "FP32", MODEL, "trt_fp32", {"backend": "TensorRT", "device": "cuda"},
                              status="skipped", reason="TensorRT is not installed"),
     ]
 

@@ -163,3 +163,38 @@ def test_threads_within_the_cpu_count_is_accepted(monkeypatch):
     e = _cli(lambda args: seen.update(t=args.threads) or sys.exit(0),
              ["--threads", str(CPUS)], monkeypatch)
     assert e.code == 0 and seen["t"] == CPUS
+
+
+# ----------------------------------------------------------------- report: rows that are not ours
+@pytest.mark.parametrize("case", ["list", "status", "tag", "model"])
+def test_report_refuses_a_valid_json_that_is_not_this_folders_row(tmp_path, case):
+    """Valid JSON that is no row of this folder was shown as one (another model's numbers, a
+    row standing in for another tag, status 'weird') or, for a list, silently dropped with a
+    'not run: no ort_fp32.json' that named a file which is there."""
+    from tests.conftest import run_stage
+
+    env = _env(tmp_path)
+    good = _good_row(env)
+    res = good.parent
+    other = json.loads(good.read_text())
+    other.update(backend="ORT", tag="ort_fp32")
+    if case == "list":
+        other = [other]
+    elif case == "status":
+        other["status"] = "weird"
+    elif case == "tag":
+        other["tag"] = "ort_fp16"  # a copy of another row's file
+    else:
+        other["model"] = "resnet50"  # a row copied from results/resnet50/
+    (res / "ort_fp32.json").write_text(json.dumps(other))
+    p = run_stage(["8_report.py", "--model", MODEL], env)
+    want = {"list": "a JSON list, not a results row",
+            "status": "field status is 'weird', expected one of ok, failed, skipped",
+            "tag": "field tag is 'ort_fp16' but the file is ort_fp32.json",
+            "model": f"field model is 'resnet50' but the folder is {MODEL}/"}[case]
+    assert f"{res / 'ort_fp32.json'}: {want}" in p.stderr
+    md = (res / "REPORT.md").read_text()
+    assert f"| ort_fp32 | cpu |" in md and f"invalid: ort_fp32.json: {want}" in md
+    assert not [ln for ln in md.splitlines() if "| ort_fp16 |" in ln and "not run" not in ln]
+    assert "| PyTorch | FP32 | pytorch_fp32_cpu |" in md  # the good row is still reported
+    assert "1 invalid" in p.stdout and "invalid (see the warnings): ort_fp32.json" in p.stdout
