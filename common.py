@@ -150,6 +150,31 @@ _SHARED_FLAGS: dict[str, tuple[tuple[str, ...], Callable[[], dict]]] = {
 }
 
 
+def int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse ``type`` for a count flag: an integer >= ``low``, else a usage error (exit 2)
+    naming the flag, e.g. ``argument --rounds: must be an integer >= 1 (got 0)``. For flags
+    whose impossible values would otherwise fail deep inside the work (an empty median, a
+    DataLoader error)."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low} (got {text!r})") \
+                from None
+        if n < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low} (got {n})")
+        return n
+    parse.__name__ = f"integer >= {low}"  # argparse's own messages name the type
+    return parse
+
+
+def env_assignment(text: str) -> str:
+    """An argparse ``type`` for a ``VAR=value`` environment setting (exit 2 otherwise)."""
+    if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not VAR=value (e.g. MODEL=efficientnet_lite0)")
+    return text
+
+
 def usable_cpus() -> int:
     """CPUs this process may run on (``os.sched_getaffinity``, which honours taskset/cgroup
     cpusets, else ``os.cpu_count()``)."""

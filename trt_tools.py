@@ -1003,9 +1003,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     """``python trt_tools.py detect``: what detection finds (trtexec, the libnvinfer it really
     loads, the Python runtime, Jetson facts) as JSON. Stage 6 is ``6_build_engines.py``."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    usage = "usage: python trt_tools.py detect   (stage 6: python 6_build_engines.py --help)"
+    if argv in (["-h"], ["--help"]):
+        print(f"{usage}\n\n{main.__doc__}")
+        sys.exit(0)
     if argv != ["detect"]:
-        print("usage: python trt_tools.py detect   (stage 6: python 6_build_engines.py --help)",
-              file=sys.stderr)
+        print(usage, file=sys.stderr)
         sys.exit(2)
     trtexec, how = find_trtexec()
     out: dict[str, Any] = {"trtexec": str(trtexec) if trtexec else None, "how": how,

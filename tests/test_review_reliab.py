@@ -198,3 +198,36 @@ def test_report_refuses_a_valid_json_that_is_not_this_folders_row(tmp_path, case
     assert not [ln for ln in md.splitlines() if "| ort_fp16 |" in ln and "not run" not in ln]
     assert "| PyTorch | FP32 | pytorch_fp32_cpu |" in md  # the good row is still reported
     assert "1 invalid" in p.stdout and "invalid (see the warnings): ort_fp32.json" in p.stdout
+
+
+# ----------------------------------------------------------------- benchmarks and --help
+@pytest.mark.parametrize("cmd,flag", [
+    (["benchmarks/data_path.py", "--n", "0"], "--n: must be an integer >= 1 (got 0)"),
+    (["benchmarks/data_path.py", "--rounds", "0"], "--rounds: must be an integer >= 1 (got 0)"),
+    (["benchmarks/data_path.py", "--workers", "-1"], "--workers: must be an integer >= 0"),
+    (["benchmarks/harness_fidelity.py", "--iters", "0"], "--iters: must be an integer >= 1"),
+    (["benchmarks/harness_fidelity.py", "--rounds", "0"], "--rounds: must be an integer >= 1"),
+    (["benchmarks/harness_fidelity.py", "--warmup", "-2"], "--warmup: must be an integer >= 0"),
+    (["benchmarks/profile_run.py", "--", "NOTANASSIGNMENT"], "'NOTANASSIGNMENT' is not VAR=value"),
+])
+def test_benchmark_flags_with_impossible_values_are_usage_errors(tmp_path, cmd, flag):
+    """These ended in tracebacks (an empty median, ImageFolder finding no class folder,
+    DataLoader's ValueError, a dict update error) after seconds of work."""
+    p = subprocess.run([sys.executable, *cmd, *(["--out", str(tmp_path / "o.json")]
+                                                if "profile_run" not in cmd[0] else [])],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert flag in p.stderr and "Traceback" not in p.stderr
+    assert not (tmp_path / "o.json").exists()
+
+
+@pytest.mark.parametrize("cmd", [["python", "trt_tools.py"], ["bash", "benchmarks/gpu_rows.sh"]])
+def test_help_of_every_tool_exits_0_and_prints_usage(cmd):
+    """`trt_tools.py --help` exited 2 as a usage error; `gpu_rows.sh --help` took --help for a
+    model name and failed with 'no CUDA GPU'."""
+    exe = sys.executable if cmd[0] == "python" else cmd[0]
+    p = subprocess.run([exe, *cmd[1:], "--help"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60, env=dict(os.environ, PATH=f"{Path(sys.executable).parent}:"
+                                                          f"{os.environ['PATH']}"))
+    assert p.returncode == 0, p.stderr
+    assert "usage" in p.stdout.lower() or "Usage" in p.stdout
