@@ -37,6 +37,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=os.environ.get("TORCH_DEVICE", "cpu"),
                    help="cpu or cuda[:i] (default from $TORCH_DEVICE)")
     common.add_shared_args(p, "batch_size", "limit", "latency_batch", "warmup", "iters",
+                           "max_seconds",
                            "threads")
     p.add_argument("--no-save-reference", action="store_true",
                    help="do not (over)write the reference logits (e.g. a CUDA latency run)")
@@ -69,6 +70,8 @@ def main(args: argparse.Namespace) -> dict:
     common.check_positive(args, "batch_size", "latency_batch", "iters", "limit")
     common.check_writable(common.model_artifacts(args.model), common.model_results(args.model))
     common.check_positive(args, "warmup", "threads", allow_zero=("warmup", "threads"))
+    if args.tag is not None:  # checked now, not after the evaluation
+        common.check_row_tag(args.model, args.tag)
     if args.threads:
         torch.set_num_threads(args.threads)
     model, spec = common.build_model(args.model, args.weights, pretrained=not args.random_init)

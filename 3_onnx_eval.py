@@ -66,6 +66,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--disable-optimizer", action="append", default=[],
                    help="ORT optimizer to disable (repeatable), e.g. WeightBiasQuantization")
     common.add_shared_args(p, "batch_size", "limit", "latency_batch", "warmup", "iters",
+                           "max_seconds",
                            "threads")
     p.add_argument("--cross-check-images", type=int, default=-1,
                    help="images for the Q/DQ backend cross-check (-1: adaptive, the first 128 "
@@ -98,7 +99,7 @@ def main(args: argparse.Namespace) -> dict:
             created or run (the failure is recorded in the row first).
     """
     started = time.time()
-    common.safe_name(args.tag, "--tag")
+    common.check_row_tag(args.model, args.tag)
     common.check_writable(common.model_results(args.model))
     common.check_positive(args, "limit", "batch_size", "latency_batch", "iters")
     common.check_positive(args, "warmup", "threads", allow_zero=("warmup", "threads"))

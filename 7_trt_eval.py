@@ -53,7 +53,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", default=None,
                    help="label for the row (default: the precision of the engine's variant, "
                         "from its file name)")
-    common.add_shared_args(p, "batch_size", "limit", "latency_batch", "warmup", "iters")
+    common.add_shared_args(p, "batch_size", "limit", "latency_batch", "warmup", "iters",
+                           "max_seconds")
     p.add_argument("--device", type=int, default=0, help="CUDA device index")
     p.add_argument("--layerwise", action="store_true",
                    help="also compare every layer of the engine with ORT CPU FP32 "
@@ -145,7 +146,7 @@ def main(args) -> dict | None:
         UsageError: bad flags. StageError: missing inputs, a plan the runtime refuses.
     """
     started = time.time()
-    common.safe_name(args.tag, "--tag")
+    common.check_row_tag(args.model, args.tag)
     common.check_writable(common.model_results(args.model))
     common.check_positive(args, "iters", "batch_size", "latency_batch", "limit")
     common.check_positive(args, "warmup", allow_zero=("warmup",))

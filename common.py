@@ -142,12 +142,30 @@ _SHARED_FLAGS: dict[str, tuple[tuple[str, ...], Callable[[], dict]]] = {
         type=int, default=1, help="batch size of the latency measurement")),
     "warmup": (("--warmup",), lambda: dict(
         type=int, default=20, help="untimed iterations before timing")),
-    "iters": (("--iters",), lambda: dict(type=int, default=200, help="timed iterations")),
+    "iters": (("--iters",), lambda: dict(
+        type=int, default=200, help="timed iterations (each timed loop also stops after "
+                                    "--max-seconds, never before 20 iterations)")),
+    "max_seconds": (("--max-seconds",), lambda: dict(
+        type=_seconds_arg, default=5.0,
+        help="time budget of one timed loop in seconds: it stops after --iters iterations or "
+             "this long, whichever comes first (the row records how many ran); 0 = no budget, "
+             "exactly --iters")),
     "threads": (("--threads",), lambda: dict(
         type=_threads_arg, default=0,
         help="intra-op CPU threads of the backend (0 = its default; at most the CPUs this "
              "process may use)")),
 }
+
+
+def _seconds_arg(text: str) -> float:
+    """``--max-seconds`` value: a finite number >= 0 (exit 2 otherwise)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 <= v < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text}: must be >= 0 seconds (0 = no budget)")
+    return v
 
 
 def int_at_least(low: int) -> Callable[[str], int]:
@@ -208,7 +226,7 @@ def _threads_arg(text: str) -> int:
 def add_shared_args(parser: argparse.ArgumentParser, *names: str) -> argparse.ArgumentParser:
     """Add the shared flags ``names`` (keys of ``_SHARED_FLAGS``: ``model``, ``weights``,
     ``random_init``, ``input_shape``, ``limit``, ``batch_size``, ``latency_batch``, ``warmup``,
-    ``iters``, ``threads``) to ``parser`` and return it.
+    ``iters``, ``max_seconds``, ``threads``) to ``parser`` and return it.
 
     Raises:
         KeyError: an unknown flag name (a programming error).
@@ -286,6 +304,39 @@ def safe_name(value: str, flag: str = "--tag") -> str:
         raise UsageError(f"{flag} {value!r}: not a plain name; use letters, digits and _ . + - "
                          "(no '/', '..', spaces or leading dot), e.g. ort_fp16")
     return value
+
+
+# Suffixes of the files write_result keeps beside a good row (<tag>.<status>.json).
+_SIDECAR_SUFFIXES = (".failed", ".skipped")
+
+
+def check_row_tag(model: str, tag: str, flag: str = "--tag") -> str:
+    """Return ``tag`` if ``results/<model>/<tag>.json`` may hold a results row, else raise.
+
+    Besides :func:`safe_name`: a tag ending in ``.failed``/``.skipped`` would be taken for the
+    failure kept beside the row ``<tag without it>`` (and deleted by that row's next good run),
+    and a tag naming a results file that is no row (``data``, ``export``, ``calib``,
+    ``quant_<variant>``, a benchmark's output) would replace that file.
+
+    Raises:
+        UsageError: naming the flag, the value and the file it would clash with.
+    """
+    safe_name(tag, flag)
+    for suf in _SIDECAR_SUFFIXES:
+        if tag.endswith(suf):
+            raise UsageError(f"{flag} {tag!r}: a tag ending in {suf} names the file kept beside "
+                             f"the row {tag[:-len(suf)]!r} when a rerun fails; choose another "
+                             "tag (e.g. replace the dot by _)")
+    path = model_results(model) / f"{tag}.json"
+    try:
+        existing = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return tag  # none, or unreadable: a row may (re)place it
+    if not (isinstance(existing, dict) and "backend" in existing):
+        owner = existing.get("stage") if isinstance(existing, dict) else None
+        raise UsageError(f"{flag} {tag!r}: {path} is {owner or 'another tool'}'s output, not a "
+                         "results row, and would be replaced; choose another tag")
+    return tag
 
 
 def model_artifacts(model: str) -> Path:
@@ -1704,9 +1755,10 @@ def write_result(model: str, tag: str, record: dict, keep_good: bool = True) -> 
             describes (e.g. an engine rebuilt and then rejected by a check): the row must then
             describe the file on disk and is replaced.
     Raises:
-        UsageError: ``tag`` is not a plain file name (:func:`safe_name`).
+        UsageError: ``tag`` is not a plain file name or names a file that is no row
+            (:func:`check_row_tag`).
     """
-    path = model_results(model) / f"{safe_name(tag)}.json"
+    path = model_results(model) / f"{check_row_tag(model, tag)}.json"
     status = record.get("status")
     if keep_good and status != "ok" and _row_status(path) == "ok":
         side = path.with_name(f"{tag}.{safe_name(str(status), 'status')}.json")

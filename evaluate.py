@@ -175,7 +175,13 @@ def latency(runner: runners.Runner, data: EvalData, batch: int, warmup: int, ite
         raise common.UsageError(f"--latency-batch {batch}: the model accepts batch {lo}.."
                                 f"{hi if hi is not None else 'any'}")
     feed = data.batch(np.arange(batch) % len(data))
-    return runner.time(feed, warmup, iters).stats(batch, warmup)
+    block = runner.time(feed, warmup, iters).stats(batch, warmup)
+    block["max_seconds"] = runners.MAX_SECONDS if runners.MAX_SECONDS < float("inf") else None
+    if block["iters"] < iters:  # the time budget stopped the loop: say so, never silently
+        print(f"note: latency at batch {batch}: {block['iters']} of --iters {iters} timed runs "
+              f"(the loop stops after --max-seconds {runners.MAX_SECONDS:g}; --max-seconds 0 "
+              "runs all of them)", file=sys.stderr)
+    return block
 
 
 def nonfinite_outputs(data: EvalData, outputs: dict[str, np.ndarray]) -> dict[str, int] | None:
@@ -265,6 +271,8 @@ def evaluate(runner: runners.Runner, data: EvalData, *, stage: str, precision: s
         ``(record, outputs)`` with ``outputs`` every model output over all samples.
     """
     desc = runner.describe()
+    if getattr(args, "max_seconds", None) is not None:  # the stage's --max-seconds (0: none)
+        runners.MAX_SECONDS = args.max_seconds or float("inf")
     t0 = time.perf_counter()
     outputs = run_outputs(runner, data, batch_size, progress=f"{tag}")
     t1 = time.perf_counter()
