@@ -736,6 +736,26 @@ def search(space: QdqSpace, data, ref: np.ndarray, budget: Budget, cache: Cache,
             "fixed_qdq": space.fixed}
 
 
+def budget_warnings(budget: Budget, n: int) -> list[str]:
+    """What the tuning split's size ``n`` cannot resolve in ``budget`` (empty: nothing).
+
+    On ``n`` samples top-1 agreement moves in steps of 100 / n points: below
+    ``100 / (100 - min_agreement)`` samples a single flip already misses the bound, so the
+    budget means "no flip at all" and says little about the evaluation split (with 1-3
+    samples it is met by chance).
+    """
+    out = []
+    if budget.min_agreement is not None and budget.min_agreement < 100 and n > 0:
+        need = int(np.ceil(100.0 / (100.0 - budget.min_agreement) - 1e-9))
+        if n < need:
+            out.append(f"the tuning split has {n} sample(s): one flip moves top-1 agreement by "
+                       f"{100.0 / n:.2f} points, so --min-agreement {budget.min_agreement} "
+                       f"allows no flip at all and the choice rests on very few samples; use "
+                       f">= {need} samples (0_prepare_data.py --tune-fraction, --tune-npz) or "
+                       f"a lower --min-agreement")
+    return out
+
+
 def _fmt_m(m: dict) -> str:
     bits = []
     if m.get("agreement") is not None:
@@ -995,6 +1015,7 @@ def render_markdown(rec: dict) -> str:
     out = [f"# Mixed precision for an accuracy budget: {rec['model']}\n",
            f"Budget: {rec['budget_text']} (tuning split: {rec['tuning']['source']}).  ",
            f"Measured on: {rec['semantics']}.  ",
+           *[f"**Warning:** {w}.  " for w in rec.get("warnings", [])],
            f"Candidates: {len(rec['candidates'])} nodes ModelOpt quantized (`{rec['base']['command']}`)."
            f" Search: {rec['search']['evaluations']['run']} configurations run, "
            f"{rec['search']['evaluations']['cached']} from the cache, {rec['search']['wall_s']} s"
@@ -1045,7 +1066,8 @@ def render_markdown(rec: dict) -> str:
             out.append(f"| {r['n_float']} | `{r['node'] or '-'}` | {pct(r['int8_mac_fraction'])} | "
                        f"{_num(m.get('cosine_mean'), 5)} | {num(m.get('agreement'))} | "
                        f"{num(m.get('top1'))} | {'met' if r['met'] else ''} |")
-    out.append(f"\n![per-node sensitivity]({Path(rec['outputs']['png']).name})\n")
+    if rec.get("plot", True):
+        out.append(f"\n![per-node sensitivity]({Path(rec['outputs']['png']).name})\n")
     return "\n".join(out) + "\n"
 
 
@@ -1054,6 +1076,8 @@ def write_outputs(rec: dict, plot: bool = True) -> None:
     paths = {k: Path(v) for k, v in rec["outputs"].items()}
     if plot:
         plot_sensitivity(rec, paths["png"])
+    elif not rec.get("plot", True):  # search --no-plot: a PNG there shows an older search
+        paths["png"].unlink(missing_ok=True)
     common.write_json(paths["json"], rec)
     with common.atomic_path(paths["md"]) as tmp:
         tmp.write_text(render_markdown(rec))
@@ -1127,27 +1151,49 @@ def cmd_search(args: argparse.Namespace) -> dict:
         qdq, base = base_qdq(args.model, fp32, calib, args.calib_batch, args.eps, work,
                              args.variant)
     fp32_model = onnx_graph.load(fp32, "2_export_onnx.py")
-    space = QdqSpace(onnx_graph.load(qdq), fp32_model)
+    try:
+        space = QdqSpace(onnx_graph.load(qdq), fp32_model)
+    except common.StageError as e:
+        if "nothing to choose" not in str(e):
+            raise
+        ops = sorted({n.op_type for n in fp32_model.graph.node if n.op_type in MAC_OPS})
+        raise common.StageError(
+            f"{e}: {qdq} ({base['command']}) has no Q/DQ on them; the FP32 model has "
+            f"{ops or 'no Conv/Gemm/MatMul'}. ModelOpt says why in "
+            f"{base.get('log', 'its log')} ('Final number of nodes to quantize'); e.g. its "
+            "GEMV rule leaves a Gemm/MatMul that reads one vector per sample in float, and "
+            "--op_types_to_quantize of the variant (variants.py) may not list the op. Nothing "
+            "to search: use another variant for this model") from None
     key_fields = {"fp32": common.sha256_file(fp32), "qdq": base["sha256"], "calib": calib_sha,
                   "tune": tuning["sha256"], "mode": MODE,
                   "onnxruntime": common.versions().get("onnxruntime")}
     cache = Cache(work / "cache", key_fields)
     ref = _fp32_reference(fp32, data, work, tuning["sha256"], args.batch, "tune")
+    warnings = budget_warnings(budget, tuning["n"])
+    for w in warnings:
+        print(f"WARNING: {w}", file=sys.stderr)
     print(f"auto-precision: budget {budget.describe()}; tuning data: {tuning['source']}; "
           f"cache {cache.path} ({len(cache.data['configs'])} configurations)", file=sys.stderr)
     t0 = time.time()
-    res = search(space, data, ref, budget, cache, args.batch, prune=not args.no_prune)
+    try:
+        res = search(space, data, ref, budget, cache, args.batch, prune=not args.no_prune)
+    except KeyboardInterrupt:
+        print(f"\nauto-precision: interrupted; {len(cache.data['configs'])} measured "
+              f"configurations are cached in {cache.path}: the same command resumes from "
+              "there", file=sys.stderr)
+        raise
     wall = round(time.time() - t0, 1)
     evaluations = res.pop("evaluations")
     rec = {"stage": "auto_precision", "model": args.model, "variant": args.variant,
            "budget": dataclasses.asdict(budget), "budget_text": budget.describe(),
            "semantics": SEMANTICS, "fp32": str(fp32), "qdq_base": str(qdq), "base": base,
-           "tuning": tuning, "seed": args.seed, **res,
+           "tuning": tuning, "seed": args.seed, "warnings": warnings, **res,
            "exclude_regexes": anchored(res["excluded"]),
            "search": {"wall_s": wall, "evaluations": evaluations,
                       "cache": str(cache.path), "machine": _machine()},
            "outputs": {k: str(v) for k, v in outputs.items()}}
     rec["provenance"] = common.provenance(args, [fp32, qdq], started)
+    rec["plot"] = not args.no_plot
     write_outputs(rec, plot=not args.no_plot)
     frac = rec["int8_mac_fraction"]
     print(f"auto-precision: keep {len(rec['excluded'])} node(s) in float "

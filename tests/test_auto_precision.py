@@ -664,3 +664,81 @@ def test_every_output_is_judged_not_only_the_first(tmp_path):
     assert full["cosine_mean"] == full["outputs"]["z"]["cosine_mean"]
     res = ap.search(space, data, ref, ap.Budget(None, 0.99), ap.Cache(tmp_path, {"k": 2}))
     assert "aux" in res["excluded"] and "a" not in res["excluded"] and res["budget_met"]
+
+
+def test_a_tuning_split_too_small_for_the_agreement_budget_is_named():
+    """With 18 tuning images one flip is 5.6 points: a 99.5 % agreement budget then means
+    "no flip", met by chance on 1-3 images; the search says so (and records it)."""
+    (w,) = ap.budget_warnings(ap.Budget(99.5, 0.999), 18)
+    assert "18 sample(s)" in w and "5.56 points" in w and ">= 200 samples" in w
+    assert ap.budget_warnings(ap.Budget(99.5, 0.999), 200) == []
+    assert ap.budget_warnings(ap.Budget(None, 0.999), 1) == []  # no agreement bound
+    assert ap.budget_warnings(ap.Budget(90, None), 10) == []    # one flip of 10 = 90 %: ok
+    assert len(ap.budget_warnings(ap.Budget(90, None), 9)) == 1
+
+
+def _record(tmp_path, res, **extra):
+    return {**res, "model": "m", "budget": {"min_cosine": 0.99}, "budget_text": "b",
+            "semantics": "s", "tuning": {"source": "t", "n": 8}, "base": {"command": "c"},
+            "search": {"evaluations": res["evaluations"], "wall_s": 0, "machine": "x"},
+            "exclude_regexes": ap.anchored(res["excluded"]),
+            "outputs": {k: str(v) for k, v in ap.record_paths("m", tmp_path).items()}, **extra}
+
+
+def test_no_plot_leaves_no_png_of_an_older_search(tmp_path):
+    fp32, q = _chain_qdq()
+    space = ap.QdqSpace(q, fp32)
+    data = evaluate.EvalData(feed={"x": np.random.default_rng(4).standard_normal(
+        (4, 3, 16, 16)).astype(np.float32)})
+    res = ap.search(space, data, ap.run_model(fp32, data), ap.Budget(None, 0.99),
+                    ap.Cache(tmp_path / "c", {"k": 3}))
+    png = tmp_path / "auto_precision.png"
+    ap.write_outputs(_record(tmp_path, res, warnings=["w1"]), plot=True)
+    assert png.exists() and "auto_precision.png" in (tmp_path / "auto_precision.md").read_text()
+    assert "**Warning:** w1" in (tmp_path / "auto_precision.md").read_text()
+    ap.write_outputs(_record(tmp_path, res, plot=False), plot=False)  # search --no-plot
+    assert not png.exists()
+    assert "auto_precision.png" not in (tmp_path / "auto_precision.md").read_text()
+    ap.write_outputs(_record(tmp_path, res), plot=True)
+    ap.write_outputs(_record(tmp_path, res), plot=False)  # verify keeps the search's PNG
+    assert png.exists()
+
+
+def test_ctrl_c_exits_130_with_one_line_and_no_traceback(capsys, monkeypatch):
+    import argparse
+
+    monkeypatch.setattr(sys, "argv", ["x.py"])
+    def main(args):
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as e:
+        try:
+            common.cli(lambda: argparse.ArgumentParser(prog="x.py"), main)
+        except KeyboardInterrupt:
+            pytest.fail("Ctrl-C escaped common.cli (a traceback)")
+    err = capsys.readouterr().err
+    assert e.value.code == 130 and "x.py: interrupted" in err and "Traceback" not in err
+
+
+def test_search_without_a_quantized_node_says_where_modelopt_says_why(tmp_path):
+    """A model ModelOpt quantized nothing in (e.g. an MLP at batch 1: its GEMV rule) is refused
+    naming the op types, the log and the rule, not just "nothing to choose"."""
+    fp32 = _save(_conv_chain(), tmp_path / "fp32.onnx")
+    np.savez(tmp_path / "tune.npz", x=np.zeros((2, 3, 16, 16), np.float32))
+    env = _env(tmp_path)
+    p = _run(["auto_precision.py", "search", "--model", "mobilenet_v3_small", "--fp32",
+              str(fp32), "--qdq", str(fp32), "--tune-npz", str(tmp_path / "tune.npz"),
+              "--work-dir", str(tmp_path / "w"), "--out-dir", str(tmp_path / "o")], env)
+    assert p.returncode == 1, p.stderr
+    assert "nothing to choose" in p.stderr and "['Conv', 'Gemm', 'MatMul']" in p.stderr
+    assert "GEMV rule" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_quantize_sh_help_exits_0_and_names_int8_auto_and_auto_args():
+    p = subprocess.run(["bash", "5_quantize.sh", "--help"], cwd=ROOT, capture_output=True,
+                       text=True, env=_env(Path("/nonexistent")))
+    assert p.returncode == 0, p.stderr
+    assert "except those made on request only: int8_auto" in p.stderr
+    assert "AUTO_ARGS" in p.stderr
+    assert subprocess.run(["bash", "5_quantize.sh", "--nope"], cwd=ROOT, capture_output=True,
+                          env=_env(Path("/nonexistent"))).returncode == 2
