@@ -447,3 +447,4 @@ if want 8; then
   end 8
   echo "report: $RES_DIR/REPORT.md"
 fi
+echo "run_all.sh: finished [elapsed=${SECONDS}s]"

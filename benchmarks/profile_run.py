@@ -7,6 +7,9 @@ loop and diagnostics (``timings_s`` of the row).
 Usage (project root, after ``source env.sh``):
     python benchmarks/profile_run.py -- MODEL=efficientnet_lite0            # the default run
     python benchmarks/profile_run.py --limit-run -- MODEL=efficientnet_lite0  # + --limit 32
+    # a run made elsewhere: its console output and its results folder
+    MODEL=efficientnet_lite0 bash run_all.sh 2>&1 | tee run.log
+    python benchmarks/profile_run.py --parse run.log --results results --command "..."
 Arguments after ``--`` are VAR=value environment settings for the run.
 """
 from __future__ import annotations
@@ -34,8 +37,27 @@ def main() -> None:
                    help="scratch folder to use and keep (default: a temporary one)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/profile_run.json"),
                    help="JSON output")
+    p.add_argument("--parse", type=Path, default=None, metavar="LOG",
+                   help="profile a finished run from its console output (run_all.sh's stdout "
+                        "and stderr) instead of starting one; needs --results")
+    p.add_argument("--results", type=Path, default=None,
+                   help="with --parse: the RESULTS folder of that run")
+    p.add_argument("--command", default="run_all.sh",
+                   help="with --parse: the command that made the run (recorded)")
     p.add_argument("env", nargs="*", help="VAR=value settings for the run (after --)")
     args = p.parse_args()
+    if args.parse:
+        if args.results is None:
+            p.error("--parse needs --results (the RESULTS folder of that run)")
+        try:
+            log = args.parse.read_text(errors="replace")
+        except OSError as e:
+            p.error(f"--parse: cannot read {args.parse}: {e.strerror}")
+        m = re.search(r"^run_all\.sh: finished \[elapsed=([\d.]+)s\]", log, re.M)
+        stages = parse_stages(log)
+        total = float(m.group(1)) if m else sum(stages.values())
+        report(args, [args.command], log, total, args.results)
+        return
     scratch = args.keep or Path(tempfile.mkdtemp(prefix="profile-"))
     env = dict(os.environ, ARTIFACTS=str(scratch / "artifacts"), RESULTS=str(scratch / "results"))
     env.update(kv.split("=", 1) for kv in args.env)
@@ -46,11 +68,20 @@ def main() -> None:
     log = proc.stdout + proc.stderr
     if proc.returncode:
         sys.exit(f"run_all.sh failed (rc={proc.returncode}):\n{log[-3000:]}")
-    stages = {int(m.group(1)): float(m.group(2))
-              for m in re.finditer(r"^Stage (\d): finished \[elapsed=([\d.]+)s\]", log, re.M)}
+    report(args, args.env + cmd, log, total, Path(env["RESULTS"]))
+
+
+def parse_stages(log: str) -> dict[int, float]:
+    """Seconds per stage from run_all.sh's ``Stage N: finished [elapsed=Xs]`` lines."""
+    return {int(m.group(1)): float(m.group(2))
+            for m in re.finditer(r"^Stage (\d): finished \[elapsed=([\d.]+)s\]", log, re.M)}
+
+
+def report(args, cmd: list[str], log: str, total: float, res_root: Path) -> None:
+    """Write and print the profile: stage times, ModelOpt times, each row's ``timings_s``."""
+    stages = parse_stages(log)
     quant = {m.group(1): float(m.group(2))
              for m in re.finditer(r"finished (\S+) \[elapsed=([\d.]+)s\]", log)}
-    res_root = Path(env["RESULTS"])
     rows = {}
     for f in sorted(res_root.rglob("*.json")):
         try:
@@ -60,10 +91,10 @@ def main() -> None:
         if isinstance(r, dict) and r.get("timings_s"):
             rows[r["tag"]] = r["timings_s"]
     out = {"machine": common.device_info(), "date_utc": time.strftime("%Y-%m-%d"),
-           "command": " ".join(args.env + cmd), "total_s": round(total, 1), "stages_s": stages,
+           "command": " ".join(cmd), "total_s": round(total, 1), "stages_s": stages,
            "modelopt_s": quant, "rows_s": rows, "load_average": os.getloadavg()}
     common.write_json(args.out, out)
-    print(f"{' '.join(args.env + cmd)}: {total:.0f} s in all (load average "
+    print(f"{' '.join(cmd)}: {total:.0f} s in all (load average "
           f"{os.getloadavg()[0]:.1f} at the end)")
     for k, v in sorted(stages.items()):
         print(f"  stage {k}: {v:6.0f} s")
