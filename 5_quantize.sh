@@ -47,8 +47,13 @@ usage() {
     [[ $v == int4 ]] || printf '  %-16s %s\n' "$v" "$("$PYTHON" variants.py describe "$v")" >&2
   done
   echo "--default = $(cli_variants --stage 5 | tr '\n' ' ')" >&2
-  echo "--all-variants = all of the above" >&2
-  exit 2
+  echo "--all-variants = all of the above except those made on request only:" \
+    "$(comm -23 <(cli_variants --stage 5 --all --auto-precision | sort) \
+                <(cli_variants --stage 5 --all | sort) | tr '\n' ' ')" >&2
+  echo "int8_auto needs a tuning split (0_prepare_data.py --tune-fraction F); its budget and" \
+    "search flags go in AUTO_ARGS, e.g. AUTO_ARGS=\"--min-agreement 99 --min-cosine 0.998\"" \
+    "(python auto_precision.py search --help)" >&2
+  exit "${1:-2}"
 }
 
 # Stage-5 variants made by the ModelOpt CLI (int4 comes from 5b_quantize_int4.py).
@@ -65,7 +70,7 @@ while [[ $# -gt 0 ]]; do
     --all-variants) mapfile -t -O "${#selected[@]}" selected < <(cli_variants --stage 5 --all)
                     shift ;;
     --list) cli_variants --stage 5 --all --auto-precision; exit 0 ;;
-    -h|--help) usage ;;
+    -h|--help) usage 0 ;;
     -*) echo "$0: unknown option $1" >&2; usage ;;
     *) cli_variants --stage 5 --all --auto-precision | grep -qx -- "$1" || {
          echo "$0: unknown variant $1" >&2; usage; }

@@ -58,7 +58,9 @@ def cli(get_args_parser: Callable[[], Any], main: Callable[[Any], Any]) -> None:
 
     argparse itself exits 2 on unknown flags; :class:`UsageError` also exits 2 (usage line
     and error printed, as argparse does; ``--help`` lists every flag);
-    :class:`StageError` exits 1 with its message; other exceptions propagate (traceback, 1).
+    :class:`StageError` exits 1 with its message; Ctrl-C (``KeyboardInterrupt``) exits 130
+    with one line, no traceback (every output is written atomically, so nothing half-written is
+    left under a final name); other exceptions propagate (traceback, 1).
     """
     parser = get_args_parser()
     args = parser.parse_args()
@@ -71,6 +73,10 @@ def cli(get_args_parser: Callable[[], Any], main: Callable[[Any], Any]) -> None:
     except StageError as e:
         print(f"{parser.prog}: FAILED: {e}", file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt:
+        print(f"\n{parser.prog}: interrupted (Ctrl-C); files it had finished are in place, "
+              "nothing half-written was installed: rerun the same command", file=sys.stderr)
+        sys.exit(130)
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
