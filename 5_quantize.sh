@@ -82,6 +82,7 @@ done
 # The same artifact folder every stage uses (package.module:factory -> package.module-factory).
 ART=$("$PYTHON" -c 'import sys, common; print(common.model_artifacts(sys.argv[1]))' "$MODEL")
 ONNX_DIR=$ART/onnx
+RES_DIR=$("$PYTHON" -c 'import sys, common; print(common.model_results(sys.argv[1]))' "$MODEL")
 SRC=$ONNX_DIR/fp32.onnx
 CALIB=$ART/calib.npz
 [[ -f $SRC ]] || { echo "$0: FAILED: $SRC missing: run 2_export_onnx.py --model $MODEL" >&2; exit 1; }
@@ -137,9 +138,11 @@ for variant in "${selected[@]}"; do
     read -r -a auto_args <<<"${AUTO_ARGS:-}"
     echo "Stage 5: search $variant: which nodes stay in float (auto_precision.py search ${AUTO_ARGS:-})"
     # exit 2 (a usage error in AUTO_ARGS) is passed on as it is
+    # the record is written in $WORK and published to results/ only with the installed file
+    auto_dir=$WORK/auto_precision
     auto_out=$("$PYTHON" auto_precision.py search --model "$MODEL" --fp32 "$SRC" \
         --calib "$CALIB" --calib-batch "$calib_batch" --eps "$EPS" --variant "$variant" \
-        "${auto_args[@]}") || {
+        --out-dir "$auto_dir" "${auto_args[@]}") || {
       rc=$?
       echo "$0: FAILED: the mixed-precision search for $variant failed (above); nothing was" \
         "installed" >&2
@@ -174,7 +177,7 @@ for variant in "${selected[@]}"; do
   # before it replaces anything.
   verify_failed=0
   if [[ $status == ok && -f $tmp && $auto == 1 ]] && ! "$PYTHON" auto_precision.py verify \
-      --model "$MODEL" --fp32 "$SRC" --onnx "$tmp" --installed-as "$out"; then
+      --model "$MODEL" --fp32 "$SRC" --onnx "$tmp" --installed-as "$out" --out-dir "$auto_dir"; then
     verify_failed=1
     status=failed
   fi
@@ -183,6 +186,13 @@ for variant in "${selected[@]}"; do
   else
     status=failed
     rm -f "$tmp"
+  fi
+  if [[ $auto == 1 && -f $auto_dir/auto_precision.json ]]; then
+    # results/<model>/auto_precision.* always describe the installed file; a run that was not
+    # installed is published beside them as auto_precision.failed.*
+    publish=("$PYTHON" auto_precision.py publish --from "$auto_dir" --to "$RES_DIR")
+    [[ $status == ok ]] || publish+=(--failed)
+    "${publish[@]}" >/dev/null
   fi
   "$PYTHON" qdq_tools.py record-quant --model "$MODEL" --variant "$variant" --onnx "$out" \
     --source "$SRC" --calib "$CALIB" --calib-report "$WORK/calib.json" --log "$log" \

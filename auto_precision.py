@@ -49,9 +49,11 @@ Subcommands::
     python auto_precision.py verify --model M --onnx artifacts/M/onnx/int8_auto.onnx
     python auto_precision.py macs F.onnx                       # MACs per node, fraction in INT8
 
-Writes: ``results/<model>/auto_precision.{json,md,png}`` (exclusion list with each node's
-sensitivity and MACs, the fraction of MACs in INT8, tuning and evaluation metrics, the
-per-node sensitivity plot), ``artifacts/<model>/auto_precision/`` (base model, cache, logs).
+Writes: ``artifacts/<model>/auto_precision/`` (base model, cache, logs, and
+``auto_precision.{json,md,png}``: exclusion list with each node's sensitivity and MACs, the
+fraction of MACs in INT8, tuning and evaluation metrics, the per-node sensitivity plot), which
+``5_quantize.sh int8_auto`` publishes to ``results/<model>/`` once the file is installed (as
+``auto_precision.failed.*`` beside the good record when it is not).
 """
 from __future__ import annotations
 
@@ -61,6 +63,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -909,10 +912,41 @@ def base_qdq(model: str, fp32: Path, calib: Path, calib_batch: str, eps: str, wo
 # --------------------------------------------------------------------------------------------
 # Outputs
 # --------------------------------------------------------------------------------------------
-def record_paths(model: str, out_dir: Path | None = None) -> dict[str, Path]:
-    """``{"json", "md", "png"}``: ``results/<model>/auto_precision.*`` (or under ``out_dir``)."""
-    d = Path(out_dir) if out_dir else common.model_results(model)
-    return {k: d / f"auto_precision.{k}" for k in ("json", "md", "png")}
+def record_paths(model: str, out_dir: Path | None = None,
+                 stem: str = "auto_precision") -> dict[str, Path]:
+    """``{"json", "md", "png"}``: ``<out_dir>/<stem>.*``, by default in the search's work folder
+    ``artifacts/<model>/auto_precision/``. ``results/<model>/auto_precision.*`` are written only
+    by :func:`publish` (``5_quantize.sh int8_auto`` once the file it describes is installed), so
+    a search by hand or a run that fails verification never replaces the record of the
+    installed ``int8_auto.onnx``."""
+    d = Path(out_dir) if out_dir else common.model_artifacts(model) / "auto_precision"
+    return {k: d / f"{stem}.{k}" for k in ("json", "md", "png")}
+
+
+def publish(src_dir: Path, dst_dir: Path, failed: bool = False) -> dict[str, Path]:
+    """Copy a search record (``auto_precision.{json,md,png}`` in ``src_dir``) to ``dst_dir``
+    as ``auto_precision.*``, or as ``auto_precision.failed.*`` beside the good one when
+    ``failed`` (the run's file was not installed); the record's ``outputs`` and the markdown's
+    image link name the published files. Each file is written atomically.
+
+    Raises:
+        StageError: no record in ``src_dir``.
+    """
+    src = record_paths("", src_dir)
+    rec = common.load_json(common.require(src["json"], "auto_precision.py search"))
+    dst = record_paths("", dst_dir, "auto_precision.failed" if failed else "auto_precision")
+    rec["outputs"] = {k: str(v) for k, v in dst.items()}
+    rec["published"] = {"failed": failed, "from": str(src_dir)}
+    if src["png"].exists() and rec.get("plot", True):
+        with common.atomic_path(dst["png"]) as tmp:
+            shutil.copyfile(src["png"], tmp)
+    else:
+        rec["plot"] = False
+        dst["png"].unlink(missing_ok=True)
+    common.write_json(dst["json"], rec)
+    with common.atomic_path(dst["md"]) as tmp:
+        tmp.write_text(render_markdown(rec))
+    return dst
 
 
 def plot_sensitivity(rec: dict, path: Path) -> Path:
@@ -1315,7 +1349,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="base Q/DQ model, cache and logs (default: "
                         "artifacts/<model>/auto_precision)")
     p.add_argument("--out-dir", type=Path, default=None,
-                   help="where auto_precision.{json,md,png} go (default: results/<model>)")
+                   help="where auto_precision.{json,md,png} go (default: the work dir; "
+                        "5_quantize.sh int8_auto publishes them to results/<model> once the "
+                        "file is installed)")
     p.add_argument("--batch", type=int, default=64, help="samples per ORT run")
 
 
@@ -1366,6 +1402,13 @@ def get_args_parser() -> argparse.ArgumentParser:
     s.add_argument("--limit", type=int, default=None,
                    help="evaluation split: the first N images only (smoke runs)")
     s.add_argument("--no-eval", action="store_true", help="tuning split only")
+    s = sub.add_parser("publish", help="copy a search record into a results folder (as "
+                       "auto_precision.failed.* with --failed)", formatter_class=common.HelpFormatter)
+    s.add_argument("--from", dest="src", type=Path, required=True,
+                   help="folder holding auto_precision.{json,md,png}")
+    s.add_argument("--to", dest="dst", type=Path, required=True, help="results folder")
+    s.add_argument("--failed", action="store_true",
+                   help="the run's file was not installed: publish beside the good record")
     s = sub.add_parser("macs", help="MACs per Conv/Gemm/MatMul node and the fraction in INT8",
                        formatter_class=common.HelpFormatter)
     s.add_argument("onnx", type=Path, help="any ONNX model")
@@ -1374,6 +1417,11 @@ def get_args_parser() -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace):
+    if args.cmd == "publish":
+        for k, v in publish(args.src, args.dst, args.failed).items():
+            if v.exists():
+                print(f"{k}: {v}")
+        return None
     return {"search": cmd_search, "verify": cmd_verify, "macs": cmd_macs}[args.cmd](args)
 
 

@@ -742,3 +742,37 @@ def test_quantize_sh_help_exits_0_and_names_int8_auto_and_auto_args():
     assert "AUTO_ARGS" in p.stderr
     assert subprocess.run(["bash", "5_quantize.sh", "--nope"], cwd=ROOT, capture_output=True,
                           env=_env(Path("/nonexistent"))).returncode == 2
+
+
+def test_publish_keeps_the_installed_files_record_and_writes_a_failed_run_beside_it(tmp_path):
+    """results/<model>/auto_precision.* describe the installed int8_auto.onnx: a search by hand
+    writes to the work folder, and a run whose file was not installed is published as
+    auto_precision.failed.* (it used to overwrite the good record)."""
+    fp32, q = _chain_qdq()
+    space = ap.QdqSpace(q, fp32)
+    data = evaluate.EvalData(feed={"x": np.random.default_rng(4).standard_normal(
+        (4, 3, 16, 16)).astype(np.float32)})
+    res = ap.search(space, data, ap.run_model(fp32, data), ap.Budget(None, 0.99),
+                    ap.Cache(tmp_path / "c", {"k": 3}))
+    good, bad, results = tmp_path / "good", tmp_path / "bad", tmp_path / "results"
+    ap.write_outputs(_record(good, res, budget_text="good budget"), plot=True)
+    ap.write_outputs(_record(bad, res, budget_text="bad budget"), plot=True)
+
+    ap.publish(good, results)
+    rec = json.loads((results / "auto_precision.json").read_text())
+    assert rec["outputs"]["md"] == str(results / "auto_precision.md")
+    assert "](auto_precision.png)" in (results / "auto_precision.md").read_text()
+    assert (results / "auto_precision.png").stat().st_size > 1000
+
+    ap.publish(bad, results, failed=True)
+    assert json.loads((results / "auto_precision.json").read_text())["budget_text"] == \
+        "good budget"
+    failed = json.loads((results / "auto_precision.failed.json").read_text())
+    assert failed["budget_text"] == "bad budget" and failed["published"]["failed"] is True
+    assert "](auto_precision.failed.png)" in (results / "auto_precision.failed.md").read_text()
+    assert not list(results.glob(".tmp-*"))
+
+    # the default folder of search/verify is the work folder, never results/
+    assert ap.record_paths("m")["json"].parent == ap.common.model_artifacts("m") / "auto_precision"
+    with pytest.raises(ap.common.StageError, match="auto_precision.py search"):
+        ap.publish(tmp_path / "empty", results)
