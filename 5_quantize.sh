@@ -47,8 +47,13 @@ usage() {
     [[ $v == int4 ]] || printf '  %-16s %s\n' "$v" "$("$PYTHON" variants.py describe "$v")" >&2
   done
   echo "--default = $(cli_variants --stage 5 | tr '\n' ' ')" >&2
-  echo "--all-variants = all of the above" >&2
-  exit 2
+  echo "--all-variants = all of the above except those made on request only:" \
+    "$(comm -23 <(cli_variants --stage 5 --all --auto-precision | sort) \
+                <(cli_variants --stage 5 --all | sort) | tr '\n' ' ')" >&2
+  echo "int8_auto needs a tuning split (0_prepare_data.py --tune-fraction F); its budget and" \
+    "search flags go in AUTO_ARGS, e.g. AUTO_ARGS=\"--min-agreement 99 --min-cosine 0.998\"" \
+    "(python auto_precision.py search --help)" >&2
+  exit "${1:-2}"
 }
 
 # Stage-5 variants made by the ModelOpt CLI (int4 comes from 5b_quantize_int4.py).
@@ -65,7 +70,7 @@ while [[ $# -gt 0 ]]; do
     --all-variants) mapfile -t -O "${#selected[@]}" selected < <(cli_variants --stage 5 --all)
                     shift ;;
     --list) cli_variants --stage 5 --all --auto-precision; exit 0 ;;
-    -h|--help) usage ;;
+    -h|--help) usage 0 ;;
     -*) echo "$0: unknown option $1" >&2; usage ;;
     *) cli_variants --stage 5 --all --auto-precision | grep -qx -- "$1" || {
          echo "$0: unknown variant $1" >&2; usage; }
@@ -77,6 +82,7 @@ done
 # The same artifact folder every stage uses (package.module:factory -> package.module-factory).
 ART=$("$PYTHON" -c 'import sys, common; print(common.model_artifacts(sys.argv[1]))' "$MODEL")
 ONNX_DIR=$ART/onnx
+RES_DIR=$("$PYTHON" -c 'import sys, common; print(common.model_results(sys.argv[1]))' "$MODEL")
 SRC=$ONNX_DIR/fp32.onnx
 CALIB=$ART/calib.npz
 [[ -f $SRC ]] || { echo "$0: FAILED: $SRC missing: run 2_export_onnx.py --model $MODEL" >&2; exit 1; }
@@ -132,9 +138,11 @@ for variant in "${selected[@]}"; do
     read -r -a auto_args <<<"${AUTO_ARGS:-}"
     echo "Stage 5: search $variant: which nodes stay in float (auto_precision.py search ${AUTO_ARGS:-})"
     # exit 2 (a usage error in AUTO_ARGS) is passed on as it is
+    # the record is written in $WORK and published to results/ only with the installed file
+    auto_dir=$WORK/auto_precision
     auto_out=$("$PYTHON" auto_precision.py search --model "$MODEL" --fp32 "$SRC" \
         --calib "$CALIB" --calib-batch "$calib_batch" --eps "$EPS" --variant "$variant" \
-        "${auto_args[@]}") || {
+        --out-dir "$auto_dir" "${auto_args[@]}") || {
       rc=$?
       echo "$0: FAILED: the mixed-precision search for $variant failed (above); nothing was" \
         "installed" >&2
@@ -169,7 +177,7 @@ for variant in "${selected[@]}"; do
   # before it replaces anything.
   verify_failed=0
   if [[ $status == ok && -f $tmp && $auto == 1 ]] && ! "$PYTHON" auto_precision.py verify \
-      --model "$MODEL" --fp32 "$SRC" --onnx "$tmp" --installed-as "$out"; then
+      --model "$MODEL" --fp32 "$SRC" --onnx "$tmp" --installed-as "$out" --out-dir "$auto_dir"; then
     verify_failed=1
     status=failed
   fi
@@ -178,6 +186,13 @@ for variant in "${selected[@]}"; do
   else
     status=failed
     rm -f "$tmp"
+  fi
+  if [[ $auto == 1 && -f $auto_dir/auto_precision.json ]]; then
+    # results/<model>/auto_precision.* always describe the installed file; a run that was not
+    # installed is published beside them as auto_precision.failed.*
+    publish=("$PYTHON" auto_precision.py publish --from "$auto_dir" --to "$RES_DIR")
+    [[ $status == ok ]] || publish+=(--failed)
+    "${publish[@]}" >/dev/null
   fi
   "$PYTHON" qdq_tools.py record-quant --model "$MODEL" --variant "$variant" --onnx "$out" \
     --source "$SRC" --calib "$CALIB" --calib-report "$WORK/calib.json" --log "$log" \

@@ -189,14 +189,29 @@ def _fmt(v, nd=2):
     return "" if v is None else (f"{v:.{nd}f}" if isinstance(v, float) else str(v))
 
 
+def speedup_references(rows: list[dict]) -> dict[str, float]:
+    """Per device ("cpu", "cuda"), the p50 ms (batch 1, end to end) that speedups divide: the
+    PyTorch FP32 row of that device, ``pytorch_fp32_<device>`` when present (never a variant
+    such as ``pytorch_fp16_cuda`` or ``pytorch_fp32_cuda_notf32``, whose p50 would rescale
+    every speedup of the device), else the first ok PyTorch FP32 row of the device."""
+    ref: dict[str, float] = {}
+    for r in rows:
+        p50 = evaluate.primary_latency(r).get("p50_ms")
+        if not (r["backend"] == "PyTorch" and r["precision"] == "FP32" and r["status"] == "ok"
+                and p50):
+            continue
+        dev = r.get("device") or "cpu"
+        if r["tag"] == f"pytorch_fp32_{dev}" or dev not in ref:
+            ref[dev] = p50
+    return ref
+
+
 def table_rows(rows: list[dict]) -> list[dict]:
     """One dict per report row with the :data:`COLUMNS` keys (strings, ready to print)."""
     base = next((r for r in rows if r["backend"] == "PyTorch" and r["status"] == "ok"
                  and (r.get("accuracy") or {}).get("top1") is not None), None)
     base_top1 = base["accuracy"]["top1"] if base else None
-    pt_ms = {r.get("device") or "cpu": evaluate.primary_latency(r)["p50_ms"] for r in rows
-             if r["backend"] == "PyTorch" and r["status"] == "ok"
-             and evaluate.primary_latency(r).get("p50_ms")}
+    pt_ms = speedup_references(rows)
     out = []
     for r in rows:
         acc = r.get("accuracy") or {}

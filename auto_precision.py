@@ -20,7 +20,8 @@ budget. How it works:
 3. **Measure on the graph's own semantics.** Every configuration runs on ONNX Runtime's CPU EP
    with all graph optimisations disabled (DequantizeLinear + float operators), on the tuning
    split (disjoint from calibration and evaluation), against the FP32 ONNX model run the same
-   way: top-1 agreement, logits cosine (mean and min over images), top-1. Never ORT's fused
+   way: top-1 agreement, logits cosine (mean and min over images; with several outputs the
+   worst output's), top-1; NaN/Inf outputs miss every budget. Never ORT's fused
    int8 kernels: on x86-64 CPUs without VNNI their u8s8 arithmetic saturates (onnxruntime PR
    #12088) and would be measured instead of the quantization.
 4. **Choose.** Per node: the error it adds when it alone is INT8 and the error removed when it
@@ -48,9 +49,11 @@ Subcommands::
     python auto_precision.py verify --model M --onnx artifacts/M/onnx/int8_auto.onnx
     python auto_precision.py macs F.onnx                       # MACs per node, fraction in INT8
 
-Writes: ``results/<model>/auto_precision.{json,md,png}`` (exclusion list with each node's
-sensitivity and MACs, the fraction of MACs in INT8, tuning and evaluation metrics, the
-per-node sensitivity plot), ``artifacts/<model>/auto_precision/`` (base model, cache, logs).
+Writes: ``artifacts/<model>/auto_precision/`` (base model, cache, logs, and
+``auto_precision.{json,md,png}``: exclusion list with each node's sensitivity and MACs, the
+fraction of MACs in INT8, tuning and evaluation metrics, the per-node sensitivity plot), which
+``5_quantize.sh int8_auto`` publishes to ``results/<model>/`` once the file is installed (as
+``auto_precision.failed.*`` beside the good record when it is not).
 """
 from __future__ import annotations
 
@@ -60,6 +63,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -83,7 +87,7 @@ SEMANTICS = ("ONNX Runtime CPU EP, all graph optimisations disabled: the Q/DQ gr
              "which saturate on x86-64 CPUs without VNNI, onnxruntime PR #12088); reference: "
              "the FP32 ONNX model run the same way")
 MODE = "ort-cpu-opt-disable"
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: every output measured, NaN/Inf counted (metrics)
 
 
 # --------------------------------------------------------------------------------------------
@@ -400,8 +404,15 @@ class Budget:
                 out.append("top-1 agreement: not defined for this output (not 2-D)")
             elif a < self.min_agreement:
                 out.append(f"top-1 agreement {a:.2f}% < {self.min_agreement}%")
-        if self.min_cosine is not None and m["cosine_mean"] < self.min_cosine:
-            out.append(f"cosine {m['cosine_mean']:.5f} < {self.min_cosine}")
+        if m.get("nonfinite"):  # whatever the bounds: a model that returns NaN/Inf fails
+            out.append(f"{m['nonfinite']} of {m['n']} samples give NaN/Inf outputs")
+        c = m.get("cosine_mean")
+        if self.min_cosine is not None:
+            if c is None or not np.isfinite(c):
+                if not m.get("nonfinite"):
+                    out.append("cosine undefined (NaN/Inf outputs)")
+            elif c < self.min_cosine:
+                out.append(f"cosine {c:.5f} < {self.min_cosine}")
         if self.max_top1_drop is not None:
             d = m.get("delta_top1")
             if d is None:
@@ -428,45 +439,96 @@ class Budget:
         out = {}
         if self.min_agreement is not None and m.get("agreement") is not None:
             out["agreement_points"] = m["agreement"] - self.min_agreement
-        if self.min_cosine is not None:
+        if self.min_cosine is not None and m.get("cosine_mean") is not None:
             out["cosine"] = m["cosine_mean"] - self.min_cosine
         if self.max_top1_drop is not None and m.get("delta_top1") is not None:
             out["top1_points"] = m["delta_top1"] + self.max_top1_drop
         return out
 
 
-def metrics(ref: np.ndarray, out: np.ndarray, labels: np.ndarray | None = None) -> dict:
+def _as_outputs(x) -> dict[str, np.ndarray]:
+    """``{name: array}`` of a model's outputs (a bare array is one output named ``output``)."""
+    return dict(x) if isinstance(x, dict) else {"output": np.asarray(x)}
+
+
+def metrics(ref, out, labels: np.ndarray | None = None) -> dict:
     """Accuracy of ``out`` against the FP32 reference ``ref`` on the same samples.
 
+    Every output counts: the cosine figures are the worst over the model's outputs (a node that
+    only feeds a second output is judged too); top-1 agreement, flips and top-1 come from the
+    first output (the logits of a classifier). A sample whose output holds NaN/Inf where the
+    reference is finite is counted in ``nonfinite``, disagrees, and leaves the cosine undefined
+    (None): :meth:`Budget.misses` counts that as a miss, never as a pass.
+
     Args:
-        ref, out: first model output, ``[N, ...]`` float (logits ``[N, classes]`` for a
-            classifier). labels: int ``[N]`` or None.
+        ref, out: ``{output name: [N, ...] float}`` in graph order (or one array, the only
+            output; logits ``[N, classes]`` for a classifier). labels: int ``[N]`` or None.
     Returns:
-        ``{"n", "agreement" (%, None unless 2-D), "cosine_mean", "cosine_min", "top1",
-        "top1_fp32", "delta_top1" (points; None without labels), "flips" (images whose top-1
-        differs)}``.
+        ``{"n", "agreement" (%, None unless the first output is 2-D), "cosine_mean",
+        "cosine_min" (None when an output is non-finite), "nonfinite" (samples), "top1",
+        "top1_fp32", "delta_top1" (points; None without labels), "flips" (samples whose top-1
+        differs), "outputs" (per output ``{"cosine_mean", "cosine_min", "nonfinite"}``, only
+        with several outputs)}``.
+    Raises:
+        StageError: the outputs' names or shapes differ from the reference's.
     """
-    par = common.parity(ref, out)
-    m = {"n": int(len(out)), "agreement": par.get("top1_agreement"),
-         "cosine_mean": par["cosine_mean"], "cosine_min": par["cosine_min"],
-         "top1": None, "top1_fp32": None, "delta_top1": None,
-         "flips": int((ref.argmax(-1) != out.argmax(-1)).sum()) if ref.ndim == 2 else None}
-    if labels is not None and ref.ndim == 2:
-        m["top1"] = common.topk_accuracy(out, labels, (1,))["top1"]
-        m["top1_fp32"] = common.topk_accuracy(ref, labels, (1,))["top1"]
-        m["delta_top1"] = m["top1"] - m["top1_fp32"]
+    ref, out = _as_outputs(ref), _as_outputs(out)
+    if list(ref) != list(out):
+        raise common.StageError(f"outputs {list(out)} differ from the FP32 model's {list(ref)}")
+    per = {}
+    bad_rows = None
+    for k, r in ref.items():
+        o = out[k]
+        if r.shape != o.shape:
+            raise common.StageError(f"output {k!r}: shape {o.shape} != FP32 {r.shape}")
+        n = len(o) if o.ndim else 1
+        bad = ~np.isfinite(np.asarray(o, np.float64).reshape(n, -1)).all(1) & \
+            np.isfinite(np.asarray(r, np.float64).reshape(n, -1)).all(1)
+        bad_rows = bad if bad_rows is None else bad_rows | bad
+        par = common.parity(r, o)
+        ok = bool(np.isfinite([par["cosine_mean"], par["cosine_min"]]).all())
+        per[k] = {"cosine_mean": par["cosine_mean"] if ok else None,
+                  "cosine_min": par["cosine_min"] if ok else None, "nonfinite": int(bad.sum())}
+    first = next(iter(ref))
+    r0, o0 = ref[first], out[first]
+    undefined = any(v["cosine_mean"] is None for v in per.values())
+    m = {"n": int(len(o0)), "agreement": None,
+         "cosine_mean": None if undefined else min(v["cosine_mean"] for v in per.values()),
+         "cosine_min": None if undefined else min(v["cosine_min"] for v in per.values()),
+         "nonfinite": int(bad_rows.sum()) if bad_rows is not None else 0,
+         "top1": None, "top1_fp32": None, "delta_top1": None, "flips": None}
+    if r0.ndim == 2:
+        rows_ok = np.isfinite(o0).all(1)
+        same = (r0.argmax(-1) == o0.argmax(-1)) & rows_ok
+        m["agreement"] = float(100.0 * same.mean())
+        m["flips"] = int((~same).sum())
+        if labels is not None:
+            hit = (o0.argmax(-1) == labels) & rows_ok
+            m["top1"] = float(100.0 * hit.mean())
+            m["top1_fp32"] = common.topk_accuracy(r0, labels, (1,))["top1"]
+            m["delta_top1"] = m["top1"] - m["top1_fp32"]
+    if len(per) > 1:
+        m["outputs"] = per
     return m
+
+
+def cosine_error(m: dict) -> float:
+    """``1 - cosine_mean`` of metrics ``m``; 2.0 (the largest possible) when the cosine is
+    undefined (NaN/Inf outputs), so a node that breaks the model ranks as the most sensitive."""
+    c = m.get("cosine_mean")
+    return 2.0 if c is None or not np.isfinite(c) else 1.0 - c
 
 
 # --------------------------------------------------------------------------------------------
 # Running configurations, and the cache
 # --------------------------------------------------------------------------------------------
-def run_model(model_or_path, data, batch: int = 64, desc: str = "auto-precision") -> np.ndarray:
-    """First output of ``model_or_path`` (``ModelProto``, bytes or path) over ``data``
+def run_model(model_or_path, data, batch: int = 64, desc: str = "auto-precision"
+              ) -> dict[str, np.ndarray]:
+    """Every output of ``model_or_path`` (``ModelProto``, bytes or path) over ``data``
     (``evaluate.EvalData``) on ORT's CPU EP with graph optimisations disabled.
 
     Returns:
-        float32 ``[N, ...]``.
+        ``{output name: float32 [N, ...]}`` in the graph's output order.
     Raises:
         StageError: ORT cannot load or run the model.
     """
@@ -476,8 +538,8 @@ def run_model(model_or_path, data, batch: int = 64, desc: str = "auto-precision"
     src = model_or_path.SerializeToString() if hasattr(model_or_path, "SerializeToString") \
         else model_or_path
     with runners.OrtRunner(src, "cpu", opt_level="disable") as r:
-        first = r.output_names[0]
-        return np.asarray(evaluate.run_outputs(r, data, batch, progress=desc)[first], np.float32)
+        outs = evaluate.run_outputs(r, data, batch, progress=desc)
+        return {k: np.asarray(outs[k], np.float32) for k in r.output_names}
 
 
 def data_digest(data) -> str:
@@ -541,18 +603,22 @@ class Cache:
         return self.folder / f"{self.key}.{what}.npy"
 
 
-def cached_array(path: Path, make: Callable[[], np.ndarray]) -> np.ndarray:
-    """``np.load(path)`` if it exists (and is readable), else ``make()`` saved there atomically."""
+def cached_outputs(path: Path, make: Callable[[], dict]) -> dict[str, np.ndarray]:
+    """The ``{name: array}`` saved in ``path`` (an ``.npz``) if it exists and is readable, else
+    ``make()`` saved there atomically."""
     if path.exists():
         try:
-            return np.load(path, allow_pickle=False)
-        except (OSError, ValueError):
+            with np.load(path, allow_pickle=False) as z:
+                names = json.loads(str(z["__names__"]))
+                return {k: z[f"o{i}"] for i, k in enumerate(names)}
+        except (OSError, ValueError, KeyError, EOFError):
             print(f"WARNING: unreadable {path}: recomputing", file=sys.stderr)
-    arr = make()
+    outs = make()
     with common.atomic_path(path) as tmp:
-        with open(tmp, "wb") as f:
-            np.save(f, arr)
-    return arr
+        with open(tmp, "wb") as f:  # keys o0, o1...: output names need not be valid npz keys
+            np.savez(f, __names__=np.array(json.dumps(list(outs))),
+                     **{f"o{i}": v for i, v in enumerate(outs.values())})
+    return outs
 
 
 # --------------------------------------------------------------------------------------------
@@ -566,7 +632,8 @@ def search(space: QdqSpace, data, ref: np.ndarray, budget: Budget, cache: Cache,
 
     Args:
         space: the configurations (:class:`QdqSpace`). data: ``evaluate.EvalData`` of the tuning
-            split; ref: FP32 first output on it (``[N, ...]``); budget: what must hold there.
+            split; ref: FP32 outputs on it (``{name: [N, ...]}``, :func:`run_model`); budget:
+            what must hold there.
         cache: measured configurations (read and extended).
         prune: try each chosen node back in INT8 (measured); False = the path's prefix only.
     Returns:
@@ -606,8 +673,8 @@ def search(space: QdqSpace, data, ref: np.ndarray, budget: Budget, cache: Cache,
     for i, c in enumerate(space.candidates):
         q_alone = measure(everything - {c.name})
         f_alone = measure({c.name})
-        added = max(0.0, 1.0 - q_alone["cosine_mean"])
-        removed = max(0.0, f_alone["cosine_mean"] - full["cosine_mean"])
+        added = max(0.0, cosine_error(q_alone))
+        removed = max(0.0, cosine_error(full) - cosine_error(f_alone))
         rows.append({
             "name": c.name, "op_type": c.op_type, "index": c.index, "macs": c.macs,
             "mac_share": c.macs / space.total_macs if space.total_macs else None,
@@ -672,11 +739,36 @@ def search(space: QdqSpace, data, ref: np.ndarray, budget: Budget, cache: Cache,
             "fixed_qdq": space.fixed}
 
 
+def budget_warnings(budget: Budget, n: int) -> list[str]:
+    """What the tuning split's size ``n`` cannot resolve in ``budget`` (empty: nothing).
+
+    On ``n`` samples top-1 agreement moves in steps of 100 / n points: below
+    ``100 / (100 - min_agreement)`` samples a single flip already misses the bound, so the
+    budget means "no flip at all" and says little about the evaluation split (with 1-3
+    samples it is met by chance).
+    """
+    out = []
+    if budget.min_agreement is not None and budget.min_agreement < 100 and n > 0:
+        need = int(np.ceil(100.0 / (100.0 - budget.min_agreement) - 1e-9))
+        if n < need:
+            out.append(f"the tuning split has {n} sample(s): one flip moves top-1 agreement by "
+                       f"{100.0 / n:.2f} points, so --min-agreement {budget.min_agreement} "
+                       f"allows no flip at all and the choice rests on very few samples; use "
+                       f">= {need} samples (0_prepare_data.py --tune-fraction, --tune-npz) or "
+                       f"a lower --min-agreement")
+    return out
+
+
 def _fmt_m(m: dict) -> str:
     bits = []
     if m.get("agreement") is not None:
         bits.append(f"agreement {m['agreement']:.2f}%")
-    bits.append(f"cosine {m['cosine_mean']:.5f} (min {m['cosine_min']:.4f})")
+    if m.get("cosine_mean") is None:
+        bits.append("cosine undefined")
+    else:
+        bits.append(f"cosine {m['cosine_mean']:.5f} (min {m['cosine_min']:.4f})")
+    if m.get("nonfinite"):
+        bits.append(f"{m['nonfinite']} sample(s) NaN/Inf")
     if m.get("delta_top1") is not None:
         bits.append(f"top-1 {m['top1']:.2f}% ({m['delta_top1']:+.2f})")
     return ", ".join(bits)
@@ -744,7 +836,16 @@ def tuning_data(model: str, onnx_path: Path, tune_npz: Path | None = None,
                 "0_prepare_data.py --tune-fraction 0.25 (or bash run_all.sh --auto-precision); "
                 "for another model save them with np.savez (keyed by input name, batch on "
                 "axis 0) as that file or pass --tune-npz")
-        data = evaluate.EvalData(feed=common.load_npz(path, None, "np.savez (tuning samples)"))
+        feed = common.load_npz(path, None, "np.savez (tuning samples)")
+        # the checks calibration data gets (input names, rank, static dims, dtype, sample
+        # counts, NaN/Inf): a wrong file is refused here, not as an ONNX Runtime traceback
+        import qdq_tools
+
+        qdq_tools.validate_calibration(onnx_path, feed, None, source=f"tuning data {path}",
+                                       reference_source="tuning data: not compared",
+                                       producer="the tuning samples must be disjoint from "
+                                                "the calibration and evaluation data")
+        data = evaluate.EvalData(feed=feed)
         source = str(path)
     n = len(data)
     if images is not None and images < n:
@@ -811,10 +912,41 @@ def base_qdq(model: str, fp32: Path, calib: Path, calib_batch: str, eps: str, wo
 # --------------------------------------------------------------------------------------------
 # Outputs
 # --------------------------------------------------------------------------------------------
-def record_paths(model: str, out_dir: Path | None = None) -> dict[str, Path]:
-    """``{"json", "md", "png"}``: ``results/<model>/auto_precision.*`` (or under ``out_dir``)."""
-    d = Path(out_dir) if out_dir else common.model_results(model)
-    return {k: d / f"auto_precision.{k}" for k in ("json", "md", "png")}
+def record_paths(model: str, out_dir: Path | None = None,
+                 stem: str = "auto_precision") -> dict[str, Path]:
+    """``{"json", "md", "png"}``: ``<out_dir>/<stem>.*``, by default in the search's work folder
+    ``artifacts/<model>/auto_precision/``. ``results/<model>/auto_precision.*`` are written only
+    by :func:`publish` (``5_quantize.sh int8_auto`` once the file it describes is installed), so
+    a search by hand or a run that fails verification never replaces the record of the
+    installed ``int8_auto.onnx``."""
+    d = Path(out_dir) if out_dir else common.model_artifacts(model) / "auto_precision"
+    return {k: d / f"{stem}.{k}" for k in ("json", "md", "png")}
+
+
+def publish(src_dir: Path, dst_dir: Path, failed: bool = False) -> dict[str, Path]:
+    """Copy a search record (``auto_precision.{json,md,png}`` in ``src_dir``) to ``dst_dir``
+    as ``auto_precision.*``, or as ``auto_precision.failed.*`` beside the good one when
+    ``failed`` (the run's file was not installed); the record's ``outputs`` and the markdown's
+    image link name the published files. Each file is written atomically.
+
+    Raises:
+        StageError: no record in ``src_dir``.
+    """
+    src = record_paths("", src_dir)
+    rec = common.load_json(common.require(src["json"], "auto_precision.py search"))
+    dst = record_paths("", dst_dir, "auto_precision.failed" if failed else "auto_precision")
+    rec["outputs"] = {k: str(v) for k, v in dst.items()}
+    rec["published"] = {"failed": failed, "from": str(src_dir)}
+    if src["png"].exists() and rec.get("plot", True):
+        with common.atomic_path(dst["png"]) as tmp:
+            shutil.copyfile(src["png"], tmp)
+    else:
+        rec["plot"] = False
+        dst["png"].unlink(missing_ok=True)
+    common.write_json(dst["json"], rec)
+    with common.atomic_path(dst["md"]) as tmp:
+        tmp.write_text(render_markdown(rec))
+    return dst
 
 
 def plot_sensitivity(rec: dict, path: Path) -> Path:
@@ -848,9 +980,9 @@ def plot_sensitivity(rec: dict, path: Path) -> Path:
     budget = rec["budget"].get("min_cosine")
     if budget is not None:
         ax.axhline(1 - budget, color="0.3", ls="--", lw=0.8, label=f"1 - budget ({budget})")
-    full = rec["full_int8"]["cosine_mean"]
-    ax.axhline(max(1 - full, floor), color="tab:red", ls=":", lw=0.8,
-               label=f"all INT8 (cosine {full:.5f})")
+    full = cosine_error(rec["full_int8"])
+    ax.axhline(max(full, floor), color="tab:red", ls=":", lw=0.8,
+               label=f"all INT8 (cosine {1 - full:.5f})")
     ax.legend(fontsize=7, loc="upper right")
     ax.grid(alpha=0.3, axis="y")
     ax.set_title(f"{rec['model']}: per-node sensitivity on {rec['tuning']['n']} tuning samples "
@@ -871,7 +1003,7 @@ def plot_sensitivity(rec: dict, path: Path) -> Path:
     ranking = [r for r in rec.get("path", []) if r["int8_mac_fraction"] is not None]
     if ranking:
         px = [100 * r["int8_mac_fraction"] for r in ranking]
-        cx.plot(px, [max(1 - r["metrics"]["cosine_mean"], floor) for r in ranking], "o-",
+        cx.plot(px, [max(cosine_error(r["metrics"]), floor) for r in ranking], "o-",
                 color="tab:red", ms=3, label="1 - cosine (mean)")
         if budget is not None:
             cx.axhline(1 - budget, color="0.3", ls="--", lw=0.8)
@@ -902,6 +1034,10 @@ def plot_sensitivity(rec: dict, path: Path) -> Path:
     return path
 
 
+def _num(v, digits: int) -> str:
+    return "undefined" if v is None else f"{v:.{digits}f}"
+
+
 def _metrics_line(m: dict | None) -> str:
     return _fmt_m(m) + f" on {m['n']} samples" if m else "-"
 
@@ -913,6 +1049,7 @@ def render_markdown(rec: dict) -> str:
     out = [f"# Mixed precision for an accuracy budget: {rec['model']}\n",
            f"Budget: {rec['budget_text']} (tuning split: {rec['tuning']['source']}).  ",
            f"Measured on: {rec['semantics']}.  ",
+           *[f"**Warning:** {w}.  " for w in rec.get("warnings", [])],
            f"Candidates: {len(rec['candidates'])} nodes ModelOpt quantized (`{rec['base']['command']}`)."
            f" Search: {rec['search']['evaluations']['run']} configurations run, "
            f"{rec['search']['evaluations']['cached']} from the cache, {rec['search']['wall_s']} s"
@@ -961,9 +1098,10 @@ def render_markdown(rec: dict) -> str:
         for r in rec["path"]:
             m = r["metrics"]
             out.append(f"| {r['n_float']} | `{r['node'] or '-'}` | {pct(r['int8_mac_fraction'])} | "
-                       f"{m['cosine_mean']:.5f} | {num(m.get('agreement'))} | "
+                       f"{_num(m.get('cosine_mean'), 5)} | {num(m.get('agreement'))} | "
                        f"{num(m.get('top1'))} | {'met' if r['met'] else ''} |")
-    out.append(f"\n![per-node sensitivity]({Path(rec['outputs']['png']).name})\n")
+    if rec.get("plot", True):
+        out.append(f"\n![per-node sensitivity]({Path(rec['outputs']['png']).name})\n")
     return "\n".join(out) + "\n"
 
 
@@ -972,6 +1110,8 @@ def write_outputs(rec: dict, plot: bool = True) -> None:
     paths = {k: Path(v) for k, v in rec["outputs"].items()}
     if plot:
         plot_sensitivity(rec, paths["png"])
+    elif not rec.get("plot", True):  # search --no-plot: a PNG there shows an older search
+        paths["png"].unlink(missing_ok=True)
     common.write_json(paths["json"], rec)
     with common.atomic_path(paths["md"]) as tmp:
         tmp.write_text(render_markdown(rec))
@@ -1017,10 +1157,10 @@ def _paths(args) -> tuple[Path, Path]:
 
 
 def _fp32_reference(fp32: Path, data, work: Path, digest: str, batch: int, what: str
-                    ) -> np.ndarray:
+                    ) -> dict[str, np.ndarray]:
     key = hashlib.sha256(f"{common.sha256_file(fp32)}:{digest}:{MODE}".encode()).hexdigest()[:20]
-    return cached_array(work / "cache" / f"{key}.{what}_fp32.npy",
-                        lambda: run_model(fp32, data, batch, desc=f"FP32 reference ({what})"))
+    return cached_outputs(work / "cache" / f"{key}.{what}_fp32.npz",
+                          lambda: run_model(fp32, data, batch, desc=f"FP32 reference ({what})"))
 
 
 def cmd_search(args: argparse.Namespace) -> dict:
@@ -1045,27 +1185,49 @@ def cmd_search(args: argparse.Namespace) -> dict:
         qdq, base = base_qdq(args.model, fp32, calib, args.calib_batch, args.eps, work,
                              args.variant)
     fp32_model = onnx_graph.load(fp32, "2_export_onnx.py")
-    space = QdqSpace(onnx_graph.load(qdq), fp32_model)
+    try:
+        space = QdqSpace(onnx_graph.load(qdq), fp32_model)
+    except common.StageError as e:
+        if "nothing to choose" not in str(e):
+            raise
+        ops = sorted({n.op_type for n in fp32_model.graph.node if n.op_type in MAC_OPS})
+        raise common.StageError(
+            f"{e}: {qdq} ({base['command']}) has no Q/DQ on them; the FP32 model has "
+            f"{ops or 'no Conv/Gemm/MatMul'}. ModelOpt says why in "
+            f"{base.get('log', 'its log')} ('Final number of nodes to quantize'); e.g. its "
+            "GEMV rule leaves a Gemm/MatMul that reads one vector per sample in float, and "
+            "--op_types_to_quantize of the variant (variants.py) may not list the op. Nothing "
+            "to search: use another variant for this model") from None
     key_fields = {"fp32": common.sha256_file(fp32), "qdq": base["sha256"], "calib": calib_sha,
                   "tune": tuning["sha256"], "mode": MODE,
                   "onnxruntime": common.versions().get("onnxruntime")}
     cache = Cache(work / "cache", key_fields)
     ref = _fp32_reference(fp32, data, work, tuning["sha256"], args.batch, "tune")
+    warnings = budget_warnings(budget, tuning["n"])
+    for w in warnings:
+        print(f"WARNING: {w}", file=sys.stderr)
     print(f"auto-precision: budget {budget.describe()}; tuning data: {tuning['source']}; "
           f"cache {cache.path} ({len(cache.data['configs'])} configurations)", file=sys.stderr)
     t0 = time.time()
-    res = search(space, data, ref, budget, cache, args.batch, prune=not args.no_prune)
+    try:
+        res = search(space, data, ref, budget, cache, args.batch, prune=not args.no_prune)
+    except KeyboardInterrupt:
+        print(f"\nauto-precision: interrupted; {len(cache.data['configs'])} measured "
+              f"configurations are cached in {cache.path}: the same command resumes from "
+              "there", file=sys.stderr)
+        raise
     wall = round(time.time() - t0, 1)
     evaluations = res.pop("evaluations")
     rec = {"stage": "auto_precision", "model": args.model, "variant": args.variant,
            "budget": dataclasses.asdict(budget), "budget_text": budget.describe(),
            "semantics": SEMANTICS, "fp32": str(fp32), "qdq_base": str(qdq), "base": base,
-           "tuning": tuning, "seed": args.seed, **res,
+           "tuning": tuning, "seed": args.seed, "warnings": warnings, **res,
            "exclude_regexes": anchored(res["excluded"]),
            "search": {"wall_s": wall, "evaluations": evaluations,
                       "cache": str(cache.path), "machine": _machine()},
            "outputs": {k: str(v) for k, v in outputs.items()}}
     rec["provenance"] = common.provenance(args, [fp32, qdq], started)
+    rec["plot"] = not args.no_plot
     write_outputs(rec, plot=not args.no_plot)
     frac = rec["int8_mac_fraction"]
     print(f"auto-precision: keep {len(rec['excluded'])} node(s) in float "
@@ -1115,7 +1277,7 @@ def cmd_verify(args: argparse.Namespace) -> dict:
     space = QdqSpace(onnx_graph.load(rec["qdq_base"]), onnx_graph.load(fp32))
     predicted = run_model(space.model(rec["excluded"]), data, args.batch,
                           desc="searched configuration")
-    match = common.parity(predicted, out)
+    match = metrics(predicted, out)
     expected_int8 = {n for n in space.names if n not in rec["excluded"]}
     actual = {r["name"]: r["int8"] for r in mac_table(q_model)}
     diffs = {"float_but_searched_int8": sorted(n for n in expected_int8 if not actual.get(n)),
@@ -1145,7 +1307,7 @@ def cmd_verify(args: argparse.Namespace) -> dict:
     frac = v["macs"]["int8_fraction"]
     print(f"auto-precision verify: {onnx_path.name}: {100 * (frac or 0):.2f} % of MACs in INT8; "
           f"tuning: {_fmt_m(m_tune)} (budget {'met' if v['tune_budget_met'] else 'MISSED'}); "
-          f"vs searched configuration cosine min {match['cosine_min']:.6f}"
+          f"vs searched configuration cosine min {_num(match['cosine_min'], 6)}"
           + (f"; evaluation: {_fmt_m(v['eval'])} (budget "
              f"{'met' if v['eval_budget_met'] else 'missed: ' + '; '.join(v['eval_misses'])})"
              if v["eval"] else ""), file=sys.stderr)
@@ -1157,7 +1319,7 @@ def cmd_verify(args: argparse.Namespace) -> dict:
             f"{onnx_path}: ModelOpt's re-quantized model misses the budget on the tuning split "
             f"({'; '.join(v['tune_misses'])}) although the searched configuration met it "
             f"({_fmt_m(rec['predicted'])}); outputs vs the searched configuration: cosine min "
-            f"{match['cosine_min']:.6f}; structure differences: "
+            f"{_num(match['cosine_min'], 6)}; structure differences: "
             f"{v['structure_differences'] or 'none'}")
     return rec
 
@@ -1187,7 +1349,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="base Q/DQ model, cache and logs (default: "
                         "artifacts/<model>/auto_precision)")
     p.add_argument("--out-dir", type=Path, default=None,
-                   help="where auto_precision.{json,md,png} go (default: results/<model>)")
+                   help="where auto_precision.{json,md,png} go (default: the work dir; "
+                        "5_quantize.sh int8_auto publishes them to results/<model> once the "
+                        "file is installed)")
     p.add_argument("--batch", type=int, default=64, help="samples per ORT run")
 
 
@@ -1238,6 +1402,13 @@ def get_args_parser() -> argparse.ArgumentParser:
     s.add_argument("--limit", type=int, default=None,
                    help="evaluation split: the first N images only (smoke runs)")
     s.add_argument("--no-eval", action="store_true", help="tuning split only")
+    s = sub.add_parser("publish", help="copy a search record into a results folder (as "
+                       "auto_precision.failed.* with --failed)", formatter_class=common.HelpFormatter)
+    s.add_argument("--from", dest="src", type=Path, required=True,
+                   help="folder holding auto_precision.{json,md,png}")
+    s.add_argument("--to", dest="dst", type=Path, required=True, help="results folder")
+    s.add_argument("--failed", action="store_true",
+                   help="the run's file was not installed: publish beside the good record")
     s = sub.add_parser("macs", help="MACs per Conv/Gemm/MatMul node and the fraction in INT8",
                        formatter_class=common.HelpFormatter)
     s.add_argument("onnx", type=Path, help="any ONNX model")
@@ -1246,6 +1417,11 @@ def get_args_parser() -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace):
+    if args.cmd == "publish":
+        for k, v in publish(args.src, args.dst, args.failed).items():
+            if v.exists():
+                print(f"{k}: {v}")
+        return None
     return {"search": cmd_search, "verify": cmd_verify, "macs": cmd_macs}[args.cmd](args)
 
 

@@ -58,10 +58,10 @@ def cli(get_args_parser: Callable[[], Any], main: Callable[[Any], Any]) -> None:
 
     argparse itself exits 2 on unknown flags; :class:`UsageError` also exits 2 (usage line
     and error printed, as argparse does; ``--help`` lists every flag);
-    :class:`StageError` exits 1 with its message. Two failures of the environment rather than
-    of the code get a message instead of a traceback: ``MemoryError`` (exit 1, naming the
-    flags that size the arrays) and Ctrl-C (``KeyboardInterrupt``, exit 130, the shell's code
-    for SIGINT). Other exceptions propagate (traceback, 1).
+    :class:`StageError` exits 1 with its message; Ctrl-C (``KeyboardInterrupt``) exits 130
+    with one line, no traceback (every output is written atomically, so nothing half-written is
+    left under a final name); ``MemoryError`` exits 1 with a message naming the flags that size
+    the arrays; other exceptions propagate (traceback, 1).
     """
     parser = get_args_parser()
     args = parser.parse_args()
@@ -84,9 +84,8 @@ def cli(get_args_parser: Callable[[], Any], main: Callable[[Any], Any]) -> None:
               "all)", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
-        print(f"\n{parser.prog}: interrupted (Ctrl-C); files written before stay as they were "
-              "(each is written whole or not at all); rerun the same command to finish",
-              file=sys.stderr)
+        print(f"\n{parser.prog}: interrupted (Ctrl-C); files it had finished are in place, "
+              "nothing half-written was installed: rerun the same command", file=sys.stderr)
         sys.exit(130)
 
 

@@ -540,7 +540,8 @@ def calibration_reference(model: str, onnx_path: Path | str, n: int = 64
 
 def validate_calibration(onnx_path: Path | str, data: dict[str, np.ndarray],
                          reference: dict[str, np.ndarray] | None = None, *,
-                         source: str = "calibration data", reference_source: str = "") -> dict:
+                         source: str = "calibration data", reference_source: str = "",
+                         producer: str = "4_make_calib.py does") -> dict:
     """Refuse calibration data that does not fit the model, before any quantizer runs.
 
     Checks: keys equal the model's input names; each array has the input's rank, static dims and
@@ -551,6 +552,7 @@ def validate_calibration(onnx_path: Path | str, data: dict[str, np.ndarray],
     Args:
         data: ``{input name: array [N, ...]}``. reference: the same for evaluation data
             (:func:`calibration_reference`), or None to skip the statistics check.
+        source: what the data are, in messages. producer: the hint after the missing-key fix.
     Returns:
         ``{"n_samples", "inputs": {name: {"shape", "dtype", "stats", "reference_stats"}},
         "stats_check": "passed" | "skipped: ..."}``.
@@ -568,7 +570,7 @@ def validate_calibration(onnx_path: Path | str, data: dict[str, np.ndarray],
         raise common.StageError(
             f"{source} has keys {sorted(data)} but the model's inputs are {names} ({what}): key "
             "each array by its ONNX input name (np.savez(path, "
-            + ", ".join(f"{k}=..." for k in names) + ")); 4_make_calib.py does")
+            + ", ".join(f"{k}=..." for k in names) + f")); {producer}")
     counts = {}
     info = {}
     for name, dims, dtype in inputs:

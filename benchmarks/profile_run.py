@@ -56,7 +56,7 @@ def main() -> None:
         m = re.search(r"^run_all\.sh: finished \[elapsed=([\d.]+)s\]", log, re.M)
         stages = parse_stages(log)
         total = float(m.group(1)) if m else sum(stages.values())
-        report(args, [args.command], log, total, args.results)
+        report(args, [args.command], log, total, args.results, load=None)
         return
     scratch = args.keep or Path(tempfile.mkdtemp(prefix="profile-"))
     env = dict(os.environ, ARTIFACTS=str(scratch / "artifacts"), RESULTS=str(scratch / "results"))
@@ -77,8 +77,12 @@ def parse_stages(log: str) -> dict[int, float]:
             for m in re.finditer(r"^Stage (\d): finished \[elapsed=([\d.]+)s\]", log, re.M)}
 
 
-def report(args, cmd: list[str], log: str, total: float, res_root: Path) -> None:
-    """Write and print the profile: stage times, ModelOpt times, each row's ``timings_s``."""
+def report(args, cmd: list[str], log: str, total: float, res_root: Path,
+           load: tuple | None | str = "now") -> None:
+    """Write and print the profile: stage times, ModelOpt times, each row's ``timings_s``;
+    ``load``: the load average to record ("now": this machine's, None: unknown, e.g. a run
+    profiled afterwards with --parse)."""
+    load = os.getloadavg() if load == "now" else load
     stages = parse_stages(log)
     quant = {m.group(1): float(m.group(2))
              for m in re.finditer(r"finished (\S+) \[elapsed=([\d.]+)s\]", log)}
@@ -92,10 +96,10 @@ def report(args, cmd: list[str], log: str, total: float, res_root: Path) -> None
             rows[r["tag"]] = r["timings_s"]
     out = {"machine": common.device_info(), "date_utc": time.strftime("%Y-%m-%d"),
            "command": " ".join(cmd), "total_s": round(total, 1), "stages_s": stages,
-           "modelopt_s": quant, "rows_s": rows, "load_average": os.getloadavg()}
+           "modelopt_s": quant, "rows_s": rows, "load_average": load}
     common.write_json(args.out, out)
-    print(f"{' '.join(cmd)}: {total:.0f} s in all (load average "
-          f"{os.getloadavg()[0]:.1f} at the end)")
+    print(f"{' '.join(cmd)}: {total:.0f} s in all"
+          + (f" (load average {load[0]:.1f} at the end)" if load else ""))
     for k, v in sorted(stages.items()):
         print(f"  stage {k}: {v:6.0f} s")
     for k, v in quant.items():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -563,3 +564,215 @@ def test_report_shows_int8_macs_beside_agreement(tmp_path):
     assert cols.index("top-1 agree %") == cols.index("top-1 %") + 1
     md = report.render_markdown("m", report.load_rows(tmp_path), {"n_eval": 675, "n_tune": 225})
     assert "225 more images" in md and "[auto_precision.md](auto_precision.md)" in md
+
+
+# ------------------------------------------------- faults found by trying it (review_auto)
+def test_tuning_npz_is_checked_like_calibration_data(tmp_path):
+    """A tuning npz with other keys, another shape or dtype, NaN or no samples is refused with
+    the problem named (it used to surface as an ONNX Runtime traceback, or NaN metrics)."""
+    fp32 = _save(_conv_chain(), tmp_path / "fp32.onnx")
+    rng = np.random.default_rng(0)
+    good = rng.standard_normal((4, 3, 16, 16)).astype(np.float32)
+    nan = good.copy()
+    nan[1, 0, 0, 0] = np.nan
+    cases = {"key": ({"image": good}, r"keys \['image'\].*inputs are \['x'\]"),
+             "shape": ({"x": good[:, :, :8, :8]}, r"does not fit"),
+             "dtype": ({"x": good.astype(np.float64)}, r"float64 but the model takes float32"),
+             "nan": ({"x": nan}, r"1 NaN .*samples \[1\]"),
+             "empty": ({"x": good[:0]}, r"no samples")}
+    for name, (arrays, msg) in cases.items():
+        path = tmp_path / f"{name}.npz"
+        np.savez(path, **arrays)
+        with pytest.raises(common.StageError, match=f"tuning data {re.escape(str(path))}.*{msg}"):
+            ap.tuning_data("mobilenet_v3_small", fp32, path)
+    np.savez(tmp_path / "good.npz", x=good)
+    data, info = ap.tuning_data("mobilenet_v3_small", fp32, tmp_path / "good.npz")
+    assert len(data) == info["n"] == 4
+
+
+def test_nan_outputs_miss_the_budget_and_the_node_that_makes_them_stays_float(tmp_path):
+    """A configuration whose outputs are NaN must never meet a budget (NaN < bound is False),
+    and the node that makes them ranks as the most sensitive (it used to score 0)."""
+    fp32, q = _chain_qdq()
+    for t in q.graph.initializer:  # fc's weight scale inf: 0 * inf = NaN in DequantizeLinear
+        if t.name == "wfc_scale":
+            from onnx import numpy_helper
+            t.CopyFrom(numpy_helper.from_array(np.full(10, np.inf, np.float32), t.name))
+    space = ap.QdqSpace(q, fp32)
+    data = evaluate.EvalData(feed={"x": np.random.default_rng(4).standard_normal(
+        (8, 3, 16, 16)).astype(np.float32)})
+    ref = ap.run_model(fp32, data)
+    full = ap.metrics(ref, ap.run_model(space.model(()), data))
+    assert full["nonfinite"] == 8 and full["cosine_mean"] is None and full["agreement"] == 0
+    for budget in (ap.Budget(None, 0.9), ap.Budget(50, None), ap.Budget(None, None, 1.0)):
+        assert not budget.met(full)
+        assert any("8 of 8 samples give NaN/Inf outputs" in m for m in budget.misses(full))
+    res = ap.search(space, data, ref, ap.Budget(None, 0.99), ap.Cache(tmp_path, {"k": 1}))
+    assert res["order"][0] == "fc" and "fc" in res["excluded"] and res["budget_met"]
+    assert "undefined" in ap._fmt_m(full) and "8 sample(s) NaN/Inf" in ap._fmt_m(full)
+    # the cache round trip (JSON: NaN is written as null) gives the same verdict
+    again = ap.search(space, data, ref, ap.Budget(None, 0.99), ap.Cache(tmp_path, {"k": 1}))
+    assert again["excluded"] == res["excluded"] and again["evaluations"]["run"] == 0
+    ap.render_markdown({**res, "model": "m", "budget": {"min_cosine": 0.99},
+                        "budget_text": "b", "semantics": "s", "tuning": {"source": "t", "n": 8},
+                        "base": {"command": "c"}, "search": {"evaluations": res["evaluations"],
+                                                             "wall_s": 0, "machine": "x"},
+                        "exclude_regexes": ap.anchored(res["excluded"]),
+                        "outputs": {"png": str(tmp_path / "p.png")}})
+
+
+def _two_outputs():
+    """x -> Conv a -> GAP -> Flatten f -> Gemm fc -> y (logits), and f -> Gemm aux -> z (a
+    second output); a and aux quantized, aux's weight so coarsely that z is ruined."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    w = {"wa": (8, 3, 3, 3), "wfc": (10, 8), "waux": (3, 8)}
+    inits = [numpy_helper.from_array(rng.standard_normal(s).astype(np.float32) * 0.3, n)
+             for n, s in w.items()]
+    nodes = [helper.make_node("Conv", ["x", "wa"], ["a"], name="a", pads=[1] * 4),
+             helper.make_node("GlobalAveragePool", ["a"], ["p"], name="gap"),
+             helper.make_node("Flatten", ["p"], ["f"], name="flat"),
+             helper.make_node("Gemm", ["f", "wfc"], ["y"], name="fc", transB=1),
+             helper.make_node("Gemm", ["f", "waux"], ["z"], name="aux", transB=1)]
+    vi = lambda n, s: helper.make_tensor_value_info(n, TensorProto.FLOAT, s)  # noqa: E731
+    g = helper.make_graph(nodes, "g", [vi("x", ["batch", 3, 16, 16])],
+                          [vi("y", ["batch", 10]), vi("z", ["batch", 3])], inits)
+    fp32 = helper.make_model(g, opset_imports=[helper.make_opsetid("", 19)])
+    fp32.ir_version = 9
+    q = type(fp32)()
+    q.CopyFrom(fp32)
+    _qdq(q, "x", 4.0 / 127)
+    _qdq(q, "wa", np.full(8, 0.005), axis=0)
+    _qdq(q, "waux", np.full(3, 0.5), axis=0)  # weights ~N(0, 0.3) -> {-1, 0, 1} x 0.5
+    _qdq(q, "f", 0.01)
+    return fp32, q
+
+
+def test_every_output_is_judged_not_only_the_first(tmp_path):
+    """A node that only feeds a second output must count (the search used to read the first
+    output only, so ruining the second one met any budget)."""
+    fp32, q = _two_outputs()
+    space = ap.QdqSpace(q, fp32)
+    assert space.names == ["a", "fc", "aux"]  # fc: its input is quantized
+    data = evaluate.EvalData(feed={"x": np.random.default_rng(4).standard_normal(
+        (16, 3, 16, 16)).astype(np.float32)})
+    ref = ap.run_model(fp32, data)
+    assert list(ref) == ["y", "z"]
+    full = ap.metrics(ref, ap.run_model(space.model(()), data))
+    assert full["outputs"]["y"]["cosine_mean"] > 0.99 > full["outputs"]["z"]["cosine_mean"]
+    assert full["cosine_mean"] == full["outputs"]["z"]["cosine_mean"]
+    res = ap.search(space, data, ref, ap.Budget(None, 0.99), ap.Cache(tmp_path, {"k": 2}))
+    assert "aux" in res["excluded"] and "a" not in res["excluded"] and res["budget_met"]
+
+
+def test_a_tuning_split_too_small_for_the_agreement_budget_is_named():
+    """With 18 tuning images one flip is 5.6 points: a 99.5 % agreement budget then means
+    "no flip", met by chance on 1-3 images; the search says so (and records it)."""
+    (w,) = ap.budget_warnings(ap.Budget(99.5, 0.999), 18)
+    assert "18 sample(s)" in w and "5.56 points" in w and ">= 200 samples" in w
+    assert ap.budget_warnings(ap.Budget(99.5, 0.999), 200) == []
+    assert ap.budget_warnings(ap.Budget(None, 0.999), 1) == []  # no agreement bound
+    assert ap.budget_warnings(ap.Budget(90, None), 10) == []    # one flip of 10 = 90 %: ok
+    assert len(ap.budget_warnings(ap.Budget(90, None), 9)) == 1
+
+
+def _record(tmp_path, res, **extra):
+    return {**res, "model": "m", "budget": {"min_cosine": 0.99}, "budget_text": "b",
+            "semantics": "s", "tuning": {"source": "t", "n": 8}, "base": {"command": "c"},
+            "search": {"evaluations": res["evaluations"], "wall_s": 0, "machine": "x"},
+            "exclude_regexes": ap.anchored(res["excluded"]),
+            "outputs": {k: str(v) for k, v in ap.record_paths("m", tmp_path).items()}, **extra}
+
+
+def test_no_plot_leaves_no_png_of_an_older_search(tmp_path):
+    fp32, q = _chain_qdq()
+    space = ap.QdqSpace(q, fp32)
+    data = evaluate.EvalData(feed={"x": np.random.default_rng(4).standard_normal(
+        (4, 3, 16, 16)).astype(np.float32)})
+    res = ap.search(space, data, ap.run_model(fp32, data), ap.Budget(None, 0.99),
+                    ap.Cache(tmp_path / "c", {"k": 3}))
+    png = tmp_path / "auto_precision.png"
+    ap.write_outputs(_record(tmp_path, res, warnings=["w1"]), plot=True)
+    assert png.exists() and "auto_precision.png" in (tmp_path / "auto_precision.md").read_text()
+    assert "**Warning:** w1" in (tmp_path / "auto_precision.md").read_text()
+    ap.write_outputs(_record(tmp_path, res, plot=False), plot=False)  # search --no-plot
+    assert not png.exists()
+    assert "auto_precision.png" not in (tmp_path / "auto_precision.md").read_text()
+    ap.write_outputs(_record(tmp_path, res), plot=True)
+    ap.write_outputs(_record(tmp_path, res), plot=False)  # verify keeps the search's PNG
+    assert png.exists()
+
+
+def test_ctrl_c_exits_130_with_one_line_and_no_traceback(capsys, monkeypatch):
+    import argparse
+
+    monkeypatch.setattr(sys, "argv", ["x.py"])
+    def main(args):
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as e:
+        try:
+            common.cli(lambda: argparse.ArgumentParser(prog="x.py"), main)
+        except KeyboardInterrupt:
+            pytest.fail("Ctrl-C escaped common.cli (a traceback)")
+    err = capsys.readouterr().err
+    assert e.value.code == 130 and "x.py: interrupted" in err and "Traceback" not in err
+
+
+def test_search_without_a_quantized_node_says_where_modelopt_says_why(tmp_path):
+    """A model ModelOpt quantized nothing in (e.g. an MLP at batch 1: its GEMV rule) is refused
+    naming the op types, the log and the rule, not just "nothing to choose"."""
+    fp32 = _save(_conv_chain(), tmp_path / "fp32.onnx")
+    np.savez(tmp_path / "tune.npz", x=np.zeros((2, 3, 16, 16), np.float32))
+    env = _env(tmp_path)
+    p = _run(["auto_precision.py", "search", "--model", "mobilenet_v3_small", "--fp32",
+              str(fp32), "--qdq", str(fp32), "--tune-npz", str(tmp_path / "tune.npz"),
+              "--work-dir", str(tmp_path / "w"), "--out-dir", str(tmp_path / "o")], env)
+    assert p.returncode == 1, p.stderr
+    assert "nothing to choose" in p.stderr and "['Conv', 'Gemm', 'MatMul']" in p.stderr
+    assert "GEMV rule" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_quantize_sh_help_exits_0_and_names_int8_auto_and_auto_args():
+    p = subprocess.run(["bash", "5_quantize.sh", "--help"], cwd=ROOT, capture_output=True,
+                       text=True, env=_env(Path("/nonexistent")))
+    assert p.returncode == 0, p.stderr
+    assert "except those made on request only: int8_auto" in p.stderr
+    assert "AUTO_ARGS" in p.stderr
+    assert subprocess.run(["bash", "5_quantize.sh", "--nope"], cwd=ROOT, capture_output=True,
+                          env=_env(Path("/nonexistent"))).returncode == 2
+
+
+def test_publish_keeps_the_installed_files_record_and_writes_a_failed_run_beside_it(tmp_path):
+    """results/<model>/auto_precision.* describe the installed int8_auto.onnx: a search by hand
+    writes to the work folder, and a run whose file was not installed is published as
+    auto_precision.failed.* (it used to overwrite the good record)."""
+    fp32, q = _chain_qdq()
+    space = ap.QdqSpace(q, fp32)
+    data = evaluate.EvalData(feed={"x": np.random.default_rng(4).standard_normal(
+        (4, 3, 16, 16)).astype(np.float32)})
+    res = ap.search(space, data, ap.run_model(fp32, data), ap.Budget(None, 0.99),
+                    ap.Cache(tmp_path / "c", {"k": 3}))
+    good, bad, results = tmp_path / "good", tmp_path / "bad", tmp_path / "results"
+    ap.write_outputs(_record(good, res, budget_text="good budget"), plot=True)
+    ap.write_outputs(_record(bad, res, budget_text="bad budget"), plot=True)
+
+    ap.publish(good, results)
+    rec = json.loads((results / "auto_precision.json").read_text())
+    assert rec["outputs"]["md"] == str(results / "auto_precision.md")
+    assert "](auto_precision.png)" in (results / "auto_precision.md").read_text()
+    assert (results / "auto_precision.png").stat().st_size > 1000
+
+    ap.publish(bad, results, failed=True)
+    assert json.loads((results / "auto_precision.json").read_text())["budget_text"] == \
+        "good budget"
+    failed = json.loads((results / "auto_precision.failed.json").read_text())
+    assert failed["budget_text"] == "bad budget" and failed["published"]["failed"] is True
+    assert "](auto_precision.failed.png)" in (results / "auto_precision.failed.md").read_text()
+    assert not list(results.glob(".tmp-*"))
+
+    # the default folder of search/verify is the work folder, never results/
+    assert ap.record_paths("m")["json"].parent == ap.common.model_artifacts("m") / "auto_precision"
+    with pytest.raises(ap.common.StageError, match="auto_precision.py search"):
+        ap.publish(tmp_path / "empty", results)

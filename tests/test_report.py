@@ -59,6 +59,22 @@ def test_table_uses_p50_end_to_end_and_same_device_speedup(rows):
     assert t["trt_fp32"]["status"].startswith("skipped: TensorRT") and t["trt_fp32"]["p50 ms"] == ""
 
 
+def test_speedup_divides_the_pytorch_fp32_row_of_the_device_not_a_variant(rows):
+    """An FP16 or no-TF32 PyTorch row of the same device listed after the FP32 one must not
+    become the reference (it rescaled every CUDA speedup: ORT CUDA EP 5.27x instead of 3.18x)."""
+    rows = rows + [
+        _row("pytorch_fp16_cuda", "PyTorch", "FP16", "cuda", 88.44, 6.0),
+        _row("pytorch_fp32_cuda_notf32", "PyTorch", "FP32", "cuda", 88.44, 4.0),
+        _row("ort_fp32_cuda", "ORT", "FP32", "cuda", 88.44, 1.5, ep="CUDAExecutionProvider"),
+    ]
+    t = {r["tag"]: r for r in report.table_rows(rows)}
+    assert t["pytorch_fp32_cuda"]["speedup"] == "1.00x"
+    assert t["pytorch_fp16_cuda"]["speedup"] == "0.50x"
+    assert t["pytorch_fp32_cuda_notf32"]["speedup"] == "0.75x"
+    assert t["ort_fp32_cuda"]["speedup"] == "2.00x"
+    assert t["ort_fp32"]["speedup"] == "2.00x"
+
+
 def test_gpu_table_shows_graph_replay_and_why_a_figure_is_missing(rows):
     md = report.gpu_table(rows)
     line = next(ln for ln in md.splitlines() if "pytorch_fp32_cuda" in ln)
