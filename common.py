@@ -188,7 +188,8 @@ def int_at_least(low: int) -> Callable[[str], int]:
 def env_assignment(text: str) -> str:
     """An argparse ``type`` for a ``VAR=value`` environment setting (exit 2 otherwise)."""
     if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", text):
-        raise argparse.ArgumentTypeError(f"{text!r} is not VAR=value (e.g. MODEL=efficientnet_lite0)")
+        raise argparse.ArgumentTypeError(f"{text!r} is not VAR=value "
+                                         "(e.g. MODEL=efficientnet_lite0)")
     return text
 
 

@@ -27,10 +27,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=common.HelpFormatter)
     common.add_shared_args(p, "model")
-    p.add_argument("--n", type=common.int_at_least(1), default=300, help="images (the first N of the sample)")
-    p.add_argument("--workers", type=common.int_at_least(0), default=2, help="DataLoader workers")
-    p.add_argument("--batch", type=common.int_at_least(1), default=64, help="DataLoader batch size")
-    p.add_argument("--rounds", type=common.int_at_least(1), default=3, help="interleaved rounds (median reported)")
+    p.add_argument("--n", type=common.int_at_least(1), default=300,
+                   help="images (the first N of the sample)")
+    p.add_argument("--workers", type=common.int_at_least(0), default=2,
+                   help="DataLoader workers")
+    p.add_argument("--batch", type=common.int_at_least(1), default=64,
+                   help="DataLoader batch size")
+    p.add_argument("--rounds", type=common.int_at_least(1), default=3,
+                   help="interleaved rounds (median reported)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/data_path.json"),
                    help="JSON output")
     args = p.parse_args()

@@ -59,9 +59,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=common.HelpFormatter)
     common.add_shared_args(p, "model")
-    p.add_argument("--rounds", type=common.int_at_least(1), default=5, help="interleaved rounds of each loop")
-    p.add_argument("--iters", type=common.int_at_least(1), default=100, help="timed calls per round")
-    p.add_argument("--warmup", type=common.int_at_least(0), default=10, help="untimed calls per round")
+    p.add_argument("--rounds", type=common.int_at_least(1), default=5,
+                   help="interleaved rounds of each loop")
+    p.add_argument("--iters", type=common.int_at_least(1), default=100,
+                   help="timed calls per round")
+    p.add_argument("--warmup", type=common.int_at_least(0), default=10,
+                   help="untimed calls per round")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/harness_fidelity.json"),
                    help="JSON output")
     args = p.parse_args()

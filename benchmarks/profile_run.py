@@ -44,7 +44,8 @@ def main() -> None:
                    help="with --parse: the RESULTS folder of that run")
     p.add_argument("--command", default="run_all.sh",
                    help="with --parse: the command that made the run (recorded)")
-    p.add_argument("env", nargs="*", type=common.env_assignment, help="VAR=value settings for the run (after --)")
+    p.add_argument("env", nargs="*", type=common.env_assignment,
+                   help="VAR=value settings for the run (after --)")
     args = p.parse_args()
     if args.parse:
         if args.results is None:
