@@ -553,16 +553,17 @@ def test_report_shows_int8_macs_beside_agreement(tmp_path):
                                  accuracy={"top1": 87.5, "top5": 97.0},
                                  parity={"cosine_mean": 0.999, "top1_agreement": 99.6},
                                  n_images=675)]
+    folder = tmp_path / "m"  # results/<model>/: rows name their model
     for r in rows:
-        common.write_json(tmp_path / f"{r['tag']}.json", r)
-    common.write_json(tmp_path / "quant_int8_auto.json",
+        common.write_json(folder / f"{r['tag']}.json", r)
+    common.write_json(folder / "quant_int8_auto.json",
                       {"macs": {"int8_fraction": 0.9123}, "check": {"summary": "check: clean"}})
-    t = {r["tag"]: r for r in report.table_rows(report.load_rows(tmp_path))}
+    t = {r["tag"]: r for r in report.table_rows(report.load_rows(folder))}
     assert t["ort_int8_auto"]["INT8 MACs %"] == "91.2"
     assert t["pytorch_fp32_cpu"]["INT8 MACs %"] == ""
     cols = report.COLUMNS
     assert cols.index("top-1 agree %") == cols.index("top-1 %") + 1
-    md = report.render_markdown("m", report.load_rows(tmp_path), {"n_eval": 675, "n_tune": 225})
+    md = report.render_markdown("m", report.load_rows(folder), {"n_eval": 675, "n_tune": 225})
     assert "225 more images" in md and "[auto_precision.md](auto_precision.md)" in md
 
 
