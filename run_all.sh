@@ -199,12 +199,16 @@ lock_owner_alive() { # pid pstart host
 # exits, and the kernel drops it whatever killed them.
 LOCK_FD_FILE="$ART_ROOT/.run_all.flock"
 lock_holders() { # pids (with commands) of the processes that hold $LOCK_FD_FILE open
-  local p
+  local p f want
+  want="$(readlink -f "$LOCK_FD_FILE")"
   for p in /proc/[0-9]*; do
     [ "${p#/proc/}" = "$$" ] && continue
-    if ls -l "$p/fd" 2>/dev/null | grep -qF -- "-> $LOCK_FD_FILE"; then
-      printf '%s (%s) ' "${p#/proc/}" "$(tr '\0' ' ' < "$p/cmdline" 2>/dev/null | cut -c1-100)"
-    fi
+    for f in "$p"/fd/*; do
+      if [ "$(readlink "$f" 2>/dev/null)" = "$want" ]; then
+        printf '%s (%s) ' "${p#/proc/}" "$(tr '\0' ' ' < "$p/cmdline" 2>/dev/null | cut -c1-100)"
+        break
+      fi
+    done
   done
 }
 take_flock() {
