@@ -49,6 +49,7 @@ from pathlib import Path
 import numpy as np
 
 import common
+import evaluate
 import export_checks as ec
 import onnx_graph
 import runners
@@ -253,6 +254,8 @@ def main(args: argparse.Namespace) -> dict:
     output_names = ["logits"] if spec.classifier else None
     with runners.TorchRunner(model, "cpu") as tr:
         ref = tr.infer(feed)
+    # before anything is exported: the checks compare outputs sample by sample
+    evaluate.require_batch_axis(ref, len(next(iter(feed.values()))))
     if output_names is None:
         output_names = list(ref) if len(ref) > 1 else ["output"]
         ref = dict(zip(output_names, ref.values()))

@@ -116,11 +116,21 @@ def default_model() -> str:
 
 DEFAULT_MODEL = "mobilenet_v3_small"
 
+
+def model_arg(text: str) -> str:
+    """argparse type of ``--model``: a non-empty name without surrounding blanks (an empty
+    ``--model ""`` used to reach the stages as a model folder named ``""``)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            "empty model name: give mobilenet_v3_small, efficientnet_lite0, a torchvision "
+            "classifier or package.module:factory")
+    return text.strip()
+
 # Flags shared by several stages, declared once (name -> (flags, add_argument kwargs)). Help
 # texts say what the flag does; the formatter appends the default.
 _SHARED_FLAGS: dict[str, tuple[tuple[str, ...], Callable[[], dict]]] = {
     "model": (("--model",), lambda: dict(
-        default=default_model(),
+        default=default_model(), type=model_arg,
         help="mobilenet_v3_small, efficientnet_lite0, a torchvision classifier or "
              "package.module:factory (default from $MODEL)")),
     "weights": (("--weights",), lambda: dict(

@@ -140,6 +140,25 @@ def batch_plan(n: int, batch: int, batch_range: tuple[int, int | None]) -> tuple
     return b, (b if hi is not None and lo == hi else 0)
 
 
+def require_batch_axis(outputs: dict[str, np.ndarray], n: int) -> None:
+    """Check that every output has the batch on axis 0 (``n`` rows for ``n`` input samples):
+    parity, top-k and the cross-checks compare outputs sample by sample.
+
+    Raises:
+        StageError: an output is a scalar or its axis 0 is not ``n`` long, naming the output,
+            its shape and the fix.
+    """
+    for name, v in outputs.items():
+        shape = tuple(np.shape(v))
+        if not shape or shape[0] != n:
+            raise common.StageError(
+                f"output {name!r} has shape {shape} for a batch of {n} input samples: it has no "
+                "batch axis (axis 0 must hold one row per input sample), so it cannot be "
+                "compared sample by sample. Fix: return a [N, ...] tensor from the model's "
+                "forward (e.g. x.mean(dim=(1, 2, 3)) instead of x.mean()), or wrap the model "
+                "so that it does")
+
+
 def run_outputs(runner: runners.Runner, data: EvalData, batch: int,
                 progress: str | None = None) -> dict[str, np.ndarray]:
     """Every output of ``runner`` over all samples of ``data``, in batches that respect the
@@ -148,6 +167,9 @@ def run_outputs(runner: runners.Runner, data: EvalData, batch: int,
 
     Returns:
         ``{output name: array [N, ...]}``.
+
+    Raises:
+        StageError: an output has no batch axis (:func:`require_batch_axis`).
     """
     n = len(data)
     b, fixed = batch_plan(n, batch, runner.batch_range)
@@ -157,9 +179,11 @@ def run_outputs(runner: runners.Runner, data: EvalData, batch: int,
         real = len(idx)
         if fixed and real < fixed:
             idx = np.concatenate([idx, np.full(fixed - real, idx[-1])])
-        for k, v in runner.infer(data.batch(idx)).items():
-            parts.setdefault(k, []).append(np.asarray(v)[:real] if np.ndim(v) else np.asarray(v))
-    return {k: np.concatenate(v) if v[0].ndim else v[0] for k, v in parts.items()}
+        out = runner.infer(data.batch(idx))
+        require_batch_axis(out, len(idx))
+        for k, v in out.items():
+            parts.setdefault(k, []).append(np.asarray(v)[:real])
+    return {k: np.concatenate(v) for k, v in parts.items()}
 
 
 def latency(runner: runners.Runner, data: EvalData, batch: int, warmup: int, iters: int

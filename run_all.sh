@@ -127,6 +127,12 @@ try:
 except common.UsageError as e:
     sys.exit(f"run_all.sh: INPUT_SHAPE: {e}")
 EOF
+elif [ -n "${INPUT_SHAPE:-}" ]; then
+  # a built-in classifier takes its input size from its preprocessing (data cache), not from
+  # INPUT_SHAPE: say so instead of dropping it without a word
+  echo "run_all.sh: INPUT_SHAPE is for custom models (MODEL=package.module:factory); $MODEL" \
+    "takes its input size from its preprocessing: unset INPUT_SHAPE" >&2
+  exit 2
 fi
 
 # --auto-precision: stage 0 makes the tuning split (all later stages then use the smaller eval

@@ -21,3 +21,19 @@ class TwoHead(nn.Module):
 def two_head():
     torch.manual_seed(0)
     return TwoHead()
+
+
+class NoBatchAxis(nn.Module):
+    """A model whose output is a scalar: the mean over the whole batch (no batch axis)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        return self.conv(x).mean()
+
+
+def no_batch_axis():
+    torch.manual_seed(0)
+    return NoBatchAxis()

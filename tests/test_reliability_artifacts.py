@@ -335,3 +335,21 @@ def test_stage5_modelopt_failure_leaves_no_temporaries(tmp_path):
     left = sorted(f.name for f in (d / "onnx").iterdir())
     assert [f for f in left if f.endswith(".onnx")] == ["fp32.onnx"], left
     assert not [f for f in left if f.startswith(".tmp")], left
+
+
+def test_output_without_batch_axis_is_named_by_stages_1_and_2_and_nothing_is_written(tmp_path):
+    """A model returning a scalar (mean over the whole batch): stage 1 kept one batch's value
+    as the reference and stage 2 died with an IndexError traceback; both now name the output,
+    its shape and the fix, exit 1 and write nothing."""
+    env = dict(os.environ, ARTIFACTS=str(tmp_path / "a"), RESULTS=str(tmp_path / "r"),
+               PYTHONPATH=str(ROOT))
+    m = ["--model", "tests.custom_models:no_batch_axis", "--input-shape", "x:1,3,16,16"]
+    for stage in ("1_pytorch_baseline.py", "2_export_onnx.py"):
+        p = run_stage([stage, *m], env, check=False)
+        assert p.returncode == 1, p.stderr
+        assert "has shape () for a batch of" in p.stderr and "no batch axis" in p.stderr
+        assert "Fix: return a [N, ...] tensor" in p.stderr and "Traceback" not in p.stderr
+    tag = common.model_tag("tests.custom_models:no_batch_axis")
+    assert not list((tmp_path / "a").rglob("*.onnx"))
+    assert not (tmp_path / "r" / tag / "pytorch_fp32_cpu.json").exists()
+    assert not (tmp_path / "a" / tag / "ref_outputs.npz").exists()

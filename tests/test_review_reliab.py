@@ -7,6 +7,7 @@ Each test builds its own input and fails on the code before the fix it covers.
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
@@ -318,3 +319,13 @@ def test_a_tag_naming_an_earlier_row_is_still_rewritten(tmp_path, monkeypatch):
     rec["reason"] = "second"
     path = common.write_result(MODEL, "ort_x", rec)
     assert json.loads(path.read_text())["reason"] == "second"
+
+
+@pytest.mark.parametrize("name", ["", "   "])
+def test_empty_model_name_is_a_usage_error(name, capsys):
+    """``--model ""`` reached stage 8 as a folder named "" ("no results in ...")."""
+    report = importlib.import_module("8_report")
+    with pytest.raises(SystemExit) as e:
+        report.get_args_parser().parse_args(["--model", name])
+    assert e.value.code == 2
+    assert "empty model name" in capsys.readouterr().err
