@@ -141,22 +141,21 @@ def batch_plan(n: int, batch: int, batch_range: tuple[int, int | None]) -> tuple
 
 
 def require_batch_axis(outputs: dict[str, np.ndarray], n: int) -> None:
-    """Check that every output has the batch on axis 0 (``n`` rows for ``n`` input samples):
-    parity, top-k and the cross-checks compare outputs sample by sample.
+    """Check that no output is a scalar: parity, top-k and the cross-checks compare outputs
+    sample by sample, along axis 0. (An axis 0 of another length is allowed: a boolean mask
+    over the batch, ``x[m]``, gives as many rows as ``m`` selects.)
 
     Raises:
-        StageError: an output is a scalar or its axis 0 is not ``n`` long, naming the output,
-            its shape and the fix.
+        StageError: an output is 0-dimensional, naming the output, the batch and the fix.
     """
     for name, v in outputs.items():
-        shape = tuple(np.shape(v))
-        if not shape or shape[0] != n:
+        if np.ndim(v) == 0:
             raise common.StageError(
-                f"output {name!r} has shape {shape} for a batch of {n} input samples: it has no "
-                "batch axis (axis 0 must hold one row per input sample), so it cannot be "
-                "compared sample by sample. Fix: return a [N, ...] tensor from the model's "
-                "forward (e.g. x.mean(dim=(1, 2, 3)) instead of x.mean()), or wrap the model "
-                "so that it does")
+                f"output {name!r} has shape () for a batch of {n} input samples: it has no "
+                "batch axis (axis 0 must hold the samples' rows), so it cannot be compared "
+                "sample by sample. Fix: return a [N, ...] tensor from the model's forward "
+                "(e.g. x.mean(dim=(1, 2, 3)) instead of x.mean()), or wrap the model so that "
+                "it does")
 
 
 def run_outputs(runner: runners.Runner, data: EvalData, batch: int,
