@@ -36,19 +36,32 @@ import os
 import sys
 import time
 from pathlib import Path
+from deploykit.cli import add_shared_args, check_positive, cli, stage_parser
+from deploykit.data.images import list_images
+from deploykit.data.splits import (
+    drop_content_duplicates,
+    make_splits,
+    preprocess_items,
+    save_cache,
+    split_tuning,
+)
+from deploykit.errors import StageError, UsageError
+from deploykit.io import check_writable, write_json
+from deploykit.layout import DEFAULT_DATA, artifacts_dir, model_results, splits_path
+from deploykit.models import model_spec
+from deploykit.results import provenance
 
-import common
 
 
 def get_args_parser() -> argparse.ArgumentParser:
-    p = common.stage_parser(__doc__)
+    p = stage_parser(__doc__)
     p.add_argument("--data-root", type=Path, default=os.environ.get("VAL_ROOT") or None,
                    help="image folder (default: $VAL_ROOT, else the embedded sample "
                         "data/imagenet-sample-1k)")
     p.add_argument("--labels-csv", type=Path, default=None,
                    help="ground-truth CSV for a flat folder (default: LOC_val_solution.csv found "
                         "beside or above the images)")
-    common.add_shared_args(p, "model")
+    add_shared_args(p, "model")
     p.add_argument("--eval-per-class", type=int, default=None,
                    help="evaluation images per class (default: all not used for calibration)")
     p.add_argument("--calib-per-class", type=int, default=10,
@@ -74,23 +87,23 @@ def get_args_parser() -> argparse.ArgumentParser:
 def main(args: argparse.Namespace) -> dict:
     """Write the split and caches; return the summary dict written to ``data.json``."""
     started = time.time()
-    common.check_positive(args, "limit")
+    check_positive(args, "limit")
     if not 0.0 <= args.calib_fraction < 1.0:
-        raise common.UsageError("--calib-fraction must be in [0, 1)")
+        raise UsageError("--calib-fraction must be in [0, 1)")
     if not 0.0 <= args.tune_fraction < 1.0:
-        raise common.UsageError(f"--tune-fraction {args.tune_fraction}: must be in [0, 1) (0 = "
+        raise UsageError(f"--tune-fraction {args.tune_fraction}: must be in [0, 1) (0 = "
                                 "no tuning split)")
     if args.calib_per_class < 0 or (args.eval_per_class is not None and args.eval_per_class < 1):
-        raise common.UsageError("--calib-per-class must be >= 0 and --eval-per-class >= 1")
-    root = Path(args.data_root) if args.data_root else common.DEFAULT_DATA
-    spec = common.model_spec(args.model)
+        raise UsageError("--calib-per-class must be >= 0 and --eval-per-class >= 1")
+    root = Path(args.data_root) if args.data_root else DEFAULT_DATA
+    spec = model_spec(args.model)
     if not spec.classifier:
-        raise common.UsageError(f"--model {args.model} is not an ImageNet classifier: the data "
+        raise UsageError(f"--model {args.model} is not an ImageNet classifier: the data "
                                 "stage does not apply (export and parity use --input-shape)")
     # Check the output folders before the long preprocessing, not after it.
-    common.check_writable(common.artifacts_dir(), common.model_results(args.model))
-    items, layout = common.list_images(root, args.labels_csv, args.allow_class_subset)
-    ev, ca = common.make_splits(items, args.eval_per_class, args.calib_per_class,
+    check_writable(artifacts_dir(), model_results(args.model))
+    items, layout = list_images(root, args.labels_csv, args.allow_class_subset)
+    ev, ca = make_splits(items, args.eval_per_class, args.calib_per_class,
                                 args.calib_fraction, args.seed)
     assert not {p for p, _ in ev} & {p for p, _ in ca}, "eval/calib overlap"
     counts: dict[int, int] = {}
@@ -100,13 +113,13 @@ def main(args: argparse.Namespace) -> dict:
     if few:
         print(f"note: {few} classes have 2..{args.calib_per_class} images (--calib-per-class "
               f"{args.calib_per_class}): each keeps one image for evaluation", file=sys.stderr)
-    ev, dup = common.drop_content_duplicates(root, ev, ca)
+    ev, dup = drop_content_duplicates(root, ev, ca)
     for rel in dup:
         print(f"WARNING: eval image {root / rel} has the same bytes as a calibration image: "
               "dropped from eval", file=sys.stderr)
-    ev, tu = common.split_tuning(ev, args.tune_fraction, args.seed)
+    ev, tu = split_tuning(ev, args.tune_fraction, args.seed)
     if tu:
-        ev, dup_t = common.drop_content_duplicates(root, ev, tu)
+        ev, dup_t = drop_content_duplicates(root, ev, tu)
         for rel in dup_t:
             print(f"WARNING: eval image {root / rel} has the same bytes as a tuning image: "
                   "dropped from eval", file=sys.stderr)
@@ -127,7 +140,7 @@ def main(args: argparse.Namespace) -> dict:
     for name in ("eval", "calib", "tune"):
         if not split[name]:
             continue
-        x, good, bad = common.preprocess_items(root, [tuple(i) for i in split[name]], prep,
+        x, good, bad = preprocess_items(root, [tuple(i) for i in split[name]], prep,
                                                desc=f"preprocess {name}")
         for rel, err in bad:
             print(f"WARNING: unreadable image dropped from {name}: {root / rel}: {err}",
@@ -136,12 +149,12 @@ def main(args: argparse.Namespace) -> dict:
         split[name] = [list(i) for i in good]
         caches[name] = (x, good)
     if not split["eval"]:
-        raise common.StageError(f"no readable evaluation image in {root} (see the warnings "
+        raise StageError(f"no readable evaluation image in {root} (see the warnings "
                                 "above); the previous splits.json is unchanged")
     # Caches first, then the split that names them: a failure leaves the previous pair intact.
     for name, (x, _) in caches.items():
-        common.save_cache(split, name, prep, x)
-    common.write_json(common.splits_path(), split)
+        save_cache(split, name, prep, x)
+    write_json(splits_path(), split)
     summary = {"stage": "0_prepare_data", "data_root": str(root), "layout": layout,
                "n_listed": len(items), "n_classes": len(counts), "n_eval": len(split["eval"]),
                "n_calib": len(split["calib"]), "n_tune": len(split["tune"]),
@@ -151,13 +164,13 @@ def main(args: argparse.Namespace) -> dict:
                "eval_classes": len({c for _, c in split["eval"]}),
                "calib_classes": len({c for _, c in split["calib"]}),
                "preprocessing": prep,
-               "provenance": common.provenance(args, [common.splits_path()], started)}
-    common.write_json(common.model_results(args.model) / "data.json", summary)
+               "provenance": provenance(args, [splits_path()], started)}
+    write_json(model_results(args.model) / "data.json", summary)
     print(f"data: {layout} {root}: {summary['n_eval']} eval / {summary['n_calib']} calib images"
           + (f" / {summary['n_tune']} tuning" if summary["n_tune"] else "")
-          + f", {summary['n_unreadable']} unreadable -> {common.splits_path()}")
+          + f", {summary['n_unreadable']} unreadable -> {splits_path()}")
     return summary
 
 
 if __name__ == "__main__":
-    common.cli(get_args_parser, main)
+    cli(get_args_parser, main)

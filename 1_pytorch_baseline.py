@@ -16,7 +16,7 @@ runs of ``forward()`` on device-resident inputs: wall-clock with a device sync b
 timestamp (``end_to_end_ms``), and on CUDA also CUDA events (``gpu_compute_ms``) and the replay of
 a CUDA graph (``cuda_graph_ms``: eager PyTorch at batch 1 is bound by kernel-launch overhead, the
 graph shows what the GPU itself needs). Preprocessing is outside the timed region. The evaluation itself is the shared path of stages 1, 3 and 7
-(``evaluate.py``).
+(``deploykit.evaluate``).
 """
 from __future__ import annotations
 
@@ -25,18 +25,24 @@ import os
 import time
 
 import numpy as np
+from deploykit.layout import ref_logits_path
+from deploykit.cli import add_shared_args, check_positive, cli, require, stage_parser
+from deploykit.errors import UsageError
+from deploykit.evaluate import EvalData, classifier_data, custom_data, evaluate, summary_line
+from deploykit.io import atomic_path, check_writable
+from deploykit.layout import check_row_tag, model_artifacts, model_results, splits_path
+from deploykit.models import build_model, example_inputs, parse_input_shapes
+from deploykit.results import write_result
+from deploykit.runners import TorchRunner
 
-import common
-import evaluate
-import runners
 
 
 def get_args_parser() -> argparse.ArgumentParser:
-    p = common.stage_parser(__doc__)
-    common.add_shared_args(p, "model", "weights", "random_init", "input_shape")
+    p = stage_parser(__doc__)
+    add_shared_args(p, "model", "weights", "random_init", "input_shape")
     p.add_argument("--device", default=os.environ.get("TORCH_DEVICE", "cpu"),
                    help="cpu or cuda[:i] (default from $TORCH_DEVICE)")
-    common.add_shared_args(p, "batch_size", "limit", "latency_batch", "warmup", "iters",
+    add_shared_args(p, "batch_size", "limit", "latency_batch", "warmup", "iters",
                            "max_seconds",
                            "threads")
     p.add_argument("--no-save-reference", action="store_true",
@@ -67,46 +73,46 @@ def main(args: argparse.Namespace) -> dict:
     started = time.time()
     import torch
 
-    common.check_positive(args, "batch_size", "latency_batch", "iters", "limit")
-    common.check_writable(common.model_artifacts(args.model), common.model_results(args.model))
-    common.check_positive(args, "warmup", "threads", allow_zero=("warmup", "threads"))
+    check_positive(args, "batch_size", "latency_batch", "iters", "limit")
+    check_writable(model_artifacts(args.model), model_results(args.model))
+    check_positive(args, "warmup", "threads", allow_zero=("warmup", "threads"))
     if args.tag is not None:  # checked now, not after the evaluation
-        common.check_row_tag(args.model, args.tag)
+        check_row_tag(args.model, args.tag)
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, spec = common.build_model(args.model, args.weights, pretrained=not args.random_init)
-    shapes = common.parse_input_shapes(args.input_shape)
-    art = common.model_artifacts(args.model)
+    model, spec = build_model(args.model, args.weights, pretrained=not args.random_init)
+    shapes = parse_input_shapes(args.input_shape)
+    art = model_artifacts(args.model)
     inputs: list = []
     fp16 = args.precision == "fp16"
     save_ref = not (args.no_save_reference or fp16)
     opts = dict(dtype=args.precision, compile=args.compile,
                 tf32=False if args.no_tf32 else None)
     if spec.classifier:
-        ref = art / "ref_logits.npz"
+        ref = ref_logits_path(args.model)
         if fp16:
-            common.require(ref, "1_pytorch_baseline.py (FP32) first; FP16 is judged against it")
-        data = evaluate.classifier_data(spec, args.limit, ref if fp16 else None)
-        inputs.append(common.splits_path())
-        runner = runners.TorchRunner(model, args.device, **opts)
+            require(ref, "1_pytorch_baseline.py (FP32) first; FP16 is judged against it")
+        data = classifier_data(spec, args.limit, ref if fp16 else None)
+        inputs.append(splits_path())
+        runner = TorchRunner(model, args.device, **opts)
     else:
         if not shapes:
-            raise common.UsageError(f"--model {args.model}: give --input-shape for a custom "
+            raise UsageError(f"--model {args.model}: give --input-shape for a custom "
                                     "model (e.g. --input-shape x:1,3,224,224)")
-        data = (evaluate.custom_data(art / "ref_outputs.npz") if fp16 else
-                evaluate.EvalData(feed=common.example_inputs(spec, shapes, batch=4, seed=0)))
-        runner = runners.TorchRunner(model, args.device, input_names=[n for n, _, _ in shapes],
+        data = (custom_data(art / "ref_outputs.npz") if fp16 else
+                EvalData(feed=example_inputs(spec, shapes, batch=4, seed=0)))
+        runner = TorchRunner(model, args.device, input_names=[n for n, _, _ in shapes],
                                      **opts)
         try:
             runner.infer(data.feed)
         except (TypeError, RuntimeError) as e:
-            raise common.UsageError(
+            raise UsageError(
                 f"--model {args.model} does not run on --input-shape "
                 f"{[f'{n}:{s}' for n, s, _ in shapes]}: {str(e).splitlines()[0]}; give one "
                 "--input-shape per forward() argument, in order, with the right shapes") from e
     dev_tag = "cuda" if args.device.startswith("cuda") else "cpu"
     with runner:
-        rec, outputs = evaluate.evaluate(
+        rec, outputs = evaluate(
             runner, data, stage="1_pytorch_baseline", precision=args.precision.upper(),
             model=args.model, tag=args.tag or f"pytorch_{args.precision}_{dev_tag}", args=args,
             started=started, inputs=inputs,
@@ -120,19 +126,19 @@ def main(args: argparse.Namespace) -> dict:
     # interrupted run never leaves a reference that disagrees with its row.
     if save_ref:
         if spec.classifier:
-            with common.atomic_path(ref) as tmp:
+            with atomic_path(ref) as tmp:
                 np.savez(tmp, logits=next(iter(outputs.values())), y=data.y,
                          files=np.array(data.files))
         else:
             ref = art / "ref_outputs.npz"
-            with common.atomic_path(ref) as tmp:
+            with atomic_path(ref) as tmp:
                 np.savez(tmp, **{f"in:{k}": v for k, v in data.feed.items()},
                          **{f"out:{k}": v for k, v in outputs.items()})
         rec["reference"] = str(ref)
-    path = common.write_result(args.model, rec["tag"], rec)
-    print(f"{evaluate.summary_line(rec)} -> {path}")
+    path = write_result(args.model, rec["tag"], rec)
+    print(f"{summary_line(rec)} -> {path}")
     return rec
 
 
 if __name__ == "__main__":
-    common.cli(get_args_parser, main)
+    cli(get_args_parser, main)

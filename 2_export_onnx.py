@@ -47,19 +47,39 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+from deploykit.checks.base import check_result, format_result, with_source, worst
+from deploykit.checks.export import (
+    capture_warnings,
+    check_batch_parity,
+    check_export,
+    keep_list,
+    ort_runner,
+    other_paths,
+)
+from deploykit.checks.fp16 import convert_fp16, fp16_checks
+from deploykit.checks.lint import DEFAULT_EXAMPLE_BATCH
+from deploykit.cli import add_shared_args, cli, require, stage_parser
+from deploykit.data.images import normalize
+from deploykit.data.splits import load_split
+from deploykit.errors import StageError, UsageError
+from deploykit.evaluate import require_batch_axis
+from deploykit.install import install, install_rejected, rejected_path
+from deploykit.io import check_writable, file_size_mb, sha256_file, write_json
+from deploykit.layerwise.torch_vs_onnx import torch_vs_onnx
+from deploykit.layout import model_artifacts, model_results
+from deploykit.models import build_model, example_inputs, parse_input_shapes
+from deploykit.onnx.graph import load_onnx
+from deploykit.results import provenance
+from deploykit.runners import TorchRunner
+from deploykit.tools.export_checks import split_names
 
-import common
-import evaluate
-import export_checks as ec
-import onnx_graph
-import runners
 
-EXAMPLE_BATCH = ec.DEFAULT_EXAMPLE_BATCH
+EXAMPLE_BATCH = DEFAULT_EXAMPLE_BATCH
 
 
 def get_args_parser() -> argparse.ArgumentParser:
-    p = common.stage_parser(__doc__)
-    common.add_shared_args(p, "model", "weights", "random_init", "input_shape")
+    p = stage_parser(__doc__)
+    add_shared_args(p, "model", "weights", "random_init", "input_shape")
     p.add_argument("--exporter", choices=("dynamo", "legacy"), default="dynamo",
                    help="torch.onnx.export(dynamo=True) or the legacy TorchScript exporter")
     p.add_argument("--opset", type=int, default=None,
@@ -92,26 +112,26 @@ def _check_args(args: argparse.Namespace) -> None:
     import onnx
 
     if args.check_images < 2:
-        raise common.UsageError(f"--check-images must be >= 2 (batch-N check), got "
+        raise UsageError(f"--check-images must be >= 2 (batch-N check), got "
                                 f"{args.check_images}")
     for flag in ("min_cosine_fp32", "min_cosine_fp16"):
         v = getattr(args, flag)
         if not 0.0 < v <= 1.0:  # NaN fails too
-            raise common.UsageError(f"--{flag.replace('_', '-')} {v}: a cosine similarity lies "
+            raise UsageError(f"--{flag.replace('_', '-')} {v}: a cosine similarity lies "
                                     "in [-1, 1] and a threshold that can fail a file in (0, 1] "
                                     "(e.g. 0.999); nothing was exported")
     top = onnx.defs.onnx_opset_version()
     low = 18 if args.exporter == "dynamo" else 7
     if args.opset is not None and not low <= args.opset <= top:
-        raise common.UsageError(f"--opset {args.opset}: the {args.exporter} exporter writes "
+        raise UsageError(f"--opset {args.opset}: the {args.exporter} exporter writes "
                                 f"opsets {low}..{top} here")
     if args.true_fp16_budget_s < 0:
-        raise common.UsageError("--true-fp16-budget-s must be >= 0")
+        raise UsageError("--true-fp16-budget-s must be >= 0")
     if args.no_fp16 and args.fp16_keep_fp32:
-        raise common.UsageError("--fp16-keep-fp32 with --no-fp16: there is no FP16 file")
+        raise UsageError("--fp16-keep-fp32 with --no-fp16: there is no FP16 file")
 
 
-def _exporter_error(e: Exception, exporter: str, opset: int) -> common.StageError:
+def _exporter_error(e: Exception, exporter: str, opset: int) -> StageError:
     """A short message for an exporter failure: its first line and the user's source lines."""
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))  # drop terminal colour codes
     user = [ln.strip() for ln in text.splitlines() if ln.strip().startswith("File \"")
@@ -122,7 +142,7 @@ def _exporter_error(e: Exception, exporter: str, opset: int) -> common.StageErro
             "keep it a tensor (masks, torch.gather/torch.where), or try --exporter legacy, "
             "whose TracerWarning stage 2 then names." if "data-dependent" in text.lower()
             or "GuardOnDataDependent" in text else "")
-    return common.StageError(f"torch.onnx.export ({exporter}, opset {opset}) failed: "
+    return StageError(f"torch.onnx.export ({exporter}, opset {opset}) failed: "
                              f"{type(e).__name__}: {first}{where}.{hint}")
 
 
@@ -164,7 +184,7 @@ def export_fp32(model, example: dict[str, np.ndarray], path: Path, exporter: str
         except Exception as e:  # noqa: BLE001 - exporter errors have many types
             raise _exporter_error(e, exporter, opset) from e
     onnx.checker.check_model(str(path))
-    return [w for w in ec.capture_warnings(caught)
+    return [w for w in capture_warnings(caught)
             if not _OWN_CALL_NOTICE.search(w["message"])], declared
 
 
@@ -182,31 +202,31 @@ def _rows(feed: dict[str, np.ndarray], n: int) -> dict[str, np.ndarray]:
 def _inputs(args, spec, shapes) -> tuple[dict[str, np.ndarray], dict | None, bool]:
     """``(feed, second feed or None, real)`` for the checks."""
     if args.inputs is not None:
-        path = common.require(args.inputs, "np.savez of your samples")
+        path = require(args.inputs, "np.savez of your samples")
         with np.load(path) as z:
             feed = {k: z[k] for k in z.files}
         if shapes:
             names = [n for n, _, _ in shapes]
             missing = [n for n in names if n not in feed]
             if missing:
-                raise common.UsageError(f"--inputs {args.inputs}: keys {sorted(feed)} lack "
+                raise UsageError(f"--inputs {args.inputs}: keys {sorted(feed)} lack "
                                         f"{missing} (names of --input-shape)")
             feed = {n: feed[n] for n in names}
         if not feed or len({len(v) for v in feed.values()}) != 1:
-            raise common.UsageError(f"--inputs {args.inputs}: every array needs the same number "
+            raise UsageError(f"--inputs {args.inputs}: every array needs the same number "
                                     "of samples on axis 0")
         return {k: v[:args.check_images] for k, v in feed.items()}, None, True
     if spec.classifier:
-        x, _, _ = common.load_split("eval", spec, args.check_images)
+        x, _, _ = load_split("eval", spec, args.check_images)
         if len(x) < 2:
-            raise common.UsageError("--check-images must be >= 2 (batch-N check)")
-        return {"input": common.normalize(x, spec.mean, spec.std)}, None, True
+            raise UsageError("--check-images must be >= 2 (batch-N check)")
+        return {"input": normalize(x, spec.mean, spec.std)}, None, True
     if not shapes:
-        raise common.UsageError(f"--model {args.model}: give --input-shape for a custom model "
+        raise UsageError(f"--model {args.model}: give --input-shape for a custom model "
                                 "(and --inputs with real samples for the FP16 audit)")
     n = max(EXAMPLE_BATCH, min(args.check_images, 8))
-    feed = common.example_inputs(spec, shapes, batch=n, seed=0)
-    return feed, ec.other_paths(feed, seed=1), False
+    feed = example_inputs(spec, shapes, batch=n, seed=0)
+    return feed, other_paths(feed, seed=1), False
 
 
 def _fix_command(keep: list[str]) -> str:
@@ -233,11 +253,11 @@ def _summary(name: str, path: Path, par: dict | None, results: list[dict]) -> No
     if par:
         line += f", cosine min {par['cosine_min']:.6f}" + (
             f", top-1 agreement {par['top1_agreement']:.1f}%" if "top1_agreement" in par else "")
-    line += f" -> {ec.worst(results)}"
+    line += f" -> {worst(results)}"
     print(line)
     for r in results:  # failures are listed in the stage's error message
         if r["status"] == "warn":
-            print("  " + ec.format_result(r).replace("\n", "\n  "))
+            print("  " + format_result(r).replace("\n", "\n  "))
 
 
 def main(args: argparse.Namespace) -> dict:
@@ -245,25 +265,25 @@ def main(args: argparse.Namespace) -> dict:
 
     started = time.time()
     _check_args(args)  # before anything is exported: an impossible threshold fails every file
-    common.check_writable(common.model_artifacts(args.model), common.model_results(args.model))
-    keep = ec._split_names(args.fp16_keep_fp32)
-    model, spec = common.build_model(args.model, args.weights, pretrained=not args.random_init)
+    check_writable(model_artifacts(args.model), model_results(args.model))
+    keep = split_names(args.fp16_keep_fp32)
+    model, spec = build_model(args.model, args.weights, pretrained=not args.random_init)
     opset = args.opset or (18 if args.exporter == "dynamo" else 17)
-    shapes = common.parse_input_shapes(args.input_shape)
+    shapes = parse_input_shapes(args.input_shape)
     feed, second, real = _inputs(args, spec, shapes)
     output_names = ["logits"] if spec.classifier else None
-    with runners.TorchRunner(model, "cpu") as tr:
+    with TorchRunner(model, "cpu") as tr:
         ref = tr.infer(feed)
     # before anything is exported: the checks compare outputs sample by sample
-    evaluate.require_batch_axis(ref, len(next(iter(feed.values()))))
+    require_batch_axis(ref, len(next(iter(feed.values()))))
     if output_names is None:
         output_names = list(ref) if len(ref) > 1 else ["output"]
         ref = dict(zip(output_names, ref.values()))
     n = len(next(iter(feed.values())))
-    onnx_dir = common.model_artifacts(args.model) / "onnx"
+    onnx_dir = model_artifacts(args.model) / "onnx"
     onnx_dir.mkdir(parents=True, exist_ok=True)
     final = {"fp32": onnx_dir / "fp32.onnx", "fp16": onnx_dir / "fp16.onnx"}
-    results_json = common.model_results(args.model) / "export.json"
+    results_json = model_results(args.model) / "export.json"
     record: dict = {"stage": "2_export_onnx", "model": args.model, "exporter": args.exporter,
                     "opset": opset, "example_batch": EXAMPLE_BATCH, "n_check": n,
                     "check_inputs": "real" if real else "synthetic (seeded N(0,1))",
@@ -275,27 +295,27 @@ def main(args: argparse.Namespace) -> dict:
                                         args.exporter, opset, output_names)
         record["exporter_warnings"] = ex_warn
         cache = {("b", n): ref}
-        res = {"fp32": ec.check_export(
+        res = {"fp32": check_export(
             model, cand["fp32"], feed, min_cosine=args.min_cosine_fp32, declared=declared,
             example_batch=EXAMPLE_BATCH, exporter_warnings=ex_warn,
             allow_tracer=args.allow_tracer_warnings, second_feed=second,
             input_paths=not (real and spec.classifier), ref_cache=cache)}
         par = {"fp32": _parity(res["fp32"])}
-        if ec.worst(res["fp32"]) == "fail" and any(
+        if worst(res["fp32"]) == "fail" and any(
                 r["check"] == "batch_parity" and r["status"] == "fail" and r["node"] is None
                 for r in res["fp32"]):
             res["fp32"] += _first_divergent_module(model, cand["fp32"], feed)
         m32 = onnx.load(str(cand["fp32"]))
-        if not args.no_fp16 and ec.worst(res["fp32"]) != "fail":
-            m16, conv_warn = ec.convert_fp16(m32, keep)
+        if not args.no_fp16 and worst(res["fp32"]) != "fail":
+            m16, conv_warn = convert_fp16(m32, keep)
             onnx.save(m16, str(cand["fp16"]))
             onnx.checker.check_model(str(cand["fp16"]))
-            r16 = ec.fp16_checks(m32, cand["fp16"], feed, ref, args.min_cosine_fp16,
+            r16 = fp16_checks(m32, cand["fp16"], feed, ref, args.min_cosine_fp16,
                                  converter_warnings=conv_warn, real_inputs=real, keep_fp32=keep,
                                  true_fp16_budget_s=args.true_fp16_budget_s,
                                  trained=not args.random_init)
-            run16 = ec.ort_runner(cand["fp16"])
-            bp = ec.check_batch_parity({b: cache[("b", b)] for b in (1, n) if ("b", b) in cache},
+            run16 = ort_runner(cand["fp16"])
+            bp = check_batch_parity({b: cache[("b", b)] for b in (1, n) if ("b", b) in cache},
                                        {b: {k: v[:b] for k, v in feed.items()} for b in (1, n)
                                         if ("b", b) in cache}, run16, args.min_cosine_fp16)
             for r in bp:
@@ -304,40 +324,40 @@ def main(args: argparse.Namespace) -> dict:
                 r["computed_in"] = "FP32 (ORT CPU EP)"
             res["fp16"] = bp + r16
             par["fp16"] = _parity(res["fp16"])
-        failed = [k for k, r in res.items() if ec.worst(r) == "fail"]
+        failed = [k for k, r in res.items() if worst(r) == "fail"]
         for name, rs in res.items():
-            record["files"][name] = {"path": str(final[name]), "status": ec.worst(rs),
+            record["files"][name] = {"path": str(final[name]), "status": worst(rs),
                                      "outputs": par.get(name) or {},
-                                     "checks": rs, "size_mb": common.file_size_mb(cand[name]),
-                                     "sha256": common.sha256_file(cand[name]),
+                                     "checks": rs, "size_mb": file_size_mb(cand[name]),
+                                     "sha256": sha256_file(cand[name]),
                                      "min_cosine_required": getattr(
                                          args, f"min_cosine_{name}")}
             _summary(name, final[name], next(iter((par.get(name) or {None: None}).values())),
                      rs)
         if failed:
             for name in failed:
-                rej = ec.install_rejected(cand[name], final[name], res[name])
+                rej = install_rejected(cand[name], final[name], res[name])
                 record["files"][name]["rejected_as"] = str(rej)
             record["status"], record["installed"] = "failed", False
-            record["provenance"] = common.provenance(args, [], started)
-            common.write_json(results_json, record)
-            lines = [ec.format_result(r) for k in failed for r in res[k]
+            record["provenance"] = provenance(args, [], started)
+            write_json(results_json, record)
+            lines = [format_result(r) for k in failed for r in res[k]
                      if r["status"] == "fail" and not r.get("summary")]
-            more = ec.keep_list(res.get("fp16", []), keep) if "fp16" in failed else keep
+            more = keep_list(res.get("fp16", []), keep) if "fp16" in failed else keep
             fix = (f"\nfix (keep those nodes in FP32): {_fix_command(more)}" if more != keep
                    else "")
-            kept = ", ".join(str(ec.rejected_path(final[k])) for k in failed)
+            kept = ", ".join(str(rejected_path(final[k])) for k in failed)
             prev = [str(p) for p in final.values() if p.exists()]
-            raise common.StageError(
+            raise StageError(
                 f"export check failed for {failed}; kept as {kept} (reason beside it, and in "
                 f"{results_json}); nothing installed"
                 + (f" (earlier files left as they were: {', '.join(prev)})" if prev else "")
                 + ":\n" + "\n".join(lines) + fix)
         for name in res:
-            ec.install(cand[name], final[name])
+            install(cand[name], final[name])
         record["status"], record["installed"] = "ok", True
-        record["provenance"] = common.provenance(args, [final["fp32"]], started)
-        common.write_json(results_json, record)
+        record["provenance"] = provenance(args, [final["fp32"]], started)
+        write_json(results_json, record)
         print(f"installed {', '.join(str(final[k]) for k in res)} -> {results_json}")
         return record
     finally:
@@ -354,25 +374,24 @@ def _parity(results: list[dict]) -> dict | None:
 def _first_divergent_module(model, onnx_path: Path, feed: dict) -> list[dict]:
     """Name the first PyTorch module whose ONNX output differs (layerwise.torch_vs_onnx), for a
     parity failure that no graph check explains. Best effort: errors give a ``skip`` row."""
-    import layerwise
 
     try:
-        res = layerwise.torch_vs_onnx(model, onnx_path, {k: v[:2] for k, v in feed.items()})
+        res = torch_vs_onnx(model, onnx_path, {k: v[:2] for k, v in feed.items()})
     except Exception as e:  # noqa: BLE001 - diagnostics never hide the real failure
-        return [ec.result("first_divergent_module", "skip",
+        return [check_result("first_divergent_module", "skip",
                           f"torch-vs-onnx could not run: {' '.join(str(e).split())[:160]}")]
     fd = res.get("first_divergent")
     if not fd:
-        return [ec.result("first_divergent_module", "skip",
+        return [check_result("first_divergent_module", "skip",
                           "every mapped module matches its ONNX tensor: the difference is in "
                           "unmapped nodes")]
     head = (f"module {fd['module']} ({fd['type']}) is the first whose ONNX output differs "
             f"(cosine min {fd.get('cosine_min', float('nan')):.4f})")
     if fd.get("inputs_agree") is False and fd.get("input_node"):
-        src = next((n for n in onnx_graph.load(onnx_path).graph.node
+        src = next((n for n in load_onnx(onnx_path).graph.node
                     if n.name == fd["input_node"]), None)
-        where = ec._with_source(src) if src is not None else fd["input_node"]
-        return [ec.result(
+        where = with_source(src) if src is not None else fd["input_node"]
+        return [check_result(
             "first_divergent_module", "fail",
             f"{head}, but its input already differs (tensor {fd['input_tensor']} made by "
             f"{where}, cosine min {fd.get('input_cosine_min', float('nan')):.4f}): the error is "
@@ -380,10 +399,10 @@ def _first_divergent_module(model, onnx_path: Path, feed: dict) -> list[dict]:
             f"before node {fd['input_node']}", node=fd["input_node"],
             fix=f"look at the ops that compute {fd['module']}'s input (the source line above) "
                 "and how they are exported; python layerwise.py torch-vs-onnx shows all rows")]
-    return [ec.result("first_divergent_module", "fail", head, node=fd["node"],
+    return [check_result("first_divergent_module", "fail", head, node=fd["node"],
                       fix="look at how this module is exported (op, attributes, indexing); "
                           "python layerwise.py torch-vs-onnx shows all rows")]
 
 
 if __name__ == "__main__":
-    common.cli(get_args_parser, main)
+    cli(get_args_parser, main)

@@ -24,33 +24,49 @@ after the row is written and never change its status.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import re
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
+from deploykit.layout import fp32_onnx_path, ref_logits_path
+from deploykit.cli import add_shared_args, check_positive, cli, require, stage_parser
+from deploykit.errors import StageError, UsageError
+from deploykit.evaluate import (
+    EvalData,
+    base_record,
+    classifier_data,
+    custom_data,
+    diagnose,
+    evaluate,
+    summary_line,
+)
+from deploykit.feeds import load_feed
+from deploykit.io import check_writable, file_size_mb
+from deploykit.layerwise.diff import run_layer_diff
+from deploykit.layerwise.quant_backend import quant_backend_table, render_quant_backend
+from deploykit.layerwise.report import render_table
+from deploykit.layout import check_row_tag, model_artifacts, model_results
+from deploykit.models import model_spec
+from deploykit.onnx.graph import detect_precision, load_onnx
+from deploykit.quant.cross_check import X64_QUANT_PRECISION, backend_cross_check
+from deploykit.results import provenance, write_result
+from deploykit.runners import ORT_EPS, OrtRunner
+from deploykit.variants import variant_of_file
 
-import common
-import evaluate
-import onnx_graph
-import qdq_tools
-import runners
-import variants
 
 STAGE = "3_onnx_eval"
 
 
 def get_args_parser() -> argparse.ArgumentParser:
-    p = common.stage_parser(__doc__)
+    p = stage_parser(__doc__)
     p.add_argument("--onnx", type=Path, required=True, help="ONNX file to evaluate")
     p.add_argument("--tag", required=True, help="row id, e.g. ort_fp32 (results/<model>/<tag>.json)")
-    common.add_shared_args(p, "model")
+    add_shared_args(p, "model")
     p.add_argument("--precision", default="auto",
                    help="FP32/FP16/INT8/INT4 label for the report (auto: read from the file)")
-    p.add_argument("--ep", default=os.environ.get("ORT_EP", "cpu"), choices=sorted(runners.ORT_EPS),
+    p.add_argument("--ep", default=os.environ.get("ORT_EP", "cpu"), choices=sorted(ORT_EPS),
                    help="execution provider to ask for (default from $ORT_EP)")
     p.add_argument("--allow-cpu-fallback", action="store_true",
                    help="run on CPU (and record it) if the requested GPU EP cannot be used")
@@ -65,7 +81,7 @@ def get_args_parser() -> argparse.ArgumentParser:
                    help="ORT graph optimisation level")
     p.add_argument("--disable-optimizer", action="append", default=[],
                    help="ORT optimizer to disable (repeatable), e.g. WeightBiasQuantization")
-    common.add_shared_args(p, "batch_size", "limit", "latency_batch", "warmup", "iters",
+    add_shared_args(p, "batch_size", "limit", "latency_batch", "warmup", "iters",
                            "max_seconds",
                            "threads")
     p.add_argument("--cross-check-images", type=int, default=-1,
@@ -86,7 +102,7 @@ def is_qdq(precision: str) -> bool:
     return precision.startswith("INT")
 
 
-X64_PRECISION = qdq_tools.X64_QUANT_PRECISION
+X64_PRECISION = X64_QUANT_PRECISION
 
 
 def main(args: argparse.Namespace) -> dict:
@@ -99,40 +115,40 @@ def main(args: argparse.Namespace) -> dict:
             created or run (the failure is recorded in the row first).
     """
     started = time.time()
-    common.check_row_tag(args.model, args.tag)
-    common.check_writable(common.model_results(args.model))
-    common.check_positive(args, "limit", "batch_size", "latency_batch", "iters")
-    common.check_positive(args, "warmup", "threads", allow_zero=("warmup", "threads"))
-    spec = common.model_spec(args.model)
-    onnx_path = common.require(args.onnx, "2_export_onnx.py / 5_quantize.sh (whichever makes it)")
-    precision = (onnx_graph.detect_precision(onnx_graph.load(onnx_path, external=False))
+    check_row_tag(args.model, args.tag)
+    check_writable(model_results(args.model))
+    check_positive(args, "limit", "batch_size", "latency_batch", "iters")
+    check_positive(args, "warmup", "threads", allow_zero=("warmup", "threads"))
+    spec = model_spec(args.model)
+    onnx_path = require(args.onnx, "2_export_onnx.py / 5_quantize.sh (whichever makes it)")
+    precision = (detect_precision(load_onnx(onnx_path, external=False))
                  if args.precision == "auto" else args.precision)
-    art = common.model_artifacts(args.model)
-    variant = variants.variant_of_file(onnx_path)
+    art = model_artifacts(args.model)
+    variant = variant_of_file(onnx_path)
     base = dict(onnx=str(onnx_path), variant=variant.name if variant else None)
     # Inputs are checked before any session exists, so a mismatch never overwrites a good row.
     if spec.classifier:
-        ref_path = common.require(art / "ref_logits.npz", "1_pytorch_baseline.py")
-        data = evaluate.classifier_data(spec, args.limit, ref_path)
+        ref_path = require(ref_logits_path(args.model), "1_pytorch_baseline.py")
+        data = classifier_data(spec, args.limit, ref_path)
     else:
         ref_path = art / "ref_outputs.npz"
-        data = evaluate.custom_data(ref_path)
+        data = custom_data(ref_path)
 
     def fail(reason: str, desc: dict | None = None) -> None:
-        rec = evaluate.base_record(STAGE, precision, args.model, args.tag, desc, backend="ORT",
+        rec = base_record(STAGE, precision, args.model, args.tag, desc, backend="ORT",
                                    status="failed", reason=reason, **base)
         if desc is None:
-            rec["ep_requested"] = runners.ORT_EPS[args.ep]
-        rec["provenance"] = common.provenance(args, [onnx_path], started)
-        common.write_result(args.model, args.tag, rec)
+            rec["ep_requested"] = ORT_EPS[args.ep]
+        rec["provenance"] = provenance(args, [onnx_path], started)
+        write_result(args.model, args.tag, rec)
 
     try:
-        runner = runners.OrtRunner(onnx_path, args.ep, args.allow_cpu_fallback, args.opt_level,
+        runner = OrtRunner(onnx_path, args.ep, args.allow_cpu_fallback, args.opt_level,
                                    args.disable_optimizer, args.threads,
                                    tf32=False if args.no_tf32 else None,
                                    session_config=X64_PRECISION if args.x64_quant_precision
                                    else None)
-    except common.StageError as e:
+    except StageError as e:
         fail(str(e))
         raise
     if precision == "FP16" and runner.used == "CPUExecutionProvider":
@@ -144,29 +160,29 @@ def main(args: argparse.Namespace) -> dict:
         if data.classifier:
             data.input_name = runner.input_names[0]
         try:
-            rec, outputs = evaluate.evaluate(
+            rec, outputs = evaluate(
                 runner, data, stage=STAGE, precision=precision, model=args.model, tag=args.tag,
                 args=args, started=started, inputs=[onnx_path, ref_path],
                 batch_size=args.batch_size, latency_batch=args.latency_batch,
-                warmup=args.warmup, iters=args.iters, size_mb=common.file_size_mb(onnx_path),
+                warmup=args.warmup, iters=args.iters, size_mb=file_size_mb(onnx_path),
                 **base)
-        except (common.UsageError, KeyboardInterrupt):
+        except (UsageError, KeyboardInterrupt):
             raise
         except Exception as e:  # noqa: BLE001
             # ORT can load a model and still fail at the first run (e.g. a blocked
             # DequantizeLinear whose axis disagrees with its scale): record why, then fail.
-            msg = _short_ort_error(e) if not isinstance(e, common.StageError) else str(e)
+            msg = _short_ort_error(e) if not isinstance(e, StageError) else str(e)
             fail(f"inference failed: {msg}", runner.describe())
-            if isinstance(e, common.StageError):
+            if isinstance(e, StageError):
                 raise
-            raise common.StageError(f"onnxruntime failed to run {onnx_path}: {msg}") from e
-    path = common.model_results(args.model) / f"{args.tag}.json"
-    print(f"{evaluate.summary_line(rec)} -> {path}")
+            raise StageError(f"onnxruntime failed to run {onnx_path}: {msg}") from e
+    path = model_results(args.model) / f"{args.tag}.json"
+    print(f"{summary_line(rec)} -> {path}")
     # Diagnostics: after the row is written; they never change its status.
     cc = None
     if is_qdq(precision) and args.cross_check_images and args.opt_level != "disable":
         config = X64_PRECISION if args.x64_quant_precision else None
-        cc = evaluate.diagnose(rec, "backend_cross_check", lambda: qdq_tools.backend_cross_check(
+        cc = diagnose(rec, "backend_cross_check", lambda: backend_cross_check(
             onnx_path, data, outputs, n=args.cross_check_images, batch=args.batch_size,
             tol_points=args.cross_check_tol, opt_level=args.opt_level, session_config=config))
         if cc and cc["disagreement"]:
@@ -176,30 +192,29 @@ def main(args: argparse.Namespace) -> dict:
     # Quantization error vs backend error, per layer: with --layerwise, and whenever the
     # cross-check saw the backend disagree with the graph.
     if is_qdq(precision) and (args.layerwise or (cc and cc.get("disagreement"))):
-        evaluate.diagnose(rec, "quant_backend", lambda: _quant_backend(
+        diagnose(rec, "quant_backend", lambda: _quant_backend(
             args, spec, data, onnx_path))
     if args.layerwise:
-        evaluate.diagnose(rec, "layerwise", lambda: _layerwise(args, spec, onnx_path, precision))
+        diagnose(rec, "layerwise", lambda: _layerwise(args, spec, onnx_path, precision))
     return rec
 
 
-def _quant_backend(args, spec, data: evaluate.EvalData, onnx_path: Path) -> dict:
+def _quant_backend(args, spec, data: EvalData, onnx_path: Path) -> dict:
     """``layerwise.quant_backend_table`` of ``onnx_path`` against the model's FP32 ONNX on
     ``--layerwise-images`` samples; writes ``results/<model>/quant_backend_<tag>/`` and returns
     a summary for the row."""
-    import layerwise
 
-    ref_onnx = common.require(common.model_artifacts(args.model) / "onnx" / "fp32.onnx",
+    ref_onnx = require(fp32_onnx_path(args.model),
                               "2_export_onnx.py")
     n = args.layerwise_images
-    feed = (layerwise.load_feed(None, args.model, n, ref_onnx) if spec.classifier
+    feed = (load_feed(None, args.model, n, ref_onnx) if spec.classifier
             else {k: v[:n] for k, v in data.feed.items()})
-    out_dir = common.model_results(args.model) / f"quant_backend_{args.tag}"
-    res = layerwise.quant_backend_table(ref_onnx, onnx_path, feed, ep=args.ep,
+    out_dir = model_results(args.model) / f"quant_backend_{args.tag}"
+    res = quant_backend_table(ref_onnx, onnx_path, feed, ep=args.ep,
                                         opt_level=args.opt_level,
                                         disabled_optimizers=args.disable_optimizer,
                                         batch=args.batch_size, out_dir=out_dir)
-    print(layerwise.render_quant_backend(res, max_rows=40))
+    print(render_quant_backend(res, max_rows=40))
     return {"out_dir": str(out_dir), "verdict": res["verdict"],
             "first_quant": res["first_quant"], "first_backend": res["first_backend"],
             "channels_lost": res["channels_lost"][:5]}
@@ -208,17 +223,16 @@ def _quant_backend(args, spec, data: evaluate.EvalData, onnx_path: Path) -> dict
 def _layerwise(args, spec, onnx_path: Path, precision: str) -> dict:
     """Layer-wise comparison with the FP32 ONNX on ORT CPU (``layerwise.py``); writes
     ``results/<model>/layerwise_<tag>/`` and returns a summary for the row."""
-    import layerwise
 
-    ref_onnx = common.require(common.model_artifacts(args.model) / "onnx" / "fp32.onnx",
+    ref_onnx = require(fp32_onnx_path(args.model),
                               "2_export_onnx.py")
-    feed = layerwise.load_feed(None, args.model if spec.classifier else None,
+    feed = load_feed(None, args.model if spec.classifier else None,
                                args.layerwise_images, ref_onnx)
-    out_dir = common.model_results(args.model) / f"layerwise_{args.tag}"
-    res = layerwise.run_layer_diff(ref_onnx, onnx_path, feed, ep_b=args.ep,
+    out_dir = model_results(args.model) / f"layerwise_{args.tag}"
+    res = run_layer_diff(ref_onnx, onnx_path, feed, ep_b=args.ep,
                                    precision=precision.lower(), opt_level=args.opt_level,
                                    out_dir=out_dir)
-    print(layerwise.render_table(res, max_rows=40))
+    print(render_table(res, max_rows=40))
     return {"out_dir": str(out_dir), "first_divergent": res.get("first_divergent"),
             "verdict": res.get("verdict"), "summary": res.get("summary")}
 
@@ -235,4 +249,4 @@ def _short_ort_error(e: Exception) -> str:
 
 
 if __name__ == "__main__":
-    common.cli(get_args_parser, main)
+    cli(get_args_parser, main)

@@ -35,15 +35,24 @@ import time
 from pathlib import Path
 
 import numpy as np
+from deploykit.layout import calib_path, fp32_onnx_path
+from deploykit.io import load_npz
+from deploykit.cli import add_shared_args, check_positive, cli, require, stage_parser
+from deploykit.data.images import normalize
+from deploykit.data.splits import load_split, load_splits
+from deploykit.errors import StageError, UsageError
+from deploykit.io import atomic_path, sha256_file, write_json
+from deploykit.layout import model_results, splits_path
+from deploykit.models import ModelSpec, example_inputs, model_spec
+from deploykit.onnx.graph import graph_inputs, load_onnx
+from deploykit.quant.calibration import calibration_reference, validate_calibration
+from deploykit.results import provenance
 
-import common
-import onnx_graph
-import qdq_tools
 
 
 def get_args_parser() -> argparse.ArgumentParser:
-    p = common.stage_parser(__doc__)
-    common.add_shared_args(p, "model")
+    p = stage_parser(__doc__)
+    add_shared_args(p, "model")
     p.add_argument("--onnx", type=Path, default=None,
                    help="ONNX model whose inputs key the npz (default: "
                         "artifacts/<model>/onnx/fp32.onnx)")
@@ -71,9 +80,9 @@ def model_inputs(path: Path) -> list[tuple[str, list[int | None], np.dtype]]:
     Raises:
         StageError: the model cannot be read or has no input.
     """
-    inputs = onnx_graph.inputs(onnx_graph.load(path, external=False))
+    inputs = graph_inputs(load_onnx(path, external=False))
     if not inputs:
-        raise common.StageError(f"{path}: the model has no graph input to calibrate")
+        raise StageError(f"{path}: the model has no graph input to calibrate")
     return inputs
 
 
@@ -87,7 +96,7 @@ def check_disjoint(split: dict) -> None:
     ev = {p for p, _ in split.get("eval", [])}
     both = sorted(p for p, _ in split.get("calib", []) if p in ev)
     if both:
-        raise common.StageError(f"{len(both)} calibration image(s) are also evaluation images "
+        raise StageError(f"{len(both)} calibration image(s) are also evaluation images "
                                 f"(first: {both[0]}); rerun 0_prepare_data.py")
 
 
@@ -101,21 +110,21 @@ def classifier_data(args, spec, inputs) -> tuple[dict[str, np.ndarray], dict]:
         StageError: the split is missing or overlaps the eval split.
     """
     if args.inputs or args.random:
-        raise common.UsageError(f"--model {args.model} is an image classifier: its calibration "
+        raise UsageError(f"--model {args.model} is an image classifier: its calibration "
                                 "data is the calibration split; --inputs/--random are for "
                                 "custom models")
     if len(inputs) != 1:
-        raise common.UsageError(f"--model {args.model}: the ONNX has {len(inputs)} inputs "
+        raise UsageError(f"--model {args.model}: the ONNX has {len(inputs)} inputs "
                                 f"({[i[0] for i in inputs]}); an image classifier takes one")
-    common.require(common.splits_path(), "0_prepare_data.py")
-    split = common.load_splits()
+    require(splits_path(), "0_prepare_data.py")
+    split = load_splits()
     check_disjoint(split)
-    x_u8, _, files = common.load_split("calib", spec, args.limit)
+    x_u8, _, files = load_split("calib", spec, args.limit)
     if {p for p, _ in split["eval"]} & set(files):  # what is really used, not only the split
-        raise common.StageError("calibration cache holds evaluation images: rerun "
+        raise StageError("calibration cache holds evaluation images: rerun "
                                 "0_prepare_data.py")
     name, _, dtype = inputs[0]
-    x = common.normalize(x_u8, spec.mean, spec.std).astype(dtype)
+    x = normalize(x_u8, spec.mean, spec.std).astype(dtype)
     return {name: x}, {"source": "calibration split", "files": files,
                        "preprocessing": {**spec.preprocessing(), "mean": spec.mean,
                                          "std": spec.std}}
@@ -131,24 +140,24 @@ def custom_data(args, inputs) -> tuple[dict[str, np.ndarray], dict]:
         StageError: the npz is missing or unreadable.
     """
     if bool(args.inputs) == bool(args.random):
-        raise common.UsageError(
+        raise UsageError(
             f"--model {args.model} is not an image classifier: give --inputs NPZ (calibration "
             "samples keyed by input name "
             f"{[i[0] for i in inputs]}) or --random N (seeded structure-run data)")
     if args.random is not None and args.random < 1:
-        raise common.UsageError(f"--random must be >= 1 (got {args.random})")
+        raise UsageError(f"--random must be >= 1 (got {args.random})")
     if args.inputs:
-        data = qdq_tools.load_npz(args.inputs, "your calibration samples (np.savez)")
+        data = load_npz(args.inputs, None, "your calibration samples (np.savez)")
         return data, {"source": f"--inputs {args.inputs}",
-                      "input_sha256": common.sha256_file(args.inputs)}
+                      "input_sha256": sha256_file(args.inputs)}
     shapes = []
     for name, dims, dtype in inputs:
         if any(d is None for d in dims[1:]):
-            raise common.UsageError(f"input {name} has dynamic non-batch axes {dims}: --random "
+            raise UsageError(f"input {name} has dynamic non-batch axes {dims}: --random "
                                     "cannot choose their sizes; give --inputs NPZ")
         shapes.append((name, tuple([1] + list(dims[1:])), str(dtype)))
-    spec = common.ModelSpec(args.model, "custom", classifier=False)
-    data = common.example_inputs(spec, shapes, batch=args.random, seed=args.seed)
+    spec = ModelSpec(args.model, "custom", classifier=False)
+    data = example_inputs(spec, shapes, batch=args.random, seed=args.seed)
     return data, {"source": f"--random {args.random} (common.example_inputs, seed {args.seed}): "
                             "structure runs only"}
 
@@ -162,10 +171,9 @@ def main(args: argparse.Namespace) -> dict:
             :func:`qdq_tools.validate_calibration` (nothing is written then).
     """
     started = time.time()
-    common.check_positive(args, "limit")
-    spec = common.model_spec(args.model)
-    onnx_path = common.require(Path(args.onnx or common.model_artifacts(args.model) / "onnx"
-                                    / "fp32.onnx"), "2_export_onnx.py")
+    check_positive(args, "limit")
+    spec = model_spec(args.model)
+    onnx_path = require(Path(args.onnx or fp32_onnx_path(args.model)), "2_export_onnx.py")
     inputs = model_inputs(onnx_path)
     data, fields = (classifier_data(args, spec, inputs) if spec.classifier
                     else custom_data(args, inputs))
@@ -179,24 +187,24 @@ def main(args: argparse.Namespace) -> dict:
         data = {k: v[order] for k, v in data.items()}
         if "files" in fields:
             fields["files"] = [fields["files"][i] for i in order]
-    reference, ref_source = qdq_tools.calibration_reference(args.model, onnx_path)
-    report = qdq_tools.validate_calibration(
+    reference, ref_source = calibration_reference(args.model, onnx_path)
+    report = validate_calibration(
         onnx_path, data, None if args.no_stats_check else reference, source="calibration data",
         reference_source=ref_source)
-    out = Path(args.output or common.model_artifacts(args.model) / "calib.npz")
-    with common.atomic_path(out) as tmp:
+    out = Path(args.output or calib_path(args.model))
+    with atomic_path(out) as tmp:
         np.savez(tmp, **data)
     record = {"stage": "4_make_calib", "model": args.model, "onnx": str(onnx_path),
               "inputs": report["inputs"], "n_samples": report["n_samples"],
               "order_seed": args.seed, "stats_check": report["stats_check"],
-              "output": str(out), "sha256": common.sha256_file(out), **fields}
+              "output": str(out), "sha256": sha256_file(out), **fields}
     # Kept for readers of the single-input record.
     first = next(iter(report["inputs"]))
     record.update(input_name=first, dtype=report["inputs"][first]["dtype"],
                   shape=report["inputs"][first]["shape"],
                   n_images=report["n_samples"] if spec.classifier else None)
-    record["provenance"] = common.provenance(args, [onnx_path, out], started)
-    common.write_json(common.model_results(args.model) / "calib.json", record)
+    record["provenance"] = provenance(args, [onnx_path, out], started)
+    write_json(model_results(args.model) / "calib.json", record)
     shapes = ", ".join(f"{k!r} {v['dtype']} {tuple(v['shape'])}"
                        for k, v in report["inputs"].items())
     print(f"calib: {report['n_samples']} samples ({fields['source'].split(':')[0]}, order seed "
@@ -205,4 +213,4 @@ def main(args: argparse.Namespace) -> dict:
 
 
 if __name__ == "__main__":
-    common.cli(get_args_parser, main)
+    cli(get_args_parser, main)

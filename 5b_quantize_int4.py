@@ -20,7 +20,7 @@ the quantize axis"; ``5_quantize.sh int4_cli_broken`` reproduces it). This stage
 ModelOpt every Gemm weight as ``[K, N]`` (``transB=0``, the same function), so axis 0 is K for
 every quantized weight, then verifies each blocked DequantizeLinear: its axis is the reduction
 axis of its consumer, its scale fits that axis, and the dequantized weight matches the float
-weight per output channel (``qdq_check``). An ``axis`` attribute that disagrees with a scale laid
+weight per output channel (``deploykit.quant.health``). An ``axis`` attribute that disagrees with a scale laid
 out along K is repaired; anything else is refused (nothing is written).
 """
 from __future__ import annotations
@@ -34,17 +34,33 @@ import time
 from pathlib import Path
 
 import numpy as np
+from deploykit.layout import calib_path, fp32_onnx_path, variant_onnx_path
+from deploykit.io import load_npz
+from deploykit.cli import add_shared_args, cli, require, stage_parser
+from deploykit.errors import StageError, UsageError
+from deploykit.io import atomic_path, file_size_mb, sha256_file, write_json
+from deploykit.layout import ROOT, model_results
+from deploykit.onnx.graph import attr, constants, consumers, load_onnx
+from deploykit.quant.calibration import (
+    calibration_plan,
+    calibration_reference,
+    validate_calibration,
+)
+from deploykit.quant.health import check_against_float, check_weights
+from deploykit.quant.inspect import inspect_model
+from deploykit.quant.int4 import check_blocked_dq
+from deploykit.quant.modelopt import log_warnings
+from deploykit.quant.qdq import reduction_axis, weight_consumers
+from deploykit.quant.record import calibration_summary, check_record
+from deploykit.results import provenance
 
-import common
-import onnx_graph
-import qdq_tools
 
 DEFAULT_CANDIDATES = (128, 64, 32, 16)
 
 
 def get_args_parser() -> argparse.ArgumentParser:
-    p = common.stage_parser(__doc__)
-    common.add_shared_args(p, "model")
+    p = stage_parser(__doc__)
+    add_shared_args(p, "model")
     p.add_argument("--onnx", type=Path, default=None,
                    help="float model (default: artifacts/<model>/onnx/fp32.onnx)")
     p.add_argument("--output", type=Path, default=None,
@@ -70,7 +86,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-eval", action="store_true", help="skip 3_onnx_eval.py")
     p.add_argument("--eval-ep", default="cpu", help="EP for the evaluation (blocked "
                    "DequantizeLinear runs on ORT's CPU EP)")
-    common.add_shared_args(p, "limit")
+    add_shared_args(p, "limit")
     return p
 
 
@@ -82,7 +98,7 @@ def quantized_k_dims(model) -> list[dict]:
         ``[{"node", "op", "weight", "shape", "k"}]``; for Gemm ``K = shape[1]`` if ``transB``
         else ``shape[0]``; for MatMul ``K = shape[-2]``.
     """
-    consts = onnx_graph.constants(model)
+    consts = constants(model)
     out = []
     for n in model.graph.node:
         if n.op_type not in ("Gemm", "MatMul") or len(n.input) < 2 or n.input[1] not in consts:
@@ -91,7 +107,7 @@ def quantized_k_dims(model) -> list[dict]:
         if len(shape) < 2:
             continue
         if n.op_type == "Gemm":
-            k = shape[1] if int(onnx_graph.attr(n, "transB", 0)) else shape[0]
+            k = shape[1] if int(attr(n, "transB", 0)) else shape[0]
         else:
             k = shape[-2]
         out.append({"node": n.name, "op": n.op_type, "weight": n.input[1],
@@ -109,19 +125,19 @@ def choose_block_size(ks: list[int], override: int | None = None,
         StageError: no K at all, or no candidate divides every K (message lists the K values).
     """
     if not ks:
-        raise common.StageError("no Gemm/MatMul with a constant weight: nothing to quantize "
+        raise StageError("no Gemm/MatMul with a constant weight: nothing to quantize "
                                 "to INT4 (ModelOpt's ONNX INT4 path is Gemm/MatMul only)")
     if override is not None:
         if override <= 0:
-            raise common.UsageError(f"--block-size {override}: must be > 0")
+            raise UsageError(f"--block-size {override}: must be > 0")
         bad = sorted({k for k in ks if k % override})
         if bad:
-            raise common.UsageError(f"--block-size {override} does not divide K = {bad}")
+            raise UsageError(f"--block-size {override} does not divide K = {bad}")
         return override
     for b in candidates:
         if b > 0 and all(k % b == 0 for k in ks):
             return int(b)
-    raise common.StageError(f"no block size in {list(candidates)} divides every K "
+    raise StageError(f"no block size in {list(candidates)} divides every K "
                             f"({sorted(set(ks))}): pass --block-size or --block-candidates")
 
 
@@ -139,12 +155,12 @@ def layout_for_int4(model) -> tuple[object, list[dict]]:
     from onnx import helper, numpy_helper
 
     model = copy.deepcopy(model)
-    consts = onnx_graph.constants(model)
+    consts = constants(model)
     inits = {i.name for i in model.graph.initializer}
     changed = []
     for n in model.graph.node:
         if (n.op_type != "Gemm" or len(n.input) < 2 or n.input[1] not in inits
-                or not int(onnx_graph.attr(n, "transB", 0))):
+                or not int(attr(n, "transB", 0))):
             continue
         w = consts[n.input[1]]
         if w.ndim != 2:
@@ -172,17 +188,16 @@ VERIFY_KINDS = ("block_axis", "block_scale_shape", "block_opset", "weight_error"
 def verify_blocks(q_model, float_model) -> tuple[list[dict], list[dict]]:
     """Every quantized weight checked: blocked DequantizeLinear axis = reduction axis of its
     consumer, scale shape fits, opset defines ``block_size``, dequantized weight within the
-    bit width's tolerance of the float weight per output channel (:mod:`qdq_check`).
+    bit width's tolerance of the float weight per output channel (:mod:`deploykit.quant.health`).
 
     Returns:
         ``(problems [finding dicts of the kinds in VERIFY_KINDS], per-weight rows)``.
     """
-    import qdq_check
 
-    consts = onnx_graph.constants(q_model)
-    problems = [f.as_dict() for f in qdq_check.check_weights(q_model, consts)
+    consts = constants(q_model)
+    problems = [f.as_dict() for f in check_weights(q_model, consts)
                 if f.kind in VERIFY_KINDS]
-    found, rows = qdq_check.check_against_float(q_model, float_model, consts)
+    found, rows = check_against_float(q_model, float_model, consts)
     problems += [f.as_dict() for f in found]
     return problems, rows
 
@@ -196,21 +211,20 @@ def repair_axes(model) -> list[dict]:
     Returns:
         the :func:`qdq_tools.check_blocked_dq` records of the repaired nodes (``new_axis``).
     """
-    import qdq_check
     from onnx import helper
 
-    cons = onnx_graph.consumers(model)
+    cons = consumers(model)
     fixed = []
     nodes = {n.name: n for n in model.graph.node}
-    for r in qdq_tools.check_blocked_dq(model):
+    for r in check_blocked_dq(model):
         if r["status"] != "mismatch":
             continue
         dq = nodes[r["name"]]
-        users = qdq_check._weight_consumers(dq.output[0], cons)
+        users = weight_consumers(dq.output[0], cons)
         if not users:
             continue
         node, pos = users[0]
-        red = qdq_check.reduction_axis(node, len(r["x_shape"]), pos)
+        red = reduction_axis(node, len(r["x_shape"]), pos)
         if red is None or red not in r["valid_axes"]:
             continue
         keep = [a for a in dq.attribute if a.name != "axis"]
@@ -255,7 +269,7 @@ def run_modelopt(src: Path, dst: Path, log: Path, calib: Path | None, method: st
         quantize(**kwargs)
     except Exception as e:  # noqa: BLE001 - ModelOpt raises many types
         tail = log.read_text(errors="replace").splitlines()[-15:] if log.exists() else []
-        raise common.StageError(f"ModelOpt INT4 failed: {type(e).__name__}: {e}\n"
+        raise StageError(f"ModelOpt INT4 failed: {type(e).__name__}: {e}\n"
                                 + "\n".join(tail)) from e
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -263,7 +277,7 @@ def run_modelopt(src: Path, dst: Path, log: Path, calib: Path | None, method: st
             if isinstance(h, logging.FileHandler) and Path(h.baseFilename) == log.resolve():
                 h.close()
                 logging.getLogger("modelopt").removeHandler(h)
-    return qdq_tools.log_warnings(log) if log.exists() else []
+    return log_warnings(log) if log.exists() else []
 
 
 def main(args: argparse.Namespace) -> dict:
@@ -276,23 +290,21 @@ def main(args: argparse.Namespace) -> dict:
     started = time.time()
     import onnx
 
-    onnx_dir = common.model_artifacts(args.model) / "onnx"
-    src = common.require(Path(args.onnx or onnx_dir / "fp32.onnx"), "2_export_onnx.py")
-    out = Path(args.output or onnx_dir / "int4.onnx")
+    src = require(Path(args.onnx or fp32_onnx_path(args.model)), "2_export_onnx.py")
+    out = Path(args.output or variant_onnx_path(args.model, "int4"))
     calib, calib_rec = None, None
-    src_model = onnx_graph.load(src)
+    src_model = load_onnx(src)
     ks = quantized_k_dims(src_model)
     block = choose_block_size([k["k"] for k in ks], args.block_size, args.block_candidates)
     if args.calibration_method == "awq_clip":
-        calib = common.require(Path(args.calib or common.model_artifacts(args.model)
-                                    / "calib.npz"), "4_make_calib.py")
-        data = qdq_tools.load_npz(calib, "4_make_calib.py")
+        calib = require(Path(args.calib or calib_path(args.model)), "4_make_calib.py")
+        data = load_npz(calib, None, "4_make_calib.py")
         ref, ref_src = (None, "skipped (--no-stats-check)") if args.no_stats_check else \
-            qdq_tools.calibration_reference(args.model, src)
-        calib_rec = qdq_tools.validate_calibration(src, data, ref, source=str(calib),
+            calibration_reference(args.model, src)
+        calib_rec = validate_calibration(src, data, ref, source=str(calib),
                                                    reference_source=ref_src)
-        calib_rec["plan"] = qdq_tools.calibration_plan(src, data, "all")
-        calib_rec.update(calib=str(calib), sha256=common.sha256_file(calib))
+        calib_rec["plan"] = calibration_plan(src, data, "all")
+        calib_rec.update(calib=str(calib), sha256=sha256_file(calib))
     print(f"int4: {len(ks)} Gemm/MatMul, K = {sorted({k['k'] for k in ks})} -> block {block}"
           + (" (--block-size)" if args.block_size else ""))
     float_model, laid_out = (src_model, []) if args.keep_layout else layout_for_int4(src_model)
@@ -302,24 +314,24 @@ def main(args: argparse.Namespace) -> dict:
     log = out.with_name(out.stem + ".quant.log")
     log.unlink(missing_ok=True)
     t0 = time.time()
-    with common.atomic_path(out) as tmp:
+    with atomic_path(out) as tmp:
         warnings_kept = run_modelopt(src if args.keep_layout else float_model, tmp, log, calib,
                                      args.calibration_method, block, args.eps,
                                      calib_rec["plan"]["calibration_shapes"] if calib_rec else None)
         quant_wall = time.time() - t0
         model = onnx.load(str(tmp))
-        before = qdq_tools.check_blocked_dq(model)
+        before = check_blocked_dq(model)
         fixed = [] if args.no_repair else repair_axes(model)
         problems, weights = verify_blocks(model, float_model)
         if problems:
             lines = "\n".join(f"  [{p['kind']}] {p['message']}" for p in problems[:8])
-            raise common.StageError(
+            raise StageError(
                 f"INT4 result refused, {out} not written: {len(problems)} quantized weight "
                 f"problem(s):\n{lines}\nfix: " + problems[0]["fix"]
                 + ("" if not args.keep_layout else " (drop --keep-layout)"))
         if fixed:
             onnx.save(model, str(tmp))
-        after = qdq_tools.check_blocked_dq(model)
+        after = check_blocked_dq(model)
     for r in fixed:
         print(f"  repaired {r['name']}: axis {r['axis']} -> {r['new_axis']} (x {r['x_shape']}, "
               f"scale {r['scale_shape']}, block {r['block_size']})")
@@ -335,30 +347,30 @@ def main(args: argparse.Namespace) -> dict:
               "calibration_eps": args.eps, "quant_wall_time_s": round(quant_wall, 3),
               "layout_kn": laid_out, "blocked_dq_before": before, "blocked_dq_after": after,
               "repaired": fixed, "left_untouched": untouched, "weights_verified": weights,
-              "warnings": warnings_kept, "log": str(log), "size_mb": common.file_size_mb(out)}
+              "warnings": warnings_kept, "log": str(log), "size_mb": file_size_mb(out)}
     if calib_rec:
-        record["calibration"] = qdq_tools.calibration_summary(
+        record["calibration"] = calibration_summary(
             dict(calib_rec, order_seed=_stage4_seed(args.model, calib_rec["sha256"])))
-    rep = qdq_tools.inspect_model(model)
+    rep = inspect_model(model)
     rep.pop("_helper", None)
     record["inspect"] = rep
-    record["check"] = qdq_tools.check_record(out, src, calib)
-    record["provenance"] = common.provenance(args, [src, out] + ([calib] if calib else []),
+    record["check"] = check_record(out, src, calib)
+    record["provenance"] = provenance(args, [src, out] + ([calib] if calib else []),
                                              started)
     record["wall_time_s"] = record["provenance"]["wall_time_s"]
-    common.write_json(common.model_results(args.model) / "quant_int4.json", record)
+    write_json(model_results(args.model) / "quant_int4.json", record)
     print(f"int4: {out} ({record['size_mb']:.2f} MB), quantization {quant_wall:.1f}s, "
           f"{len(laid_out)} weight(s) laid out as [K, N], {len(fixed)} axis repair(s), "
           f"{len(weights)} weight(s) verified; {record['check'].get('summary')}")
     if not args.no_eval:
-        cmd = [sys.executable, str(common.ROOT / "3_onnx_eval.py"), "--onnx", str(out),
+        cmd = [sys.executable, str(ROOT / "3_onnx_eval.py"), "--onnx", str(out),
                "--tag", "ort_int4", "--model", args.model, "--ep", args.eval_ep]
         if args.limit:
             cmd += ["--limit", str(args.limit)]
         print("int4: " + " ".join(cmd[1:]))
-        rc = subprocess.run(cmd, cwd=common.ROOT).returncode
+        rc = subprocess.run(cmd, cwd=ROOT).returncode
         if rc:
-            raise common.StageError(f"3_onnx_eval.py failed on {out} (exit {rc})")
+            raise StageError(f"3_onnx_eval.py failed on {out} (exit {rc})")
     return record
 
 
@@ -366,7 +378,7 @@ def _stage4_seed(model: str, sha: str) -> int | None:
     """Order seed stage 4 recorded for the npz with this sha256 (None if another npz)."""
     import json
 
-    path = common.model_results(model) / "calib.json"
+    path = model_results(model) / "calib.json"
     try:
         rec = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
@@ -375,4 +387,4 @@ def _stage4_seed(model: str, sha: str) -> int | None:
 
 
 if __name__ == "__main__":
-    common.cli(get_args_parser, main)
+    cli(get_args_parser, main)

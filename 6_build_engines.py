@@ -34,24 +34,71 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
+from deploykit.variants import VARIANTS
+from deploykit.cli import add_shared_args, check_positive, cli, require, stage_parser
+from deploykit.errors import StageError, UsageError
+from deploykit.io import atomic_path, file_size_mb
+from deploykit.layout import engine_paths, engines_dir, variant_onnx_path
+from deploykit.models import MODEL_TABLE, model_spec
+from deploykit.onnx.graph import load_onnx, onnx_opset
+from deploykit.results import provenance, result_record, write_result
+from deploykit.trt.commands import build_command, plan_version_command
+from deploykit.trt.detect import Detected, run_tool, detect_with_loader_fix, find_trtexec, jetson_info
+from deploykit.trt.onnx_prep import (
+    calibration_scales,
+    ort_parity,
+    parity_feed,
+    to_opset,
+    write_calibration_cache,
+)
+from deploykit.trt.parsers import (
+    dla_fraction,
+    error_lines,
+    layer_summary,
+    parse_dla_placement,
+    parse_inference_shapes,
+    parse_layer_info,
+    parse_performance_summary,
+    parse_plan_version,
+    parse_unknown_options,
+    same_version,
+)
+from deploykit.trt.plans import diagnose_plan_load
+from deploykit.trt.profiles import (
+    check_named_dims,
+    fmt_dims,
+    input_profiles,
+    onnx_inputs,
+    parse_shape_specs,
+    trt_layer_names,
+)
+from deploykit.trt.rules import (
+    DEFAULT_VARIANTS,
+    DLA_MIN_FRACTION_WARN,
+    MAX_PARSER_OPSET,
+    UnsupportedVariant,
+    check_supported,
+    dla_allowed,
+    dla_unavailable,
+    encode_version_int,
+    full_version,
+    int8_route,
+    opset_advice,
+    parse_version,
+    variant_unsupported,
+    vstr,
+)
 
-import common
-import onnx_graph
-import trt_onnx
-import trt_parsers as tp
-import trt_tools as tt
-from common import StageError, UsageError
 
 STAGE = "6_build_engines"
-VARIANTS = tt.VARIANTS
 
 
 def get_args_parser() -> argparse.ArgumentParser:
-    p = common.stage_parser(__doc__, prog="6_build_engines.py")
-    common.add_shared_args(p, "model", "input_shape")
+    p = stage_parser(__doc__, prog="6_build_engines.py")
+    add_shared_args(p, "model", "input_shape")
     p.add_argument("variants", nargs="*", metavar="VARIANT",
                    help=f"any of {', '.join(VARIANTS)} (default: "
-                        f"{' '.join(tt.DEFAULT_VARIANTS)}, those whose ONNX exists)")
+                        f"{' '.join(DEFAULT_VARIANTS)}, those whose ONNX exists)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the trtexec command lines for --trt-version and exit (writes "
                         "nothing, needs no TensorRT)")
@@ -76,7 +123,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--dla-min-fraction", type=float, default=None,
                    help="fail a DLA build row when fewer than this fraction (0..1) of the model's "
                         "layers run on the DLA (default: only warn below "
-                        f"{tt.DLA_MIN_FRACTION_WARN * 100:.0f} %%)")
+                        f"{DLA_MIN_FRACTION_WARN * 100:.0f} %%)")
     p.add_argument("--int8-path", choices=("auto", "qdq", "implicit"), default="auto",
                    help="INT8 Q/DQ variants: auto = the rule for the TensorRT version and device "
                         "(README, 'TensorRT'), qdq = the Q/DQ file (opset 17 on 8.x), implicit = "
@@ -119,13 +166,13 @@ def _crop(model: str) -> int | None:
     if ":" in model:
         return None
     try:
-        return common.model_spec(model).crop
+        return model_spec(model).crop
     except (UsageError, ImportError):
-        return common.MODEL_TABLE[model].crop if model in common.MODEL_TABLE else None
+        return MODEL_TABLE[model].crop if model in MODEL_TABLE else None
 
 
 def _load(path: Path):
-    return onnx_graph.load(path, external=False)
+    return load_onnx(path, external=False)
 
 
 def _opset17_copy(args, plan: BuildPlan, target: Path, model, version, build: bool
@@ -133,16 +180,16 @@ def _opset17_copy(args, plan: BuildPlan, target: Path, model, version, build: bo
     """TensorRT 8.x reads ``target`` only at opset <= 17: set ``plan.convert``/``plan.onnx`` to
     an exact opset-17 copy (written and checked on ONNX Runtime at build time). Returns the
     reason when there is no exact copy, None otherwise (also when no copy is needed)."""
-    limit = tt.MAX_PARSER_OPSET.get(tt.full_version(version)[0])
-    if version[0] != 8 or model is None or onnx_graph.opset(model) <= limit:
+    limit = MAX_PARSER_OPSET.get(full_version(version)[0])
+    if version[0] != 8 or model is None or onnx_opset(model) <= limit:
         return None
-    conv, cnotes, reason = trt_onnx.to_opset(model, limit)
+    conv, cnotes, reason = to_opset(model, limit)
     if conv is None:
         return reason
     plan.convert, plan.convert_src = conv, target
-    plan.onnx = tt.engines_dir(args.model) / f"{target.stem}.opset{limit}.onnx"
-    plan.notes.append(f"{target.name} is opset {onnx_graph.opset(model)}; TensorRT "
-                      f"{tt.vstr(version)}'s parser handles up to {limit}: built from "
+    plan.onnx = engines_dir(args.model) / f"{target.stem}.opset{limit}.onnx"
+    plan.notes.append(f"{target.name} is opset {onnx_opset(model)}; TensorRT "
+                      f"{vstr(version)}'s parser handles up to {limit}: built from "
                       f"{plan.onnx.name} ({'; '.join(cnotes)})"
                       + ("" if build else "; its parity with the original is checked on ONNX "
                                           "Runtime before the build"))
@@ -160,26 +207,26 @@ def plan_variant(args, var: str, version: Sequence[int], tool: str, *, build: bo
         StageError: an input the build needs is missing (names the stage that makes it).
     """
     v = VARIANTS[var]
-    paths = tt.engine_paths(args.model, var)
-    src = tt.onnx_path(args.model, var)
+    paths = engine_paths(args.model, var)
+    src = variant_onnx_path(args.model, var)
     plan = BuildPlan(var, src, src, [], args.dla_core)
-    plan.skip = tt.variant_unsupported(version, v)
+    plan.skip = variant_unsupported(version, v)
     if plan.skip:  # before any opset handling: its advice would not apply
         return plan
     model = _load(src) if src.exists() else None
     if model is None:
         if build:
-            common.require(src, v.producer)
+            require(src, v.producer)
         plan.notes.append(f"{src.name} not written yet: input assumed 'input' N x 3 x crop x crop")
     if plan.dla_core is not None:
-        why = tt.dla_allowed(version, v)
+        why = dla_allowed(version, v)
         if why:
             plan.notes.append(f"built for the GPU: {why}")
             plan.dla_core = None
     dla = plan.dla_core is not None
 
-    opset = onnx_graph.opset(model) if model is not None else None
-    route, why = tt.int8_route(version, v, dla, opset, args.int8_path)
+    opset = onnx_opset(model) if model is not None else None
+    route, why = int8_route(version, v, dla, opset, args.int8_path)
     plan.int8 = route
     if route:
         plan.notes.append(f"INT8 path {route}: {why}")
@@ -190,7 +237,7 @@ def plan_variant(args, var: str, version: Sequence[int], tool: str, *, build: bo
                               "converter + onnx.checker + ONNX Runtime parity), else implicit")
             plan.onnx = paths["opset17"]
         else:
-            advice = tt.opset_advice(opset, version, quantized=True)
+            advice = opset_advice(opset, version, quantized=True)
             if advice:
                 plan.notes.append(f"NOTE: {advice}")
             reason = _opset17_copy(args, plan, src, model, version, build)
@@ -199,24 +246,24 @@ def plan_variant(args, var: str, version: Sequence[int], tool: str, *, build: bo
             elif reason is not None:
                 if args.int8_path == "qdq":
                     plan.skip = (f"--int8-path qdq: {src.name} has no exact opset-17 form for "
-                                 f"TensorRT {tt.vstr(version)}: {reason}")
+                                 f"TensorRT {vstr(version)}: {reason}")
                     return plan
                 plan.notes.append(f"no exact opset-17 copy of {src.name} ({reason}): implicit "
                                   "INT8 instead")
                 plan.int8 = "implicit"
     if plan.int8 == "implicit":
-        fp32 = tt.onnx_path(args.model, "fp32")
+        fp32 = variant_onnx_path(args.model, "fp32")
         plan.onnx, plan.calib = fp32, paths["calib"]
         fp32_model = _load(fp32) if fp32.exists() else None
         built_from = fp32_model if fp32_model is not None else model
         if fp32_model is not None and model is not None:
-            plan.scales, skipped = trt_onnx.calibration_scales(model, fp32_model)
+            plan.scales, skipped = calibration_scales(model, fp32_model)
             plan.notes.append(f"calibration cache: {len(plan.scales)} activation scales of "
                               f"{src.name} (ModelOpt, stage-4 calibration split) keyed to "
                               f"{fp32.name}'s tensors" + (f"; {len(skipped)} quantizer(s) not "
                                                           "usable" if skipped else ""))
         elif build:
-            common.require(fp32, "2_export_onnx.py")
+            require(fp32, "2_export_onnx.py")
         else:
             plan.notes.append(f"calibration cache written at build time from {src.name}'s scales"
                               + ("" if fp32.exists() else f"; {fp32} missing: run "
@@ -227,37 +274,37 @@ def plan_variant(args, var: str, version: Sequence[int], tool: str, *, build: bo
     else:
         reason = None
     if reason is not None:
-        plan.skip = (f"{plan.onnx.name} is opset {onnx_graph.opset(built_from)} and has no exact "
-                     f"opset-17 form for TensorRT {tt.vstr(version)} ({reason}): "
-                     + tt.opset_advice(onnx_graph.opset(built_from), version, quantized=False))
+        plan.skip = (f"{plan.onnx.name} is opset {onnx_opset(built_from)} and has no exact "
+                     f"opset-17 form for TensorRT {vstr(version)} ({reason}): "
+                     + opset_advice(onnx_opset(built_from), version, quantized=False))
         return plan
     if plan.convert is not None:
         built_from = plan.convert
     if built_from is not None:
-        inputs = tt.onnx_inputs(built_from)
+        inputs = onnx_inputs(built_from)
     else:
         crop = _crop(args.model) or 224
         inputs = [("input", [None, 3, crop, crop], None)]
-    plan.profiles = tt.input_profiles(
+    plan.profiles = input_profiles(
         inputs, input_shapes=args.input_shape or (),
-        min_shapes=tt.parse_shape_specs(args.min_shapes, "--min-shapes"),
-        opt_shapes=tt.parse_shape_specs(args.opt_shapes, "--opt-shapes"),
-        max_shapes=tt.parse_shape_specs(args.max_shapes, "--max-shapes"),
+        min_shapes=parse_shape_specs(args.min_shapes, "--min-shapes"),
+        opt_shapes=parse_shape_specs(args.opt_shapes, "--opt-shapes"),
+        max_shapes=parse_shape_specs(args.max_shapes, "--max-shapes"),
         min_batch=args.min_batch, opt_batch=args.opt_batch, max_batch=args.max_batch,
         static=dla, default_hw=_crop(args.model))
     if built_from is not None:
-        tt.check_named_dims(built_from, plan.profiles)
+        check_named_dims(built_from, plan.profiles)
     if dla and any(p.dynamic and "static for DLA" in p.source for p in plan.profiles):
         plan.notes.append("DLA needs a static profile (min = opt = max, 'DLA Supported Layers "
                           "and Restrictions'): " + ", ".join(
-                              f"{p.name} {tt.fmt_dims(p.opt)}" for p in plan.profiles if p.dynamic))
+                              f"{p.name} {fmt_dims(p.opt)}" for p in plan.profiles if p.dynamic))
     try:
-        plan.cmd = tt.build_command(
+        plan.cmd = build_command(
             plan.onnx, paths["plan"], var, version, timing_cache=paths["cache"],
             layer_info=paths["layers"], profiles=plan.profiles, mem_pool_mb=args.mem_pool_mb,
             dla_core=plan.dla_core, int8=plan.int8 if plan.int8 == "implicit" else "qdq",
             calib=plan.calib, no_tf32=args.no_tf32, trtexec=tool)
-    except tt.UnsupportedVariant as e:
+    except UnsupportedVariant as e:
         plan.skip = str(e)
     return plan
 
@@ -266,7 +313,7 @@ def _check_args(args) -> None:
     bad = [v for v in args.variants if v not in VARIANTS]
     if bad:
         raise UsageError(f"unknown variant(s) {', '.join(bad)}: choose from {', '.join(VARIANTS)}")
-    common.check_positive(args, "min_batch", "opt_batch", "max_batch", "mem_pool_mb")
+    check_positive(args, "min_batch", "opt_batch", "max_batch", "mem_pool_mb")
     if args.dla_core is not None and args.dla_core < 0:
         raise UsageError(f"--dla-core {args.dla_core}: must be >= 0")
     if args.dla_min_fraction is not None:
@@ -282,7 +329,7 @@ def _check_dla_version(args, version: Sequence[int]) -> None:
     Raises:
         UsageError: the reason (trt_tools.dla_unavailable, with its sources).
     """
-    why = tt.dla_unavailable(version) if args.dla_core is not None else None
+    why = dla_unavailable(version) if args.dla_core is not None else None
     if why:
         raise UsageError(f"--dla-core: {why}")
 
@@ -290,24 +337,24 @@ def _check_dla_version(args, version: Sequence[int]) -> None:
 def _dry_run(args, names: Sequence[str]) -> None:
     if not args.trt_version:
         raise UsageError("--dry-run needs --trt-version (e.g. 8.6.2, 10.3.0, 11.0.0)")
-    ver = tt.full_version(tt.parse_version(args.trt_version))
-    tt.check_supported(ver)
+    ver = full_version(parse_version(args.trt_version))
+    check_supported(ver)
     _check_dla_version(args, ver)
     tool = os.environ.get("TRTEXEC") or "trtexec"
     for var in names:
         plan = plan_variant(args, var, ver, tool, build=False)
         v = VARIANTS[var]
         where = f"DLA core {plan.dla_core}" if plan.dla_core is not None else "GPU"
-        print(f"# {var} ({v.precision}, TensorRT {tt.vstr(ver)}, {where}): profile "
-              + "; ".join(f"{p.name} {tt.fmt_dims(p.min)}/{tt.fmt_dims(p.opt)}/"
-                          f"{tt.fmt_dims(p.max)} ({p.source})" for p in plan.profiles))
+        print(f"# {var} ({v.precision}, TensorRT {vstr(ver)}, {where}): profile "
+              + "; ".join(f"{p.name} {fmt_dims(p.min)}/{fmt_dims(p.opt)}/"
+                          f"{fmt_dims(p.max)} ({p.source})" for p in plan.profiles))
         for n in plan.notes:
             print(f"# {var}: {n}")
         if plan.skip:
-            print(f"# {var}: not built with TensorRT {tt.vstr(ver)}: {plan.skip}")
+            print(f"# {var}: not built with TensorRT {vstr(ver)}: {plan.skip}")
             continue
         print(shlex.join(plan.cmd))
-        check = tt.plan_version_command(tt.engine_paths(args.model, var)["plan"], ver, tool)
+        check = plan_version_command(engine_paths(args.model, var)["plan"], ver, tool)
         print(shlex.join(check) if check else
               "# plan check: deserialise with the Python runtime (trtexec 8.x has no "
               "--getPlanVersionOnly)")
@@ -319,10 +366,10 @@ def _dry_run(args, names: Sequence[str]) -> None:
 def _record(args, variant: str, status: str, reason: str | None, started: float,
             inputs: Iterable[Path] = (), **fields) -> dict:
     v = VARIANTS[variant]
-    rec = common.result_record(STAGE, "TensorRT", v.precision, args.model, v.build_tag,
+    rec = result_record(STAGE, "TensorRT", v.precision, args.model, v.build_tag,
                                status=status, reason=reason, variant=variant,
                                expected_failure=v.expected_failure, **fields)
-    rec["provenance"] = common.provenance(args, list(inputs), started)
+    rec["provenance"] = provenance(args, list(inputs), started)
     return rec
 
 
@@ -330,7 +377,7 @@ def _write(args, variant: str, rec: dict) -> Path:
     # A failed build that produced no plan keeps an earlier good row (and its plan); a row
     # that describes a plan now on disk (``plan`` set: a check failed after it was written)
     # replaces it (common.write_result).
-    return common.write_result(args.model, VARIANTS[variant].build_tag, rec,
+    return write_result(args.model, VARIANTS[variant].build_tag, rec,
                                keep_good=rec.get("plan") is None)
 
 
@@ -345,33 +392,33 @@ def _python_plan_check(plan: Path, env: Mapping[str, str], runtime) -> tuple[boo
         "rt = trt.Runtime(L())\n"
         "e = rt.deserialize_cuda_engine(open(sys.argv[1], 'rb').read())\n"
         "print('DESERIALIZED' if e is not None else 'FAILED')\n")
-    rc, text = tt._run([sys.executable, "-c", code, str(plan)], env, timeout=300)
+    rc, text = run_tool([sys.executable, "-c", code, str(plan)], env, timeout=300)
     if "DESERIALIZED" in text:
         return True, "deserialised by the Python runtime"
     if rc != 0 and "No module named" in text:
         return None, "Python tensorrt not importable: plan not checked"
-    return False, tt.diagnose_plan_load(plan, text, runtime)["text"]
+    return False, diagnose_plan_load(plan, text, runtime)["text"]
 
 
-def _verify_plan(plan: Path, det: tt.Detected) -> dict:
+def _verify_plan(plan: Path, det: Detected) -> dict:
     """Check the plan's TensorRT version against the runtime that will load it."""
     ver = det.version or (0,)
     runtime = det.python_runtime or det.libnvinfer_version
-    cmd = tt.plan_version_command(plan, ver, det.trtexec)
+    cmd = plan_version_command(plan, ver, det.trtexec)
     if cmd is None:
         ok, detail = _python_plan_check(plan, det.env, det.python_runtime)
         return {"method": "python-deserialize", "plan_version": None,
-                "runtime_version": tt.vstr(det.python_runtime), "ok": ok, "detail": detail}
-    rc, text = tt._run(cmd, det.env)
-    pv = tp.parse_plan_version(text)
+                "runtime_version": vstr(det.python_runtime), "ok": ok, "detail": detail}
+    rc, text = run_tool(cmd, det.env)
+    pv = parse_plan_version(text)
     if pv is None:
         return {"method": "trtexec --getPlanVersionOnly", "plan_version": None,
-                "runtime_version": tt.vstr(runtime), "ok": False,
+                "runtime_version": vstr(runtime), "ok": False,
                 "detail": f"no plan version in the output (rc={rc}): {text.strip()[-300:]}"}
-    ok = tp.same_version(pv, runtime)
-    return {"method": "trtexec --getPlanVersionOnly", "plan_version": tt.vstr(pv),
-            "runtime_version": tt.vstr(runtime), "ok": ok,
-            "detail": "match" if ok else f"plan {tt.vstr(pv)} vs runtime {tt.vstr(runtime)}"}
+    ok = same_version(pv, runtime)
+    return {"method": "trtexec --getPlanVersionOnly", "plan_version": vstr(pv),
+            "runtime_version": vstr(runtime), "ok": ok,
+            "detail": "match" if ok else f"plan {vstr(pv)} vs runtime {vstr(runtime)}"}
 
 
 def _prepare_inputs(args, plan: BuildPlan, version: Sequence[int], tool: str) -> BuildPlan:
@@ -379,12 +426,12 @@ def _prepare_inputs(args, plan: BuildPlan, version: Sequence[int], tool: str) ->
     ONNX Runtime parity check; otherwise fall back to the implicit path) or the calibration cache.
     """
     if plan.convert is not None:
-        src_model = onnx_graph.load(plan.convert_src)
-        feed = trt_onnx.parity_feed(src_model, {p.name: p.opt for p in plan.profiles})
-        par = trt_onnx.ort_parity(src_model, plan.convert, feed)
+        src_model = load_onnx(plan.convert_src)
+        feed = parity_feed(src_model, {p.name: p.opt for p in plan.profiles})
+        par = ort_parity(src_model, plan.convert, feed)
         plan.parity = par
         if par["exact"]:
-            with common.atomic_path(plan.onnx) as tmp:
+            with atomic_path(plan.onnx) as tmp:
                 import onnx
 
                 onnx.save(plan.convert, str(tmp))
@@ -408,13 +455,13 @@ def _prepare_inputs(args, plan: BuildPlan, version: Sequence[int], tool: str) ->
             raise StageError(f"{plan.variant}: no per-tensor activation scale in "
                              f"{plan.source.name} matches a tensor of {plan.onnx.name}; the "
                              "implicit INT8 path has nothing to calibrate with")
-        trt_onnx.write_calibration_cache(plan.calib, plan.scales, tt.encode_version_int(version))
+        write_calibration_cache(plan.calib, plan.scales, encode_version_int(version))
     return plan
 
 
 def _dla_check(args, plan: BuildPlan, text: str) -> dict:
     """DLA placement of a finished DLA build and its verdict (``ok`` False fails the row)."""
-    placement = tp.parse_dla_placement(text)
+    placement = parse_dla_placement(text)
     res: dict[str, Any] = {"placement_found": bool(placement and placement["block_found"]),
                            "ok": True, "warning": None, "min_fraction": args.dla_min_fraction}
     if placement is None or not placement["block_found"]:
@@ -425,8 +472,8 @@ def _dla_check(args, plan: BuildPlan, text: str) -> dict:
             res["fraction"] = 0.0
         res["ok"] = args.dla_min_fraction is None
         return res
-    nodes = tt.trt_layer_names(_load(plan.onnx))
-    frac = tp.dla_fraction(placement, nodes)
+    nodes = trt_layer_names(_load(plan.onnx))
+    frac = dla_fraction(placement, nodes)
     res.update(fraction=frac["fraction"], dla_layers=frac["dla_nodes"],
                gpu_layers=frac["gpu_nodes"], n_dla_subgraphs=frac["n_dla_subgraphs"],
                n_gpu_layers=frac["n_gpu_layers"], unmatched=frac["unmatched"],
@@ -440,16 +487,16 @@ def _dla_check(args, plan: BuildPlan, text: str) -> dict:
         res["ok"] = f is not None and f >= args.dla_min_fraction
         if not res["ok"]:
             res["warning"] = f"{summary}: below --dla-min-fraction {args.dla_min_fraction:.0%}"
-    elif f is None or f < tt.DLA_MIN_FRACTION_WARN:
-        res["warning"] = f"{summary}: below {tt.DLA_MIN_FRACTION_WARN:.0%}"
+    elif f is None or f < DLA_MIN_FRACTION_WARN:
+        res["warning"] = f"{summary}: below {DLA_MIN_FRACTION_WARN:.0%}"
     return res
 
 
-def _build_one(args, var: str, det: tt.Detected, jetson: dict | None) -> tuple[dict, bool]:
+def _build_one(args, var: str, det: Detected, jetson: dict | None) -> tuple[dict, bool]:
     """Build one variant. Returns ``(record, unexpected_failure)``."""
     started = time.time()
     v = VARIANTS[var]
-    paths = tt.engine_paths(args.model, var)
+    paths = engine_paths(args.model, var)
     plan = plan_variant(args, var, det.version, str(det.trtexec), build=True)
     if plan.skip:
         return _record(args, var, "skipped", plan.skip, started, [plan.source],
@@ -467,7 +514,7 @@ def _build_one(args, var: str, det: tt.Detected, jetson: dict | None) -> tuple[d
         print(f"[{var}] {n}", flush=True)
     print(f"[{var}] {shlex.join(cmd)}", flush=True)
     t0 = time.time()
-    with common.atomic_path(paths["log"]) as tmp_log:
+    with atomic_path(paths["log"]) as tmp_log:
         with open(tmp_log, "w") as f:
             f.write(f"# command: {shlex.join(cmd)}\n")
             if det.loader_fix:
@@ -480,8 +527,8 @@ def _build_one(args, var: str, det: tt.Detected, jetson: dict | None) -> tuple[d
     fields: dict[str, Any] = {
         **plan.record(), "command": shlex.join(cmd), "returncode": p.returncode,
         "build_log": paths["log"], "build_wall_s": round(build_s, 2), "detected": det.as_dict(),
-        "jetson": jetson, "unknown_options": tp.parse_unknown_options(text),
-        "errors": tp.error_lines(text)}
+        "jetson": jetson, "unknown_options": parse_unknown_options(text),
+        "errors": error_lines(text)}
     if not passed:
         for t in (tmp_plan, tmp_layers):
             t.unlink(missing_ok=True)
@@ -497,12 +544,12 @@ def _build_one(args, var: str, det: tt.Detected, jetson: dict | None) -> tuple[d
     # Checked before it replaces anything: a build whose row fails leaves no plan under the final
     # name (stage 7 would evaluate it as built) and keeps the plan of an earlier good build.
     if tmp_layers.exists():
-        summary = tp.parse_layer_info(tmp_layers.read_text())
-        fields["layer_info"] = tp.layer_summary(summary)
+        summary = parse_layer_info(tmp_layers.read_text())
+        fields["layer_info"] = layer_summary(summary)
         fields["layer_info_file"] = paths["layers"]
-    fields["trtexec_perf"] = tp.parse_performance_summary(text)
-    fields["trtexec_inference_shapes"] = tp.parse_inference_shapes(text)
-    fields["size_mb"] = common.file_size_mb(tmp_plan)
+    fields["trtexec_perf"] = parse_performance_summary(text)
+    fields["trtexec_inference_shapes"] = parse_inference_shapes(text)
+    fields["size_mb"] = file_size_mb(tmp_plan)
     check = _verify_plan(tmp_plan, det)
     check["detail"] = str(check["detail"]).replace(str(tmp_plan), str(paths["plan"]))
     fields["plan_check"] = check
@@ -540,16 +587,16 @@ def main(args: argparse.Namespace) -> None:
     """Build (or, with ``--dry-run``, print) the engines of the requested variants."""
     started = time.time()
     _check_args(args)
-    names = list(dict.fromkeys(args.variants)) or list(tt.DEFAULT_VARIANTS)
+    names = list(dict.fromkeys(args.variants)) or list(DEFAULT_VARIANTS)
     if args.dry_run:
         _dry_run(args, names)
         return
-    trtexec, how = tt.find_trtexec()
+    trtexec, how = find_trtexec()
     if trtexec is None:
         reason = f"{how}; engines not built (set TRTEXEC=/path/to/trtexec on a GPU machine)"
         print(f"{STAGE}: SKIPPED: {reason}")
         for var in names:
-            src = tt.onnx_path(args.model, var)
+            src = variant_onnx_path(args.model, var)
             why = reason if src.exists() else (
                 f"{src} missing (made by {VARIANTS[var].producer}); and {reason}")
             path = _write(args, var, _record(args, var, "skipped", why, started))
@@ -557,14 +604,14 @@ def main(args: argparse.Namespace) -> None:
         return
     if args.variants:
         for var in names:
-            common.require(tt.onnx_path(args.model, var), VARIANTS[var].producer)
+            require(variant_onnx_path(args.model, var), VARIANTS[var].producer)
     else:
-        names = [v for v in names if tt.onnx_path(args.model, v).exists()]
+        names = [v for v in names if variant_onnx_path(args.model, v).exists()]
         if not names:
-            wanted = ", ".join(f"{tt.onnx_path(args.model, v)} ({VARIANTS[v].producer})"
-                               for v in tt.DEFAULT_VARIANTS)
+            wanted = ", ".join(f"{variant_onnx_path(args.model, v)} ({VARIANTS[v].producer})"
+                               for v in DEFAULT_VARIANTS)
             raise StageError(f"no ONNX model to build; expected any of: {wanted}")
-    det, probs = tt.detect_with_loader_fix(trtexec)
+    det, probs = detect_with_loader_fix(trtexec)
     print(f"{STAGE}: trtexec {trtexec} ({how}); " + json.dumps(det.as_dict()))
     if det.loader_fix:
         print(f"{STAGE}: versions agree with {det.loader_fix} first on LD_LIBRARY_PATH "
@@ -578,11 +625,11 @@ def main(args: argparse.Namespace) -> None:
                          "package of the same version, or point TRTEXEC at the matching trtexec.")
     if det.version is None:
         raise StageError(f"cannot tell which TensorRT {trtexec} uses ({det.ldd})")
-    tt.check_supported(det.version)
+    check_supported(det.version)
     if det.python_runtime is None:
         print(f"{STAGE}: warning: Python tensorrt not importable ({det.python_detail}); "
               "7_trt_eval.py will skip", file=sys.stderr)
-    jetson = tt.jetson_info()
+    jetson = jetson_info()
     if args.dla_core is not None:
         if jetson is None:
             raise UsageError("--dla-core: DLA exists on Jetson (Xavier/Orin) only; this is not "
@@ -602,8 +649,8 @@ def main(args: argparse.Namespace) -> None:
             failed.append(var)
     if failed:
         raise StageError(f"engine build failed for {', '.join(failed)} (logs in "
-                         f"{tt.engines_dir(args.model)})")
+                         f"{engines_dir(args.model)})")
 
 
 if __name__ == "__main__":
-    common.cli(get_args_parser, main)
+    cli(get_args_parser, main)

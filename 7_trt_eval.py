@@ -18,7 +18,7 @@ Rerun alone:
 
 Runtime: ``runners.TrtRunner`` (tensor-name API, ``execute_async_v3``; TensorRT 8.5+; device
 buffers are torch CUDA tensors, no pycuda), through the evaluation path shared with stages 1 and
-3 (``evaluate.py``). Latency, as trtexec names it: ``end_to_end_ms`` is host arrays to host
+3 (``deploykit.evaluate``). Latency, as trtexec names it: ``end_to_end_ms`` is host arrays to host
 arrays (H2D + ``execute_async_v3`` + D2H + sync), ``gpu_compute_ms`` the CUDA-event time of
 ``execute_async_v3`` alone on bound device buffers (comparable with trtexec's "GPU Compute
 Time", which the row also carries from the build log). Preprocessing is outside the timed
@@ -32,28 +32,48 @@ import time
 from pathlib import Path
 
 import numpy as np
+from deploykit.layout import fp32_onnx_path, ref_logits_path
+from deploykit.cli import add_shared_args, check_positive, cli, require, stage_parser
+from deploykit.errors import StageError, UsageError
+from deploykit.evaluate import (
+    base_record,
+    classifier_data,
+    custom_data,
+    diagnose,
+    evaluate,
+    summary_line,
+)
+from deploykit.feeds import load_feed
+from deploykit.io import check_writable, file_size_mb, load_json
+from deploykit.layerwise.diff import run_layer_diff
+from deploykit.layerwise.report import render_table
+from deploykit.layout import check_row_tag, engine_paths, model_artifacts, model_results
+from deploykit.models import model_spec
+from deploykit.results import provenance, write_result
+from deploykit.runners import TrtRunner
+from deploykit.trt.parsers import (
+    layer_dtype_table,
+    layer_summary,
+    parse_inference_shapes,
+    parse_performance_summary,
+)
+from deploykit.trt.plans import batch_invariance, fit_batch
+from deploykit.variants import variant_of_file
 
-import common
-import evaluate
-import runners
-import trt_parsers
-import trt_tools
-import variants
-from common import UsageError
 
 STAGE = "7_trt_eval"
 REF_PRODUCER = "1_pytorch_baseline.py"
 
 
 def get_args_parser() -> argparse.ArgumentParser:
-    p = common.stage_parser(__doc__, prog="7_trt_eval.py")
+    p = stage_parser(__doc__, prog="7_trt_eval.py")
     p.add_argument("--engine", required=True, type=Path, help="TensorRT plan file")
     p.add_argument("--tag", required=True, help="results row id (results/<model>/<tag>.json)")
-    common.add_shared_args(p, "model")
+    add_shared_args(p, "model")
     p.add_argument("--precision", default=None,
                    help="label for the row (default: the precision of the engine's variant, "
                         "from its file name)")
-    common.add_shared_args(p, "batch_size", "limit", "latency_batch", "warmup", "iters",
+    add_shared_args(p, "batch_size", "limit", "latency_batch", "warmup", "iters",
                            "max_seconds")
     p.add_argument("--device", type=int, default=0, help="CUDA device index")
     p.add_argument("--layerwise", action="store_true",
@@ -70,25 +90,25 @@ def get_args_parser() -> argparse.ArgumentParser:
 def _precision(args) -> str:
     if args.precision:
         return args.precision
-    v = variants.variant_of_file(args.engine)
+    v = variant_of_file(args.engine)
     return v.precision if v else "unknown"
 
 
 def _row(args, status: str, reason: str | None, started: float, desc: dict | None = None,
          **fields) -> dict:
     """A row without measurements (skipped / failed), :mod:`evaluate` schema."""
-    v = variants.variant_of_file(args.engine)
-    rec = evaluate.base_record(STAGE, _precision(args), args.model, args.tag, desc,
+    v = variant_of_file(args.engine)
+    rec = base_record(STAGE, _precision(args), args.model, args.tag, desc,
                                backend="TensorRT", status=status, reason=reason,
                                engine=str(args.engine), variant=v.name if v else None,
                                device="cuda", **fields)
-    rec["provenance"] = common.provenance(args, [], started)
+    rec["provenance"] = provenance(args, [], started)
     return rec
 
 
 def _skip(args, reason: str, started: float) -> None:
     print(f"{STAGE}: SKIPPED {args.tag}: {reason}")
-    print(f"  wrote {common.write_result(args.model, args.tag, _row(args, 'skipped', reason, started))}")
+    print(f"  wrote {write_result(args.model, args.tag, _row(args, 'skipped', reason, started))}")
 
 
 def trtexec_cross_check(model: str, variant, in_name: str, rec: dict) -> dict | None:
@@ -101,12 +121,12 @@ def trtexec_cross_check(model: str, variant, in_name: str, rec: dict) -> dict | 
     """
     if variant is None:
         return None
-    log = trt_tools.engine_paths(model, variant.name)["log"]
+    log = engine_paths(model, variant.name)["log"]
     if not log.exists():
         return None
     text = log.read_text(errors="replace")
-    perf = trt_parsers.parse_performance_summary(text)
-    shapes = trt_parsers.parse_inference_shapes(text)["inputs"]
+    perf = parse_performance_summary(text)
+    shapes = parse_inference_shapes(text)["inputs"]
     gct = perf.get("gpu_compute_time") if perf else None
     tb = shapes.get(in_name, [None])[0]
     ours = None
@@ -130,7 +150,7 @@ def batch_invariance_check(runner, data, batch: int) -> dict:
         return {"ok": None, "reason": f"the engine accepts batch {lo}..{hi}: no batch-1 vs "
                                       "batch-N comparison"}
     n = min(len(data), max(2 * n_batch, 16), 128)
-    res = trt_tools.batch_invariance(runner.infer, data.batch(np.arange(n)), n_batch)
+    res = batch_invariance(runner.infer, data.batch(np.arange(n)), n_batch)
     if not res["ok"]:
         print(f"{STAGE}: WARNING: batch-1 and batch-{n_batch} outputs differ (max |diff| "
               f"{res['max_abs_diff']:.3g}, top-1 agreement {res['top1_agreement']}): "
@@ -146,25 +166,25 @@ def main(args) -> dict | None:
         UsageError: bad flags. StageError: missing inputs, a plan the runtime refuses.
     """
     started = time.time()
-    common.check_row_tag(args.model, args.tag)
-    common.check_writable(common.model_results(args.model))
-    common.check_positive(args, "iters", "batch_size", "latency_batch", "limit")
-    common.check_positive(args, "warmup", allow_zero=("warmup",))
+    check_row_tag(args.model, args.tag)
+    check_writable(model_results(args.model))
+    check_positive(args, "iters", "batch_size", "latency_batch", "limit")
+    check_positive(args, "warmup", allow_zero=("warmup",))
     # The engine file is checked before TensorRT, so a wrong path is named on any machine and
     # writes no row; a variant that stage 6 did not build on purpose is reported as skipped.
-    variant = variants.variant_of_file(args.engine)
+    variant = variant_of_file(args.engine)
     if Path(args.engine).is_dir():
         raise UsageError(f"--engine {args.engine} is a folder: give the .plan file")
     if not Path(args.engine).exists():
-        build_row = (common.model_results(args.model) / f"{variant.build_tag}.json"
+        build_row = (model_results(args.model) / f"{variant.build_tag}.json"
                      if variant else None)
-        row = common.load_json(build_row) if build_row is not None and build_row.exists() else {}
+        row = load_json(build_row) if build_row is not None and build_row.exists() else {}
         if isinstance(row, dict) and row.get("status") not in (None, "ok"):
             # e.g. no TensorRT here, INT4 on TensorRT 8.x, the int4_cli_broken reproduction
             _skip(args, f"engine not built by 6_build_engines.sh ({row.get('status')}: "
                   f"{row.get('reason')})", started)
             return None
-        raise common.StageError(f"--engine {args.engine}: no such file (build it with "
+        raise StageError(f"--engine {args.engine}: no such file (build it with "
                                 "6_build_engines.sh, or check the path); no row written")
     try:
         import tensorrt as trt  # noqa: F401 - availability check
@@ -181,48 +201,48 @@ def main(args) -> dict | None:
         _skip(args, "no CUDA GPU visible to torch (TensorRT needs one)", started)
         return None
 
-    spec = common.model_spec(args.model)
+    spec = model_spec(args.model)
     # stage 6's build row of this engine (the engine exists: checked above)
-    build_row = (common.model_results(args.model) / f"{variant.build_tag}.json"
+    build_row = (model_results(args.model) / f"{variant.build_tag}.json"
                  if variant else None)
-    build = common.load_json(build_row) if build_row is not None and build_row.exists() else {}
+    build = load_json(build_row) if build_row is not None and build_row.exists() else {}
     build = build if isinstance(build, dict) else {}
     dla_core = build.get("dla_core") if build.get("status") == "ok" else None
-    art = common.model_artifacts(args.model)
+    art = model_artifacts(args.model)
     if spec.classifier:
-        ref_path = common.require(art / "ref_logits.npz", REF_PRODUCER)
-        data = evaluate.classifier_data(spec, args.limit, ref_path)
+        ref_path = require(ref_logits_path(args.model), REF_PRODUCER)
+        data = classifier_data(spec, args.limit, ref_path)
     else:
         ref_path = art / "ref_outputs.npz"
-        data = evaluate.custom_data(ref_path)
+        data = custom_data(ref_path)
 
-    with runners.TrtRunner(args.engine, args.device, dla_core=dla_core) as r:
+    with TrtRunner(args.engine, args.device, dla_core=dla_core) as r:
         if data.classifier:
             data.input_name = r.input_names[0]
             # the profile stage 6 built (and recorded) must hold the eval images
-            trt_tools.fit_batch(r.profile_shapes[data.input_name], args.batch_size,
+            fit_batch(r.profile_shapes[data.input_name], args.batch_size,
                                 data.x_u8.shape[1:], what=f"engine {args.engine}")
-        rec, _ = evaluate.evaluate(
+        rec, _ = evaluate(
             r, data, stage=STAGE, precision=_precision(args), model=args.model, tag=args.tag,
             args=args, started=started, inputs=[args.engine, ref_path],
             batch_size=args.batch_size, latency_batch=args.latency_batch, warmup=args.warmup,
             iters=args.iters, write=False, engine=str(args.engine),
             variant=variant.name if variant else None,
-            size_mb=common.file_size_mb(args.engine))
+            size_mb=file_size_mb(args.engine))
         layers = r.layer_info()
-        rec["layer_info"] = trt_parsers.layer_summary(layers)
-        rec["layer_dtypes"] = trt_parsers.layer_dtype_table(layers)
+        rec["layer_info"] = layer_summary(layers)
+        rec["layer_dtypes"] = layer_dtype_table(layers)
         rec["trtexec_cross_check"] = trtexec_cross_check(args.model, variant, r.input_names[0],
                                                          rec)
         rec["build_profile"] = build.get("profile")
         rec["dla_core"] = dla_core
-        path = common.write_result(args.model, args.tag, rec)
-        print(f"{evaluate.summary_line(rec)}, reformat layers {layers['reformat_layers']} -> "
+        path = write_result(args.model, args.tag, rec)
+        print(f"{summary_line(rec)}, reformat layers {layers['reformat_layers']} -> "
               f"{path}")
-        evaluate.diagnose(rec, "batch_invariance",
+        diagnose(rec, "batch_invariance",
                           lambda: batch_invariance_check(r, data, rec["batch_size"] or 1))
     if args.layerwise:
-        evaluate.diagnose(rec, "layerwise", lambda: layerwise_engine(args, variant))
+        diagnose(rec, "layerwise", lambda: layerwise_engine(args, variant))
     return rec
 
 
@@ -233,24 +253,23 @@ def layerwise_engine(args, variant) -> dict:
     divergent layer with the rebuild commands that exist in the installed TensorRT, and returns
     a summary for the row.
     """
-    import layerwise
 
-    art = common.model_artifacts(args.model)
-    ref_onnx = common.require(art / "onnx" / "fp32.onnx", "2_export_onnx.py")
+    art = model_artifacts(args.model)
+    ref_onnx = require(fp32_onnx_path(args.model), "2_export_onnx.py")
     onnx_b = args.onnx or (art / "onnx" / variant.onnx_file if variant else None)
     if onnx_b is None:
         raise UsageError("--layerwise: give --onnx (cannot tell the engine's ONNX from its name)")
-    common.require(onnx_b, "the stage that wrote the engine's ONNX")
-    feed = layerwise.load_feed(None, args.model, args.layerwise_images, ref_onnx)
+    require(onnx_b, "the stage that wrote the engine's ONNX")
+    feed = load_feed(None, args.model, args.layerwise_images, ref_onnx)
     prec = _precision(args).lower()
-    out_dir = common.model_results(args.model) / f"layerwise_{args.tag}"
-    res = layerwise.run_layer_diff(
+    out_dir = model_results(args.model) / f"layerwise_{args.tag}"
+    res = run_layer_diff(
         ref_onnx, onnx_b, feed, b_engine=args.engine, precision=prec,
         trt_build={"fp16": prec == "fp16", "int8": prec.startswith("int8")}, out_dir=out_dir)
-    print(layerwise.render_table(res, max_rows=40))
+    print(render_table(res, max_rows=40))
     return {"out_dir": str(out_dir), "first_divergent": res.get("first_divergent"),
             "remedies": res.get("remedies")}
 
 
 if __name__ == "__main__":
-    common.cli(get_args_parser, main)
+    cli(get_args_parser, main)

@@ -27,10 +27,15 @@ import json
 import sys
 import time
 from pathlib import Path
+from deploykit.cli import add_shared_args, cli, stage_parser
+from deploykit.errors import StageError
+from deploykit.evaluate import primary_latency
+from deploykit.io import atomic_path, check_writable, load_json
+from deploykit.layout import model_results, model_tag, results_dir
+from deploykit.models import model_spec
+from deploykit.results import result_record
+from deploykit.variants import PRECISION_ORDER, variant_order
 
-import common
-import evaluate
-import variants
 
 COLUMNS = ["backend", "precision", "tag", "EP/device", "images", "top-1 %", "top-1 agree %",
            "top-5 %", "delta top-1", "INT8 MACs %", "p50 ms", "GPU compute p50 ms", "FPS",
@@ -53,8 +58,8 @@ def _is_rerun(r: dict) -> bool:
 
 
 def _sort_key(r: dict) -> tuple:
-    return (_ORDER.get(r["backend"], 9), variants.PRECISION_ORDER.get(r["precision"][:4], 9),
-            variants.order(_variant(r)), r["tag"], _is_rerun(r))
+    return (_ORDER.get(r["backend"], 9), PRECISION_ORDER.get(r["precision"][:4], 9),
+            variant_order(_variant(r)), r["tag"], _is_rerun(r))
 
 
 # Types of the row fields the report reads (``evaluate`` schema); None is always allowed for the
@@ -118,7 +123,7 @@ def row_identity_problem(rec: dict, f: Path) -> str | None:
         return (f"field tag is {rec['tag']!r} but the file is {f.name} (a row is written as "
                 f"<tag>.json): a renamed or copied file")
     model = rec.get("model")
-    if isinstance(model, str) and common.model_tag(model) != f.parent.name:
+    if isinstance(model, str) and model_tag(model) != f.parent.name:
         return (f"field model is {model!r} but the folder is {f.parent.name}/: a row of "
                 "another model, copied here")
     return None
@@ -151,7 +156,7 @@ def load_rows(folder: Path) -> list[dict]:
             # The file names the row (<tag>.json, <tag>.failed.json): its own tag field may be
             # what is wrong.
             tag = f.name[:-len(".json")].removesuffix(".failed").removesuffix(".skipped")
-            rec = common.result_record("8_report", str(rec.get("backend")) if isinstance(
+            rec = result_record("8_report", str(rec.get("backend")) if isinstance(
                 rec, dict) else "?", "?", "", tag, status="invalid",
                 reason=f"{f.name}: {problem}; rerun the stage that wrote it")
         rec["_file"] = f.name
@@ -179,8 +184,8 @@ EXPECTED = [("PyTorch", "FP32", "pytorch_fp32_cpu", "1_pytorch_baseline.py"),
 def missing_rows(rows: list[dict], model: str) -> list[dict]:
     """Placeholder rows (status "not run") for the expected rows that have no results JSON."""
     have = {r["tag"] for r in rows}
-    return [common.result_record("8_report", b, p, model, tag, status="not run",
-                                 reason=f"no results/{common.model_tag(model)}/{tag}.json: "
+    return [result_record("8_report", b, p, model, tag, status="not run",
+                                 reason=f"no results/{model_tag(model)}/{tag}.json: "
                                         f"run {cmd}")
             for b, p, tag, cmd in EXPECTED if tag not in have]
 
@@ -196,7 +201,7 @@ def speedup_references(rows: list[dict]) -> dict[str, float]:
     every speedup of the device), else the first ok PyTorch FP32 row of the device."""
     ref: dict[str, float] = {}
     for r in rows:
-        p50 = evaluate.primary_latency(r).get("p50_ms")
+        p50 = primary_latency(r).get("p50_ms")
         if not (r["backend"] == "PyTorch" and r["precision"] == "FP32" and r["status"] == "ok"
                 and p50):
             continue
@@ -215,7 +220,7 @@ def table_rows(rows: list[dict]) -> list[dict]:
     out = []
     for r in rows:
         acc = r.get("accuracy") or {}
-        lat = evaluate.primary_latency(r)
+        lat = primary_latency(r)
         gpu = (r.get("latency") or {}).get("gpu_compute_ms") or {}
         par = r.get("parity") or {}
         dev = r.get("device") or "cpu"
@@ -324,7 +329,7 @@ def render_plots(rows: list[dict], folder: Path) -> dict[str, str]:
     import matplotlib.pyplot as plt
 
     pts = [r for r in rows if r["status"] == "ok" and (r.get("accuracy") or {}).get("top1")
-           is not None and evaluate.primary_latency(r).get("p50_ms")]
+           is not None and primary_latency(r).get("p50_ms")]
     out: dict[str, str] = {}
     colors = {"FP32": "tab:blue", "FP16": "tab:green", "INT8": "tab:red", "INT4": "tab:purple"}
     if pts:
@@ -332,7 +337,7 @@ def render_plots(rows: list[dict], folder: Path) -> dict[str, str]:
         fig, axes = plt.subplots(1, len(devs), figsize=(6.5 * len(devs), 4.8), squeeze=False)
         for ax, dev in zip(axes[0], devs):
             for r in (r for r in pts if (r.get("device") or "cpu") == dev):
-                x, y = evaluate.primary_latency(r)["p50_ms"], r["accuracy"]["top1"]
+                x, y = primary_latency(r)["p50_ms"], r["accuracy"]["top1"]
                 ax.scatter([x], [y], color=colors.get(r["precision"][:4], "0.4"),
                            marker="o" if r["backend"] != "PyTorch" else "s", s=36)
                 ax.annotate(r["tag"], (x, y), fontsize=7, xytext=(4, 3),
@@ -346,7 +351,7 @@ def render_plots(rows: list[dict], folder: Path) -> dict[str, str]:
                    for p, c in colors.items()]
         axes[0][0].legend(handles=handles, fontsize=8, loc="lower left")
         fig.tight_layout()
-        with common.atomic_path(folder / "accuracy_latency.png") as tmp:
+        with atomic_path(folder / "accuracy_latency.png") as tmp:
             fig.savefig(tmp, dpi=110, format="png")
         plt.close(fig)
         out["accuracy_latency.png"] = "top-1 against batch-1 latency"
@@ -361,7 +366,7 @@ def render_plots(rows: list[dict], folder: Path) -> dict[str, str]:
         ax.set_title("model / engine size by row (colour = precision)", fontsize=10)
         ax.grid(alpha=0.3, axis="x")
         fig.tight_layout()
-        with common.atomic_path(folder / "size.png") as tmp:
+        with atomic_path(folder / "size.png") as tmp:
             fig.savefig(tmp, dpi=110, format="png")
         plt.close(fig)
         out["size.png"] = "model size by precision"
@@ -439,16 +444,16 @@ def render_markdown(model: str, rows: list[dict], data: dict | None,
 def gpu_rows(model: str, folder: Path) -> list[dict]:
     """The GPU rows (``device == "cuda"``) of ``results/gpu/<model>/`` (made on a GPU machine by
     ``benchmarks/gpu_rows.sh``), shown beside this machine's rows; each gets ``_source``."""
-    gpu = common.results_dir() / "gpu" / common.model_tag(model)
+    gpu = results_dir() / "gpu" / model_tag(model)
     if not gpu.is_dir() or gpu.resolve() == folder.resolve():
         return []
-    rel = f"results/gpu/{common.model_tag(model)}"
+    rel = f"results/gpu/{model_tag(model)}"
     return [dict(r, _source=rel) for r in load_rows(gpu) if r.get("device") == "cuda"]
 
 
 def get_args_parser() -> argparse.ArgumentParser:
-    p = common.stage_parser(__doc__)
-    common.add_shared_args(p, "model")
+    p = stage_parser(__doc__)
+    add_shared_args(p, "model")
     p.add_argument("--no-gpu-rows", action="store_true",
                    help="leave out the GPU rows of results/gpu/<model>/ (shown by default)")
     return p
@@ -456,19 +461,19 @@ def get_args_parser() -> argparse.ArgumentParser:
 
 def main(args: argparse.Namespace) -> Path:
     started = time.time()
-    folder = common.model_results(args.model)
+    folder = model_results(args.model)
     rows = load_rows(folder) if folder.is_dir() else []
     rows += gpu_rows(args.model, folder) if not args.no_gpu_rows else []
     rows.sort(key=_sort_key)
     if rows:
-        common.check_writable(folder, common.results_dir())
+        check_writable(folder, results_dir())
     if not rows:
-        raise common.StageError(f"no results in {folder}: run the stages first "
+        raise StageError(f"no results in {folder}: run the stages first "
                                 "(bash run_all.sh)")
-    if common.model_spec(args.model).classifier:
+    if model_spec(args.model).classifier:
         rows = sorted(missing_rows(rows, args.model) + rows, key=_sort_key)
     data_file = folder / "data.json"
-    data = common.load_json(data_file, "0_prepare_data.py") if data_file.exists() else None
+    data = load_json(data_file, "0_prepare_data.py") if data_file.exists() else None
     runs = split_builds(rows)[0]
     trs = table_rows(runs)
     plots = render_plots(runs, folder)
@@ -476,9 +481,9 @@ def main(args: argparse.Namespace) -> Path:
     md += f"\nGenerated by `python 8_report.py --model {args.model}` in " \
           f"{time.time() - started:.1f} s.\n"
     out_md, out_csv = folder / "REPORT.md", folder / "REPORT.csv"
-    with common.atomic_path(out_md) as tmp:
+    with atomic_path(out_md) as tmp:
         tmp.write_text(md)
-    with common.atomic_path(out_csv) as tmp:
+    with atomic_path(out_csv) as tmp:
         with open(tmp, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=COLUMNS)
             w.writeheader()
@@ -487,7 +492,7 @@ def main(args: argparse.Namespace) -> Path:
     top = md
     for name in [*plots, "auto_precision.md"]:
         top = top.replace(f"]({name})", f"]({folder.name}/{name})")
-    with common.atomic_path(common.results_dir() / "REPORT.md") as tmp:
+    with atomic_path(results_dir() / "REPORT.md") as tmp:
         tmp.write_text(top)
     print(summary(args.model, runs, out_md))
     return out_md
@@ -523,4 +528,4 @@ def summary(model: str, runs: list[dict], path: Path) -> str:
 
 
 if __name__ == "__main__":
-    common.cli(get_args_parser, main)
+    cli(get_args_parser, main)

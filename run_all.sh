@@ -70,8 +70,8 @@ fi
 MODEL="${MODEL:-mobilenet_v3_small}"
 export MODEL
 # Check the model name before any stage runs (a typo is a usage error, exit 2).
-MODEL_TAG="$(python -c 'import sys, common; print(common.model_tag(sys.argv[1]))' "$MODEL")"
-if ! python -c 'import sys, common; common.model_spec(sys.argv[1])' "$MODEL" 2>/dev/null; then
+MODEL_TAG="$(python -m deploykit.layout tag "$MODEL")"
+if ! python -c 'import sys; from deploykit.models import model_spec; model_spec(sys.argv[1])' "$MODEL" 2>/dev/null; then
   echo "run_all.sh: MODEL=$MODEL: unknown model; use mobilenet_v3_small, efficientnet_lite0," \
     "a torchvision classifier name or package.module:factory (README, Models)" >&2
   exit 2

@@ -18,22 +18,29 @@ import time
 from pathlib import Path
 
 import numpy as np
+from deploykit.cli import HelpFormatter, add_shared_args, int_at_least
+from deploykit.data.images import list_images
+from deploykit.data.splits import preprocess_items
+from deploykit.envinfo import device_info
+from deploykit.io import write_json
+from deploykit.layout import DEFAULT_DATA
+from deploykit.models import model_spec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import common  # noqa: E402
+pass  # noqa: E402
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=common.HelpFormatter)
-    common.add_shared_args(p, "model")
-    p.add_argument("--n", type=common.int_at_least(1), default=300,
+                                formatter_class=HelpFormatter)
+    add_shared_args(p, "model")
+    p.add_argument("--n", type=int_at_least(1), default=300,
                    help="images (the first N of the sample)")
-    p.add_argument("--workers", type=common.int_at_least(0), default=2,
+    p.add_argument("--workers", type=int_at_least(0), default=2,
                    help="DataLoader workers")
-    p.add_argument("--batch", type=common.int_at_least(1), default=64,
+    p.add_argument("--batch", type=int_at_least(1), default=64,
                    help="DataLoader batch size")
-    p.add_argument("--rounds", type=common.int_at_least(1), default=3,
+    p.add_argument("--rounds", type=int_at_least(1), default=3,
                    help="interleaved rounds (median reported)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/data_path.json"),
                    help="JSON output")
@@ -43,8 +50,8 @@ def main() -> None:
     from torchvision.datasets import ImageFolder
     from torchvision.transforms import InterpolationMode
 
-    spec = common.model_spec(args.model)
-    items, _ = common.list_images(common.DEFAULT_DATA)
+    spec = model_spec(args.model)
+    items, _ = list_images(DEFAULT_DATA)
     items = items[:args.n]
     prep = spec.preprocessing()
 
@@ -56,11 +63,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         for rel, _ in items:  # one class folder per WNID: ImageFolder's sorted order = ours
             (Path(d) / rel[:9]).mkdir(exist_ok=True)
-            (Path(d) / rel[:9] / rel).symlink_to((common.DEFAULT_DATA / rel).resolve())
+            (Path(d) / rel[:9] / rel).symlink_to((DEFAULT_DATA / rel).resolve())
         ds = ImageFolder(d, transform=lambda im: tf(im.convert("RGB")))
         for _ in range(args.rounds):  # interleaved: the page cache and drift affect both
             t0 = time.perf_counter()
-            ours, good, bad = common.preprocess_items(common.DEFAULT_DATA, items, prep,
+            ours, good, bad = preprocess_items(DEFAULT_DATA, items, prep,
                                                       desc="cache")
             t_ours.append(time.perf_counter() - t0)
             assert not bad, bad
@@ -73,12 +80,12 @@ def main() -> None:
     assert theirs.dtype == np.uint8 and theirs.shape == ours.shape
     equal = bool(np.array_equal(theirs, ours))
     assert equal, f"max abs diff {np.abs(theirs.astype(int) - ours).max()}"
-    out = {"machine": common.device_info(), "date_utc": time.strftime("%Y-%m-%d"),
+    out = {"machine": device_info(), "date_utc": time.strftime("%Y-%m-%d"),
            "n_images": len(items), "preprocessing": prep,
            "cache_build_images_per_s": len(items) / t_ours,
            "imagefolder_dataloader_images_per_s": len(items) / t_tv,
            "dataloader_workers": args.workers, "rounds": args.rounds, "tensors_equal": equal}
-    common.write_json(args.out, out)
+    write_json(args.out, out)
     print(f"uint8 cache build (1 process): {out['cache_build_images_per_s']:.1f} images/s; "
           f"ImageFolder + DataLoader ({args.workers} workers): "
           f"{out['imagefolder_dataloader_images_per_s']:.1f} images/s; tensors equal: {equal} "

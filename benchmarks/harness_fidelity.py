@@ -6,7 +6,7 @@ For each backend available here (ORT CPU EP on an ONNX file, PyTorch CPU, and Py
 CUDA EP when a GPU is present) it times the same work two ways, interleaved in rounds so that a
 drifting machine affects both alike:
 
-- ours: ``runner.time(feed, warmup, iters)`` (runners.py, what stages 1/3/7 record);
+- ours: ``runner.time(feed, warmup, iters)`` (deploykit.runners, what stages 1/3/7 record);
 - plain: ``timeit.repeat`` of the bare call (``session.run`` / ``model(x)`` + sync), one timing
   per call, no project code involved.
 
@@ -19,7 +19,6 @@ Usage (project root, after ``source env.sh`` and the default run's stage 2):
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -27,10 +26,16 @@ import timeit
 from pathlib import Path
 
 import numpy as np
+from deploykit.layout import fp32_onnx_path
+from deploykit.cli import HelpFormatter, add_shared_args, int_at_least
+from deploykit.envinfo import device_info, versions
+from deploykit.io import write_json
+from deploykit.models import build_model
+from deploykit.runners import OrtRunner, TorchRunner, harness_overhead_ms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import common  # noqa: E402
-import runners  # noqa: E402
+pass  # noqa: E402
+pass  # noqa: E402
 
 
 def plain_loop(fn, warmup: int, iters: int, sync=None) -> list[float]:
@@ -57,31 +62,31 @@ def compare(name: str, ours_fn, plain_fn, rounds: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=common.HelpFormatter)
-    common.add_shared_args(p, "model")
-    p.add_argument("--rounds", type=common.int_at_least(1), default=5,
+                                formatter_class=HelpFormatter)
+    add_shared_args(p, "model")
+    p.add_argument("--rounds", type=int_at_least(1), default=5,
                    help="interleaved rounds of each loop")
-    p.add_argument("--iters", type=common.int_at_least(1), default=100,
+    p.add_argument("--iters", type=int_at_least(1), default=100,
                    help="timed calls per round")
-    p.add_argument("--warmup", type=common.int_at_least(0), default=10,
+    p.add_argument("--warmup", type=int_at_least(0), default=10,
                    help="untimed calls per round")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/harness_fidelity.json"),
                    help="JSON output")
     args = p.parse_args()
     import torch
 
-    model, spec = common.build_model(args.model, pretrained=False)
+    model, spec = build_model(args.model, pretrained=False)
     x = np.random.default_rng(0).standard_normal((1, 3, spec.crop, spec.crop)).astype(np.float32)
     feed = {"input": x}
     rows = []
-    onnx_path = common.model_artifacts(args.model) / "onnx" / "fp32.onnx"
+    onnx_path = fp32_onnx_path(args.model)
     import onnxruntime as ort
 
     eps = ["cpu"] + (["cuda"] if "CUDAExecutionProvider" in ort.get_available_providers()
                      else [])
     if onnx_path.exists():
         for ep in eps:
-            with runners.OrtRunner(onnx_path, ep) as r:
+            with OrtRunner(onnx_path, ep) as r:
                 rows.append(compare(
                     f"ORT {r.used}",
                     lambda: r.time(feed, args.warmup, args.iters).end_to_end_ms,
@@ -90,7 +95,7 @@ def main() -> None:
     else:
         print(f"{onnx_path} missing: ORT rows skipped (run 2_export_onnx.py)", file=sys.stderr)
     for dev in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
-        with runners.TorchRunner(model, dev) as r:
+        with TorchRunner(model, dev) as r:
             xt = torch.from_numpy(x).to(dev)
             sync = (lambda: torch.cuda.synchronize()) if dev == "cuda" else None
 
@@ -102,12 +107,12 @@ def main() -> None:
                                 lambda: plain_loop(fwd, args.warmup, args.iters, sync),
                                 args.rounds))
     null_us = statistics.median(
-        [runners.harness_overhead_ms(args.iters) * 1e3 for _ in range(args.rounds)])
-    out = {"machine": common.device_info(), "date_utc": time.strftime("%Y-%m-%d"),
+        [harness_overhead_ms(args.iters) * 1e3 for _ in range(args.rounds)])
+    out = {"machine": device_info(), "date_utc": time.strftime("%Y-%m-%d"),
            "model": args.model, "weights": "random init (latency only)", "iters": args.iters,
            "rounds": args.rounds, "null_backend_us": null_us, "rows": rows,
-           "versions": common.versions()}
-    common.write_json(args.out, out)
+           "versions": versions()}
+    write_json(args.out, out)
     print(f"{'backend':32s} {'ours p50 ms':>12s} {'plain p50 ms':>13s} {'ratio':>7s} "
           f"(min-max)")
     for r in rows:

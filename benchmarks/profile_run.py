@@ -23,15 +23,18 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from deploykit.cli import HelpFormatter, env_assignment
+from deploykit.envinfo import device_info
+from deploykit.io import write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-import common  # noqa: E402
+pass  # noqa: E402
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=common.HelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--limit-run", action="store_true", help="profile `run_all.sh --limit 32`")
     p.add_argument("--keep", type=Path, default=None,
                    help="scratch folder to use and keep (default: a temporary one)")
@@ -44,7 +47,7 @@ def main() -> None:
                    help="with --parse: the RESULTS folder of that run")
     p.add_argument("--command", default="run_all.sh",
                    help="with --parse: the command that made the run (recorded)")
-    p.add_argument("env", nargs="*", type=common.env_assignment,
+    p.add_argument("env", nargs="*", type=env_assignment,
                    help="VAR=value settings for the run (after --)")
     args = p.parse_args()
     if args.parse:
@@ -95,10 +98,10 @@ def report(args, cmd: list[str], log: str, total: float, res_root: Path,
             continue
         if isinstance(r, dict) and r.get("timings_s"):
             rows[r["tag"]] = r["timings_s"]
-    out = {"machine": common.device_info(), "date_utc": time.strftime("%Y-%m-%d"),
+    out = {"machine": device_info(), "date_utc": time.strftime("%Y-%m-%d"),
            "command": " ".join(cmd), "total_s": round(total, 1), "stages_s": stages,
            "modelopt_s": quant, "rows_s": rows, "load_average": load}
-    common.write_json(args.out, out)
+    write_json(args.out, out)
     print(f"{' '.join(cmd)}: {total:.0f} s in all"
           + (f" (load average {load[0]:.1f} at the end)" if load else ""))
     for k, v in sorted(stages.items()):

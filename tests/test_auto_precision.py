@@ -14,18 +14,52 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import deploykit.quant.auto.search as auto_search
+import deploykit.tools.auto_precision as auto_precision_cli
+from deploykit.errors import StageError
+from deploykit.layout import model_artifacts
+from deploykit.tools import auto_precision as auto_precision_cli
+from deploykit.cli import cli
+from deploykit.compare import cosine_rows
+from deploykit.data.images import list_images
+from deploykit.data.splits import load_split, make_splits, split_tuning
+from deploykit.errors import StageError, UsageError
+from deploykit.evaluate import EvalData, base_record
+from deploykit.io import write_json
+from deploykit.layout import DEFAULT_DATA
+from deploykit.models import build_model, model_spec
+from deploykit.onnx.graph import QDQ_OPS, attr, constants, consumers, load_onnx, producers
+from deploykit.quant.auto.inputs import tuning_data
+from deploykit.quant.auto.report import publish, record_paths, render_markdown, write_outputs
+from deploykit.quant.auto.search import (
+    Budget,
+    Cache,
+    MODE,
+    SEMANTICS,
+    anchored,
+    budget_warnings,
+    data_digest,
+    fmt_metrics,
+    output_metrics,
+    run_model,
+    search,
+)
+from deploykit.quant.auto.space import QdqSpace, prune_unused
+from deploykit.quant.macs import mac_summary, mac_table
+from deploykit.tools.auto_precision import budget_from_args
+from deploykit.variants import for_stage, modelopt_args
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import auto_precision as ap  # noqa: E402
-import common  # noqa: E402
-import evaluate  # noqa: E402
-import onnx_graph  # noqa: E402
-import variants  # noqa: E402
+pass  # noqa: E402
+pass  # noqa: E402
+pass  # noqa: E402
+pass  # noqa: E402
+pass  # noqa: E402
 
 report = importlib.import_module("8_report")
-SAMPLE = sorted(common.DEFAULT_DATA.glob("*.JPEG"))
+SAMPLE = sorted(DEFAULT_DATA.glob("*.JPEG"))
 
 
 def _env(tmp_path: Path, **extra) -> dict:
@@ -45,22 +79,22 @@ def _run(args: list[str], env: dict, timeout: int = 900) -> subprocess.Completed
 
 # --------------------------------------------------------------------------------- splits
 def test_tuning_split_is_carved_from_eval_seeded_and_off_by_default():
-    items, _ = common.list_images(common.DEFAULT_DATA)
-    ev, ca = common.make_splits(items, None, 10, 0.1, 0)
-    assert common.split_tuning(ev, 0.0, 0) == (ev, [])  # default: the run is unchanged
-    ev2, tu = common.split_tuning(ev, 0.25, 0)
+    items, _ = list_images(DEFAULT_DATA)
+    ev, ca = make_splits(items, None, 10, 0.1, 0)
+    assert split_tuning(ev, 0.0, 0) == (ev, [])  # default: the run is unchanged
+    ev2, tu = split_tuning(ev, 0.25, 0)
     assert (len(ev2), len(tu)) == (675, 225)
     paths = [{p for p, _ in s} for s in (ev2, tu, ca)]
     assert not (paths[0] & paths[1]) and not (paths[1] & paths[2])
     assert paths[0] | paths[1] == {p for p, _ in ev}
-    assert common.split_tuning(ev, 0.25, 0) == (ev2, tu)
-    assert common.split_tuning(ev, 0.25, 1)[1] != tu
+    assert split_tuning(ev, 0.25, 0) == (ev2, tu)
+    assert split_tuning(ev, 0.25, 1)[1] != tu
     # several images per class: every class keeps one for evaluation
     many = [(f"c{c}/{i}.JPEG", c) for c in range(20) for i in range(3)]
-    ev3, tu3 = common.split_tuning(many, 0.9, 0)
+    ev3, tu3 = split_tuning(many, 0.9, 0)
     assert {c for _, c in ev3} == set(range(20)) and len(tu3) == 40
-    with pytest.raises(common.UsageError, match="--tune-fraction"):
-        common.split_tuning(ev, 1.0, 0)
+    with pytest.raises(UsageError, match="--tune-fraction"):
+        split_tuning(ev, 1.0, 0)
 
 
 def test_stage0_tune_fraction_keeps_calibration_and_shrinks_eval(tmp_path):
@@ -89,10 +123,10 @@ def test_without_tuning_split_int8_auto_names_the_flag(tmp_path, monkeypatch):
     monkeypatch.setenv("ARTIFACTS", str(tmp_path / "a"))
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "splits.json").write_text(json.dumps(
-        {"data_root": str(common.DEFAULT_DATA), "eval": [["x.JPEG", 0]], "calib": [["y", 1]]}))
-    with pytest.raises(common.StageError, match="--tune-fraction 0.25, or bash run_all.sh "
+        {"data_root": str(DEFAULT_DATA), "eval": [["x.JPEG", 0]], "calib": [["y", 1]]}))
+    with pytest.raises(StageError, match="--tune-fraction 0.25, or bash run_all.sh "
                                                 "--auto-precision"):
-        common.load_split("tune", common.model_spec("efficientnet_lite0"))
+        load_split("tune", model_spec("efficientnet_lite0"))
     # the search itself, as stage 5 calls it: exit 1 with that message, before any quantizer
     onnx_dir = tmp_path / "a" / "efficientnet_lite0" / "onnx"
     onnx_dir.mkdir(parents=True)
@@ -103,14 +137,14 @@ def test_without_tuning_split_int8_auto_names_the_flag(tmp_path, monkeypatch):
 
 
 def test_int8_auto_only_on_request():
-    names = lambda *a: [v.name for v in variants.for_stage(*a)]  # noqa: E731
+    names = lambda *a: [v.name for v in for_stage(*a)]  # noqa: E731
     for stage in (5, 6, 7):
         assert "int8_auto" not in names(stage) and "int8_auto" not in names(stage, True)
         assert "int8_auto" in names(stage, False, True)
-    assert variants.modelopt_args("int8_auto", "c.npz", "cpu", auto=["^a$"])[:8] == [
+    assert modelopt_args("int8_auto", "c.npz", "cpu", auto=["^a$"])[:8] == [
         "--quantize_mode", "int8", "--op_types_to_quantize", "Conv", "Gemm",
         "--nodes_to_exclude", "^a$", "--high_precision_dtype"]
-    assert "--nodes_to_exclude" not in variants.modelopt_args("int8_auto", "c.npz", "cpu")
+    assert "--nodes_to_exclude" not in modelopt_args("int8_auto", "c.npz", "cpu")
 
 
 def test_run_all_auto_precision_usage(tmp_path):
@@ -198,7 +232,7 @@ def _toposort(model) -> None:
 
 def test_macs_counted_from_the_graph_and_int8_only_with_both_inputs_quantized():
     m = _conv_chain()
-    rows = {r["name"]: r for r in ap.mac_table(m)}
+    rows = {r["name"]: r for r in mac_table(m)}
     assert rows["a"]["macs"] == 8 * 16 * 16 * 3 * 3 * 3
     assert rows["dw"]["macs"] == 8 * 16 * 16 * 1 * 3 * 3
     assert rows["fc"]["macs"] == 10 * 8 and rows["mm"]["macs"] == 4 * 10
@@ -206,9 +240,9 @@ def test_macs_counted_from_the_graph_and_int8_only_with_both_inputs_quantized():
     _qdq(m, "x", 0.05)                       # a: input and weight 8-bit -> INT8
     _qdq(m, "wa", np.full(8, 0.01), axis=0)
     _qdq(m, "wfc", np.full(10, 0.01), axis=0)  # fc: weight only -> not INT8 compute
-    rows = {r["name"]: r for r in ap.mac_table(m)}
+    rows = {r["name"]: r for r in mac_table(m)}
     assert rows["a"]["int8"] and not rows["fc"]["int8"] and not rows["dw"]["int8"]
-    s = ap.mac_summary(m)
+    s = mac_summary(m)
     total = 8 * 16 * 16 * 27 + 8 * 16 * 16 * 9 + 80 + 40
     assert s["total_macs"] == total and s["int8_macs"] == 8 * 16 * 16 * 27
     assert abs(s["int8_fraction"] - 8 * 16 * 16 * 27 / total) < 1e-12
@@ -248,7 +282,7 @@ def _ort(model, x):
 
 def test_configurations_follow_modelopt_a_shared_input_stays_quantized_while_one_reader_is_int8():
     fp32, q = _shared_input_model()
-    space = ap.QdqSpace(q, fp32)
+    space = QdqSpace(q, fp32)
     assert space.names == ["A", "B"] and space.owners == {"x_DequantizeLinear": {"A", "B"}}
     nodes = lambda m: {n.name: n for n in m.graph.node}  # noqa: E731
     only_a_float = nodes(space.model({"A"}))
@@ -258,7 +292,7 @@ def test_configurations_follow_modelopt_a_shared_input_stays_quantized_while_one
     assert list(only_a_float["B"].input) == ["x_dq", "wB_dq"]
     assert "wA_QuantizeLinear" not in only_a_float  # dead Q/DQ pruned
     all_float = space.model({"A", "B"})
-    assert not any(n.op_type in onnx_graph.QDQ_OPS for n in all_float.graph.node)
+    assert not any(n.op_type in QDQ_OPS for n in all_float.graph.node)
     assert {t.name for t in all_float.graph.initializer} == {"wA", "wB"}
     x = np.random.default_rng(2).standard_normal((2, 3, 8, 8)).astype(np.float32)
     np.testing.assert_array_equal(_ort(all_float, x), _ort(fp32, x))
@@ -274,45 +308,45 @@ def test_integer_weights_are_restored_from_the_fp32_model():
     from onnx import numpy_helper
 
     fp32, q = _shared_input_model()
-    consts = onnx_graph.constants(q)
+    consts = constants(q)
     wq = np.clip(np.round(consts["wA"] / 0.02), -128, 127).astype(np.int8)
     q.graph.initializer.append(numpy_helper.from_array(wq, "wA_int8"))
     for n in q.graph.node:
         if n.name == "wA_DequantizeLinear":
             n.input[0] = "wA_int8"
-    ap._prune(q)
-    space = ap.QdqSpace(q, fp32)
+    prune_unused(q)
+    space = QdqSpace(q, fp32)
     m = space.model({"A", "B"})
     x = np.random.default_rng(3).standard_normal((1, 3, 8, 8)).astype(np.float32)
     np.testing.assert_array_equal(_ort(m, x), _ort(fp32, x))
-    with pytest.raises(common.StageError, match="--fp32"):
-        ap.QdqSpace(q, None)
+    with pytest.raises(StageError, match="--fp32"):
+        QdqSpace(q, None)
 
 
 def test_budget_and_its_flags():
     ref = np.eye(4, dtype=np.float32)[[0, 1, 2, 3] * 50]
     out = ref.copy()
     out[0] = [0, 1, 0, 0]  # one flip in 200
-    m = ap.metrics(ref, out, np.zeros(200, np.int64))
+    m = output_metrics(ref, out, np.zeros(200, np.int64))
     assert m["agreement"] == 99.5 and m["flips"] == 1
-    assert ap.Budget(99.5, None).met(m) and not ap.Budget(99.6, None).met(m)
-    assert "cosine" in ap.Budget(None, 0.999).misses(m)[0]
-    parser = ap.get_args_parser()
+    assert Budget(99.5, None).met(m) and not Budget(99.6, None).met(m)
+    assert "cosine" in Budget(None, 0.999).misses(m)[0]
+    parser = auto_precision_cli.get_args_parser()
     args = parser.parse_args(["search", "--min-agreement", "off", "--min-cosine", "0.99"])
-    assert ap.budget_from_args(args) == ap.Budget(None, 0.99, None)
+    assert budget_from_args(args) == Budget(None, 0.99, None)
     for bad, msg in ((["--min-cosine", "2"], "cosine similarity lies in"),
                      (["--min-agreement", "off", "--min-cosine", "off"], "every budget bound")):
-        with pytest.raises(common.UsageError, match=msg):
-            ap.budget_from_args(parser.parse_args(["search", *bad]))
+        with pytest.raises(UsageError, match=msg):
+            budget_from_args(parser.parse_args(["search", *bad]))
 
 
 def test_cache_key_covers_every_input(tmp_path):
-    fields = {"fp32": "a", "qdq": "b", "calib": "c", "tune": "d", "mode": ap.MODE}
-    c = ap.Cache(tmp_path, fields)
+    fields = {"fp32": "a", "qdq": "b", "calib": "c", "tune": "d", "mode": MODE}
+    c = Cache(tmp_path, fields)
     c.put({"n1"}, {"cosine_mean": 0.5})
-    assert ap.Cache(tmp_path, fields).get({"n1"}) == {"cosine_mean": 0.5}
+    assert Cache(tmp_path, fields).get({"n1"}) == {"cosine_mean": 0.5}
     for k in fields:
-        other = ap.Cache(tmp_path, {**fields, k: "changed"})
+        other = Cache(tmp_path, {**fields, k: "changed"})
         assert other.path != c.path and other.get({"n1"}) is None
 
 
@@ -325,8 +359,8 @@ def _make_sensitive(model, scale: float = 1000.0) -> str:
     the name of that next Conv (the sensitive node)."""
     from onnx import numpy_helper
 
-    cons, prod = onnx_graph.consumers(model), onnx_graph.producers(model)
-    consts = onnx_graph.constants(model)
+    cons, prod = consumers(model), producers(model)
+    consts = constants(model)
 
     def const(t):
         while t not in consts:  # the legacy exporter shares equal constants through Identity
@@ -346,7 +380,7 @@ def _make_sensitive(model, scale: float = 1000.0) -> str:
         wx, bx, wy = const(x.input[1]), const(x.input[2]), const(y.input[1])
         wx[0] *= scale
         bx[0] *= scale
-        if int(onnx_graph.attr(y, "group", 1)) == 1:
+        if int(attr(y, "group", 1)) == 1:
             wy[:, 0] /= scale
         else:
             wy[0] /= scale
@@ -366,7 +400,7 @@ def mnv3_sensitive(tmp_path_factory):
     import torch
 
     d = tmp_path_factory.mktemp("mnv3_auto")
-    model, _ = common.build_model("mobilenet_v3_small", pretrained=False)
+    model, _ = build_model("mobilenet_v3_small", pretrained=False)
     model.eval()
     torch.onnx.export(model, (torch.zeros(1, 3, 64, 64),), str(d / "plain.onnx"),
                       input_names=["input"], output_names=["logits"], opset_version=17,
@@ -383,7 +417,7 @@ def mnv3_sensitive(tmp_path_factory):
 
     a, b = (ort.InferenceSession(str(d / f), providers=["CPUExecutionProvider"]).run(None, x)[0]
             for f in ("plain.onnx", "fp32.onnx"))
-    assert common.cosine_rows(a, b).min() > 0.99999
+    assert cosine_rows(a, b).min() > 0.99999
     return d, sensitive
 
 
@@ -403,7 +437,7 @@ def test_search_keeps_the_sensitive_node_in_float_and_modelopt_reproduces_it(mnv
     env = _env(tmp_path)
     p, rec = _search(d, env, "--min-cosine", "0.99")
     regexes = p.stdout.split()
-    assert ap.anchored([sensitive])[0] in regexes
+    assert anchored([sensitive])[0] in regexes
     rows = {r["name"]: r for r in rec["candidates"]}
     assert rows[sensitive]["kept_float"]
     worst = max(rec["candidates"], key=lambda r: r["cosine_error_added"])
@@ -412,12 +446,12 @@ def test_search_keeps_the_sensitive_node_in_float_and_modelopt_reproduces_it(mnv
     assert rec["budget_met"] and 0 < rec["int8_mac_fraction"] < 1
     assert rec["base"]["reused"] is False and "--op_types_to_quantize Conv Gemm" in \
         rec["base"]["command"]
-    assert ap.SEMANTICS in (d / "out" / "auto_precision.md").read_text()
+    assert SEMANTICS in (d / "out" / "auto_precision.md").read_text()
     assert (d / "out" / "auto_precision.png").stat().st_size > 1000
     # ModelOpt re-quantizes with the anchored exclusion list; verify measures that file
     out = d / "int8_auto.onnx"
     q = _run(["qdq_tools.py", "modelopt", "--", "--onnx_path", str(d / "fp32.onnx"),
-              *variants.modelopt_args("int8_auto", str(d / "calib.npz"), "cpu", auto=regexes),
+              *modelopt_args("int8_auto", str(d / "calib.npz"), "cpu", auto=regexes),
               "--output_path", str(out)], env)
     assert q.returncode == 0, q.stderr[-2000:]
     v = _run(["auto_precision.py", "verify", "--model", "mnv3_sensitive", "--fp32",
@@ -427,7 +461,7 @@ def test_search_keeps_the_sensitive_node_in_float_and_modelopt_reproduces_it(mnv
     ver = json.loads((d / "out" / "auto_precision.json").read_text())["verify"]
     assert ver["tune_budget_met"] and not ver["structure_differences"]
     assert ver["vs_searched_configuration"]["cosine_min"] > 0.99999
-    int8 = {r["name"]: r["int8"] for r in ap.mac_table(onnx_graph.load(out))}
+    int8 = {r["name"]: r["int8"] for r in mac_table(load_onnx(out))}
     assert int8[sensitive] is False and sum(int8.values()) == len(rec["candidates"]) - len(
         rec["excluded"])
     assert ver["eval"] is None  # not an image classifier: no evaluation split here
@@ -451,29 +485,31 @@ def _chain_qdq():
 def test_search_in_process_rerun_with_another_budget_runs_no_per_node_measurement(
         tmp_path, monkeypatch):
     fp32, q = _chain_qdq()
-    space = ap.QdqSpace(q, fp32)
+    space = QdqSpace(q, fp32)
     assert space.names == ["a", "dw", "fc"]
-    data = evaluate.EvalData(feed={"x": np.random.default_rng(4).standard_normal(
+    data = EvalData(feed={"x": np.random.default_rng(4).standard_normal(
         (16, 3, 16, 16)).astype(np.float32)})
-    ref = ap.run_model(fp32, data)
+    ref = run_model(fp32, data)
     runs = []
-    real = ap.run_model
-    monkeypatch.setattr(ap, "run_model", lambda m, *a, **k: runs.append(1) or real(m, *a, **k))
-    fields = {"fp32": "f", "qdq": "q", "calib": None, "tune": ap.data_digest(data),
-              "mode": ap.MODE}
-    first = ap.search(space, data, ref, ap.Budget(None, 0.99999), ap.Cache(tmp_path, fields))
+    real = run_model
+    fake = lambda m, *a, **k: runs.append(1) or real(m, *a, **k)  # noqa: E731
+    monkeypatch.setattr(auto_search, "run_model", fake)
+    monkeypatch.setattr(auto_precision_cli, "run_model", fake)
+    fields = {"fp32": "f", "qdq": "q", "calib": None, "tune": data_digest(data),
+              "mode": MODE}
+    first = search(space, data, ref, Budget(None, 0.99999), Cache(tmp_path, fields))
     n_first = len(runs)
     assert n_first == first["evaluations"]["run"] >= 2 + 2 * 3
     assert len(first["path"]) == 4 and first["path"][0]["metrics"] == first["full_int8"]
-    cache = ap.Cache(tmp_path, fields)
-    second = ap.search(space, data, ref, ap.Budget(None, 0.999), cache)
+    cache = Cache(tmp_path, fields)
+    second = search(space, data, ref, Budget(None, 0.999), cache)
     new = len(runs) - n_first
     # per-node measurements and the path come from the cache; only pruning trials may be new
     assert new == second["evaluations"]["run"] == cache.misses <= len(second["steps"])
     assert second["evaluations"]["cached"] >= 2 + 2 * 3
     assert [p["metrics"] for p in second["path"]] == [p["metrics"] for p in first["path"]]
     before = len(runs)
-    third = ap.search(space, data, ref, ap.Budget(None, 0.9999), ap.Cache(tmp_path, fields),
+    third = search(space, data, ref, Budget(None, 0.9999), Cache(tmp_path, fields),
                       prune=False)
     assert len(runs) == before and third["evaluations"]["run"] == 0  # --no-prune: nothing new
     assert third["excluded"] == sorted(third["order"][:third["path_choice"]],
@@ -481,7 +517,7 @@ def test_search_in_process_rerun_with_another_budget_runs_no_per_node_measuremen
     assert [r["int8_alone"] for r in first["candidates"]] == \
         [r["int8_alone"] for r in second["candidates"]]
     # deterministic: the same inputs give the same choice
-    again = ap.search(space, data, ref, ap.Budget(None, 0.999), ap.Cache(tmp_path, fields))
+    again = search(space, data, ref, Budget(None, 0.999), Cache(tmp_path, fields))
     assert again["excluded"] == second["excluded"] and again["order"] == second["order"]
 
 
@@ -539,24 +575,24 @@ def test_quantize_sh_int8_auto_end_to_end(tmp_path):
     assert rec["verify"]["tune_budget_met"] and rec["verify"]["onnx"] == str(
         d / "onnx" / "int8_auto.onnx")
     assert abs(quant["macs"]["int8_fraction"] - rec["int8_mac_fraction"]) < 1e-9
-    for r in ap.anchored(rec["excluded"]):
+    for r in anchored(rec["excluded"]):
         assert r.replace("\\", "") in quant["command"].replace("\\", "")
 
 
 # --------------------------------------------------------------------------------- report
 def test_report_shows_int8_macs_beside_agreement(tmp_path):
-    rows = [evaluate.base_record("t", "FP32", "m", "pytorch_fp32_cpu",
+    rows = [base_record("t", "FP32", "m", "pytorch_fp32_cpu",
                                  {"backend": "PyTorch", "device": "cpu"},
                                  accuracy={"top1": 88.0, "top5": 97.0}, n_images=675),
-            evaluate.base_record("t", "INT8", "m", "ort_int8_auto",
+            base_record("t", "INT8", "m", "ort_int8_auto",
                                  {"backend": "ORT", "device": "cpu"},
                                  accuracy={"top1": 87.5, "top5": 97.0},
                                  parity={"cosine_mean": 0.999, "top1_agreement": 99.6},
                                  n_images=675)]
     folder = tmp_path / "m"  # results/<model>/: rows name their model
     for r in rows:
-        common.write_json(folder / f"{r['tag']}.json", r)
-    common.write_json(folder / "quant_int8_auto.json",
+        write_json(folder / f"{r['tag']}.json", r)
+    write_json(folder / "quant_int8_auto.json",
                       {"macs": {"int8_fraction": 0.9123}, "check": {"summary": "check: clean"}})
     t = {r["tag"]: r for r in report.table_rows(report.load_rows(folder))}
     assert t["ort_int8_auto"]["INT8 MACs %"] == "91.2"
@@ -584,10 +620,10 @@ def test_tuning_npz_is_checked_like_calibration_data(tmp_path):
     for name, (arrays, msg) in cases.items():
         path = tmp_path / f"{name}.npz"
         np.savez(path, **arrays)
-        with pytest.raises(common.StageError, match=f"tuning data {re.escape(str(path))}.*{msg}"):
-            ap.tuning_data("mobilenet_v3_small", fp32, path)
+        with pytest.raises(StageError, match=f"tuning data {re.escape(str(path))}.*{msg}"):
+            tuning_data("mobilenet_v3_small", fp32, path)
     np.savez(tmp_path / "good.npz", x=good)
-    data, info = ap.tuning_data("mobilenet_v3_small", fp32, tmp_path / "good.npz")
+    data, info = tuning_data("mobilenet_v3_small", fp32, tmp_path / "good.npz")
     assert len(data) == info["n"] == 4
 
 
@@ -599,26 +635,26 @@ def test_nan_outputs_miss_the_budget_and_the_node_that_makes_them_stays_float(tm
         if t.name == "wfc_scale":
             from onnx import numpy_helper
             t.CopyFrom(numpy_helper.from_array(np.full(10, np.inf, np.float32), t.name))
-    space = ap.QdqSpace(q, fp32)
-    data = evaluate.EvalData(feed={"x": np.random.default_rng(4).standard_normal(
+    space = QdqSpace(q, fp32)
+    data = EvalData(feed={"x": np.random.default_rng(4).standard_normal(
         (8, 3, 16, 16)).astype(np.float32)})
-    ref = ap.run_model(fp32, data)
-    full = ap.metrics(ref, ap.run_model(space.model(()), data))
+    ref = run_model(fp32, data)
+    full = output_metrics(ref, run_model(space.model(()), data))
     assert full["nonfinite"] == 8 and full["cosine_mean"] is None and full["agreement"] == 0
-    for budget in (ap.Budget(None, 0.9), ap.Budget(50, None), ap.Budget(None, None, 1.0)):
+    for budget in (Budget(None, 0.9), Budget(50, None), Budget(None, None, 1.0)):
         assert not budget.met(full)
         assert any("8 of 8 samples give NaN/Inf outputs" in m for m in budget.misses(full))
-    res = ap.search(space, data, ref, ap.Budget(None, 0.99), ap.Cache(tmp_path, {"k": 1}))
+    res = search(space, data, ref, Budget(None, 0.99), Cache(tmp_path, {"k": 1}))
     assert res["order"][0] == "fc" and "fc" in res["excluded"] and res["budget_met"]
-    assert "undefined" in ap._fmt_m(full) and "8 sample(s) NaN/Inf" in ap._fmt_m(full)
+    assert "undefined" in fmt_metrics(full) and "8 sample(s) NaN/Inf" in fmt_metrics(full)
     # the cache round trip (JSON: NaN is written as null) gives the same verdict
-    again = ap.search(space, data, ref, ap.Budget(None, 0.99), ap.Cache(tmp_path, {"k": 1}))
+    again = search(space, data, ref, Budget(None, 0.99), Cache(tmp_path, {"k": 1}))
     assert again["excluded"] == res["excluded"] and again["evaluations"]["run"] == 0
-    ap.render_markdown({**res, "model": "m", "budget": {"min_cosine": 0.99},
+    render_markdown({**res, "model": "m", "budget": {"min_cosine": 0.99},
                         "budget_text": "b", "semantics": "s", "tuning": {"source": "t", "n": 8},
                         "base": {"command": "c"}, "search": {"evaluations": res["evaluations"],
                                                              "wall_s": 0, "machine": "x"},
-                        "exclude_regexes": ap.anchored(res["excluded"]),
+                        "exclude_regexes": anchored(res["excluded"]),
                         "outputs": {"png": str(tmp_path / "p.png")}})
 
 
@@ -654,54 +690,54 @@ def test_every_output_is_judged_not_only_the_first(tmp_path):
     """A node that only feeds a second output must count (the search used to read the first
     output only, so ruining the second one met any budget)."""
     fp32, q = _two_outputs()
-    space = ap.QdqSpace(q, fp32)
+    space = QdqSpace(q, fp32)
     assert space.names == ["a", "fc", "aux"]  # fc: its input is quantized
-    data = evaluate.EvalData(feed={"x": np.random.default_rng(4).standard_normal(
+    data = EvalData(feed={"x": np.random.default_rng(4).standard_normal(
         (16, 3, 16, 16)).astype(np.float32)})
-    ref = ap.run_model(fp32, data)
+    ref = run_model(fp32, data)
     assert list(ref) == ["y", "z"]
-    full = ap.metrics(ref, ap.run_model(space.model(()), data))
+    full = output_metrics(ref, run_model(space.model(()), data))
     assert full["outputs"]["y"]["cosine_mean"] > 0.99 > full["outputs"]["z"]["cosine_mean"]
     assert full["cosine_mean"] == full["outputs"]["z"]["cosine_mean"]
-    res = ap.search(space, data, ref, ap.Budget(None, 0.99), ap.Cache(tmp_path, {"k": 2}))
+    res = search(space, data, ref, Budget(None, 0.99), Cache(tmp_path, {"k": 2}))
     assert "aux" in res["excluded"] and "a" not in res["excluded"] and res["budget_met"]
 
 
 def test_a_tuning_split_too_small_for_the_agreement_budget_is_named():
     """With 18 tuning images one flip is 5.6 points: a 99.5 % agreement budget then means
     "no flip", met by chance on 1-3 images; the search says so (and records it)."""
-    (w,) = ap.budget_warnings(ap.Budget(99.5, 0.999), 18)
+    (w,) = budget_warnings(Budget(99.5, 0.999), 18)
     assert "18 sample(s)" in w and "5.56 points" in w and ">= 200 samples" in w
-    assert ap.budget_warnings(ap.Budget(99.5, 0.999), 200) == []
-    assert ap.budget_warnings(ap.Budget(None, 0.999), 1) == []  # no agreement bound
-    assert ap.budget_warnings(ap.Budget(90, None), 10) == []    # one flip of 10 = 90 %: ok
-    assert len(ap.budget_warnings(ap.Budget(90, None), 9)) == 1
+    assert budget_warnings(Budget(99.5, 0.999), 200) == []
+    assert budget_warnings(Budget(None, 0.999), 1) == []  # no agreement bound
+    assert budget_warnings(Budget(90, None), 10) == []    # one flip of 10 = 90 %: ok
+    assert len(budget_warnings(Budget(90, None), 9)) == 1
 
 
 def _record(tmp_path, res, **extra):
     return {**res, "model": "m", "budget": {"min_cosine": 0.99}, "budget_text": "b",
             "semantics": "s", "tuning": {"source": "t", "n": 8}, "base": {"command": "c"},
             "search": {"evaluations": res["evaluations"], "wall_s": 0, "machine": "x"},
-            "exclude_regexes": ap.anchored(res["excluded"]),
-            "outputs": {k: str(v) for k, v in ap.record_paths("m", tmp_path).items()}, **extra}
+            "exclude_regexes": anchored(res["excluded"]),
+            "outputs": {k: str(v) for k, v in record_paths("m", tmp_path).items()}, **extra}
 
 
 def test_no_plot_leaves_no_png_of_an_older_search(tmp_path):
     fp32, q = _chain_qdq()
-    space = ap.QdqSpace(q, fp32)
-    data = evaluate.EvalData(feed={"x": np.random.default_rng(4).standard_normal(
+    space = QdqSpace(q, fp32)
+    data = EvalData(feed={"x": np.random.default_rng(4).standard_normal(
         (4, 3, 16, 16)).astype(np.float32)})
-    res = ap.search(space, data, ap.run_model(fp32, data), ap.Budget(None, 0.99),
-                    ap.Cache(tmp_path / "c", {"k": 3}))
+    res = search(space, data, run_model(fp32, data), Budget(None, 0.99),
+                    Cache(tmp_path / "c", {"k": 3}))
     png = tmp_path / "auto_precision.png"
-    ap.write_outputs(_record(tmp_path, res, warnings=["w1"]), plot=True)
+    write_outputs(_record(tmp_path, res, warnings=["w1"]), plot=True)
     assert png.exists() and "auto_precision.png" in (tmp_path / "auto_precision.md").read_text()
     assert "**Warning:** w1" in (tmp_path / "auto_precision.md").read_text()
-    ap.write_outputs(_record(tmp_path, res, plot=False), plot=False)  # search --no-plot
+    write_outputs(_record(tmp_path, res, plot=False), plot=False)  # search --no-plot
     assert not png.exists()
     assert "auto_precision.png" not in (tmp_path / "auto_precision.md").read_text()
-    ap.write_outputs(_record(tmp_path, res), plot=True)
-    ap.write_outputs(_record(tmp_path, res), plot=False)  # verify keeps the search's PNG
+    write_outputs(_record(tmp_path, res), plot=True)
+    write_outputs(_record(tmp_path, res), plot=False)  # verify keeps the search's PNG
     assert png.exists()
 
 
@@ -714,7 +750,7 @@ def test_ctrl_c_exits_130_with_one_line_and_no_traceback(capsys, monkeypatch):
 
     with pytest.raises(SystemExit) as e:
         try:
-            common.cli(lambda: argparse.ArgumentParser(prog="x.py"), main)
+            cli(lambda: argparse.ArgumentParser(prog="x.py"), main)
         except KeyboardInterrupt:
             pytest.fail("Ctrl-C escaped common.cli (a traceback)")
     err = capsys.readouterr().err
@@ -750,22 +786,22 @@ def test_publish_keeps_the_installed_files_record_and_writes_a_failed_run_beside
     writes to the work folder, and a run whose file was not installed is published as
     auto_precision.failed.* (it used to overwrite the good record)."""
     fp32, q = _chain_qdq()
-    space = ap.QdqSpace(q, fp32)
-    data = evaluate.EvalData(feed={"x": np.random.default_rng(4).standard_normal(
+    space = QdqSpace(q, fp32)
+    data = EvalData(feed={"x": np.random.default_rng(4).standard_normal(
         (4, 3, 16, 16)).astype(np.float32)})
-    res = ap.search(space, data, ap.run_model(fp32, data), ap.Budget(None, 0.99),
-                    ap.Cache(tmp_path / "c", {"k": 3}))
+    res = search(space, data, run_model(fp32, data), Budget(None, 0.99),
+                    Cache(tmp_path / "c", {"k": 3}))
     good, bad, results = tmp_path / "good", tmp_path / "bad", tmp_path / "results"
-    ap.write_outputs(_record(good, res, budget_text="good budget"), plot=True)
-    ap.write_outputs(_record(bad, res, budget_text="bad budget"), plot=True)
+    write_outputs(_record(good, res, budget_text="good budget"), plot=True)
+    write_outputs(_record(bad, res, budget_text="bad budget"), plot=True)
 
-    ap.publish(good, results)
+    publish(good, results)
     rec = json.loads((results / "auto_precision.json").read_text())
     assert rec["outputs"]["md"] == str(results / "auto_precision.md")
     assert "](auto_precision.png)" in (results / "auto_precision.md").read_text()
     assert (results / "auto_precision.png").stat().st_size > 1000
 
-    ap.publish(bad, results, failed=True)
+    publish(bad, results, failed=True)
     assert json.loads((results / "auto_precision.json").read_text())["budget_text"] == \
         "good budget"
     failed = json.loads((results / "auto_precision.failed.json").read_text())
@@ -774,6 +810,6 @@ def test_publish_keeps_the_installed_files_record_and_writes_a_failed_run_beside
     assert not list(results.glob(".tmp-*"))
 
     # the default folder of search/verify is the work folder, never results/
-    assert ap.record_paths("m")["json"].parent == ap.common.model_artifacts("m") / "auto_precision"
-    with pytest.raises(ap.common.StageError, match="auto_precision.py search"):
-        ap.publish(tmp_path / "empty", results)
+    assert record_paths("m")["json"].parent == model_artifacts("m") / "auto_precision"
+    with pytest.raises(StageError, match="auto_precision.py search"):
+        publish(tmp_path / "empty", results)

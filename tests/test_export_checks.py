@@ -23,14 +23,32 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from deploykit.checks.base import format_result, worst
+from deploykit.checks.export import check_export, ort_runner
+from deploykit.checks.fp16 import (
+    convert_fp16,
+    fp16_backends,
+    fp16_converter_changes,
+    fp16_range_audit,
+    fp16_true_arithmetic,
+)
+from deploykit.checks.lint import lint
+from deploykit.errors import UsageError
+from deploykit.feeds import feed_plan, input_shape_batch, load_feed
+from deploykit.layerwise.diff import run_layer_diff
+from deploykit.layerwise.remedies import trt_remedies
+from deploykit.layerwise.torch_vs_onnx import torch_vs_onnx
+from deploykit.layout import model_tag
+from deploykit.quant.inspect import activation_stats
+from deploykit.variants import variant_of_file
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import common  # noqa: E402
-import export_checks as ec  # noqa: E402
-import layerwise  # noqa: E402
-import qdq_tools  # noqa: E402
+pass  # noqa: E402
+pass  # noqa: E402
+pass  # noqa: E402
+pass  # noqa: E402
 
 torch = pytest.importorskip("torch")
 nn = torch.nn
@@ -171,7 +189,7 @@ def _stage2(argv, env, check=None):
 
 
 def _onnx_dir(tmp_path, model) -> Path:
-    return tmp_path / "a" / common.model_tag(model) / "onnx"
+    return tmp_path / "a" / model_tag(model) / "onnx"
 
 
 def _model(nodes, inputs, outputs, inits=(), opset=17):
@@ -196,14 +214,14 @@ def _by(results, check, status=None):
 def test_lint_softmax_below_opset13_named_with_fix(tmp_path):
     m = _model([helper.make_node("Softmax", ["x"], ["y"], name="sm", axis=1)],
                [_vi("x", ["N", 5, 4, 4])], [_vi("y", ["N", 5, 4, 4])], opset=11)
-    r = _by(ec.lint(m), "softmax_axis")
+    r = _by(lint(m), "softmax_axis")
     assert r[0]["status"] == "warn" and r[0]["node"] == "sm" and "opset >= 13" in r[0]["fix"]
     m13 = _model([helper.make_node("Softmax", ["x"], ["y"], name="sm", axis=1)],
                  [_vi("x", ["N", 5, 4, 4])], [_vi("y", ["N", 5, 4, 4])], opset=13)
-    assert _by(ec.lint(m13), "softmax_axis")[0]["status"] == "pass"
+    assert _by(lint(m13), "softmax_axis")[0]["status"] == "pass"
     last = _model([helper.make_node("Softmax", ["x"], ["y"], name="sm", axis=-1)],
                   [_vi("x", ["N", 5, 4, 4])], [_vi("y", ["N", 5, 4, 4])], opset=11)
-    assert _by(ec.lint(last), "softmax_axis")[0]["status"] == "pass"
+    assert _by(lint(last), "softmax_axis")[0]["status"] == "pass"
     # The command line: exit 1, the node and the fix printed.
     onnx.save(m, str(tmp_path / "sm.onnx"))
     p = subprocess.run([sys.executable, "export_checks.py", "lint", str(tmp_path / "sm.onnx")],
@@ -217,30 +235,30 @@ def test_lint_softmax_below_opset13_named_with_fix(tmp_path):
 
 def test_lint_squeeze_without_axes_on_dynamic_axis():
     nodes = [helper.make_node("Squeeze", ["x"], ["y"], name="sq")]
-    r = _by(ec.lint(_model(nodes, [_vi("x", ["N", 8, 1, 1])], [_vi("y", None)], opset=13)),
+    r = _by(lint(_model(nodes, [_vi("x", ["N", 8, 1, 1])], [_vi("y", None)], opset=13)),
             "squeeze_axes")
     assert r[0]["status"] == "fail" and r[0]["node"] == "sq" and "flatten(1)" in r[0]["fix"]
     axes = numpy_helper.from_array(np.array([2, 3], np.int64), "ax")
     ok = _model([helper.make_node("Squeeze", ["x", "ax"], ["y"], name="sq")],
                 [_vi("x", ["N", 8, 1, 1])], [_vi("y", None)], [axes], opset=13)
-    assert _by(ec.lint(ok), "squeeze_axes")[0]["status"] == "pass"
+    assert _by(lint(ok), "squeeze_axes")[0]["status"] == "pass"
 
 
 def test_lint_reshape_constant_holding_a_batch():
     shape = numpy_helper.from_array(np.array([2, 2, 4, 8], np.int64), "s")
     m = _model([helper.make_node("Reshape", ["x", "s"], ["y"], name="rs")],
                [_vi("x", ["N", 8, 8])], [_vi("y", None)], [shape])
-    r = _by(ec.lint(m), "shape_constants")
+    r = _by(lint(m), "shape_constants")
     assert r[0]["status"] == "fail" and r[0]["node"] == "rs"
     ok_shape = numpy_helper.from_array(np.array([-1, 2, 4, 8], np.int64), "s")
     ok = _model([helper.make_node("Reshape", ["x", "s"], ["y"], name="rs")],
                 [_vi("x", ["N", 8, 8])], [_vi("y", None)], [ok_shape])
-    assert _by(ec.lint(ok), "shape_constants")[0]["status"] == "pass"
+    assert _by(lint(ok), "shape_constants")[0]["status"] == "pass"
     # With the export's example batch known, a leading 3 is named as the frozen batch.
     s3 = numpy_helper.from_array(np.array([3, 64], np.int64), "s")
     m3 = _model([helper.make_node("Reshape", ["x", "s"], ["y"], name="rs")],
                 [_vi("x", ["N", 8, 8])], [_vi("y", None)], [s3])
-    assert "example batch" in _by(ec.lint(m3, example_batch=3), "shape_constants")[0]["detail"]
+    assert "example batch" in _by(lint(m3, example_batch=3), "shape_constants")[0]["detail"]
 
 
 def test_lint_blocked_qdq_needs_opset21_and_fp16_constants_in_range():
@@ -251,21 +269,21 @@ def test_lint_blocked_qdq_needs_opset21_and_fp16_constants_in_range():
     mm = helper.make_node("MatMul", ["x", "wt"], ["y"], name="mm")
     tr = helper.make_node("Transpose", ["w"], ["wt"], name="tr")
     m = _model([dq, tr, mm], [_vi("x", ["N", 32])], [_vi("y", None)], [q, s], opset=19)
-    r = _by(ec.lint(m), "blocked_qdq_opset")
+    r = _by(lint(m), "blocked_qdq_opset")
     assert r[0]["status"] == "fail" and r[0]["node"] == "dq"
     w16 = numpy_helper.from_array(np.array([1.0, np.inf], np.float16), "w16")
     m16 = _model([helper.make_node("Mul", ["x", "w16"], ["y"], name="mul")],
                  [_vi("x", ["N", 2], TensorProto.FLOAT16)], [_vi("y", None, TensorProto.FLOAT16)],
                  [w16])
-    r = _by(ec.lint(m16), "fp16_initializers")
+    r = _by(lint(m16), "fp16_initializers")
     assert r[0]["status"] == "fail" and r[0]["node"] == "mul"
 
 
 def test_hardsigmoid_attributes_lint_warns_check_fails():
     m = _model([helper.make_node("HardSigmoid", ["x"], ["y"], name="hs")],
                [_vi("x", ["N", 16])], [_vi("y", ["N", 16])])
-    assert _by(ec.lint(m), "hardsigmoid")[0]["status"] == "warn"  # right for a Keras model
-    r = _by(ec.lint(m, against_torch=True), "hardsigmoid")[0]
+    assert _by(lint(m), "hardsigmoid")[0]["status"] == "warn"  # right for a Keras model
+    r = _by(lint(m, against_torch=True), "hardsigmoid")[0]
     assert r["status"] == "fail" and r["node"] == "hs" and "alpha=0.2" in r["detail"]
 
 
@@ -291,8 +309,8 @@ def test_check_passes_a_correct_boolean_mask_export_and_flags_it_for_tensorrt(us
     feed = {"x": rng.standard_normal((4, 6, 16)).astype(np.float32),
             "m": rng.integers(0, 2, (4, 6)).astype(bool)}
     path = _legacy(m, feed, tmp_path / "mask.onnx", ["y"])
-    res = ec.check_export(m, path, feed)
-    assert ec.worst(res) != "fail", [ec.format_result(r) for r in res if r["status"] == "fail"]
+    res = check_export(m, path, feed)
+    assert worst(res) != "fail", [format_result(r) for r in res if r["status"] == "fail"]
     dd = _by(res, "data_dependent_ops")[0]
     assert dd["status"] == "warn" and "NonZero" in dd["ops"] and "TensorRT" in dd["detail"]
 
@@ -303,7 +321,7 @@ def test_check_names_a_frozen_index_and_the_unused_input(user_models, tmp_path):
     feed = {"x": np.random.default_rng(0).standard_normal((1, 6, 16)).astype(np.float32),
             "m": np.eye(6, dtype=bool)[[4]]}
     path = _legacy(m, feed, tmp_path / "pyint.onnx", ["y"], dynamic=False)
-    res = ec.check_export(m, path, {k: np.repeat(v, 3, 0) for k, v in feed.items()})
+    res = check_export(m, path, {k: np.repeat(v, 3, 0) for k, v in feed.items()})
     assert _by(res, "unused_inputs")[0]["unused"] == ["m"]
     paths = _by(res, "input_paths")[0]
     assert paths["status"] == "fail" and "frozen" in paths["detail"] and paths["node"] == "m"
@@ -314,7 +332,7 @@ def test_check_static_batch_file_is_fed_its_batch(user_models, tmp_path):
     m = mods.plain()
     x = np.random.default_rng(0).standard_normal((1, 3, 8, 8)).astype(np.float32)
     path = _legacy(m, {"input": x}, tmp_path / "b1.onnx", ["y"], dynamic=False)
-    res = ec.check_export(m, path, {"input": np.repeat(x, 4, 0)})
+    res = check_export(m, path, {"input": np.repeat(x, 4, 0)})
     assert _by(res, "batch_parity")[0]["status"] == "pass"
     assert _by(res, "dynamic_axes")[0]["status"] == "warn"
 
@@ -324,7 +342,7 @@ def test_check_frozen_batch_reshape_named(user_models, tmp_path):
     m = mods.shuffle()
     x = np.random.default_rng(0).standard_normal((2, 3, 8, 8)).astype(np.float32)
     path = _legacy(m, {"input": x}, tmp_path / "shuffle.onnx", ["y"])
-    res = ec.check_export(m, path, {"input": x})
+    res = check_export(m, path, {"input": x})
     bp = _by(res, "batch_parity")[0]
     assert bp["status"] == "fail" and bp["node"] and "Reshape" in bp["node"]
     assert _by(res, "shape_constants", "fail")
@@ -337,7 +355,7 @@ def test_check_batch_dependent_model_warned_not_blamed_on_export(tmp_path):
 
     feed = {"input": np.random.default_rng(0).standard_normal((4, 3, 4, 4)).astype(np.float32)}
     path = _legacy(BatchMix(), feed, tmp_path / "mix.onnx", ["y"])
-    res = ec.check_export(BatchMix(), path, feed)
+    res = check_export(BatchMix(), path, feed)
     assert _by(res, "batch_parity")[0]["status"] == "pass"  # the export is faithful
     assert _by(res, "batch_independence")[0]["status"] == "warn"
 
@@ -353,7 +371,7 @@ def test_check_blames_an_opset11_softmax_not_a_frozen_value(tmp_path):
                [_vi("x", ["N", 5, 4, 4])], [_vi("y", ["N", 5, 4, 4])], opset=11)
     onnx.save(m, str(tmp_path / "sm11.onnx"))
     feed = {"x": np.random.default_rng(0).standard_normal((3, 5, 4, 4)).astype(np.float32)}
-    res = ec.check_export(Soft().eval(), tmp_path / "sm11.onnx", feed)
+    res = check_export(Soft().eval(), tmp_path / "sm11.onnx", feed)
     bp = _by(res, "batch_parity")[0]
     assert bp["status"] == "fail" and bp["node"] == "softmax_c" and "opset >= 13" in bp["fix"]
     assert "frozen" not in _by(res, "input_paths")[0]["detail"]
@@ -445,14 +463,14 @@ def test_fp16_true_arithmetic_sees_what_ort_cpu_does_not(user_models, tmp_path):
     x = np.random.default_rng(0).standard_normal((2, 3, 16, 16)).astype(np.float32)
     path = tmp_path / "fp32.onnx"
     _legacy(m, {"input": x}, path, ["y"])
-    m16, _ = ec.convert_fp16(onnx.load(str(path)))
+    m16, _ = convert_fp16(onnx.load(str(path)))
     onnx.save(m16, str(tmp_path / "fp16.onnx"))
     ref = {"y": m(torch.from_numpy(x)).detach().numpy()}
-    ort_cpu = ec.ort_runner(tmp_path / "fp16.onnx")({"input": x})
+    ort_cpu = ort_runner(tmp_path / "fp16.onnx")({"input": x})
     assert np.isfinite(next(iter(ort_cpu.values()))).all()  # ORT CPU computes in FP32
-    r = ec.fp16_true_arithmetic(tmp_path / "fp16.onnx", {"input": x}, ref, 0.999)[0]
+    r = fp16_true_arithmetic(tmp_path / "fp16.onnx", {"input": x}, ref, 0.999)[0]
     assert r["status"] == "fail" and "Conv" in r["detail"]
-    b = ec.fp16_backends(tmp_path / "fp16.onnx", {"input": x}, ref, 0.999)
+    b = fp16_backends(tmp_path / "fp16.onnx", {"input": x}, ref, 0.999)
     if b[0]["status"] == "skip":
         assert "computed this FP16 graph in FP32" in b[0]["detail"]
     else:  # a real FP16 backend ran it and is named (on the H200's CUDA EP this conv model
@@ -472,13 +490,13 @@ def test_fp16_backend_run_sees_an_overflow_the_cpu_ep_hides(tmp_path):
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 300])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1])])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
-    m16, _ = ec.convert_fp16(m)
+    m16, _ = convert_fp16(m)
     onnx.save(m16, str(tmp_path / "fp16.onnx"))
     x = np.full((2, 300), 20.0, np.float32)
     ref = {"y": np.sqrt((x.astype(np.float64) ** 2).sum()).reshape(1, 1).astype(np.float32)}
-    cpu = ec.ort_runner(tmp_path / "fp16.onnx")({"x": x})["y"]
+    cpu = ort_runner(tmp_path / "fp16.onnx")({"x": x})["y"]
     assert np.allclose(cpu, ref["y"], rtol=1e-3)  # the CPU EP's FP32 arithmetic hides it
-    b = ec.fp16_backends(tmp_path / "fp16.onnx", {"x": x}, ref, 0.999)
+    b = fp16_backends(tmp_path / "fp16.onnx", {"x": x}, ref, 0.999)
     if b[0]["status"] == "skip":
         assert "computed this FP16 graph in FP32" in b[0]["detail"]
     else:
@@ -491,13 +509,13 @@ def test_decomposed_layernorm_overflow_named(user_models, tmp_path):
     x = np.random.default_rng(0).standard_normal((4, 8, 64)).astype(np.float32)
     path = _legacy(m, {"x": x}, tmp_path / "ln.onnx", ["y"])
     m32 = onnx.load(str(path))
-    m16, _ = ec.convert_fp16(m32)
-    res = ec.fp16_range_audit(m32, {"x": x}, m16)
+    m16, _ = convert_fp16(m32)
+    res = fp16_range_audit(m32, {"x": x}, m16)
     bad = [r for r in res if r["status"] == "fail" and not r.get("summary")]
     assert bad and bad[0]["node"].endswith("Pow") and "65504" in bad[0]["detail"]
     # The fix (producer and consumers in FP32) clears the audit.
-    m16k, _ = ec.convert_fp16(m32, bad[0]["keep_fp32"])
-    assert ec.worst(ec.fp16_range_audit(m32, {"x": x}, m16k)) == "pass"
+    m16k, _ = convert_fp16(m32, bad[0]["keep_fp32"])
+    assert worst(fp16_range_audit(m32, {"x": x}, m16k)) == "pass"
 
 
 def test_fp16_underflow_and_converter_changes_named(tmp_path):
@@ -508,11 +526,11 @@ def test_fp16_underflow_and_converter_changes_named(tmp_path):
                 helper.make_node("Clip", ["t", "low", "big"], ["y"], name="clamp")],
                [_vi("x", ["N", 64])], [_vi("y", ["N", 64])], [tiny, big, low])
     x = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
-    m16, warns = ec.convert_fp16(m)
-    res = ec.fp16_range_audit(m, {"x": x}, m16)
+    m16, warns = convert_fp16(m)
+    res = fp16_range_audit(m, {"x": x}, m16)
     under = [r for r in res if r["status"] == "fail" and "mass" in r["detail"]]
     assert under and under[0]["node"] == "scale_down"
-    ch = ec.fp16_converter_changes(m, m16, warns)
+    ch = fp16_converter_changes(m, m16, warns)
     bad = [r for r in ch if r["status"] == "fail" and r.get("constant")]
     assert {r["constant"] for r in bad} == {"big"} and "clamp" in bad[0]["keep_fp32"]
     assert any("truncated" in w["message"] for w in warns)  # the converter's warning, kept
@@ -522,10 +540,10 @@ def test_convert_fp16_keeps_constants_fp16_can_hold():
     c = numpy_helper.from_array(np.array(20000.0, np.float32), "c")
     m = _model([helper.make_node("Mul", ["x", "c"], ["y"], name="mul")],
                [_vi("x", ["N", 4])], [_vi("y", ["N", 4])], [c])
-    m16, _ = ec.convert_fp16(m)
+    m16, _ = convert_fp16(m)
     got = {t.name: numpy_helper.to_array(t) for t in m16.graph.initializer}["c"]
     assert float(got) == 20000.0  # onnxconverter-common's default would clamp it to 10000
-    assert ec.fp16_converter_changes(m, m16)[-1]["status"] == "pass"
+    assert fp16_converter_changes(m, m16)[-1]["status"] == "pass"
 
 
 def test_stage2_flags_are_range_checked(user_models, tmp_path):
@@ -558,7 +576,7 @@ def test_act_stats_feeds_a_static_batch_one_sample_at_a_time_and_flags_fp16(tmp_
     path = _static_b1(tmp_path / "b1.onnx")
     np.savez(tmp_path / "calib.npz", input=np.random.default_rng(0).standard_normal(
         (12, 3, 8, 8)).astype(np.float32))
-    rows = {r["tensor"]: r for r in qdq_tools.activation_stats(path, tmp_path / "calib.npz",
+    rows = {r["tensor"]: r for r in activation_stats(path, tmp_path / "calib.npz",
                                                                 batch=10)}
     assert rows["y"]["fp16"] == "overflow" and rows["c"]["fp16"] is None
     p = subprocess.run([sys.executable, "qdq_tools.py", "act-stats", str(path), "--calib",
@@ -571,15 +589,15 @@ def test_layerwise_diff_static_batch_and_input_shape_batch(tmp_path):
     b = _static_b1(tmp_path / "b1.onnx")
     np.savez(tmp_path / "feed.npz", input=np.random.default_rng(0).standard_normal(
         (5, 3, 8, 8)).astype(np.float32))
-    feed = layerwise.load_feed(tmp_path / "feed.npz", None, 0, a)
-    res = layerwise.run_layer_diff(a, b, feed, batch=8)
+    feed = load_feed(tmp_path / "feed.npz", None, 0, a)
+    res = run_layer_diff(a, b, feed, batch=8)
     assert res["first_divergent"] is None and res["n_samples"] == 5
     # --input-shape's first dimension is the batch per run; --n the number of samples.
-    feed, batch = layerwise.feed_plan(layerwise.load_feed(None, None, 8, a, ["input:2,3,8,8"]),
-                                      [a], layerwise.input_shape_batch(["input:2,3,8,8"]))
+    feed, batch = feed_plan(load_feed(None, None, 8, a, ["input:2,3,8,8"]),
+                                      [a], input_shape_batch(["input:2,3,8,8"]))
     assert batch == 2 and len(feed["input"]) == 8
-    with pytest.raises(common.UsageError):
-        layerwise.feed_plan(feed, [b, _static_b1(tmp_path / "b2.onnx", batch=2)], None)
+    with pytest.raises(UsageError):
+        feed_plan(feed, [b, _static_b1(tmp_path / "b2.onnx", batch=2)], None)
     p = subprocess.run([sys.executable, "layerwise.py", "diff", str(a), str(b), "--inputs",
                         str(tmp_path / "feed.npz")], cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
@@ -599,7 +617,7 @@ def test_diff_accepts_a_candidate_with_fp16_inputs(tmp_path):
         m16 = float16.convert_float_to_float16(onnx.load(str(a)), keep_io_types=False)
     onnx.save(m16, str(tmp_path / "io16.onnx"))
     feed = {"input": np.random.default_rng(0).standard_normal((4, 3, 8, 8)).astype(np.float32)}
-    res = layerwise.run_layer_diff(a, tmp_path / "io16.onnx", feed)
+    res = run_layer_diff(a, tmp_path / "io16.onnx", feed)
     assert res["status"] == "ok" and res["first_divergent"] is None
 
 
@@ -608,7 +626,6 @@ def test_diff_accepts_a_candidate_with_fp16_inputs(tmp_path):
 # ------------------------------------------------------------------------------------------
 def test_trt_fp16_remedy_command_writes_the_fp16_variant_the_pipeline_uses(user_models,
                                                                            tmp_path):
-    import variants
 
     _, mods = user_models
     m = mods.overflow()
@@ -620,8 +637,8 @@ def test_trt_fp16_remedy_command_writes_the_fp16_variant_the_pipeline_uses(user_
     np.savez(art / "calib.npz", input=x)
     bad = onnx.load(str(onnx_dir / "fp32.onnx"))
     conv = next(n.name for n in bad.graph.node if n.op_type == "Conv")
-    onnx.save(ec.convert_fp16(bad)[0], str(onnx_dir / "fp16.onnx"))
-    remedies = layerwise.trt_remedies(conv, onnx_dir / "fp16.onnx", "fp16", "11.0.0")
+    onnx.save(convert_fp16(bad)[0], str(onnx_dir / "fp16.onnx"))
+    remedies = trt_remedies(conv, onnx_dir / "fp16.onnx", "fp16", "11.0.0")
     line = next(r for r in remedies if "export_checks.py fp16" in r)
     cmd = line[line.index("python export_checks.py"):line.index("  # then:")]
     assert "autocast" not in line
@@ -630,11 +647,11 @@ def test_trt_fp16_remedy_command_writes_the_fp16_variant_the_pipeline_uses(user_
     assert p.returncode == 0, p.stdout + p.stderr
     out = onnx_dir / "fp16.onnx"
     fixed = onnx.load(str(out))
-    assert variants.variant_of_file(out).name == "fp16"
+    assert variant_of_file(out).name == "fp16"
     assert [i.type.tensor_type.elem_type for i in list(fixed.graph.input) +
             list(fixed.graph.output)] == [TensorProto.FLOAT, TensorProto.FLOAT]
     # The next stages take it: the layer-wise diff (ORT) and stage 6's command line.
-    res = layerwise.run_layer_diff(onnx_dir / "fp32.onnx", out, {"input": x})
+    res = run_layer_diff(onnx_dir / "fp32.onnx", out, {"input": x})
     assert res["final_outputs"]["output"]["status"] == "pass"
     build = next(r for r in remedies if "6_build_engines.sh" in r).split("# then: ")[1]
     p = subprocess.run(build.replace("bash 6_build_engines.sh",
@@ -681,7 +698,7 @@ def test_torch_vs_onnx_no_false_divergence_with_inplace_activation(tmp_path):
     prog = torch.onnx.export(m, (torch.from_numpy(x),), input_names=["input"], dynamo=True,
                              opset_version=18, verbose=False)
     prog.save(str(tmp_path / "m.onnx"))
-    res = layerwise.torch_vs_onnx(m, tmp_path / "m.onnx", {"input": x})
+    res = torch_vs_onnx(m, tmp_path / "m.onnx", {"input": x})
     assert res["first_divergent"] is None, [(r["module"], r["compared_as"], r["cosine_min"])
                                             for r in res["modules"] if r["status"] == "fail"]
     assert any(r["module"] == "bn1.act" for r in res["modules"])

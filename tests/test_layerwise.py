@@ -21,10 +21,16 @@ import numpy as np
 import onnx
 import pytest
 from onnx import numpy_helper
+import deploykit.layerwise.diff as layerwise_diff
+from deploykit.tools import layerwise as layerwise_cli
+from deploykit.layerwise.diff import run_layer_diff
+from deploykit.layerwise.remedies import trt_remedies
+from deploykit.layerwise.torch_vs_onnx import torch_vs_onnx
+from deploykit.onnx.activations import lookthrough_aliases, ort_activations, trt_available
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import layerwise  # noqa: E402
+pass  # noqa: E402
 
 torch = pytest.importorskip("torch")
 nn = torch.nn
@@ -143,7 +149,7 @@ def _row(res, node):
 # ------------------------------------------------------------------------------------------
 def test_no_fault_passes(token_model, tmp_path):
     _, path, feed = token_model
-    res = layerwise.run_layer_diff(path, path, feed, out_dir=tmp_path)
+    res = run_layer_diff(path, path, feed, out_dir=tmp_path)
     assert res["status"] == "ok" and res["first_divergent"] is None
     assert res["summary"]["fail"] == 0 and res["summary"]["pass"] > 10
     assert all(v["status"] == "pass" for v in res["final_outputs"].values())
@@ -162,7 +168,7 @@ def test_weight_fault_names_final_linear(token_model, tmp_path):
                 t.CopyFrom(numpy_helper.from_array((w[::-1] * 0.5).copy(), t.name))
 
     bad = _copy_with(path, tmp_path / "bad.onnx", edit)
-    res = layerwise.run_layer_diff(path, bad, feed, out_dir=tmp_path)
+    res = run_layer_diff(path, bad, feed, out_dir=tmp_path)
     fd = res["first_divergent"]
     assert fd["node"] == "/head1/fc3/Gemm"
     assert fd["inputs_agreed"] is True and "is wrong" in fd["verdict"]
@@ -185,7 +191,7 @@ def test_op_swap_names_that_node(cnn_model, tmp_path):
                 n.op_type = "Sigmoid"
 
     bad = _copy_with(path, tmp_path / "swap.onnx", edit)
-    res = layerwise.run_layer_diff(path, bad, feed, out_dir=tmp_path)
+    res = run_layer_diff(path, bad, feed, out_dir=tmp_path)
     fd = res["first_divergent"]
     assert fd["node"] == "/se1/act/Relu" and fd["inputs_agreed"] is True
     assert fd["detail"]["op_type_b"] == "Sigmoid"
@@ -203,7 +209,7 @@ def test_fp16_no_false_alarm(cnn_model, token_model, tmp_path):
         m16 = float16.convert_float_to_float16(onnx.load(str(path)), keep_io_types=True)
         p16 = tmp_path / f"fp16_{i}.onnx"
         onnx.save(m16, str(p16))
-        res = layerwise.run_layer_diff(path, p16, feed)
+        res = run_layer_diff(path, p16, feed)
         assert res["precision"] == "fp16"
         assert res["first_divergent"] is None, res["verdict"]
         assert res["summary"]["pass"] >= 10
@@ -212,30 +218,30 @@ def test_fp16_no_false_alarm(cnn_model, token_model, tmp_path):
 def test_tolerance_override_and_cli(token_model, tmp_path):
     _, path, feed = token_model
     np.savez(tmp_path / "feed.npz", **feed)
-    args = layerwise.get_args_parser().parse_args(
+    args = layerwise_cli.get_args_parser().parse_args(
         ["diff", str(path), str(path), "--inputs", str(tmp_path / "feed.npz"),
          "--out-dir", str(tmp_path / "out"), "--min-cosine", "0.5", "--batch", "2"])
-    res = layerwise.main(args)
+    res = layerwise_cli.main(args)
     assert res["tolerances"]["min_cosine"] == 0.5 and res["first_divergent"] is None
     assert (tmp_path / "out" / "layerwise.json").exists()
 
 
 def test_trt_skips_cleanly_without_tensorrt(token_model, tmp_path):
-    ok, _ = layerwise.trt_available()
+    ok, _ = trt_available()
     if ok:
         pytest.skip("tensorrt is installed here")
     _, path, feed = token_model
-    res = layerwise.run_layer_diff(path, path, feed, b_engine=tmp_path / "x.plan",
+    res = run_layer_diff(path, path, feed, b_engine=tmp_path / "x.plan",
                                    out_dir=tmp_path)
     assert res["status"] == "skipped" and "TensorRT" in res["reason"]
     assert "Skipped" in (tmp_path / "layerwise.md").read_text()
 
 
 def test_trt_remedies_follow_version():
-    r10 = layerwise.trt_remedies("/head1/fc3/Gemm", "m.onnx", "fp16", "10.3.0")
+    r10 = trt_remedies("/head1/fc3/Gemm", "m.onnx", "fp16", "10.3.0")
     assert any("--layerPrecisions=/head1/fc3/Gemm:fp32" in r and "--precisionConstraints=obey"
                in r for r in r10)
-    r11 = layerwise.trt_remedies("/head1/fc3/Gemm", "m.onnx", "fp16", "11.0.0")
+    r11 = trt_remedies("/head1/fc3/Gemm", "m.onnx", "fp16", "11.0.0")
     cmds = [r for r in r11 if r.startswith("trtexec")]
     assert cmds and not any("--layerPrecisions=" in r or "--fp16" in r for r in cmds)
     assert any("strongly typed" in r for r in r11) and any("--noTF32" in r for r in r11)
@@ -246,7 +252,7 @@ def test_trt_remedies_follow_version():
 # ------------------------------------------------------------------------------------------
 def test_torch_vs_onnx_clean_and_faulty(cnn_model, tmp_path):
     m, path, feed = cnn_model
-    res = layerwise.torch_vs_onnx(m, path, feed)
+    res = torch_vs_onnx(m, path, feed)
     mods = {r["module"] for r in res["modules"]}
     assert {"stem.0", "se1.fc1", "se1.gate", "se2", "head"} <= mods
     assert res["first_divergent"] is None
@@ -259,7 +265,7 @@ def test_torch_vs_onnx_clean_and_faulty(cnn_model, tmp_path):
                 t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t) * -1.0, t.name))
 
     bad = _copy_with(path, tmp_path / "bad.onnx", edit)
-    res = layerwise.torch_vs_onnx(m, bad, feed)
+    res = torch_vs_onnx(m, bad, feed)
     assert res["first_divergent"]["module"] == "se1.fc2"
     assert next(r for r in res["modules"] if r["module"] == "se1.act")["status"] == "pass"
 
@@ -286,9 +292,9 @@ def test_qdq_lookthrough_modelopt(cnn_model, cnn_int8, tmp_path):
     q = cnn_int8
     qm = onnx.load(str(q))
     assert any(n.op_type == "DequantizeLinear" for n in qm.graph.node)
-    alias = layerwise.lookthrough_aliases(qm)
+    alias = lookthrough_aliases(qm)
     assert alias["/se1/act/Relu_output_0_DequantizeLinear_Output"] == "/se1/act/Relu_output_0"
-    res = layerwise.run_layer_diff(path, q, feed, out_dir=tmp_path)
+    res = run_layer_diff(path, q, feed, out_dir=tmp_path)
     assert res["precision"] == "int8" and res["status"] == "ok"
     compared = [r for r in res["layers"] if r["status"] in ("pass", "fail")]
     # Every compute node of the FP32 graph found its float tensor in the Q/DQ graph.
@@ -305,7 +311,7 @@ def test_qdq_lookthrough_modelopt(cnn_model, cnn_int8, tmp_path):
                 t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t) * 8, t.name))
 
     bad = _copy_with(q, tmp_path / "int8_bad.onnx", edit)
-    res = layerwise.run_layer_diff(path, bad, feed)
+    res = run_layer_diff(path, bad, feed)
     assert res["first_divergent"]["node"] == "/se1/fc2/Conv"
     assert res["first_divergent"]["inputs_agreed"] is True
 
@@ -318,7 +324,7 @@ def test_qdq_divergence_blamed_on_ort_optimiser_when_unoptimised_run_agrees(cnn_
     of one node are corrupted unless the level is 'disable'."""
     _, path, feed = cnn_model
     q = cnn_int8
-    real = layerwise.ort_activations
+    real = ort_activations
 
     def faulty(model_or_path, feed_, *, opt_level="all", **kw):
         is_b = "DequantizeLinear" in str(getattr(model_or_path, "graph", "")) or \
@@ -328,11 +334,11 @@ def test_qdq_divergence_blamed_on_ort_optimiser_when_unoptimised_run_agrees(cnn_
                 out = {k: (v * np.nan if k.startswith("/se1/fc2/") else v) for k, v in out.items()}
             yield out, n
 
-    monkeypatch.setattr(layerwise, "ort_activations", faulty)
-    res = layerwise.run_layer_diff(path, q, feed)
+    monkeypatch.setattr(layerwise_diff, "ort_activations", faulty)
+    res = run_layer_diff(path, q, feed)
     assert res["first_divergent"]["node"] == "/se1/fc2/Conv"
     assert res["backend_check"]["backend_caused"] is True
     assert "ORT graph optimisations cause" in res["verdict"] and "NaN" in res["verdict"]
     # Without the simulated optimiser fault the check does not run and blames nobody.
-    monkeypatch.setattr(layerwise, "ort_activations", real)
-    assert layerwise.run_layer_diff(path, q, feed).get("backend_check") is None
+    monkeypatch.setattr(layerwise_diff, "ort_activations", real)
+    assert run_layer_diff(path, q, feed).get("backend_check") is None

@@ -15,10 +15,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import common
 from tests.conftest import ROOT, run_stage
+import deploykit.models as models_mod
+from deploykit.compare import parity, topk_accuracy
+from deploykit.data.images import list_images, load_image_rgb, normalize, preprocess_image
+from deploykit.data.splits import cache_key, drop_content_duplicates, make_splits
+from deploykit.errors import StageError, UsageError
+from deploykit.io import atomic_path
+from deploykit.layout import DEFAULT_DATA, model_tag
+from deploykit.models import IMAGENET_MEAN, IMAGENET_STD, build_model, model_spec
+from deploykit.timing import latency_stats
 
-DATA = common.DEFAULT_DATA
+DATA = DEFAULT_DATA
 
 
 # ----------------------------------------------------------------------------- data
@@ -37,7 +45,7 @@ def test_embedded_sample_is_complete_and_unmodified_copy():
 
 
 def test_list_images_flat_wnid_prefix_index_is_sorted_wnid_position():
-    items, layout = common.list_images(DATA)
+    items, layout = list_images(DATA)
     assert layout == "flat-wnid-prefix" and len(items) == 1000
     wn = _wnids()
     for rel, c in items[:: 97]:
@@ -49,7 +57,7 @@ def test_list_images_class_folder_layout(tmp_path):
     for f in sorted(DATA.glob("*.JPEG")):
         (tmp_path / f.name[:9]).mkdir()
         (tmp_path / f.name[:9] / f"ILSVRC2012_val_{f.name[:9]}.JPEG").symlink_to(f)
-    items, layout = common.list_images(tmp_path)
+    items, layout = list_images(tmp_path)
     assert layout == "class-folders" and len(items) == 1000
     assert items[0] == ("n01440764/ILSVRC2012_val_n01440764.JPEG", 0)
     assert items[-1][1] == 999
@@ -64,18 +72,18 @@ def test_list_images_flat_with_ground_truth_csv(tmp_path):
         (val / f"{name}.JPEG").symlink_to(f)
         rows.append(f"{name},{f.name[:9]} 1 2 3 4")
     (tmp_path / "LOC_val_solution.csv").write_text("\n".join(rows) + "\n")
-    items, layout = common.list_images(val)
+    items, layout = list_images(val)
     assert layout == "flat+csv"
     d = dict(items)
     assert d["ILSVRC2012_val_00000001.JPEG"] == 999 and d["ILSVRC2012_val_00001000.JPEG"] == 0
 
 
 def test_list_images_errors_name_the_problem(tmp_path):
-    with pytest.raises(common.StageError, match="does not exist"):
-        common.list_images(tmp_path / "nope")
+    with pytest.raises(StageError, match="does not exist"):
+        list_images(tmp_path / "nope")
     (tmp_path / "a.JPEG").write_bytes(b"x")
-    with pytest.raises(common.StageError, match="cannot label"):
-        common.list_images(tmp_path)
+    with pytest.raises(StageError, match="cannot label"):
+        list_images(tmp_path)
 
 
 def test_grayscale_cmyk_png_in_jpeg_load_as_rgb(tmp_path):
@@ -83,15 +91,15 @@ def test_grayscale_cmyk_png_in_jpeg_load_as_rgb(tmp_path):
 
     gray = [f for f in sorted(DATA.glob("*.JPEG")) if Image.open(f).mode == "L"]
     assert len(gray) == 23  # as the sample's README says
-    img = common.load_image_rgb(gray[0])
+    img = load_image_rgb(gray[0])
     assert img.mode == "RGB"
     src = Image.open(DATA / "n01440764_tench.JPEG")
     src.convert("CMYK").save(tmp_path / "cmyk.JPEG", "JPEG", quality=95)
     src.save(tmp_path / "png_inside.JPEG", "PNG")
     for name in ("cmyk.JPEG", "png_inside.JPEG"):
-        im = common.load_image_rgb(tmp_path / name)
+        im = load_image_rgb(tmp_path / name)
         assert im.mode == "RGB" and im.size == src.size
-        x = common.preprocess_image(im, 256, 224, "bilinear")
+        x = preprocess_image(im, 256, 224, "bilinear")
         assert x.shape == (3, 224, 224) and x.dtype == np.uint8
 
 
@@ -99,37 +107,37 @@ def test_preprocess_matches_torchvision_reference_transform():
     import torch
     import torchvision.transforms as T
 
-    img = common.load_image_rgb(DATA / "n01443537_goldfish.JPEG")
-    ours = common.preprocess_image(img, 256, 224, "bilinear")
+    img = load_image_rgb(DATA / "n01443537_goldfish.JPEG")
+    ours = preprocess_image(img, 256, 224, "bilinear")
     ref = T.Compose([T.Resize(256, antialias=True), T.CenterCrop(224), T.PILToTensor()])(img)
     assert torch.equal(torch.from_numpy(ours), ref)
-    x = common.normalize(ours[None], common.IMAGENET_MEAN, common.IMAGENET_STD)
-    tv = T.Normalize(common.IMAGENET_MEAN, common.IMAGENET_STD)(ref.float() / 255)
+    x = normalize(ours[None], IMAGENET_MEAN, IMAGENET_STD)
+    tv = T.Normalize(IMAGENET_MEAN, IMAGENET_STD)(ref.float() / 255)
     np.testing.assert_allclose(x[0], tv.numpy(), atol=1e-5)
 
 
 def test_splits_disjoint_seeded_and_documented_sizes():
-    items, _ = common.list_images(DATA)
-    ev, ca = common.make_splits(items, None, 10, 0.1, seed=0)
+    items, _ = list_images(DATA)
+    ev, ca = make_splits(items, None, 10, 0.1, seed=0)
     assert len(ev) == 900 and len(ca) == 100
     assert not {p for p, _ in ev} & {p for p, _ in ca}
-    assert common.make_splits(items, None, 10, 0.1, seed=0) == (ev, ca)
-    assert common.make_splits(items, None, 10, 0.1, seed=1)[1] != ca
-    ev0, ca0 = common.make_splits(items, None, 10, 0.0, seed=0)
+    assert make_splits(items, None, 10, 0.1, seed=0) == (ev, ca)
+    assert make_splits(items, None, 10, 0.1, seed=1)[1] != ca
+    ev0, ca0 = make_splits(items, None, 10, 0.0, seed=0)
     assert len(ev0) == 1000 and ca0 == []
     # several images per class: per-class counts, still disjoint
     many = [(f"c{c}/{i}.JPEG", c) for c in range(1000) for i in range(5)]
-    ev, ca = common.make_splits(many, 3, 2, 0.1, seed=0)
+    ev, ca = make_splits(many, 3, 2, 0.1, seed=0)
     assert len(ca) == 2000 and len(ev) == 3000
     assert not {p for p, _ in ev} & {p for p, _ in ca}
 
 
 def test_cache_key_changes_with_preprocessing_and_files():
     split = {"data_root": "/d", "eval": [["a", 0], ["b", 1]]}
-    k = common.cache_key(split, "eval", {"resize": 256, "crop": 224, "interpolation": "bilinear"})
-    assert k != common.cache_key(split, "eval", {"resize": 256, "crop": 224,
+    k = cache_key(split, "eval", {"resize": 256, "crop": 224, "interpolation": "bilinear"})
+    assert k != cache_key(split, "eval", {"resize": 256, "crop": 224,
                                                  "interpolation": "bicubic"})
-    assert k != common.cache_key({**split, "eval": [["a", 0]]}, "eval",
+    assert k != cache_key({**split, "eval": [["a", 0]]}, "eval",
                                  {"resize": 256, "crop": 224, "interpolation": "bilinear"})
 
 
@@ -162,7 +170,7 @@ def test_topk_accuracy_by_hand():
                        [0.8, 0.1, 0.05, 0.03, 0.02, 0.0],
                        [0.0, 0.1, 0.2, 0.3, 0.4, 0.5]], np.float32)
     labels = np.array([1, 1, 0])
-    acc = common.topk_accuracy(logits, labels)
+    acc = topk_accuracy(logits, labels)
     assert acc["top1"] == pytest.approx(100 / 3)
     assert acc["top5"] == pytest.approx(200 / 3)  # row 3: label 0 ranks 6th
 
@@ -170,18 +178,18 @@ def test_topk_accuracy_by_hand():
 def test_parity_detects_disagreement():
     rng = np.random.default_rng(0)
     a = rng.standard_normal((8, 1000)).astype(np.float32)
-    same = common.parity(a, a.copy())
+    same = parity(a, a.copy())
     assert same["cosine_min"] == pytest.approx(1.0) and same["top1_agreement"] == 100.0
     b = a.copy()
     b[3] = -b[3]
-    bad = common.parity(a, b)
+    bad = parity(a, b)
     assert bad["cosine_min"] == pytest.approx(-1.0) and bad["top1_agreement"] == 87.5
-    with pytest.raises(common.StageError):
-        common.parity(a, a[:4])
+    with pytest.raises(StageError):
+        parity(a, a[:4])
 
 
 def test_latency_stats_percentiles():
-    s = common.latency_stats(list(range(1, 101)), batch=2)
+    s = latency_stats(list(range(1, 101)), batch=2)
     assert s["p50_ms"] == pytest.approx(50.5) and s["p99_ms"] == pytest.approx(99.01)
     assert s["fps"] == pytest.approx(2 * 1000 / 50.5)
 
@@ -189,7 +197,7 @@ def test_latency_stats_percentiles():
 def test_atomic_path_leaves_nothing_on_failure(tmp_path):
     target = tmp_path / "x.json"
     with pytest.raises(RuntimeError):
-        with common.atomic_path(target) as tmp:
+        with atomic_path(target) as tmp:
             tmp.write_text("half")
             raise RuntimeError("interrupted")
     assert not target.exists() and list(tmp_path.iterdir()) == []
@@ -197,28 +205,28 @@ def test_atomic_path_leaves_nothing_on_failure(tmp_path):
 
 # ----------------------------------------------------------------------------- models
 def test_model_table_preprocessing():
-    lite = common.model_spec("efficientnet_lite0")
+    lite = model_spec("efficientnet_lite0")
     assert lite.mean == lite.std == (0.5, 0.5, 0.5)
-    mb = common.model_spec("mobilenet_v3_small")
-    assert mb.mean == common.IMAGENET_MEAN and (mb.resize, mb.crop) == (256, 224)
-    assert common.model_spec("resnet50").resize == 232  # from torchvision's weights metadata
-    with pytest.raises(common.UsageError):
-        common.model_spec("not_a_model")
+    mb = model_spec("mobilenet_v3_small")
+    assert mb.mean == IMAGENET_MEAN and (mb.resize, mb.crop) == (256, 224)
+    assert model_spec("resnet50").resize == 232  # from torchvision's weights metadata
+    with pytest.raises(UsageError):
+        model_spec("not_a_model")
 
 
 def test_efficientnet_lite0_offline_weights_are_real():
     """The position-wise load must give the published model, not a shuffled one: on 64 real
     images the top-1 is far above chance."""
-    model, spec = common.build_model("efficientnet_lite0")
+    model, spec = build_model("efficientnet_lite0")
     import torch
 
     files = sorted(DATA.glob("*.JPEG"))[::16][:64]
-    items = dict(common.list_images(DATA)[0])
-    x = np.stack([common.preprocess_image(common.load_image_rgb(f), spec.resize, spec.crop,
+    items = dict(list_images(DATA)[0])
+    x = np.stack([preprocess_image(load_image_rgb(f), spec.resize, spec.crop,
                                           spec.interpolation) for f in files])
     with torch.inference_mode():
-        logits = model(torch.from_numpy(common.normalize(x, spec.mean, spec.std))).numpy()
-    acc = common.topk_accuracy(logits, np.array([items[f.name] for f in files]))
+        logits = model(torch.from_numpy(normalize(x, spec.mean, spec.std))).numpy()
+    acc = topk_accuracy(logits, np.array([items[f.name] for f in files]))
     assert acc["top1"] > 70.0
 
 
@@ -237,7 +245,7 @@ def _fake_torchvision_weights(tmp_path, monkeypatch):
     shutil.move(blob, served)
     hub = tmp_path / "hub"
     monkeypatch.setattr(torch.hub, "get_dir", lambda: str(hub))
-    monkeypatch.setattr(common, "torchvision_weights_file",
+    monkeypatch.setattr(models_mod, "torchvision_weights_file",
                         lambda name: (served.as_uri(), hub / "checkpoints" / served.name))
     return sd, served, hub
 
@@ -248,12 +256,12 @@ def test_torchvision_download_path_with_local_url(tmp_path, monkeypatch):
     import torch
 
     sd, served, hub = _fake_torchvision_weights(tmp_path, monkeypatch)
-    model, _ = common.build_model("mobilenet_v3_small")
+    model, _ = build_model("mobilenet_v3_small")
     assert (hub / "checkpoints" / served.name).exists()
     k = "features.0.0.weight"
     assert torch.equal(model.state_dict()[k], sd[k])
     served.unlink()  # now only the cache can provide it
-    model2, _ = common.build_model("mobilenet_v3_small")
+    model2, _ = build_model("mobilenet_v3_small")
     assert torch.equal(model2.state_dict()[k], sd[k])
 
 
@@ -262,11 +270,11 @@ def test_download_failure_says_how_to_proceed(tmp_path, monkeypatch):
 
     hub = tmp_path / "hub"
     monkeypatch.setattr(torch.hub, "get_dir", lambda: str(hub))
-    monkeypatch.setattr(common, "torchvision_weights_file",
+    monkeypatch.setattr(models_mod, "torchvision_weights_file",
                         lambda name: ((tmp_path / "missing-0123abcd.pth").as_uri(),
                                       hub / "checkpoints" / "missing-0123abcd.pth"))
-    with pytest.raises(common.StageError) as e:
-        common.build_model("mobilenet_v3_small")
+    with pytest.raises(StageError) as e:
+        build_model("mobilenet_v3_small")
     msg = str(e.value)
     assert str(hub / "checkpoints") in msg and "--weights" in msg and "efficientnet_lite0" in msg
 
@@ -277,10 +285,10 @@ def test_weights_flag_loads_local_checkpoint(tmp_path):
 
     sd = torchvision.models.mobilenet_v3_small().state_dict()
     torch.save({"state_dict": sd}, tmp_path / "ck.pth")
-    model, _ = common.build_model("mobilenet_v3_small", weights=tmp_path / "ck.pth")
+    model, _ = build_model("mobilenet_v3_small", weights=tmp_path / "ck.pth")
     assert torch.equal(model.state_dict()["classifier.3.bias"], sd["classifier.3.bias"])
-    with pytest.raises(common.UsageError):
-        common.build_model("mobilenet_v3_small", weights=tmp_path / "nope.pth")
+    with pytest.raises(UsageError):
+        build_model("mobilenet_v3_small", weights=tmp_path / "nope.pth")
 
 
 # ----------------------------------------------------------------------------- stages
@@ -388,7 +396,7 @@ def test_custom_model_export_and_parity(tmp_path):
          "--input-shape", "tokens:1,5,16"]
     run_stage(["1_pytorch_baseline.py", *m, "--iters", "5", "--warmup", "1"], env)
     run_stage(["2_export_onnx.py", *m], env)
-    tag = common.model_tag("tests.custom_models:two_head")
+    tag = model_tag("tests.custom_models:two_head")
     onnx_path = tmp_path / "a" / tag / "onnx" / "fp32.onnx"
     run_stage(["3_onnx_eval.py", "--model", "tests.custom_models:two_head", "--onnx",
                str(onnx_path), "--tag", "ort_fp32", "--iters", "3", "--warmup", "1"], env)
@@ -494,7 +502,7 @@ def test_splits_disjoint_by_content_not_only_path(tmp_path):
     a.write_bytes((DATA / "n01440764_tench.JPEG").read_bytes())
     (tmp_path / "a_link.JPEG").symlink_to(a)
     (tmp_path / "b.JPEG").write_bytes((DATA / "n01443537_goldfish.JPEG").read_bytes())
-    kept, dropped = common.drop_content_duplicates(
+    kept, dropped = drop_content_duplicates(
         tmp_path, [("a_link.JPEG", 0), ("b.JPEG", 1)], [("a.JPEG", 0)])
     assert kept == [("b.JPEG", 1)] and dropped == ["a_link.JPEG"]
 

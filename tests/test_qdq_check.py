@@ -1,4 +1,4 @@
-"""The Q/DQ health check (qdq_tools.py check / qdq_check.py), calibration validation, the INT4
+"""The Q/DQ health check (qdq_tools.py check / deploykit.quant.health), calibration validation, the INT4
 block axis of stage 5b, custom models through stages 4-5 and the quantization-vs-backend table.
 
 Every model is built here (hand-made Q/DQ graphs, or ModelOpt/ORT quantizers run on small
@@ -15,17 +15,32 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from deploykit.data.images import list_images
+from deploykit.data.splits import load_split
+from deploykit.errors import StageError
+from deploykit.evaluate import EvalData, run_outputs
+from deploykit.io import write_json
+from deploykit.layerwise.quant_backend import quant_backend_table
+from deploykit.layout import DEFAULT_DATA, model_artifacts, model_tag, splits_path
+from deploykit.models import model_spec
+from deploykit.quant.bias import simulate_bias_requant
+from deploykit.quant.calibration import calibration_plan, validate_calibration
+from deploykit.quant.cross_check import CROSS_CHECK_FIRST, backend_cross_check
+from deploykit.quant.health import check_against_float, check_model, check_scales
+from deploykit.quant.inspect import inspect_model
+from deploykit.quant.modelopt import modelopt_quantize
+from deploykit.runners import OrtRunner, ort_session_options
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import common  # noqa: E402
-import evaluate  # noqa: E402
-import layerwise  # noqa: E402
-import onnx_graph  # noqa: E402
-import qdq_check  # noqa: E402
-import qdq_tools  # noqa: E402
-import runners  # noqa: E402
+pass  # noqa: E402
+pass  # noqa: E402
+pass  # noqa: E402
+pass  # noqa: E402
+pass  # noqa: E402
+pass  # noqa: E402
+pass  # noqa: E402
 
 int4 = importlib.import_module("5b_quantize_int4")
 make_calib = importlib.import_module("4_make_calib")
@@ -46,7 +61,7 @@ def _ort(model_or_path, feed, level="all", disabled=()):
 
     src = str(model_or_path) if isinstance(model_or_path, (str, Path)) else \
         model_or_path.SerializeToString()
-    so = runners.ort_session_options(level)
+    so = ort_session_options(level)
     return ort.InferenceSession(src, so, providers=["CPUExecutionProvider"],
                                 disabled_optimizers=list(disabled)).run(None, feed)[0]
 
@@ -136,7 +151,7 @@ def test_bias_requant_flagged_where_ort_changes_the_output(dtype, tmp_path):
     assert np.abs(ref[:, 0] - got[:, 0]).max() > 4  # ground truth: ORT really changes it
     np.testing.assert_allclose(_ort(path, feed, "all", ["WeightBiasQuantization"]), ref)
     for calib in (None, feed):
-        rep = qdq_check.check_model(m, path=path, calib=calib)
+        rep = check_model(m, path=path, calib=calib)
         (f,) = [f for f in rep["findings"] if f["kind"] == "bias_requant"]
         assert f["node"] == "conv" and f["details"]["channels_changed"] == [0]
         assert f["details"]["max_change_steps"] > 100
@@ -158,7 +173,7 @@ def test_bias_over_int32_that_changes_nothing_is_not_flagged(tmp_path):
     feed = _feed()
     np.testing.assert_allclose(_ort(path, feed, "all"), _ort(path, feed, "disable"))
     for calib in (None, feed):
-        rep = qdq_check.check_model(m, path=path, calib=calib)
+        rep = check_model(m, path=path, calib=calib)
         assert rep["ok"], rep["findings"]
         (row,) = rep["bias_requant"]
         assert row["n_over_int32"] == 1 and row["max_change_steps"] <= 1
@@ -166,7 +181,7 @@ def test_bias_over_int32_that_changes_nothing_is_not_flagged(tmp_path):
 
 def test_simulated_bias_is_what_ort_computes():
     b = np.array([5.0, -3.0, 0.25], np.float16)
-    eff, q = qdq_check.simulate_bias_requant(b, np.array(0.01, np.float16),
+    eff, q = simulate_bias_requant(b, np.array(0.01, np.float16),
                                              np.array([6e-8, 0.01, 0.02], np.float16))
     # fp16 product underflows to 0: 5/0 = inf -> int32 min (x86: the "integer indefinite"
     # value, for inf, NaN and out-of-range alike); the others are divided in float16 (-3 / 1e-4
@@ -180,7 +195,7 @@ def test_simulated_bias_is_what_ort_computes():
 # Bias scale, scales, per-tensor depthwise / dead channels
 # --------------------------------------------------------------------------------------------
 def test_int32_bias_with_wrong_scale(tmp_path):
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import helper, numpy_helper
 
     xs, ws = 0.01, np.array([0.02, 0.03], np.float32)
     inits = [numpy_helper.from_array(np.array(xs, np.float32), "xs"),
@@ -197,13 +212,13 @@ def test_int32_bias_with_wrong_scale(tmp_path):
     g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", 1, ["N", 2, 4, 4])],
                           [helper.make_tensor_value_info("y", 1, None)], inits)
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 19)], ir_version=9)
-    rep = qdq_check.check_model(m)
+    rep = check_model(m)
     (f,) = rep["findings"]
     assert f["kind"] == "bias_scale_mismatch" and f["initializer"] == "bs"
     assert f["details"]["ratio_min"] == pytest.approx(2.0)
     ok = numpy_helper.from_array((xs * ws).astype(np.float32), "bs")
     m.graph.initializer[-1].CopyFrom(ok)
-    assert qdq_check.check_model(m)["ok"]
+    assert check_model(m)["ok"]
 
 
 def test_nan_inf_zero_negative_and_fp16_subnormal_scales(tmp_path, capsys):
@@ -218,7 +233,7 @@ def test_nan_inf_zero_negative_and_fp16_subnormal_scales(tmp_path, capsys):
     g = helper.make_graph(nodes, "g", [], [helper.make_tensor_value_info("y", 1, None),
                                            helper.make_tensor_value_info("y16", 10, None)], inits)
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 19)])
-    kinds = {f.kind: f for f in qdq_check.check_scales(m)}
+    kinds = {f.kind: f for f in check_scales(m)}
     assert set(kinds) == {"scale_nan", "scale_inf", "scale_zero", "scale_negative",
                           "scale_fp16_underflow"}
     assert kinds["scale_negative"].details["indices"] == [2]
@@ -291,13 +306,13 @@ def test_per_tensor_depthwise_dead_channels(depthwise_ort):
     import onnx
 
     d = depthwise_ort
-    rep = qdq_check.check_model(onnx.load(str(d["pt"])), fp32_model=onnx.load(str(d["fp32"])))
+    rep = check_model(onnx.load(str(d["pt"])), fp32_model=onnx.load(str(d["fp32"])))
     kinds = {f["kind"]: f for f in rep["findings"]}
     assert {"per_tensor_grouped", "dead_channels", "weight_error"} <= set(kinds)
     dead = kinds["dead_channels"]["details"]
     assert len(dead["all_zero"]) >= 5 and len(dead["few_levels"]) >= 10
     assert 0 in dead["all_zero"] and 31 not in dead["few_levels"]
-    clean = qdq_check.check_model(onnx.load(str(d["pc"])), fp32_model=onnx.load(str(d["fp32"])))
+    clean = check_model(onnx.load(str(d["pc"])), fp32_model=onnx.load(str(d["fp32"])))
     assert clean["ok"], clean["findings"]
 
 
@@ -341,12 +356,12 @@ def test_check_finds_block_size_under_opset_20(tmp_path):
                           [helper.make_tensor_value_info("y", 1, ["N", 64])], [qw, s])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 20)], ir_version=9)
     path = _save(m, tmp_path / "m.onnx")
-    rep = qdq_check.check_model(m)
+    rep = check_model(m)
     assert [f["kind"] for f in rep["findings"]] == ["block_opset"]
     assert _check("fix-int4-axis", "--check", path).returncode == 1
     assert "opset 20" in _check("inspect", path).stdout
     m.opset_import[0].version = 21
-    assert qdq_check.check_model(m)["ok"]
+    assert check_model(m)["ok"]
     onnx.save(m, str(path))
     assert _check("fix-int4-axis", "--check", path).returncode == 0
 
@@ -370,7 +385,7 @@ def test_stage5b_blocks_along_k_for_every_weight(method, tmp_path, monkeypatch):
     assert rec["check"]["ok"] is True
     # Independent of the tool: every output channel's dequantized weights are close to float.
     q = onnx.load(str(out))
-    deq = qdq_check.check_against_float(q, onnx.load(str(src)))[1]
+    deq = check_against_float(q, onnx.load(str(src)))[1]
     assert deq[0]["rel_err_max"] < 0.5
     x = np.random.default_rng(3).standard_normal((8, 256)).astype(np.float32)
     ref, y = _ort(src, {"x": x}), _ort(out, {"x": x})
@@ -387,7 +402,7 @@ def test_stage5b_refuses_what_it_cannot_make_right(tmp_path, monkeypatch):
     out = tmp_path / "int4.onnx"
     argv = ["--model", "tiny", "--onnx", str(src), "--output", str(out), "--no-eval",
             "--calibration-method", "rtn_dq", "--keep-layout"]
-    with pytest.raises(common.StageError, match=r"(?s)refused.*block_axis"):
+    with pytest.raises(StageError, match=r"(?s)refused.*block_axis"):
         int4.main(int4.get_args_parser().parse_args(argv))
     assert not out.exists() and not list(tmp_path.glob(".tmp-*"))
 
@@ -412,20 +427,20 @@ def test_calibration_refuses_wrong_keys_swapped_inputs_nan_and_dtype(tmp_path):
            "b": (50 + 20 * rng.standard_normal((32, 8))).astype(np.float32)}
     good = {"a": rng.standard_normal((16, 8)).astype(np.float32),
             "b": (50 + 20 * rng.standard_normal((16, 8))).astype(np.float32)}
-    rep = qdq_tools.validate_calibration(path, good, ref, reference_source="eval")
+    rep = validate_calibration(path, good, ref, reference_source="eval")
     assert rep["n_samples"] == 16 and rep["stats_check"].startswith("passed")
-    with pytest.raises(common.StageError, match=r"keys \['a', 'x'\].*inputs are \['a', 'b'\]"):
-        qdq_tools.validate_calibration(path, {"a": good["a"], "x": good["b"]}, ref)
-    with pytest.raises(common.StageError, match=r"input 'a'.*std ratio"):
-        qdq_tools.validate_calibration(path, {"a": good["b"], "b": good["a"]}, ref)
+    with pytest.raises(StageError, match=r"keys \['a', 'x'\].*inputs are \['a', 'b'\]"):
+        validate_calibration(path, {"a": good["a"], "x": good["b"]}, ref)
+    with pytest.raises(StageError, match=r"input 'a'.*std ratio"):
+        validate_calibration(path, {"a": good["b"], "b": good["a"]}, ref)
     bad = dict(good, a=good["a"].copy())
     bad["a"][3, 1] = np.nan
-    with pytest.raises(common.StageError, match=r"1 NaN.*samples \[3\]"):
-        qdq_tools.validate_calibration(path, bad, None)
-    with pytest.raises(common.StageError, match="float64 but the model takes float32"):
-        qdq_tools.validate_calibration(path, dict(good, a=good["a"].astype(np.float64)), None)
-    with pytest.raises(common.StageError, match="different sample counts"):
-        qdq_tools.validate_calibration(path, dict(good, a=good["a"][:5]), None)
+    with pytest.raises(StageError, match=r"1 NaN.*samples \[3\]"):
+        validate_calibration(path, bad, None)
+    with pytest.raises(StageError, match="float64 but the model takes float32"):
+        validate_calibration(path, dict(good, a=good["a"].astype(np.float64)), None)
+    with pytest.raises(StageError, match="different sample counts"):
+        validate_calibration(path, dict(good, a=good["a"][:5]), None)
 
 
 def test_quantize_sh_wrong_key_is_named_not_an_assertion(tmp_path):
@@ -445,13 +460,13 @@ def test_quantize_sh_wrong_key_is_named_not_an_assertion(tmp_path):
 def test_unnormalised_pixels_refused_for_a_classifier(tmp_path, monkeypatch):
     """Calibration npz of 0..255 pixels for EfficientNet-Lite0 (eval data normalised to
     [-1, 1]): refused with the numbers; the stage-4 npz passes."""
-    items, _ = common.list_images(common.DEFAULT_DATA)
-    split = {"data_root": str(common.DEFAULT_DATA.resolve()),
+    items, _ = list_images(DEFAULT_DATA)
+    split = {"data_root": str(DEFAULT_DATA.resolve()),
              "eval": [list(i) for i in items[:4]], "calib": [list(i) for i in items[500:503]]}
     monkeypatch.setenv("ARTIFACTS", str(tmp_path / "a"))
     monkeypatch.setenv("RESULTS", str(tmp_path / "r"))
-    common.write_json(common.splits_path(), split)
-    onnx_dir = common.model_artifacts("efficientnet_lite0") / "onnx"
+    write_json(splits_path(), split)
+    onnx_dir = model_artifacts("efficientnet_lite0") / "onnx"
     onnx_dir.mkdir(parents=True)
     from onnx import helper
 
@@ -463,8 +478,8 @@ def test_unnormalised_pixels_refused_for_a_classifier(tmp_path, monkeypatch):
     rec = make_calib.main(make_calib.get_args_parser().parse_args(["--model",
                                                                    "efficientnet_lite0"]))
     assert rec["stats_check"].startswith("passed") and rec["order_seed"] == 0
-    spec = common.model_spec("efficientnet_lite0")
-    x_u8, _, _ = common.load_split("calib", spec)
+    spec = model_spec("efficientnet_lite0")
+    x_u8, _, _ = load_split("calib", spec)
     np.savez(tmp_path / "raw.npz", input=x_u8.astype(np.float32))
     env = dict(os.environ, ARTIFACTS=str(tmp_path / "a"), RESULTS=str(tmp_path / "r"))
     p = subprocess.run([sys.executable, "qdq_tools.py", "check-calib", str(onnx_dir / "fp32.onnx"),
@@ -472,7 +487,7 @@ def test_unnormalised_pixels_refused_for_a_classifier(tmp_path, monkeypatch):
                        cwd=ROOT, capture_output=True, text=True, env=env)
     assert p.returncode == 1 and "std ratio" in p.stderr and "unnormalised" in p.stderr
     p = subprocess.run([sys.executable, "qdq_tools.py", "check-calib", str(onnx_dir / "fp32.onnx"),
-                        "--calib", str(common.model_artifacts("efficientnet_lite0") / "calib.npz"),
+                        "--calib", str(model_artifacts("efficientnet_lite0") / "calib.npz"),
                         "--model", "efficientnet_lite0", "--json", str(tmp_path / "c.json")],
                        cwd=ROOT, capture_output=True, text=True, env=env)
     assert p.returncode == 0, p.stderr
@@ -496,16 +511,16 @@ def test_calibration_plan_batches():
     with tempfile.TemporaryDirectory() as d:
         data = {"x": np.zeros((10, 4), np.float32)}
         path = _save(model("N"), Path(d) / "dyn.onnx")
-        plan = qdq_tools.calibration_plan(path, data)
+        plan = calibration_plan(path, data)
         assert plan["batches"] == [10] and not plan["order_dependent"]
         assert plan["calibration_shapes"] == "x:10x4"
-        plan = qdq_tools.calibration_plan(path, data, 4)
+        plan = calibration_plan(path, data, 4)
         assert plan["batches"] == [5, 5] and plan["order_dependent"]
         static = _save(model(1), Path(d) / "static.onnx")
-        plan = qdq_tools.calibration_plan(static, data)
+        plan = calibration_plan(static, data)
         assert plan["batch_size"] == 1 and len(plan["batches"]) == 10
-        with pytest.raises(common.StageError, match="static batch of 4"):
-            qdq_tools.validate_calibration(_save(model(4), Path(d) / "s4.onnx"), data)
+        with pytest.raises(StageError, match="static batch of 4"):
+            validate_calibration(_save(model(4), Path(d) / "s4.onnx"), data)
 
 
 def test_default_calibration_batch_makes_entropy_independent_of_order(tmp_path):
@@ -533,7 +548,7 @@ def test_default_calibration_batch_makes_entropy_independent_of_order(tmp_path):
     def quantize(xi, batch):
         np.savez(tmp_path / "c.npz", x=xi)
         out = tmp_path / "q.onnx"
-        qdq_tools.modelopt_quantize(
+        modelopt_quantize(
             ["--onnx_path", str(src), "--quantize_mode", "int8", "--high_precision_dtype",
              "fp32", "--calibration_data_path", str(tmp_path / "c.npz"), "--calibration_eps",
              "cpu", "--output_path", str(out), "--log_level", "ERROR"], batch)
@@ -541,7 +556,7 @@ def test_default_calibration_batch_makes_entropy_independent_of_order(tmp_path):
         c = {i.name: numpy_helper.to_array(i) for i in q.graph.initializer}
         acts = [float(c[n.input[1]]) for n in q.graph.node
                 if n.op_type == "QuantizeLinear" and n.input[0] not in c]
-        return acts, qdq_tools.inspect_model(q)["quantized_nodes_by_op"]
+        return acts, inspect_model(q)["quantized_nodes_by_op"]
 
     orders = [x, x[np.random.default_rng(1).permutation(64)]]
     (a0, nodes0), (a1, _) = (quantize(o, "all") for o in orders)
@@ -572,7 +587,7 @@ def test_custom_model_reaches_stages_4_and_5(tmp_path):
     p = run("4_make_calib.py", "--model", name, check=False)
     assert p.returncode == 2 and "--inputs NPZ" in p.stderr
     run("4_make_calib.py", "--model", name, "--random", "16", "--seed", "3")
-    art = tmp_path / "a" / common.model_tag(name)
+    art = tmp_path / "a" / model_tag(name)
     with np.load(art / "calib.npz") as z:
         assert sorted(z.files) == ["image", "tokens"] and z["tokens"].shape == (16, 5, 16)
     # A user npz with the inputs swapped between keys (tokens data under image): refused.
@@ -584,7 +599,7 @@ def test_custom_model_reaches_stages_4_and_5(tmp_path):
             check=False)
     assert p.returncode == 1 and "input 'image'" in p.stderr and "std ratio" in p.stderr
     p = run("bash", "5_quantize.sh", "--model", name, "int8_hp32")
-    rec = json.loads((tmp_path / "r" / common.model_tag(name) / "quant_int8_hp32.json")
+    rec = json.loads((tmp_path / "r" / model_tag(name) / "quant_int8_hp32.json")
                      .read_text())
     assert rec["status"] == "ok" and rec["calibration"]["n_samples"] == 16
     assert rec["calibration"]["batch_size"] == 16 and rec["calibration"]["order_seed"] == 3
@@ -593,7 +608,7 @@ def test_custom_model_reaches_stages_4_and_5(tmp_path):
     # Stage 3 cross-checks the custom Q/DQ model against its unoptimised graph (every output).
     run("3_onnx_eval.py", "--model", name, "--onnx", str(art / "onnx" / "int8_hp32.onnx"),
         "--tag", "ort_int8_hp32", "--iters", "2", "--warmup", "1")
-    row = json.loads((tmp_path / "r" / common.model_tag(name) / "ort_int8_hp32.json")
+    row = json.loads((tmp_path / "r" / model_tag(name) / "ort_int8_hp32.json")
                      .read_text())
     cc = row["diagnostics"]["backend_cross_check"]
     assert row["status"] == "ok" and set(cc["outputs"]) == set(row["parity_outputs"])
@@ -605,7 +620,7 @@ def test_custom_model_reaches_stages_4_and_5(tmp_path):
 def test_table_separates_backend_error_from_quantization_error(tmp_path):
     q = _save(qdq_conv([5.0, 3.0], [1e-12, 0.01]), tmp_path / "q.onnx")
     f = _save(qdq_conv([5.0, 3.0], [1e-12, 0.01], float_model=True), tmp_path / "f.onnx")
-    res = layerwise.quant_backend_table(f, q, _feed(), out_dir=tmp_path / "t")
+    res = quant_backend_table(f, q, _feed(), out_dir=tmp_path / "t")
     rows = {r["node"]: r for r in res["layers"]}
     assert rows["conv"]["verdict"] == "backend" and rows["conv"]["quant"]["status"] == "pass"
     assert rows["clip"]["backend"]["steps_max"] > 100 and rows["clip"]["quant"]["steps_max"] <= 1
@@ -614,21 +629,21 @@ def test_table_separates_backend_error_from_quantization_error(tmp_path):
     md = (tmp_path / "t" / "quant_backend.md").read_text()
     assert "| `conv` | Conv |" in md and "steps" in md
     # Without the optimizer the backend reproduces the graph.
-    ok = layerwise.quant_backend_table(f, q, _feed(),
+    ok = quant_backend_table(f, q, _feed(),
                                        disabled_optimizers=["WeightBiasQuantization"])
     assert ok["first_backend"] is None
     # The stage-3 style cross-check on a model without labels sees the same.
     import onnxruntime as ort
 
     y = ort.InferenceSession(str(q), providers=["CPUExecutionProvider"]).run(None, _feed())[0]
-    cc = qdq_tools.backend_cross_check(q, evaluate.EvalData(feed=_feed()), {"y": y})
+    cc = backend_cross_check(q, EvalData(feed=_feed()), {"y": y})
     assert cc["disagreement"] and "cosine" in cc["reason"]
 
 
 def _qdq_classifier(w_scale, path):
     """x [N,3,4,4] -> Q/DQ -> Conv 1x1 (2 classes, int8 weights, per-channel ``w_scale``,
     bias [5, 3]) -> Clip(0, 6) -> Q/DQ -> ReduceMean over H, W -> logits [N, 2]."""
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import helper, numpy_helper
 
     ws = np.asarray(w_scale, np.float32)
     inits = [numpy_helper.from_array(x, n) for x, n in (
@@ -659,15 +674,15 @@ def test_adaptive_cross_check_escalates_exactly_when_the_backend_differs(broken,
     q = _qdq_classifier([1e-12, 0.01] if broken else [0.01, 0.01], tmp_path / "q.onnx")
     rng = np.random.default_rng(1)
     x = rng.integers(0, 256, (200, 3, 4, 4), dtype=np.uint8)
-    data = evaluate.EvalData(x_u8=x, y=np.zeros(200, np.int64), files=[str(i) for i in range(200)],
+    data = EvalData(x_u8=x, y=np.zeros(200, np.int64), files=[str(i) for i in range(200)],
                              mean=(0.5,) * 3, std=(0.5,) * 3, input_name="x")
-    with runners.OrtRunner(q, opt_level="disable") as r:  # labels: the graph's own answer
-        data.y = evaluate.run_outputs(r, data, 64)["logits"].argmax(1)
-    with runners.OrtRunner(q) as r:
-        main = evaluate.run_outputs(r, data, 64)
-    cc = qdq_tools.backend_cross_check(q, data, main, batch=64)
+    with OrtRunner(q, opt_level="disable") as r:  # labels: the graph's own answer
+        data.y = run_outputs(r, data, 64)["logits"].argmax(1)
+    with OrtRunner(q) as r:
+        main = run_outputs(r, data, 64)
+    cc = backend_cross_check(q, data, main, batch=64)
     assert cc["adaptive"] and cc["disagreement"] is broken
-    assert cc["n"] == (200 if broken else qdq_tools.CROSS_CHECK_FIRST)
+    assert cc["n"] == (200 if broken else CROSS_CHECK_FIRST)
     if broken:
         assert cc["top1_unoptimized"] == 100.0 and cc["top1_main"] < 90
         assert "top-1" in cc["reason"] and "(200 images)" in cc["reason"]
@@ -675,7 +690,7 @@ def test_adaptive_cross_check_escalates_exactly_when_the_backend_differs(broken,
 
 def test_table_names_quantization_error(depthwise_ort):
     d = depthwise_ort
-    res = layerwise.quant_backend_table(d["fp32"], d["pt"], {"input": d["x"][:4]})
+    res = quant_backend_table(d["fp32"], d["pt"], {"input": d["x"][:4]})
     assert res["first_backend"] is None
     (lost,) = res["channels_lost"]  # the small channels the per-tensor weights zeroed
     assert len(lost["channels"]) >= 5 and 0 in lost["channels"] and 31 not in lost["channels"]
@@ -683,5 +698,5 @@ def test_table_names_quantization_error(depthwise_ort):
     # The per-channel file loses them too, at its per-tensor output quantization (ORT's
     # quantizer puts a Q/DQ on the graph output): the table shows it, the weight check does not
     # blame the weights (test_per_tensor_depthwise_dead_channels).
-    pc = layerwise.quant_backend_table(d["fp32"], d["pc"], {"input": d["x"][:4]})
+    pc = quant_backend_table(d["fp32"], d["pc"], {"input": d["x"][:4]})
     assert pc["first_backend"] is None and 0 in pc["channels_lost"][0]["channels"]

@@ -17,11 +17,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import common
 from tests.conftest import ROOT, run_stage
+from deploykit.data.images import normalize
+from deploykit.data.splits import load_split
+from deploykit.io import write_json
+from deploykit.layout import DEFAULT_DATA, model_tag
+from deploykit.models import model_spec
+from deploykit.results import result_record, write_result
+from deploykit.runners import TorchRunner
 
 MODEL = "efficientnet_lite0"
-SAMPLE = sorted(common.DEFAULT_DATA.glob("*.JPEG"))
+SAMPLE = sorted(DEFAULT_DATA.glob("*.JPEG"))
 
 
 def _classifier_onnx(path: Path, classes: int = 1000, seed: int = 0) -> Path:
@@ -64,15 +70,15 @@ def prepared(tmp_path_factory) -> Path:
     old = os.environ.get("ARTIFACTS")
     os.environ["ARTIFACTS"] = str(base / "a")
     try:
-        spec = common.model_spec(MODEL)
-        x, y, files = common.load_split("eval", spec)
+        spec = model_spec(MODEL)
+        x, y, files = load_split("eval", spec)
     finally:
         if old is None:
             del os.environ["ARTIFACTS"]
         else:
             os.environ["ARTIFACTS"] = old
     logits = ort.InferenceSession(str(good), providers=["CPUExecutionProvider"]).run(
-        None, {"input": common.normalize(x, spec.mean, spec.std)})[0]
+        None, {"input": normalize(x, spec.mean, spec.std)})[0]
     np.savez(base / "a" / MODEL / "ref_logits.npz", logits=logits, y=y, files=np.array(files))
     return base
 
@@ -131,17 +137,17 @@ def test_stage3_failed_rerun_keeps_the_good_row_and_the_report_shows_both(env, b
 
 def test_write_result_skipped_over_ok_goes_beside(tmp_path, monkeypatch):
     monkeypatch.setenv("RESULTS", str(tmp_path))
-    ok = common.result_record("7_trt_eval", "TensorRT", "FP16", MODEL, "trt_fp16")
-    common.write_result(MODEL, "trt_fp16", ok)
+    ok = result_record("7_trt_eval", "TensorRT", "FP16", MODEL, "trt_fp16")
+    write_result(MODEL, "trt_fp16", ok)
     skipped = dict(ok, status="skipped", reason="no TensorRT on this machine")
-    path = common.write_result(MODEL, "trt_fp16", skipped)
+    path = write_result(MODEL, "trt_fp16", skipped)
     assert path.name == "trt_fp16.skipped.json"
     assert json.loads((tmp_path / MODEL / "trt_fp16.json").read_text())["status"] == "ok"
     failed = dict(ok, status="failed", reason="x")
-    common.write_result(MODEL, "trt_int8", failed)  # no good row: written under its own name
+    write_result(MODEL, "trt_int8", failed)  # no good row: written under its own name
     assert json.loads((tmp_path / MODEL / "trt_int8.json").read_text())["status"] == "failed"
     # a failure that already replaced the artifact the good row described replaces the row
-    common.write_result(MODEL, "trt_fp16", failed, keep_good=False)
+    write_result(MODEL, "trt_fp16", failed, keep_good=False)
     assert json.loads((tmp_path / MODEL / "trt_fp16.json").read_text())["status"] == "failed"
     assert not (tmp_path / MODEL / "trt_fp16.skipped.json").exists()
 
@@ -175,19 +181,18 @@ def test_stage1_interrupted_during_latency_leaves_reference_and_row_as_they_were
         env, monkeypatch):
     """Ctrl-C in the latency loop (after the accuracy pass): the earlier reference and the row
     that describes it stay untouched, and no temporary is left."""
-    import runners
 
     for k in ("ARTIFACTS", "RESULTS"):
         monkeypatch.setenv(k, env[k])
     ref = Path(env["ARTIFACTS"]) / MODEL / "ref_logits.npz"
     row = Path(env["RESULTS"]) / MODEL / "pytorch_fp32_cpu.json"
-    common.write_json(row, {"status": "ok", "note": "the earlier run"})
+    write_json(row, {"status": "ok", "note": "the earlier run"})
     before = ref.read_bytes(), row.read_bytes()
 
     def interrupted(self, *a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(runners.TorchRunner, "time", interrupted)
+    monkeypatch.setattr(TorchRunner, "time", interrupted)
     stage1 = importlib.import_module("1_pytorch_baseline")
     args = stage1.get_args_parser().parse_args(["--model", MODEL, "--iters", "3",
                                                  "--warmup", "0"])
@@ -225,7 +230,7 @@ def test_stage7_missing_engine_is_named_before_the_tensorrt_check_and_writes_no_
 
 def test_stage7_engine_that_stage6_did_not_build_is_still_a_skipped_row(env):
     res = Path(env["RESULTS"]) / MODEL
-    common.write_json(res / "trt_build_fp16.json", common.result_record(
+    write_json(res / "trt_build_fp16.json", result_record(
         "6_build_engines", "TensorRT", "FP16", MODEL, "trt_build_fp16", status="skipped",
         reason="trtexec not found"))
     engine = Path(env["ARTIFACTS"]) / MODEL / "engines" / "fp16.plan"
@@ -260,7 +265,7 @@ def test_report_summary_takes_the_good_row_not_a_failed_rerun_beside_it():
     report = importlib.import_module("8_report")
 
     def row(tag, backend, prec, top1, p50, agree=None, status="ok", file=None):
-        r = common.result_record("x", backend, prec, MODEL, tag, status=status,
+        r = result_record("x", backend, prec, MODEL, tag, status=status,
                                  reason=None if status == "ok" else "broke")
         r.update(device="cpu", accuracy={"top1": top1, "top5": top1} if top1 else None,
                  latency={"end_to_end_ms": {"p50_ms": p50, "mean_ms": p50, "fps": 1e3 / p50}}
@@ -349,7 +354,7 @@ def test_output_without_batch_axis_is_named_by_stages_1_and_2_and_nothing_is_wri
         assert p.returncode == 1, p.stderr
         assert "has shape () for a batch of" in p.stderr and "no batch axis" in p.stderr
         assert "Fix: return a [N, ...] tensor" in p.stderr and "Traceback" not in p.stderr
-    tag = common.model_tag("tests.custom_models:no_batch_axis")
+    tag = model_tag("tests.custom_models:no_batch_axis")
     assert not list((tmp_path / "a").rglob("*.onnx"))
     assert not (tmp_path / "r" / tag / "pytorch_fp32_cpu.json").exists()
     assert not (tmp_path / "a" / tag / "ref_outputs.npz").exists()

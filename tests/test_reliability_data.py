@@ -19,10 +19,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import common
 from tests.conftest import ROOT, run_stage
+from deploykit.data.images import (
+    LargeImageWarning,
+    imagenet_wnids,
+    list_images,
+    load_image_rgb,
+    preprocess_image,
+)
+from deploykit.data.splits import align_reference, load_split, make_splits
+from deploykit.errors import StageError, UsageError
+from deploykit.io import atomic_path, write_json
+from deploykit.layout import DEFAULT_DATA, safe_name
+from deploykit.models import build_model, model_spec, parse_input_shapes
+from deploykit.results import write_result
 
-DATA = common.DEFAULT_DATA
+DATA = DEFAULT_DATA
 SAMPLE = sorted(DATA.glob("*.JPEG"))
 
 
@@ -47,7 +59,7 @@ def _class_folders(root: Path, files, nested: str = "") -> Path:
 def test_wnid_list_is_timms_sorted_list_and_matches_the_sample():
     from timm.data import ImageNetInfo
 
-    w = common.imagenet_wnids()
+    w = imagenet_wnids()
     assert list(w) == ImageNetInfo("imagenet-1k").label_names()
     assert len(w) == 1000 and list(w) == sorted(w)
     assert list(w) == sorted({f.name[:9] for f in SAMPLE})
@@ -60,19 +72,19 @@ def test_class_folder_that_is_not_a_wnid_is_refused_not_shifting_labels(tmp_path
     fake = tmp_path / "n99999999"
     fake.mkdir()
     (fake / "x.JPEG").symlink_to(SAMPLE[-1])
-    with pytest.raises(common.StageError, match=r"not ImageNet WNIDs: n99999999 \(1 images\)"):
-        common.list_images(tmp_path)
+    with pytest.raises(StageError, match=r"not ImageNet WNIDs: n99999999 \(1 images\)"):
+        list_images(tmp_path)
     fake.rename(tmp_path / "cats")  # a plain folder name with images: named too
-    with pytest.raises(common.StageError, match=r"cats \(1 images\).*rename each to its WNID"):
-        common.list_images(tmp_path)
+    with pytest.raises(StageError, match=r"cats \(1 images\).*rename each to its WNID"):
+        list_images(tmp_path)
 
 
 def test_missing_classes_refused_unless_subset_flag_then_real_wnid_index(tmp_path):
     picks = [SAMPLE[1], SAMPLE[500], SAMPLE[999]]
     _class_folders(tmp_path, picks)
-    with pytest.raises(common.StageError, match="3 of the 1000.*--allow-class-subset"):
-        common.list_images(tmp_path)
-    items, layout = common.list_images(tmp_path, allow_subset=True)
+    with pytest.raises(StageError, match="3 of the 1000.*--allow-class-subset"):
+        list_images(tmp_path)
+    items, layout = list_images(tmp_path, allow_subset=True)
     assert layout == "class-folders"
     assert [c for _, c in items] == [1, 500, 999]  # the WNID's index, not 0, 1, 2
 
@@ -93,12 +105,12 @@ def test_stage0_subset_flag_and_env(tmp_path):
 def test_nested_class_folders(tmp_path):
     # images one level below their class folder are found and labelled by the class folder
     _class_folders(tmp_path / "a", SAMPLE[:3], nested="extra")
-    items, _ = common.list_images(tmp_path / "a", allow_subset=True)
+    items, _ = list_images(tmp_path / "a", allow_subset=True)
     assert [c for _, c in items] == [0, 1, 2] and items[0][0].startswith("n01440764/extra/")
     # class folders one level below the data root: say which folder to use
     _class_folders(tmp_path / "b" / "val", SAMPLE[:3])
-    with pytest.raises(common.StageError, match=r"holds class folders.*--data-root .*b/val"):
-        common.list_images(tmp_path / "b")
+    with pytest.raises(StageError, match=r"holds class folders.*--data-root .*b/val"):
+        list_images(tmp_path / "b")
 
 
 def _flat_csv(tmp_path: Path, lines: list[str]) -> Path:
@@ -115,8 +127,8 @@ def test_malformed_csv_line_is_named(tmp_path):
                                "ILSVRC2012_val_00000001,n01440764 1 2 3 4",
                                "ILSVRC2012_val_00000002 n01443537 1 2 3 4",
                                "ILSVRC2012_val_00000003,n01484850 1 2 3 4"])
-    with pytest.raises(common.StageError, match=r"line 3: malformed line 'ILSVRC2012_val_00000002"):
-        common.list_images(val, allow_subset=True)
+    with pytest.raises(StageError, match=r"line 3: malformed line 'ILSVRC2012_val_00000002"):
+        list_images(val, allow_subset=True)
 
 
 def test_csv_unknown_wnid_is_named(tmp_path):
@@ -124,15 +136,15 @@ def test_csv_unknown_wnid_is_named(tmp_path):
                                "ILSVRC2012_val_00000001,n01440764 1 2 3 4",
                                "ILSVRC2012_val_00000002,n12345678 1 2 3 4",
                                "ILSVRC2012_val_00000003,n01484850 1 2 3 4"])
-    with pytest.raises(common.StageError, match=r"line 3: 'n12345678' is not one of the 1000"):
-        common.list_images(val, allow_subset=True)
+    with pytest.raises(StageError, match=r"line 3: 'n12345678' is not one of the 1000"):
+        list_images(val, allow_subset=True)
 
 
 def test_csv_without_header_keeps_first_row(tmp_path):
     val = _flat_csv(tmp_path, ["ILSVRC2012_val_00000001,n01440764 1 2 3 4",
                                "ILSVRC2012_val_00000002,n01443537 1 2 3 4",
                                "ILSVRC2012_val_00000003,n01484850 1 2 3 4"])
-    items, _ = common.list_images(val, allow_subset=True)
+    items, _ = list_images(val, allow_subset=True)
     assert [c for _, c in items] == [0, 1, 2]
 
 
@@ -161,39 +173,39 @@ def _old_make_splits(items, eval_per_class, calib_per_class, calib_fraction, see
 
 
 def test_splits_unchanged_where_the_old_rules_worked():
-    items, _ = common.list_images(DATA)
-    assert common.make_splits(items, None, 10, 0.1, 0) == _old_make_splits(items, None, 10, 0.1, 0)
+    items, _ = list_images(DATA)
+    assert make_splits(items, None, 10, 0.1, 0) == _old_make_splits(items, None, 10, 0.1, 0)
     many = [(f"c{c}/{i}.JPEG", c) for c in range(50) for i in range(15)]
-    assert common.make_splits(many, 3, 10, 0.1, 0) == _old_make_splits(many, 3, 10, 0.1, 0)
+    assert make_splits(many, 3, 10, 0.1, 0) == _old_make_splits(many, 3, 10, 0.1, 0)
 
 
 def test_few_images_per_class_never_give_an_empty_eval_split():
     items = [(f"c{c}/{i}.JPEG", c) for c in range(20) for i in range(3)]  # 3 per class
     assert not _old_make_splits(items, None, 10, 0.1, 0)[0]  # the old rules: 0 eval
-    ev, ca = common.make_splits(items, None, 10, 0.1, 0)
+    ev, ca = make_splits(items, None, 10, 0.1, 0)
     assert len(ev) == 20 and len(ca) == 40 and {c for _, c in ev} == set(range(20))
     assert not {p for p, _ in ev} & {p for p, _ in ca}
 
 
 def test_one_stray_extra_image_does_not_empty_the_eval_split():
-    items, _ = common.list_images(DATA)
+    items, _ = list_images(DATA)
     items = items + [("stray_a.JPEG", 3), ("stray_b.JPEG", 7)]  # two classes now have 2 images
     assert len(_old_make_splits(items, None, 10, 0.1, 0)[0]) == 0
-    ev, ca = common.make_splits(items, None, 10, 0.1, 0)
+    ev, ca = make_splits(items, None, 10, 0.1, 0)
     assert len(ev) == 900 and len(ca) == 102  # 100 held-out classes + 1 from each 2-image class
 
 
 def test_calib_fraction_that_leaves_no_eval_names_the_flag():
-    with pytest.raises(common.UsageError, match="lower --calib-fraction"):
-        common.make_splits([("a.JPEG", 0)], None, 10, 0.9, 0)
+    with pytest.raises(UsageError, match="lower --calib-fraction"):
+        make_splits([("a.JPEG", 0)], None, 10, 0.9, 0)
 
 
 def test_empty_eval_split_message_names_a_flag_that_helps(tmp_path, monkeypatch):
     monkeypatch.setenv("ARTIFACTS", str(tmp_path))
     (tmp_path / "splits.json").write_text(json.dumps({"data_root": "/x", "eval": [],
                                                       "calib": [["a", 0]]}))
-    with pytest.raises(common.StageError, match="--calib-fraction or --calib-per-class"):
-        common.load_split("eval", common.model_spec("efficientnet_lite0"))
+    with pytest.raises(StageError, match="--calib-fraction or --calib-per-class"):
+        load_split("eval", model_spec("efficientnet_lite0"))
 
 
 # ------------------------------------------------------------------------------- image modes
@@ -211,7 +223,7 @@ def _write_png16(path: Path, a: np.ndarray, color_type: int) -> None:
 
 
 def _rgb(path) -> np.ndarray:
-    return np.asarray(common.load_image_rgb(path))
+    return np.asarray(load_image_rgb(path))
 
 
 def test_16bit_gray_png_keeps_its_contents(tmp_path):
@@ -290,8 +302,8 @@ def test_large_image_warning_names_the_file(tmp_path, monkeypatch):
 
     Image.new("RGB", (40, 40), (1, 2, 3)).save(tmp_path / "huge.png")
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # 1600 px: above, but not 2x above
-    with pytest.warns(common.LargeImageWarning, match=r"huge\.png: 40x40 px"):
-        img = common.load_image_rgb(tmp_path / "huge.png")
+    with pytest.warns(LargeImageWarning, match=r"huge\.png: 40x40 px"):
+        img = load_image_rgb(tmp_path / "huge.png")
     assert img.size == (40, 40)
 
 
@@ -315,7 +327,7 @@ def test_stage0_loads_every_mode_from_a_mixed_folder(tmp_path):
     assert len(split["eval"]) == 7 and not split["unreadable"]
     z = np.load(next((tmp_path / "a" / "cache").glob("eval-*.npz")))
     i16 = [str(f) for f in z["files"]].index(f"{SAMPLE[4].name[:9]}/g16.png")
-    ref = common.preprocess_image(Image.open(SAMPLE[4]).convert("L").convert("RGB"), 256, 224,
+    ref = preprocess_image(Image.open(SAMPLE[4]).convert("L").convert("RGB"), 256, 224,
                                   "bicubic")
     assert np.abs(z["x"][i16].astype(int) - ref).max() <= 1
 
@@ -333,11 +345,11 @@ def tiny_stage0(tmp_path):
 
 def test_truncated_cache_is_named_and_rebuilt(tiny_stage0, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("ARTIFACTS", tiny_stage0["ARTIFACTS"])
-    spec = common.model_spec("efficientnet_lite0")
-    x0, y0, f0 = common.load_split("eval", spec)
+    spec = model_spec("efficientnet_lite0")
+    x0, y0, f0 = load_split("eval", spec)
     cache = next((tmp_path / "a" / "cache").glob("eval-*.npz"))
     cache.write_bytes(cache.read_bytes()[: cache.stat().st_size // 2])
-    x1, y1, f1 = common.load_split("eval", spec)
+    x1, y1, f1 = load_split("eval", spec)
     err = capsys.readouterr().err
     assert cache.name in err and "rebuilding" in err
     np.testing.assert_array_equal(x0, x1)
@@ -349,21 +361,21 @@ def test_truncated_reference_is_named_with_the_stage_that_rewrites_it(tmp_path):
     ref = tmp_path / "ref_logits.npz"
     np.savez(ref, logits=np.zeros((4, 10), np.float32), files=np.array(list("abcd")))
     ref.write_bytes(ref.read_bytes()[:100])
-    with pytest.raises(common.StageError,
+    with pytest.raises(StageError,
                        match=r"ref_logits\.npz is unreadable.*truncated.*1_pytorch_baseline\.py"):
-        common.align_reference(ref, ["a"])
+        align_reference(ref, ["a"])
     np.savez(ref, logits=np.zeros((4, 10), np.float32))
-    with pytest.raises(common.StageError, match=r"lacks \['files'\]"):
-        common.align_reference(ref, ["a"])
+    with pytest.raises(StageError, match=r"lacks \['files'\]"):
+        align_reference(ref, ["a"])
 
 
 # ------------------------------------------------------------------------------- writes
 def test_disk_full_inside_atomic_write_names_the_path_and_keeps_the_old_file(tmp_path):
     target = tmp_path / "res" / "row.json"
-    common.write_json(target, {"good": 1})
-    with pytest.raises(common.StageError, match=r"cannot write .*row\.json: the disk is full "
+    write_json(target, {"good": 1})
+    with pytest.raises(StageError, match=r"cannot write .*row\.json: the disk is full "
                                                 r"\[ENOSPC\]; the previous row\.json is unchanged"):
-        with common.atomic_path(target) as tmp:
+        with atomic_path(target) as tmp:
             tmp.write_text("partial")
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     assert json.loads(target.read_text()) == {"good": 1}
@@ -410,10 +422,10 @@ def test_unwritable_results_folder_fails_before_the_long_work(tmp_path, where):
 def test_unsafe_tag_is_refused_and_nothing_is_written_outside(tmp_path, monkeypatch):
     monkeypatch.setenv("RESULTS", str(tmp_path / "results"))
     for bad in ("../../x", "a/b", "..", ".hidden", "", "x y"):
-        with pytest.raises(common.UsageError, match="not a plain name"):
-            common.write_result("efficientnet_lite0", bad, {"status": "ok"})
+        with pytest.raises(UsageError, match="not a plain name"):
+            write_result("efficientnet_lite0", bad, {"status": "ok"})
     assert not list(tmp_path.rglob("*.json"))
-    assert common.safe_name("ort_int8_hp32") == "ort_int8_hp32"
+    assert safe_name("ort_int8_hp32") == "ort_int8_hp32"
 
 
 # ------------------------------------------------------------------------------- models
@@ -434,21 +446,21 @@ def other_net():
 
 
 def test_factory_that_raises_is_named():
-    with pytest.raises(common.StageError, match=r"factory tests\.test_reliability_data\."
+    with pytest.raises(StageError, match=r"factory tests\.test_reliability_data\."
                                                 r"raising_factory\(\) raised RuntimeError"):
-        common.build_model("tests.test_reliability_data:raising_factory")
+        build_model("tests.test_reliability_data:raising_factory")
 
 
 def test_negative_or_zero_input_shape_is_a_usage_error():
     for bad in ("x:1,-3,224,224", "x:0,3"):
-        with pytest.raises(common.UsageError, match="every dimension must be >= 1"):
-            common.parse_input_shapes([bad])
+        with pytest.raises(UsageError, match="every dimension must be >= 1"):
+            parse_input_shapes([bad])
 
 
 def test_weights_folder_is_a_usage_error(tmp_path):
     (tmp_path / "model.pth").write_bytes(b"")
-    with pytest.raises(common.UsageError, match=r"is a folder.*found there: model\.pth"):
-        common.build_model("tests.test_reliability_data:tiny_net", weights=tmp_path)
+    with pytest.raises(UsageError, match=r"is a folder.*found there: model\.pth"):
+        build_model("tests.test_reliability_data:tiny_net", weights=tmp_path)
 
 
 def test_state_dict_of_another_architecture_custom_and_torchvision(tmp_path):
@@ -456,12 +468,12 @@ def test_state_dict_of_another_architecture_custom_and_torchvision(tmp_path):
 
     ck = tmp_path / "other.pth"
     torch.save(other_net().state_dict(), ck)
-    with pytest.raises(common.StageError, match=r"does not fit --model tests\.test_reliability_data"
+    with pytest.raises(StageError, match=r"does not fit --model tests\.test_reliability_data"
                                                 r":tiny_net: .*of another shape.*another architecture"):
-        common.build_model("tests.test_reliability_data:tiny_net", weights=ck)
-    with pytest.raises(common.StageError, match=r"does not fit --model mobilenet_v3_small: "
+        build_model("tests.test_reliability_data:tiny_net", weights=ck)
+    with pytest.raises(StageError, match=r"does not fit --model mobilenet_v3_small: "
                                                 r"\d+ tensors missing"):
-        common.build_model("mobilenet_v3_small", weights=ck)
+        build_model("mobilenet_v3_small", weights=ck)
 
 
 def test_stage1_cli_messages_for_bad_model_inputs(tmp_path):

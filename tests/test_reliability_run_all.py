@@ -16,11 +16,13 @@ import sys
 import time
 from pathlib import Path
 
-import common
 from tests.conftest import ROOT
+from deploykit.io import write_json
+from deploykit.layout import DEFAULT_DATA
+from deploykit.results import result_record
 
 MODEL = "efficientnet_lite0"
-SAMPLE = sorted(common.DEFAULT_DATA.glob("*.JPEG"))
+SAMPLE = sorted(DEFAULT_DATA.glob("*.JPEG"))
 
 
 def _env(tmp_path: Path, **extra) -> dict:
@@ -47,10 +49,10 @@ def _tiny_data(tmp_path: Path, n: int = 4) -> Path:
 
 def _good_row(env: dict, tag: str = "pytorch_fp32_cpu") -> Path:
     row = Path(env["RESULTS"]) / MODEL / f"{tag}.json"
-    rec = common.result_record("1_pytorch_baseline", "PyTorch", "FP32", MODEL, tag)
+    rec = result_record("1_pytorch_baseline", "PyTorch", "FP32", MODEL, tag)
     rec.update(device="cpu", n_images=4, accuracy={"top1": 50.0, "top5": 75.0},
                latency={"end_to_end_ms": {"p50_ms": 10.0, "mean_ms": 10.0, "fps": 100.0}})
-    common.write_json(row, rec)
+    write_json(row, rec)
     return row
 
 

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import importlib
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
+from deploykit.evaluate import base_record
+from deploykit.layerwise.report import plot_rows, plot_similarity
 
-import evaluate
-import layerwise
 
 report = importlib.import_module("8_report")
 MODEL = "efficientnet_lite0"  # the folder the report tests write to: rows name their model
@@ -26,7 +25,7 @@ def _lat(p50: float, **extra) -> dict:
 
 def _row(tag, backend, precision, device, top1, p50, **kw):
     desc = {"backend": backend, "device": device, "device_name": "X", "ep_used": kw.pop("ep", None)}
-    return evaluate.base_record("t", precision, MODEL, tag, desc, accuracy={"top1": top1, "top5": 99.0},
+    return base_record("t", precision, MODEL, tag, desc, accuracy={"top1": top1, "top5": 99.0},
                                 parity={"cosine_mean": 0.999, "top1_agreement": kw.pop("agree", 99.0)},
                                 latency=_lat(p50, **kw.pop("lat", {})), size_mb=kw.pop("size", 10.0),
                                 n_images=900, **kw)
@@ -45,7 +44,7 @@ def rows():
              diagnostics={"backend_cross_check": {"disagreement": True, "top1_unoptimized": 88.3,
                                                   "n": 900}}),
         _row("ort_int8_hp32", "ORT", "INT8", "cpu", 88.3, 8.0, agree=98.6),
-        evaluate.base_record("t", "FP32", MODEL, "trt_fp32", {"backend": "TensorRT", "device": "cuda"},
+        base_record("t", "FP32", MODEL, "trt_fp32", {"backend": "TensorRT", "device": "cuda"},
                              status="skipped", reason="TensorRT is not installed"),
     ]
 
@@ -99,7 +98,7 @@ def test_plots_are_written_and_linked(rows, tmp_path, monkeypatch):
 
 
 def test_console_summary_names_best_recipe_and_failures(rows, tmp_path):
-    rows = rows + [evaluate.base_record("t", "INT4", "m", "ort_int4_cli_broken",
+    rows = rows + [base_record("t", "INT4", "m", "ort_int4_cli_broken",
                                         {"backend": "ORT", "device": "cpu"}, status="failed",
                                         reason="x")]
     line = report.summary("m", rows, tmp_path / "REPORT.md")
@@ -117,14 +116,14 @@ def test_layerwise_plot_keeps_non_finite_layers(tmp_path):
     res = {"layers": layers, "tolerances": {"min_cosine": 0.98},
            "first_divergent": {"index": 3, "node": "n3"},
            "a": {"backend": "ORT", "onnx": "a.onnx"}, "b": {"backend": "ORT", "onnx": "b.onnx"}}
-    assert [r["node"] for r in layerwise.plot_rows(res)] == [f"n{i}" for i in range(5)]
+    assert [r["node"] for r in plot_rows(res)] == [f"n{i}" for i in range(5)]
     # also after a JSON round trip (NaN is written as null)
     back = json.loads(json.dumps(res).replace("NaN", "null"))
-    assert len(layerwise.plot_rows(back)) == 5
-    path = layerwise.plot_similarity(back, tmp_path / "p.png")
+    assert len(plot_rows(back)) == 5
+    path = plot_similarity(back, tmp_path / "p.png")
     assert path.stat().st_size > 5000
     assert np.isnan(np.array([r["cosine_min"] if r["cosine_min"] is not None else np.nan
-                              for r in layerwise.plot_rows(back)])).sum() == 1
+                              for r in plot_rows(back)])).sum() == 1
 
 
 def test_gpu_rows_from_results_gpu_join_the_report(rows, tmp_path, monkeypatch):

@@ -19,9 +19,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import common
 from tests.conftest import ROOT
 from tests.test_reliability_run_all import MODEL, _env, _good_row, _run_all, _wait_for
+from deploykit.cli import add_shared_args, cli, stage_parser
+from deploykit.data.images import imagenet_wnids, list_images
+from deploykit.errors import StageError, UsageError
+from deploykit.evaluate import EvalData, latency
+from deploykit.io import write_json
+from deploykit.layout import DEFAULT_DATA
+from deploykit.results import result_record, write_result
+from deploykit.runners import Runner
+from deploykit.timing import MIN_ITERS
 
 
 # ----------------------------------------------------------------- run_all.sh: orphaned stage
@@ -69,7 +77,7 @@ def test_rerun_refuses_while_a_stage_of_a_killed_run_still_writes(tmp_path):
 
 # ----------------------------------------------------------------- data folder: folder links
 def _class_folders(tmp_path: Path, n: int = 3) -> tuple[Path, list[Path]]:
-    sample = sorted(common.DEFAULT_DATA.glob("n*.JPEG"))[:n]
+    sample = sorted(DEFAULT_DATA.glob("n*.JPEG"))[:n]
     data = tmp_path / "data"
     for f in sample:
         (data / f.name[:9]).mkdir(parents=True)
@@ -88,8 +96,8 @@ def test_folder_link_loops_never_list_images_twice_or_under_another_label(tmp_pa
     dest = {"root": "..", "other_class": f"../{sample[1].name[:9]}", "itself": ".",
             "parent_of_root": "../.."}[target]
     (first / "link").symlink_to(dest)
-    items, _ = common.list_images(data, allow_subset=True)
-    wnids = common.imagenet_wnids()
+    items, _ = list_images(data, allow_subset=True)
+    wnids = imagenet_wnids()
     truth = {f"{f.name[:9]}/{f.name}": wnids.index(f.name[:9]) for f in sample}
     assert dict(items) == truth            # each image once, with its own class's label
     err = capsys.readouterr().err
@@ -98,25 +106,25 @@ def test_folder_link_loops_never_list_images_twice_or_under_another_label(tmp_pa
 
 def test_two_class_folders_that_are_one_folder_are_refused(tmp_path):
     data, sample = _class_folders(tmp_path, 2)
-    wnid = common.imagenet_wnids()[500]
+    wnid = imagenet_wnids()[500]
     (data / wnid).symlink_to(data / sample[0].name[:9])
-    with pytest.raises(common.StageError, match=f"{sample[0].name[:9]}, {wnid}|{wnid}, "
+    with pytest.raises(StageError, match=f"{sample[0].name[:9]}, {wnid}|{wnid}, "
                                                 f"{sample[0].name[:9]}") as e:
-        common.list_images(data, allow_subset=True)
+        list_images(data, allow_subset=True)
     assert "two labels" in str(e.value)
 
 
 # ----------------------------------------------------------------- stage CLI: environment faults
 def _cli(main, argv: list[str], monkeypatch) -> SystemExit:
     def parser():
-        p = common.stage_parser("test stage", prog="stage_x.py")
-        common.add_shared_args(p, "batch_size", "latency_batch", "limit", "threads")
+        p = stage_parser("test stage", prog="stage_x.py")
+        add_shared_args(p, "batch_size", "latency_batch", "limit", "threads")
         return p
 
     monkeypatch.setattr(sys, "argv", ["stage_x.py", *argv])
     try:
         with pytest.raises(SystemExit) as e:
-            common.cli(parser, main)
+            cli(parser, main)
     except KeyboardInterrupt:
         pytest.fail("Ctrl-C escaped common.cli as a traceback")
     return e.value
@@ -240,14 +248,14 @@ class _SlowRunner:
     """A runner whose every call takes 20 ms (runners.Runner.time's default loop)."""
 
     batch_range = (1, None)
+    max_seconds = Runner.max_seconds
 
     def infer(self, feed):
         time.sleep(0.02)
         return {}
 
     def time(self, feed, warmup, iters):
-        import runners
-        return runners.Runner.time(self, feed, warmup, iters)
+        return Runner.time(self, feed, warmup, iters)
 
 
 @pytest.mark.parametrize("stage", ["1_pytorch_baseline", "3_onnx_eval", "7_trt_eval"])
@@ -266,18 +274,17 @@ def test_max_seconds_flag_exists_and_is_checked(stage):
 
 
 def test_latency_loop_cut_by_the_budget_says_so_and_0_runs_every_iteration(monkeypatch, capsys):
-    import evaluate
-    import runners
 
-    data = evaluate.EvalData(x_u8=np.zeros((2, 3, 4, 4), np.uint8), y=np.zeros(2, np.int64),
+    data = EvalData(x_u8=np.zeros((2, 3, 4, 4), np.uint8), y=np.zeros(2, np.int64),
                              files=["a", "b"], mean=(0.5,) * 3, std=(0.5,) * 3)
-    monkeypatch.setattr(runners, "MAX_SECONDS", 0.1)
-    cut = evaluate.latency(_SlowRunner(), data, 1, 0, 40)
-    assert runners.MIN_ITERS <= cut["iters"] < 40 and cut["max_seconds"] == 0.1
+    slow = _SlowRunner()
+    slow.max_seconds = 0.1  # what --max-seconds 0.1 sets on the runner evaluate() times
+    cut = latency(slow, data, 1, 0, 40)
+    assert MIN_ITERS <= cut["iters"] < 40 and cut["max_seconds"] == 0.1
     err = capsys.readouterr().err
     assert f"{cut['iters']} of --iters 40 timed runs" in err and "--max-seconds 0" in err
-    monkeypatch.setattr(runners, "MAX_SECONDS", float("inf"))  # what --max-seconds 0 sets
-    full = evaluate.latency(_SlowRunner(), data, 1, 0, 40)
+    slow.max_seconds = float("inf")  # what --max-seconds 0 sets
+    full = latency(slow, data, 1, 0, 40)
     assert full["iters"] == 40 and full["max_seconds"] is None
     assert "note: latency" not in capsys.readouterr().err
 
@@ -295,7 +302,7 @@ def test_a_tag_that_names_another_results_file_is_refused_before_any_work(tmp_pa
     res = tmp_path / "r" / MODEL
     other = res / f"{tag}.json"
     if kind == "file":
-        common.write_json(other, {"stage": "0_prepare_data", "n_eval": 900})
+        write_json(other, {"stage": "0_prepare_data", "n_eval": 900})
     before = other.read_bytes() if other.exists() else None
     p = run_stage(["3_onnx_eval.py", "--model", MODEL, "--onnx", str(tmp_path / "none.onnx"),
                    "--tag", tag], env, check=False)
@@ -304,20 +311,20 @@ def test_a_tag_that_names_another_results_file_is_refused_before_any_work(tmp_pa
     assert ("not a results row" if kind == "file" else "kept beside the row") in p.stderr
     assert (other.read_bytes() if other.exists() else None) == before
     # the row writer itself refuses too (every stage writes rows through it)
-    rec = common.result_record("3_onnx_eval", "ORT", "FP32", MODEL, tag)
+    rec = result_record("3_onnx_eval", "ORT", "FP32", MODEL, tag)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RESULTS", str(tmp_path / "r"))
-        with pytest.raises(common.UsageError, match="choose another tag"):
-            common.write_result(MODEL, tag, rec)
+        with pytest.raises(UsageError, match="choose another tag"):
+            write_result(MODEL, tag, rec)
     assert (other.read_bytes() if other.exists() else None) == before
 
 
 def test_a_tag_naming_an_earlier_row_is_still_rewritten(tmp_path, monkeypatch):
     monkeypatch.setenv("RESULTS", str(tmp_path / "r"))
-    rec = common.result_record("3_onnx_eval", "ORT", "FP32", MODEL, "ort_x")
-    common.write_result(MODEL, "ort_x", rec)
+    rec = result_record("3_onnx_eval", "ORT", "FP32", MODEL, "ort_x")
+    write_result(MODEL, "ort_x", rec)
     rec["reason"] = "second"
-    path = common.write_result(MODEL, "ort_x", rec)
+    path = write_result(MODEL, "ort_x", rec)
     assert json.loads(path.read_text())["reason"] == "second"
 
 

@@ -11,20 +11,31 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
+from deploykit.checks.base import worst
+from deploykit.checks.export import check_batch_parity
+from deploykit.checks.fp16 import convert_fp16, fp16_converter_changes, fp16_true_arithmetic
+from deploykit.checks.lint import lint
+from deploykit.data.images import normalize
+from deploykit.errors import StageError
+from deploykit.evaluate import EvalData, evaluate, summary_line
+from deploykit.layerwise.torch_vs_onnx import torch_vs_onnx
+from deploykit.quant.calibration import validate_calibration
+from deploykit.quant.health import check_model, check_scales
+from deploykit.runners import OrtRunner, ort_session_options
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import export_checks as ec  # noqa: E402
-import qdq_check  # noqa: E402
-import runners  # noqa: E402
+pass  # noqa: E402
+pass  # noqa: E402
+pass  # noqa: E402
 
 
 def _ort(model, feed, level="all", disabled=()):
     import onnxruntime as ort
 
-    so = runners.ort_session_options(level)
+    so = ort_session_options(level)
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"],
                                 disabled_optimizers=list(disabled)).run(None, feed)[0]
 
@@ -76,7 +87,7 @@ def test_bias_requant_through_matmul_add_fusion(tmp_path):
     path = tmp_path / "m.onnx"
     onnx.save(m, str(path))
     for calib in (None, feed):
-        rep = qdq_check.check_model(m, path=path, calib=calib)
+        rep = check_model(m, path=path, calib=calib)
         (f,) = [f for f in rep["findings"] if f["kind"] == "bias_requant"]
         assert f["node"] == "dense/MatMul" and f["details"]["channels_changed"] == [0, 1, 2, 3]
         assert "MatMulAddFusion" in f["message"] and "dense/BiasAdd" in f["message"]
@@ -86,11 +97,11 @@ def test_bias_requant_through_matmul_add_fusion(tmp_path):
     m3 = matmul_add_qdq(["N", 3, 8])
     feed3 = {"x": np.random.default_rng(0).uniform(0, 1, (4, 3, 8)).astype(np.float32)}
     np.testing.assert_allclose(_ort(m3, feed3, "all"), _ort(m3, feed3, "disable"))
-    assert not [f for f in qdq_check.check_model(m3)["findings"] if f["kind"] == "bias_requant"]
+    assert not [f for f in check_model(m3)["findings"] if f["kind"] == "bias_requant"]
     # a [1, N] bias is fused too, but WeightBiasQuantization takes 1-D biases only
     m2 = matmul_add_qdq(["N", 8], (1, 4))
     np.testing.assert_allclose(_ort(m2, feed, "all"), _ort(m2, feed, "disable"))
-    assert not [f for f in qdq_check.check_model(m2)["findings"] if f["kind"] == "bias_requant"]
+    assert not [f for f in check_model(m2)["findings"] if f["kind"] == "bias_requant"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -125,18 +136,18 @@ def test_fp16_keep_fp32_keeps_the_constants_of_the_kept_nodes():
     keep = ["mul", "sub", "scale", "add"]
     feed = {"x": np.random.default_rng(0).uniform(0, 1, (3, 4)).astype(np.float32)}
     y32 = _ort(m, feed, "disable")
-    m16, warn = ec.convert_fp16(m, keep)
+    m16, warn = convert_fp16(m, keep)
     onnx.checker.check_model(m16)
     y16 = _ort(m16, feed, "disable")
     np.testing.assert_allclose(y16, y32, atol=1e-3)  # the kept nodes compute with 1e5
-    res = ec.fp16_converter_changes(m, m16, warn, keep_fp32=keep)
+    res = fp16_converter_changes(m, m16, warn, keep_fp32=keep)
     fails = [r for r in res if r["status"] == "fail" and not r.get("summary")]
     # the shared initializer is still changed for the node that was not kept, and only it
     (f,) = fails
     assert f["constant"] == "big" and f["keep_fp32"] == ["mul3"], f
-    m16b, warn = ec.convert_fp16(m, keep + ["mul3"])
-    res = ec.fp16_converter_changes(m, m16b, warn, keep_fp32=keep + ["mul3"])
-    assert ec.worst(res) == "pass", res
+    m16b, warn = convert_fp16(m, keep + ["mul3"])
+    res = fp16_converter_changes(m, m16b, warn, keep_fp32=keep + ["mul3"])
+    assert worst(res) == "pass", res
     # nothing left behind: the FP16 copies only the kept nodes read are gone
     assert "big" not in {i.name for i in m16b.graph.initializer}
     assert "c_tiny" not in {n.name for n in m16b.graph.node}
@@ -144,8 +155,8 @@ def test_fp16_keep_fp32_keeps_the_constants_of_the_kept_nodes():
 
 def test_fp16_constant_summary_row_does_not_contradict_the_finding():
     m = fp16_constants_model()
-    m16, warn = ec.convert_fp16(m, [])
-    res = ec.fp16_converter_changes(m, m16, warn)
+    m16, warn = convert_fp16(m, [])
+    res = fp16_converter_changes(m, m16, warn)
     summary = [r for r in res if r.get("summary")]
     assert summary and "no constant changed" not in summary[0]["detail"]
     assert {r["constant"] for r in res if r["status"] == "fail" and not r.get("summary")} == \
@@ -198,12 +209,12 @@ def test_true_fp16_arithmetic_runs_a_static_batch(tmp_path):
          numpy_helper.from_array(np.array(300.0, np.float32), "k"),
          numpy_helper.from_array(np.array(1e-4, np.float32), "inv")])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
-    m16, _ = ec.convert_fp16(m)
+    m16, _ = convert_fp16(m)
     path = tmp_path / "fp16.onnx"
     onnx.save(m16, str(path))
     feed = {"x": np.random.default_rng(0).uniform(1, 2, (8, 2, 3)).astype(np.float32)}
     ref = {"y": np.concatenate([_ort(m, {"x": feed["x"][i:i + 4]}) for i in (0, 4)])}
-    (r,) = ec.fp16_true_arithmetic(path, feed, ref, 0.999)
+    (r,) = fp16_true_arithmetic(path, feed, ref, 0.999)
     assert r["status"] == "fail", r
     assert "square" in r["detail"] and r["n_samples"] >= 4
 
@@ -227,7 +238,7 @@ def test_lint_squeeze_with_axes_on_the_dynamic_batch():
     batch it becomes Squeeze(axes=[0]), which ONNX Runtime refuses for any batch but 1 ("If
     an axis is selected with shape entry not equal to one, an error is raised", ONNX Squeeze-13).
     The lint passed it as "names its axes"."""
-    (r,) = [r for r in ec.lint(_sq_model(["batch", 10], [0])) if r["check"] == "squeeze_axes"]
+    (r,) = [r for r in lint(_sq_model(["batch", 10], [0])) if r["check"] == "squeeze_axes"]
     assert r["status"] == "fail" and r["node"] == "head/sq", r
     assert "axis 0" in r["detail"] and "squeeze(0)" in r["fix"]
     x = np.ones((3, 10), np.float32)
@@ -235,7 +246,7 @@ def test_lint_squeeze_with_axes_on_the_dynamic_batch():
         _ort(_sq_model(["batch", 10], [0]), {"x": x})
     # named static axes, and a negative one, stay clean
     for axes in ([1], [-1]):
-        (r,) = [r for r in ec.lint(_sq_model(["batch", 1, 10] if axes == [1] else
+        (r,) = [r for r in lint(_sq_model(["batch", 1, 10] if axes == [1] else
                                              ["batch", 10, 1], axes))
                 if r["check"] == "squeeze_axes"]
         assert r["status"] == "pass", r
@@ -243,21 +254,21 @@ def test_lint_squeeze_with_axes_on_the_dynamic_batch():
 
 def test_lint_squeeze_without_axes_fix_names_the_axes_to_keep():
     """The fix named ``x.squeeze((2, 3))`` whatever the shape; for [B, 1, 10] it is axis 1."""
-    (r,) = [r for r in ec.lint(_sq_model(["batch", 1, 10])) if r["check"] == "squeeze_axes"]
+    (r,) = [r for r in lint(_sq_model(["batch", 1, 10])) if r["check"] == "squeeze_axes"]
     assert r["status"] == "fail" and "squeeze(1)" in r["fix"], r
 
 
 def test_batch_parity_names_the_squeeze_and_its_fix():
     """When PyTorch's own output rank depends on the batch, the row names the lint's Squeeze
     and repeats its fix (it printed the ``.squeeze()`` advice for a ``squeeze(0)``)."""
-    lint = [r for r in ec.lint(_sq_model(["batch", 10], [0])) if r["check"] == "squeeze_axes"]
+    found = [r for r in lint(_sq_model(["batch", 10], [0])) if r["check"] == "squeeze_axes"]
     ref = {1: {"y": np.zeros(10, np.float32)}, 3: {"y": np.zeros((3, 10), np.float32)}}
     feeds = {1: {"x": np.zeros((1, 10), np.float32)}, 3: {"x": np.zeros((3, 10), np.float32)}}
 
     def run(feed):
         return {"y": feed["x"][0]}
 
-    (r,) = ec.check_batch_parity(ref, feeds, run, 0.99999, lint)
+    (r,) = check_batch_parity(ref, feeds, run, 0.99999, found)
     assert r["status"] == "fail" and r["node"] == "head/sq" and "squeeze(0)" in r["fix"], r
 
 
@@ -271,7 +282,6 @@ def test_first_divergent_module_whose_input_already_differs(tmp_path):
     import importlib
     import warnings
 
-    import layerwise
 
     torch = pytest.importorskip("torch")
     nn = torch.nn
@@ -299,7 +309,7 @@ def test_first_divergent_module_whose_input_already_differs(tmp_path):
     consts[c].attribute[0].t.CopyFrom(numpy_helper.from_array(np.array(3.0, np.float32)))
     onnx.save(m, str(path))
 
-    res = layerwise.torch_vs_onnx(model, path, feed)
+    res = torch_vs_onnx(model, path, feed)
     fd = res["first_divergent"]
     assert fd["module"] == "fc" and fd["inputs_agree"] is False, fd
     assert fd["input_node"] == mul.name, fd
@@ -317,20 +327,19 @@ def test_evaluation_of_a_static_batch_file_without_latency_flag(tmp_path):
     import argparse
     import time
 
-    import evaluate
 
     src = tmp_path / "static4.onnx"
     onnx.save(static_batch_model(4), str(src))
     x = np.random.default_rng(0).standard_normal((6, 6)).astype(np.float32)
-    data = evaluate.EvalData(feed={"x": x}, ref=None)
-    with runners.OrtRunner(src) as r:
-        rec, out = evaluate.evaluate(r, data, stage="3_onnx_eval", precision="FP32",
+    data = EvalData(feed={"x": x}, ref=None)
+    with OrtRunner(src) as r:
+        rec, out = evaluate(r, data, stage="3_onnx_eval", precision="FP32",
                                      model="review:static4", tag="t", args=argparse.Namespace(),
                                      started=time.time(), iters=3, warmup=1, write=False)
         assert rec["latency"]["end_to_end_ms"]["batch"] == 4 and rec["latency_batch"] is None
         assert out["y"].shape == (6, 3)
         with pytest.raises(Exception, match="accepts batch 4"):  # an explicit other batch
-            evaluate.evaluate(r, data, stage="3_onnx_eval", precision="FP32", model="m", tag="t",
+            evaluate(r, data, stage="3_onnx_eval", precision="FP32", model="m", tag="t",
                               args=argparse.Namespace(), started=time.time(), iters=3,
                               warmup=1, write=False, latency_batch=2)
 
@@ -370,8 +379,6 @@ def test_calibration_with_another_normalisation_is_refused(tmp_path):
     """Pixels normalised with ImageNet's mean/std for a model that takes (x - 0.5) / 0.5 (as
     EfficientNet-Lite0 does): std ratio 2.6, inside the std bound, and the range [-2.1, 2.6]
     for [-1, 1] was never compared although the check documents mean/std/range."""
-    import common
-    import qdq_tools
 
     src = tmp_path / "m.onnx"
     g = helper.make_graph([helper.make_node("Relu", ["input"], ["y"], name="r")], "g",
@@ -381,13 +388,13 @@ def test_calibration_with_another_normalisation_is_refused(tmp_path):
               str(src))
     rng = np.random.default_rng(0)
     px = lambda n: rng.integers(0, 256, (n, 3, 8, 8), dtype=np.uint8)  # noqa: E731
-    ref = {"input": common.normalize(px(64), (0.5,) * 3, (0.5,) * 3)}
-    good = {"input": common.normalize(px(100), (0.5,) * 3, (0.5,) * 3)}
-    assert qdq_tools.validate_calibration(src, good, ref)["stats_check"].startswith("passed")
-    imagenet = {"input": common.normalize(px(100), (0.485, 0.456, 0.406),
+    ref = {"input": normalize(px(64), (0.5,) * 3, (0.5,) * 3)}
+    good = {"input": normalize(px(100), (0.5,) * 3, (0.5,) * 3)}
+    assert validate_calibration(src, good, ref)["stats_check"].startswith("passed")
+    imagenet = {"input": normalize(px(100), (0.485, 0.456, 0.406),
                                           (0.229, 0.224, 0.225))}
-    with pytest.raises(common.StageError, match="range ratio"):
-        qdq_tools.validate_calibration(src, imagenet, ref)
+    with pytest.raises(StageError, match="range ratio"):
+        validate_calibration(src, imagenet, ref)
 
 
 # --------------------------------------------------------------------------------------------
@@ -401,7 +408,6 @@ def test_nan_outputs_are_named_in_the_row_the_report_and_the_summary(tmp_path):
     import importlib
     import time
 
-    import evaluate
 
     report = importlib.import_module("8_report")
     g = helper.make_graph(
@@ -414,13 +420,13 @@ def test_nan_outputs_are_named_in_the_row_the_report_and_the_summary(tmp_path):
     onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 19)], ir_version=9),
               str(src))
     x = np.random.default_rng(0).standard_normal((5, 4)).astype(np.float32)
-    data = evaluate.EvalData(feed={"x": x}, ref={"y": x})
-    with runners.OrtRunner(src) as r:
-        rec, _ = evaluate.evaluate(r, data, stage="3_onnx_eval", precision="INT8",
+    data = EvalData(feed={"x": x}, ref={"y": x})
+    with OrtRunner(src) as r:
+        rec, _ = evaluate(r, data, stage="3_onnx_eval", precision="INT8",
                                    model="review:nan", tag="ort_nan", args=argparse.Namespace(),
                                    started=time.time(), iters=3, warmup=1, write=False)
     assert rec["nonfinite_outputs"] == {"y": 20}, rec.get("nonfinite_outputs")
-    assert "20 NaN/Inf" in evaluate.summary_line(rec)
+    assert "20 NaN/Inf" in summary_line(rec)
     (row,) = report.table_rows([{**rec, "_file": "ort_nan.json"}])
     assert "NON-FINITE OUTPUTS" in row["status"], row["status"]
 
@@ -443,7 +449,7 @@ def test_negative_scale_message_says_what_it_does():
     x = {"x": np.array([0.3, 1.0, 2.0, 5.0], np.float32)}
     np.testing.assert_allclose(_ort(pair(np.int8), x), x["x"], atol=1e-6)
     np.testing.assert_allclose(_ort(pair(np.uint8), x), 0)
-    (f,) = [f for f in qdq_check.check_scales(pair(np.uint8)) if f.kind == "scale_negative"]
+    (f,) = [f for f in check_scales(pair(np.uint8)) if f.kind == "scale_negative"]
     assert "mirrors its clipping range" in f.fix and "TensorRT" in f.fix, f.fix
 
 
@@ -470,7 +476,7 @@ def test_fp32_comparison_says_what_it_compared(tmp_path):
         [numpy_helper.from_array(w, "W"), numpy_helper.from_array(s, "s"),
          numpy_helper.from_array(np.zeros(4, np.int8), "z")])
     qm = helper.make_model(q, opset_imports=[helper.make_opsetid("", 19)], ir_version=9)
-    rep = qdq_check.check_model(qm, fp32_model=fp32)
+    rep = check_model(qm, fp32_model=fp32)
     assert rep["checked"]["n_compared"] == 1
     (row,) = rep["weights_vs_float"]
     assert row["status"] == "fail" and row["n_channels_over"] == 1, row  # channel 1's scale
@@ -500,6 +506,6 @@ def test_lint_squeeze_with_axes_on_an_axis_of_unknown_size_is_not_an_error():
         [numpy_helper.from_array(np.array([1], np.int64), "one"),
          numpy_helper.from_array(np.array([2], np.int64), "ax")])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
-    (r,) = [r for r in ec.lint(m) if r["check"] == "squeeze_axes"]
+    (r,) = [r for r in lint(m) if r["check"] == "squeeze_axes"]
     assert r["status"] == "pass", r
     np.testing.assert_allclose(_ort(m, {"x": np.ones((3, 10), np.float32)}), np.ones((3, 10)))

@@ -1,4 +1,4 @@
-"""The runner contract (runners.py) and the one evaluation path (evaluate.py) shared by stages 1,
+"""The runner contract (deploykit.runners) and the one evaluation path (deploykit.evaluate) shared by stages 1,
 3 and 7: same interface and row schema for every backend, static batches respected, diagnostics
 that never fail a row, and stage CLIs declared once with help on every flag."""
 from __future__ import annotations
@@ -12,10 +12,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import common
-import evaluate
-import runners
 from tests.conftest import ROOT, run_stage
+from deploykit.errors import UsageError
+from deploykit.evaluate import (
+    EvalData,
+    base_record,
+    batch_plan,
+    diagnose,
+    evaluate,
+    latency,
+    run_outputs,
+)
+from deploykit.models import parse_input_shape, parse_input_shapes
+from deploykit.results import write_result
+from deploykit.runners import OrtRunner, TorchRunner, harness_overhead_ms
+from deploykit.timing import MIN_ITERS, Timing, wall_loop
 
 
 def _tiny_torch():
@@ -38,9 +49,9 @@ def _export(model, path: Path, batch: int | None = None) -> Path:
     return path
 
 
-def _data(n: int = 10) -> evaluate.EvalData:
+def _data(n: int = 10) -> EvalData:
     rng = np.random.default_rng(0)
-    return evaluate.EvalData(x_u8=rng.integers(0, 256, (n, 3, 8, 8), dtype=np.uint8),
+    return EvalData(x_u8=rng.integers(0, 256, (n, 3, 8, 8), dtype=np.uint8),
                              y=rng.integers(0, 10, n), files=[f"f{i}" for i in range(n)],
                              mean=(0.5,) * 3, std=(0.5,) * 3)
 
@@ -49,7 +60,7 @@ def test_every_runner_honours_the_interface(tmp_path):
     model = _tiny_torch()
     onnx_path = _export(model, tmp_path / "m.onnx")
     feed = {"input": np.random.default_rng(1).standard_normal((3, 3, 8, 8)).astype(np.float32)}
-    with runners.TorchRunner(model) as t, runners.OrtRunner(onnx_path) as o:
+    with TorchRunner(model) as t, OrtRunner(onnx_path) as o:
         a, b = t.infer(feed), o.infer(feed)
         assert list(a) == ["logits"] and list(b) == ["logits"]
         assert a["logits"].dtype == np.float32 and a["logits"].shape == (3, 10)
@@ -62,7 +73,7 @@ def test_every_runner_honours_the_interface(tmp_path):
             assert d["device"] == "cpu" and d["backend"] in ("PyTorch", "ORT")
             assert d["versions"]
         assert o.describe()["ep_used"] == "CPUExecutionProvider"
-    assert runners.harness_overhead_ms(50) < 1.0  # a no-op loop costs microseconds
+    assert harness_overhead_ms(50) < 1.0  # a no-op loop costs microseconds
 
 
 def test_rows_of_every_backend_share_one_schema(tmp_path):
@@ -71,9 +82,9 @@ def test_rows_of_every_backend_share_one_schema(tmp_path):
     data = _data()
     args = argparse.Namespace(x=1)
     recs = []
-    for runner in (runners.TorchRunner(model), runners.OrtRunner(onnx_path)):
+    for runner in (TorchRunner(model), OrtRunner(onnx_path)):
         with runner:
-            rec, out = evaluate.evaluate(runner, data, stage="t", precision="FP32", model="m",
+            rec, out = evaluate(runner, data, stage="t", precision="FP32", model="m",
                                          tag="t", args=args, started=time.time(), warmup=1,
                                          iters=3, latency_batch=4, write=False)
         recs.append(rec)
@@ -89,40 +100,40 @@ def test_static_batch_model_is_fed_in_its_own_batch(tmp_path):
     """A model exported with a static batch of 4 gets batches of 4 (last one padded), whatever
     --batch-size asks for, and a latency batch it cannot take is a usage error."""
     model = _tiny_torch()
-    with runners.OrtRunner(_export(model, tmp_path / "s.onnx", batch=4)) as o:
+    with OrtRunner(_export(model, tmp_path / "s.onnx", batch=4)) as o:
         assert o.batch_range == (4, 4)
         data = _data(10)
-        out = evaluate.run_outputs(o, data, batch=64)["logits"]
-        with runners.TorchRunner(model) as t:
-            ref = evaluate.run_outputs(t, data, batch=3)["logits"]
+        out = run_outputs(o, data, batch=64)["logits"]
+        with TorchRunner(model) as t:
+            ref = run_outputs(t, data, batch=3)["logits"]
         assert out.shape == (10, 10)
         np.testing.assert_allclose(out, ref, atol=1e-5)
-        with pytest.raises(common.UsageError, match="accepts batch 4..4"):
-            evaluate.latency(o, data, 1, 0, 1)
-        assert evaluate.latency(o, data, 4, 0, 2)["batch"] == 4
+        with pytest.raises(UsageError, match="accepts batch 4..4"):
+            latency(o, data, 1, 0, 1)
+        assert latency(o, data, 4, 0, 2)["batch"] == 4
 
 
 def test_batch_plan():
-    assert evaluate.batch_plan(100, 64, (1, None)) == (64, 0)
-    assert evaluate.batch_plan(100, 64, (1, 32)) == (32, 0)  # engine profile max
-    assert evaluate.batch_plan(100, 64, (1, 1)) == (1, 1)
-    assert evaluate.batch_plan(100, 2, (8, 8)) == (8, 8)
+    assert batch_plan(100, 64, (1, None)) == (64, 0)
+    assert batch_plan(100, 64, (1, 32)) == (32, 0)  # engine profile max
+    assert batch_plan(100, 64, (1, 1)) == (1, 1)
+    assert batch_plan(100, 2, (8, 8)) == (8, 8)
 
 
 def test_a_failing_diagnostic_never_fails_the_row(tmp_path, monkeypatch):
     monkeypatch.setenv("RESULTS", str(tmp_path))
-    rec = evaluate.base_record("t", "FP32", "m", "row", {"backend": "ORT", "device": "cpu"})
-    common.write_result("m", "row", rec)
+    rec = base_record("t", "FP32", "m", "row", {"backend": "ORT", "device": "cpu"})
+    write_result("m", "row", rec)
 
     def broken():
         raise NameError("name 'art' is not defined")
 
-    assert evaluate.diagnose(rec, "layerwise", broken) is None
+    assert diagnose(rec, "layerwise", broken) is None
     saved = json.loads((tmp_path / "m" / "row.json").read_text())
     assert saved["status"] == "ok"
     assert saved["diagnostics"]["layerwise"]["status"] == "error"
     assert "art" in saved["diagnostics"]["layerwise"]["error"]
-    assert evaluate.diagnose(rec, "ok_one", lambda: {"x": 1}) == {"x": 1}
+    assert diagnose(rec, "ok_one", lambda: {"x": 1}) == {"x": 1}
     assert json.loads((tmp_path / "m" / "row.json").read_text())["diagnostics"]["ok_one"] == {"x": 1}
 
 
@@ -185,8 +196,12 @@ def test_no_second_copy_of_runner_or_graph_logic():
     """Runners, timing loops and graph walking live in one module each."""
     import re
 
-    for f in ROOT.glob("*.py"):
-        if f.name in ("runners.py", "onnx_graph.py"):
+    owners = {ROOT / "deploykit" / "runners.py", ROOT / "deploykit" / "timing.py",
+              ROOT / "deploykit" / "onnx" / "graph.py"}
+    files = [*ROOT.glob("*.py"), *(ROOT / "deploykit").rglob("*.py")]
+    assert len(files) > 40  # the package is searched, not only the root
+    for f in files:
+        if f in owners:
             continue
         text = f.read_text()
         assert not re.search(r"^class \w*Runner\b", text, re.M), f"{f.name} defines a runner"
@@ -198,13 +213,13 @@ def test_no_second_copy_of_runner_or_graph_logic():
 def test_timed_loop_is_bounded_by_iterations_and_time():
     """A slow model stops after the time budget (but never before MIN_ITERS); a fast one runs
     all iterations. The row records how many ran."""
-    slow = runners.wall_loop(lambda: time.sleep(0.005), 0, 1000, max_seconds=0.01)
-    assert len(slow) == runners.MIN_ITERS
-    fast = runners.wall_loop(lambda: None, 2, 150, max_seconds=5.0)
+    slow = wall_loop(lambda: time.sleep(0.005), 0, 1000, max_seconds=0.01)
+    assert len(slow) == MIN_ITERS
+    fast = wall_loop(lambda: None, 2, 150, max_seconds=5.0)
     assert len(fast) == 150
-    assert len(runners.wall_loop(lambda: None, 0, 5, max_seconds=0.0)) == 5  # iters < MIN_ITERS
-    t = runners.Timing(slow, "t").stats(batch=1, warmup=0)
-    assert t["iters"] == runners.MIN_ITERS
+    assert len(wall_loop(lambda: None, 0, 5, max_seconds=0.0)) == 5  # iters < MIN_ITERS
+    t = Timing(slow, "t").stats(batch=1, warmup=0)
+    assert t["iters"] == MIN_ITERS
 
 
 def test_torch_compile_figure_on_cpu():
@@ -212,7 +227,7 @@ def test_torch_compile_figure_on_cpu():
     Sequential model is not truth-tested (its __len__ made the first version fail)."""
     model = _tiny_torch()
     feed = {"input": np.zeros((1, 3, 8, 8), np.float32)}
-    with runners.TorchRunner(model, compile=True) as t:
+    with TorchRunner(model, compile=True) as t:
         timing = t.time(feed, warmup=1, iters=3)
     times, how = timing.extra["compile"]
     assert "__len__" not in how and "len()" not in how, how
@@ -223,10 +238,10 @@ def test_torch_compile_figure_on_cpu():
 def test_one_input_shape_parser_for_every_stage():
     """Stages 1-3 and 6 read --input-shape with one parser: quoted names holding ':', dtypes,
     'x' or ',' between dims, and a clear error for dims < 1."""
-    assert common.parse_input_shapes(["x:2,3,8,8", "'ids:0':1x16:int64", "4,3"]) == [
+    assert parse_input_shapes(["x:2,3,8,8", "'ids:0':1x16:int64", "4,3"]) == [
         ("x", (2, 3, 8, 8), "float32"), ("ids:0", (1, 16), "int64"), ("input_2", (4, 3), "float32")]
-    assert common.parse_input_shape("input:0:1x3x32x32") == ("input:0", (1, 3, 32, 32), None)
-    with pytest.raises(common.UsageError, match="every dimension must be >= 1"):
-        common.parse_input_shapes(["x:0,3,8,8"])
-    with pytest.raises(common.UsageError, match="unknown dtype"):
-        common.parse_input_shapes(["x:1,3:floaty"])
+    assert parse_input_shape("input:0:1x3x32x32") == ("input:0", (1, 3, 32, 32), None)
+    with pytest.raises(UsageError, match="every dimension must be >= 1"):
+        parse_input_shapes(["x:0,3,8,8"])
+    with pytest.raises(UsageError, match="unknown dtype"):
+        parse_input_shapes(["x:1,3:floaty"])

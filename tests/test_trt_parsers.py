@@ -1,4 +1,4 @@
-"""Tests for trt_parsers.py: every parser on real captured TensorRT tool output.
+"""Tests for deploykit.trt.parsers: every parser on real captured TensorRT tool output.
 
 The captures are in tests/data/trt/ (provenance and trimming in SOURCES.md there); the expected
 values below were read off those files by hand. Synthetic inputs are used only where they say so
@@ -14,12 +14,35 @@ import sys
 from pathlib import Path
 
 import pytest
+from deploykit.errors import StageError
+from deploykit.trt.parsers import (
+    PLAN_FILE_TAG,
+    PLAN_HEADER_BYTES,
+    classify_plan_load_error,
+    decode_version_int,
+    dla_fraction,
+    dtype_of,
+    error_lines,
+    layer_dtype_table,
+    parse_calibration_cache,
+    parse_dla_placement,
+    parse_export_profile,
+    parse_inference_shapes,
+    parse_layer_info,
+    parse_ldd,
+    parse_performance_summary,
+    parse_plan_version,
+    parse_trtexec_version,
+    parse_unknown_options,
+    parse_version_mismatch,
+    plan_header_info,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import trt_parsers as tp  # noqa: E402
-from common import StageError  # noqa: E402
+pass  # noqa: E402
+pass  # noqa: E402
 
 DATA = ROOT / "tests" / "data" / "trt"
 
@@ -46,17 +69,17 @@ def strip_trailing(text: str) -> str:
     ("unverified/trtexec_10.3.0_jetson_resnet50_fp16_perf_summary_only.log", (10, 3, 0), None),
 ])
 def test_trtexec_version(name, banner, header):
-    v = tp.parse_trtexec_version(read(name))
+    v = parse_trtexec_version(read(name))
     assert v["banner"] == banner
     assert v["header"] == header
 
 
 def test_decode_version_int_both_encodings():
-    assert tp.decode_version_int(8601) == (8, 6, 1)
-    assert tp.decode_version_int(8502) == (8, 5, 2)
-    assert tp.decode_version_int(100300) == (10, 3, 0)
-    assert tp.decode_version_int(101601) == (10, 16, 1)
-    assert tp.decode_version_int(110000) == (11, 0, 0)
+    assert decode_version_int(8601) == (8, 6, 1)
+    assert decode_version_int(8502) == (8, 5, 2)
+    assert decode_version_int(100300) == (10, 3, 0)
+    assert decode_version_int(101601) == (10, 16, 1)
+    assert decode_version_int(110000) == (11, 0, 0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -83,7 +106,7 @@ PERF = {
 @pytest.mark.parametrize("trailing", ["as_published", "stripped"])
 def test_performance_summary(name, trailing):
     text = read(name) if trailing == "as_published" else strip_trailing(read(name))
-    s = tp.parse_performance_summary(text)
+    s = parse_performance_summary(text)
     thr, gmin, gmed, gp99, total_gpu, lat_mean, h2d_mean = PERF[name]
     assert s["throughput_qps"] == pytest.approx(thr)
     g = s["gpu_compute_time"]
@@ -99,25 +122,25 @@ def test_performance_summary(name, trailing):
 
 def test_performance_summary_absent():
     # --skipInference build, then Unknown-option runs: no summary at all.
-    assert tp.parse_performance_summary(read(
+    assert parse_performance_summary(read(
         "trtexec_11.0.0_b200_stronglytyped_skipinference_then_unknown_option_fp16_int8_best.log")) is None
-    assert tp.parse_performance_summary(read("trtexec_10.16.1_h100pcie_dumpLayerInfo_detailed.log")) is None
+    assert parse_performance_summary(read("trtexec_10.16.1_h100pcie_dumpLayerInfo_detailed.log")) is None
 
 
 def test_performance_summary_ignores_explanations_block():
     # The 8.6.0 --verbose log explains each metric after the summary; values must not change.
-    s = tp.parse_performance_summary(read("trtexec_8.6.0_rtx3090_loadengine_cnn_verbose_run.log"))
+    s = parse_performance_summary(read("trtexec_8.6.0_rtx3090_loadengine_cnn_verbose_run.log"))
     assert s["gpu_compute_time"]["max_ms"] == pytest.approx(0.609253)
     assert s["total_host_walltime_s"] == pytest.approx(3.00012)
 
 
 def test_inference_shapes():
-    s = tp.parse_inference_shapes(read("trtexec_10.16.1_h100pcie_onnx_cnn_build_run.log"))
+    s = parse_inference_shapes(read("trtexec_10.16.1_h100pcie_onnx_cnn_build_run.log"))
     assert s["inputs"] == {"x": [1, 1, 28, 28]}
     assert s["outputs"] == {"y": [1, 10], "z": [1]}
-    s = tp.parse_inference_shapes(read("trtexec_8.6.1_h100pcie_onnx_yolo11s_fp16_build_run.log"))
+    s = parse_inference_shapes(read("trtexec_8.6.1_h100pcie_onnx_yolo11s_fp16_build_run.log"))
     assert s["inputs"] == {"images": [1, 3, 1280, 1280]}
-    s = tp.parse_inference_shapes(read("trtexec_8.6.0_rtx3090_loadengine_cnn_verbose_run.log"))
+    s = parse_inference_shapes(read("trtexec_8.6.0_rtx3090_loadengine_cnn_verbose_run.log"))
     assert s["inputs"] == {"tensor-0": [4, 1, 28, 28]}
 
 
@@ -127,7 +150,7 @@ def test_inference_shapes_names_with_spaces_and_colons():
     text = read("trtexec_10.16.1_h100pcie_onnx_cnn_build_run.log")
     text = text.replace("binding for x ", "binding for in put:0 ").replace(
         "binding for y ", "binding for out, 1 ")
-    s = tp.parse_inference_shapes(text)
+    s = parse_inference_shapes(text)
     assert s["inputs"] == {"in put:0": [1, 1, 28, 28]}
     assert s["outputs"] == {"out, 1": [1, 10], "z": [1]}
 
@@ -138,15 +161,15 @@ def test_inference_shapes_names_with_spaces_and_colons():
 def test_unknown_options_11():
     name = "trtexec_11.0.0_b200_stronglytyped_skipinference_then_unknown_option_fp16_int8_best.log"
     for text in (read(name), read(name).replace("\n", " \n")):  # with raw trtexec's trailing space
-        assert tp.parse_unknown_options(text) == [
+        assert parse_unknown_options(text) == [
             "--fp16", "--int8", "--best", "--precisionConstraints=obey"]
 
 
 def test_unknown_options_10_jetson_trailing_space():
     text = read("unverified/trtexec_10.3.0_jetson_unknown_option_workspace_buildOnly_explicitBatch.log")
     assert "--buildOnly \n" in text  # the raw trailing space is really there
-    assert tp.parse_unknown_options(text) == ["--workspace=2048", "--buildOnly", "--explicitBatch"]
-    assert tp.error_lines(text)[-1].startswith("&&&& FAILED")
+    assert parse_unknown_options(text) == ["--workspace=2048", "--buildOnly", "--explicitBatch"]
+    assert error_lines(text)[-1].startswith("&&&& FAILED")
 
 
 # --------------------------------------------------------------------------------------------
@@ -162,38 +185,38 @@ def test_unknown_options_10_jetson_trailing_space():
     ("plan_device_mismatch_10.8_runtime.txt", "device", "8.9", "8.6"),
 ])
 def test_version_mismatch(name, kind, expected, got):
-    assert tp.parse_version_mismatch(read(name)) == {"kind": kind, "expected": expected, "got": got}
+    assert parse_version_mismatch(read(name)) == {"kind": kind, "expected": expected, "got": got}
 
 
 def test_version_mismatch_absent_in_clean_log():
-    assert tp.parse_version_mismatch(read("trtexec_10.16.1_h100pcie_onnx_cnn_build_run.log")) is None
+    assert parse_version_mismatch(read("trtexec_10.16.1_h100pcie_onnx_cnn_build_run.log")) is None
 
 
 def test_plan_version_documented_form():
     # No public capture of --getPlanVersionOnly exists; this is the line trtexec's
     # printPlanVersion() writes through its info logger (format documented in trt_tools).
     line = "[01/01/2025-00:00:00] [I] Plan was created with TensorRT version 10.3.0.30\n"
-    assert tp.parse_plan_version(line) == (10, 3, 0, 30)
-    assert tp.parse_plan_version(read("trtexec_10.16.1_h100pcie_onnx_cnn_build_run.log")) is None
+    assert parse_plan_version(line) == (10, 3, 0, 30)
+    assert parse_plan_version(read("trtexec_10.16.1_h100pcie_onnx_cnn_build_run.log")) is None
 
 
-def _header(version=(10, 3, 0, 30), tag=tp.PLAN_FILE_TAG, ser=0, extra=b"rest") -> bytes:
+def _header(version=(10, 3, 0, 30), tag=PLAN_FILE_TAG, ser=0, extra=b"rest") -> bytes:
     """Synthetic plan header in the layout trtexec's printPlanVersion reads (sampleEngines.cpp):
     tag, serialization word, 16 bytes, 4 version bytes."""
     return struct.pack("<II", tag, ser) + bytes(16) + bytes(version) + extra
 
 
 def test_plan_header_info_layout():
-    h = tp.plan_header_info(_header())
+    h = plan_header_info(_header())
     assert h["is_plan"] and h["version"] == (10, 3, 0, 30) and h["serialization"] == 0
-    assert tp.plan_header_info(_header(ser=7))["version"] is None  # other layouts: no claim
-    assert tp.plan_header_info(b"")["looks_like"] == "empty file"
+    assert plan_header_info(_header(ser=7))["version"] is None  # other layouts: no claim
+    assert plan_header_info(b"")["looks_like"] == "empty file"
     # An ONNX file: protobuf field 1 (ir_version) varint -> first byte 0x08.
     onnx_head = bytes([0x08, 0x08, 0x12, 0x07]) + b"pytorch" + bytes(20)
-    assert tp.plan_header_info(onnx_head) == {"n_bytes": len(onnx_head), "is_plan": False,
+    assert plan_header_info(onnx_head) == {"n_bytes": len(onnx_head), "is_plan": False,
                                               "serialization": None, "version": None,
                                               "looks_like": "ONNX model (protobuf)"}
-    assert tp.plan_header_info(b'{"Layers": []}')["looks_like"] == "JSON"
+    assert plan_header_info(b'{"Layers": []}')["looks_like"] == "JSON"
 
 
 def test_plan_header_of_a_real_onnx_file(tmp_path):
@@ -204,8 +227,8 @@ def test_plan_header_of_a_real_onnx_file(tmp_path):
                           [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
     onnx.save(helper.make_model(g), str(tmp_path / "m.onnx"))
-    head = (tmp_path / "m.onnx").read_bytes()[:tp.PLAN_HEADER_BYTES]
-    assert tp.plan_header_info(head)["looks_like"] == "ONNX model (protobuf)"
+    head = (tmp_path / "m.onnx").read_bytes()[:PLAN_HEADER_BYTES]
+    assert plan_header_info(head)["looks_like"] == "ONNX model (protobuf)"
 
 
 # --------------------------------------------------------------------------------------------
@@ -222,7 +245,7 @@ def test_plan_header_of_a_real_onnx_file(tmp_path):
      {"FP32": 10, "INT32": 1, "INT64": 1}, ["short"]),
 ])
 def test_layer_info_detailed(name, n, reformat, origins, noop, dtypes, spelling):
-    s = tp.parse_layer_info(read(name))
+    s = parse_layer_info(read(name))
     assert s["detailed"] is True and s["advice"] is None
     assert s["n_layers"] == n
     assert s["reformat_layers"] == reformat
@@ -230,25 +253,25 @@ def test_layer_info_detailed(name, n, reformat, origins, noop, dtypes, spelling)
     assert s["reformat_noop"] == noop
     assert s["output_dtypes"] == dtypes
     assert s["spelling"] == spelling
-    table = tp.layer_dtype_table(s)
+    table = layer_dtype_table(s)
     assert len(table) == n and all(r["output_dtypes"] for r in table)
 
 
 def test_layer_info_qdq_reformat_is_int8_output():
-    s = tp.parse_layer_info(read("layerinfo_8.4_titanrtx_mobilenetv2_qat_int8_detailed.graph.json"))
+    s = parse_layer_info(read("layerinfo_8.4_titanrtx_mobilenetv2_qat_int8_detailed.graph.json"))
     first = s["layers"][0]
     assert (first["name"], first["type"], first["origin"]) == ("QuantizeLinear_2", "Reformat", "QDQ")
     assert first["outputs"][0]["dtype"] == "INT8"
 
 
 def test_layer_info_10x_bindings_and_myelin():
-    s = tp.parse_layer_info(read("layerinfo_10.16.1_h100pcie_cnn_fp32_detailed.json"))
+    s = parse_layer_info(read("layerinfo_10.16.1_h100pcie_cnn_fp32_detailed.json"))
     assert s["io_tensors"] == ["x", "y", "z"]
     assert s["layer_types"] == {"CaskConvolution": 2, "CaskPooling": 2, "gemm": 1, "kgen": 4}
 
 
 def test_layer_info_names_only():
-    s = tp.parse_layer_info(read("layerinfo_8.6.0_rtx3090_cnn_names_only_nondetailed.json"))
+    s = parse_layer_info(read("layerinfo_8.6.0_rtx3090_cnn_names_only_nondetailed.json"))
     assert s["detailed"] is False
     assert "--profilingVerbosity=detailed" in s["advice"]
     assert s["n_layers"] == 15 and s["reformat_layers"] == 5
@@ -262,14 +285,14 @@ def test_layer_info_11x_split_fields():
                         "Outputs": [{"Name": "y", "DataType": "Half",
                                      "Format": "Channel major FP16 format"}]}],
             "I/O Tensors": [{"Name": "x", "IOMode": "Input"}, {"Name": "y", "IOMode": "Output"}]}
-    s = tp.parse_layer_info(json.dumps(info))
+    s = parse_layer_info(json.dumps(info))
     assert s["output_dtypes"] == {"FP16": 1} and s["spelling"] == ["split"]
     assert s["io_tensors"] == ["x", "y"]
 
 
 def test_layer_info_rejects_other_json():
     with pytest.raises(StageError):
-        tp.parse_layer_info(read("exportProfile_8.4_a100_resnet_fp16.profile.json"))
+        parse_layer_info(read("exportProfile_8.4_a100_resnet_fp16.profile.json"))
 
 
 @pytest.mark.parametrize("fmt,dtype", [
@@ -279,7 +302,7 @@ def test_layer_info_rejects_other_json():
     ("Half", "FP16"), ("Int64", "INT64"), ("Row major linear FP8 format", "FP8"), ("Int4", "INT4"),
 ])
 def test_dtype_of(fmt, dtype):
-    assert tp.dtype_of(fmt) == dtype
+    assert dtype_of(fmt) == dtype
 
 
 @pytest.mark.parametrize("name,count,n,reformats", [
@@ -289,14 +312,14 @@ def test_dtype_of(fmt, dtype):
     ("exportProfile_unknownver_detr_resnet50_int8.profile.json", 641, 840, 247),
 ])
 def test_export_profile(name, count, n, reformats):
-    s = tp.parse_export_profile(read(name))
+    s = parse_export_profile(read(name))
     assert (s["count"], s["n_layers"], s["reformat_layers"]) == (count, n, reformats)
     assert 0 < s["reformat_percent"] < 100 and 0 < s["reformat_average_ms"] < s["total_average_ms"]
 
 
 def test_parse_ldd_real_output():
     out = subprocess.run(["ldd", sys.executable], capture_output=True, text=True).stdout
-    libs = tp.parse_ldd(out + "\tlibnvinfer.so.10 => not found\n")
+    libs = parse_ldd(out + "\tlibnvinfer.so.10 => not found\n")
     assert libs["libnvinfer.so.10"] is None
     assert any(k.startswith("libc.so") and v and Path(v).exists() for k, v in libs.items())
 
@@ -310,7 +333,7 @@ ONNX_HEAD = bytes([0x08, 0x08, 0x12, 0x07]) + b"pytorch" + bytes(20)  # what an 
 
 
 def classify(name=None, header=None, runtime=None, size=None, log=None):
-    return tp.classify_plan_load_error(read(name) if name else (log or ""), header,
+    return classify_plan_load_error(read(name) if name else (log or ""), header,
                                        runtime_version=runtime, file_size=size, plan="m.plan")
 
 
@@ -340,7 +363,7 @@ def test_magic_tag_on_a_plan_of_the_same_release_is_the_library_path():
 def test_header_size_mismatch_is_truncated():
     r = classify("plan_size_mismatch_8.x_header_vs_archive.txt", _header((8, 2, 1, 8)), (8, 2, 1, 8))
     assert r["kind"] == "truncated" and "rebuild" in r["fix"]
-    assert classify(log="", header=struct.pack("<I", tp.PLAN_FILE_TAG) + bytes(6))["kind"] == \
+    assert classify(log="", header=struct.pack("<I", PLAN_FILE_TAG) + bytes(6))["kind"] == \
         "truncated"  # a plan cut inside its header
 
 
@@ -399,7 +422,7 @@ def test_unrecognised_log_is_unknown_not_guessed():
 # DLA placement (captures: NVIDIA-AI-IOT/jetson_dla_tutorial README, TensorRT 8.4 on Orin)
 # --------------------------------------------------------------------------------------------
 def test_dla_placement_gn_model():
-    p = tp.parse_dla_placement(read("dla_placement_8.4_orin_model_gn_int8.log"))
+    p = parse_dla_placement(read("dla_placement_8.4_orin_model_gn_int8.log"))
     assert p["block_found"] and not p["no_dla_layer"]
     assert [(e["first"], e["last"]) for e in p["dla"]] == [
         ("Conv_0", "Conv_0"), ("Relu_10", "Conv_11"), ("Relu_21", "Conv_22"),
@@ -412,13 +435,13 @@ def test_dla_placement_gn_model():
 def test_dla_fraction_on_onnx_node_order():
     # The capture's node names; the nodes between them are constructed (legacy exporter
     # numbering of the tutorial's ModelBN: 4 Conv+ReLU, GAP, the view() shape ops, Gemm).
-    p = tp.parse_dla_placement(read("dla_placement_8.4_orin_model_bn_int8.log"))
+    p = parse_dla_placement(read("dla_placement_8.4_orin_model_bn_int8.log"))
     nodes = [("Conv_0", "Conv"), ("Relu_1", "Relu"), ("Conv_2", "Conv"), ("Relu_3", "Relu"),
              ("Conv_4", "Conv"), ("Relu_5", "Relu"), ("Conv_6", "Conv"), ("Relu_7", "Relu"),
              ("GlobalAveragePool_8", "GlobalAveragePool"), ("Shape_9", "Shape"),
              ("Constant_10", "Constant"), ("Gather_11", "Gather"), ("Unsqueeze_12", "Unsqueeze"),
              ("Concat_13", "Concat"), ("Reshape_14", "Reshape"), ("Gemm_15", "Gemm")]
-    f = tp.dla_fraction(p, nodes)
+    f = dla_fraction(p, nodes)
     assert f["dla_nodes"] == [n for n, _ in nodes[:8]] + ["Gemm_15"]
     assert f["gpu_nodes"] == ["GlobalAveragePool_8"]
     assert f["fraction"] == pytest.approx(9 / 10)
@@ -426,29 +449,29 @@ def test_dla_fraction_on_onnx_node_order():
     assert f["unmatched"] == ["SHUFFLE: copied_squeeze_after_(Unnamed Layer* 20) [ElementWise]"]
     assert f["unplaced"] == ["Gather_11", "Unsqueeze_12", "Concat_13", "Reshape_14"]
     # After the tutorial replaced GlobalAveragePool: one DLA subgraph Conv_0...Gemm_15.
-    p2 = tp.parse_dla_placement(read("dla_placement_8.4_orin_model_bn_avgpool.log"))
+    p2 = parse_dla_placement(read("dla_placement_8.4_orin_model_bn_avgpool.log"))
     nodes2 = [(n, "AveragePool" if n.startswith("Global") else t) for n, t in nodes]
-    assert tp.dla_fraction(p2, nodes2)["fraction"] == 1.0
-    assert tp.dla_fraction(p, None)["fraction"] is None  # no ONNX order, no fraction
+    assert dla_fraction(p2, nodes2)["fraction"] == 1.0
+    assert dla_fraction(p, None)["fraction"] is None  # no ONNX order, no fraction
 
 
 def test_dla_fallback_warnings_and_no_dla_layer():
-    p = tp.parse_dla_placement(read("dla_fallback_warnings_yolo_jetson_dla_tutorial_issue3.log"))
+    p = parse_dla_placement(read("dla_fallback_warnings_yolo_jetson_dla_tutorial_issue3.log"))
     assert not p["block_found"] and len(p["fallback"]) == 9
     assert p["fallback"][0] == {"name": "/model.24/Constant_1_output_0", "type": "CONSTANT"}
     assert p["fallback"][1] == {"name": "(Unnamed Layer* 277) [Shuffle]", "type": "SHUFFLE"}
-    p = tp.parse_dla_placement(read("dla_no_layer_on_dla_samplenmt_issue2318.log"))
+    p = parse_dla_placement(read("dla_no_layer_on_dla_samplenmt_issue2318.log"))
     assert p["no_dla_layer"] and len(p["fallback"]) == 10
     assert p["fallback"][0]["name"] == "Embedding matrix"
-    assert tp.dla_fraction(p, [("a", "Conv")])["fraction"] == 0.0
-    assert tp.parse_dla_placement(read("trtexec_10.16.1_h100pcie_onnx_cnn_build_run.log")) is None
+    assert dla_fraction(p, [("a", "Conv")])["fraction"] == 0.0
+    assert parse_dla_placement(read("trtexec_10.16.1_h100pcie_onnx_cnn_build_run.log")) is None
 
 
 # --------------------------------------------------------------------------------------------
 # Calibration caches (real files)
 # --------------------------------------------------------------------------------------------
 def test_calibration_cache_written_by_tensorrt_8_2_4():
-    c = tp.parse_calibration_cache(read("calib_cache_8.2.4_cookbook_plugin_int8.cache"))
+    c = parse_calibration_cache(read("calib_cache_8.2.4_cookbook_plugin_int8.cache"))
     assert c["version"] == (8, 2, 4) and c["algorithm"] == "EntropyCalibration2"
     assert list(c["scales"]) == ["inputT0", "(Unnamed Layer* 0) [PluginV2DynamicExt]_output_0",
                                  "(Unnamed Layer* 1) [Identity]_output"]
@@ -458,9 +481,9 @@ def test_calibration_cache_written_by_tensorrt_8_2_4():
 
 def test_calibration_cache_from_nvidia_qdq_translator():
     text = read("calib_cache_qdq_translator_8600_yolov5_cudla_samples.cache")
-    c = tp.parse_calibration_cache(text)
+    c = parse_calibration_cache(text)
     assert c["version"] == (8, 6, 0) and len(c["scales"]) == len(text.splitlines()) - 1
     # 0x3c00f9f4: exponent 120 (2^-7), mantissa 1 + 0x00f9f4 / 2^23
     assert c["scales"]["images"] == pytest.approx(2 ** -7 * (1 + 0x00F9F4 / 2 ** 23))
     with pytest.raises(StageError):
-        tp.parse_calibration_cache("TRT-8600-EntropyCalibration2\nnot a line\n")
+        parse_calibration_cache("TRT-8600-EntropyCalibration2\nnot a line\n")

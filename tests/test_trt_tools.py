@@ -1,5 +1,5 @@
 """Tests for the TensorRT build side without TensorRT: version rules, shapes and profiles, the
-trtexec command lines (trt_tools.py), the ONNX preparation for 8.x and DLA (trt_onnx.py), stage 6
+trtexec command lines (deploykit.trt.commands), the ONNX preparation for 8.x and DLA (deploykit.trt.onnx_prep), stage 6
 (6_build_engines.py / .sh: dry runs, skipped rows, a build driven by a stand-in trtexec), the
 stage-7 helpers (batch invariance, profile fit, plan-load diagnosis).
 
@@ -18,15 +18,54 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from deploykit.errors import StageError, UsageError
+from deploykit.evaluate import EvalData
+from deploykit.models import parse_input_shape
+from deploykit.runners import TrtRunner
+from deploykit.trt.commands import build_command, plan_version_command
+from deploykit.trt.detect import Detected, JETPACK_TRTEXEC, find_trtexec, version_conflicts
+from deploykit.trt.onnx_prep import (
+    calibration_cache_text,
+    calibration_scales,
+    ort_parity,
+    parity_feed,
+    to_opset,
+)
+from deploykit.trt.parsers import (
+    decode_version_int,
+    parse_calibration_cache,
+    parse_ldd,
+    parse_unknown_options,
+)
+from deploykit.trt.plans import batch_invariance, diagnose_plan_load, fit_batch
+from deploykit.trt.profiles import (
+    input_profiles,
+    onnx_inputs,
+    parse_shape_specs,
+    shape_flags,
+    trtexec_shape_name,
+)
+from deploykit.trt.rules import (
+    DEFAULT_VARIANTS,
+    UnsupportedVariant,
+    dla_allowed,
+    dla_unavailable,
+    encode_version_int,
+    full_version,
+    int8_route,
+    opset_advice,
+    parse_version,
+)
+from deploykit.variants import VARIANTS
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import common  # noqa: E402
-import trt_onnx  # noqa: E402
-import trt_parsers as tp  # noqa: E402
-import trt_tools as tt  # noqa: E402
-from common import StageError, UsageError  # noqa: E402
+pass  # noqa: E402
+pass  # noqa: E402
+pass  # noqa: E402
+pass  # noqa: E402
+pass  # noqa: E402
 
 DATA = ROOT / "tests" / "data" / "trt"
 F32 = np.dtype(np.float32)
@@ -186,15 +225,15 @@ def qdq_net(fp16: bool, opset: int = 19, input_name: str = "input",
 # Versions
 # --------------------------------------------------------------------------------------------
 def test_parse_and_encode_versions():
-    assert tt.parse_version("10.3.0.30") == (10, 3, 0, 30)
-    assert tt.parse_version("v8.6") == (8, 6)
+    assert parse_version("10.3.0.30") == (10, 3, 0, 30)
+    assert parse_version("v8.6") == (8, 6)
     with pytest.raises(UsageError):
-        tt.parse_version("ten")
-    assert tt.full_version((8, 6)) == (8, 6, 0)
+        parse_version("ten")
+    assert full_version((8, 6)) == (8, 6, 0)
     # NV_TENSORRT_VERSION as in real calibration-cache headers (TRT-8204, TRT-8600) and banners
     for v, n in (((8, 2, 4), 8204), ((8, 6, 1), 8601), ((10, 3, 0), 100300),
                  ((10, 16, 1), 101601), ((11, 0, 0), 110000)):
-        assert tt.encode_version_int(v) == n and tp.decode_version_int(n) == v
+        assert encode_version_int(v) == n and decode_version_int(n) == v
 
 
 # --------------------------------------------------------------------------------------------
@@ -205,17 +244,17 @@ def test_parse_and_encode_versions():
     ((10, 8, 0), False), ((10, 16, 1), False), ((11, 0, 0), False), ((11, 4, 0), False),
     ((11, 4, 1), True), ((11, 5, 0), True)])
 def test_dla_availability_per_version(version, available):
-    assert (tt.dla_unavailable(version) is None) == available
+    assert (dla_unavailable(version) is None) == available
 
 
 def test_dla_allowed_per_variant():
-    v = tt.VARIANTS
-    assert "FP16/INT8 layers only" in tt.dla_allowed((8, 6, 2), v["fp32"])
-    assert "FP16/INT8 layers only" in tt.dla_allowed((10, 3, 0), v["int4"])
-    assert tt.dla_allowed((8, 6, 2), v["int8"]) is None
-    assert tt.dla_allowed((11, 4, 1), v["fp16"]) is None
-    assert "built for the GPU" in tt.dla_allowed((11, 4, 1), v["int8"])
-    assert "10.7 was the last" in tt.dla_allowed((10, 16, 1), v["fp16"])
+    v = VARIANTS
+    assert "FP16/INT8 layers only" in dla_allowed((8, 6, 2), v["fp32"])
+    assert "FP16/INT8 layers only" in dla_allowed((10, 3, 0), v["int4"])
+    assert dla_allowed((8, 6, 2), v["int8"]) is None
+    assert dla_allowed((11, 4, 1), v["fp16"]) is None
+    assert "built for the GPU" in dla_allowed((11, 4, 1), v["int8"])
+    assert "10.7 was the last" in dla_allowed((10, 16, 1), v["fp16"])
 
 
 @pytest.mark.parametrize("version,dla,opset,route", [
@@ -224,26 +263,26 @@ def test_dla_allowed_per_variant():
     ((10, 3, 0), True, 19, "implicit"), ((10, 3, 0), False, 19, "qdq"),
     ((11, 1, 0), False, 21, "qdq")])
 def test_int8_route_per_version_and_device(version, dla, opset, route):
-    assert tt.int8_route(version, tt.VARIANTS["int8"], dla, opset)[0] == route
-    assert tt.int8_route(version, tt.VARIANTS["fp16"], dla, opset) == (None, "")
+    assert int8_route(version, VARIANTS["int8"], dla, opset)[0] == route
+    assert int8_route(version, VARIANTS["fp16"], dla, opset) == (None, "")
 
 
 def test_int8_route_forced_paths():
-    assert tt.int8_route((8, 6, 2), tt.VARIANTS["int8"], False, 19, "implicit")[0] == "implicit"
+    assert int8_route((8, 6, 2), VARIANTS["int8"], False, 19, "implicit")[0] == "implicit"
     with pytest.raises(UsageError, match="DLA takes INT8 from a calibration cache"):
-        tt.int8_route((8, 6, 2), tt.VARIANTS["int8"], True, 17, "qdq")
+        int8_route((8, 6, 2), VARIANTS["int8"], True, 17, "qdq")
     with pytest.raises(UsageError, match="no implicit INT8"):
-        tt.int8_route((11, 0, 0), tt.VARIANTS["int8"], False, 21, "implicit")
+        int8_route((11, 0, 0), VARIANTS["int8"], False, 21, "implicit")
 
 
 def test_opset_advice_texts():
-    q = tt.opset_advice(19, (8, 6, 2), quantized=True)
+    q = opset_advice(19, (8, 6, 2), quantized=True)
     assert "ModelOpt 0.47.0 writes INT8 Q/DQ at opset >= 19" in q
     assert "re-exporting at 17 does not help" in q and "--int8-path implicit" in q
-    f = tt.opset_advice(18, (8, 6, 2), quantized=False)
+    f = opset_advice(18, (8, 6, 2), quantized=False)
     assert "--exporter legacy --opset 17" in f and "ModelOpt" not in f
-    assert tt.opset_advice(17, (8, 6, 2), quantized=True) is None
-    assert tt.opset_advice(19, (10, 3, 0), quantized=True) is None
+    assert opset_advice(17, (8, 6, 2), quantized=True) is None
+    assert opset_advice(19, (10, 3, 0), quantized=True) is None
 
 
 # --------------------------------------------------------------------------------------------
@@ -253,13 +292,13 @@ IMG = [("input", [None, 3, 224, 224], F32)]
 
 
 def test_profiles_every_input_and_dynamic_axis():
-    inputs = tt.onnx_inputs(two_input_net())
-    ps = tt.input_profiles(inputs, input_shapes=["image:0:1,3,64,48", "tokens:1,20,16"],
+    inputs = onnx_inputs(two_input_net())
+    ps = input_profiles(inputs, input_shapes=["image:0:1,3,64,48", "tokens:1,20,16"],
                            min_batch=1, opt_batch=4, max_batch=8)
     assert [(p.name, p.min, p.opt, p.max) for p in ps] == [
         ("image:0", (1, 3, 64, 48), (4, 3, 64, 48), (8, 3, 64, 48)),
         ("tokens", (1, 20, 16), (4, 20, 16), (8, 20, 16))]
-    flags = tt.shape_flags(ps)
+    flags = shape_flags(ps)
     # trtexec's syntax: all inputs in one list, a name with ":" quoted (trtexec --help).
     assert flags == ["--minShapes='image:0':1x3x64x48,tokens:1x20x16",
                      "--optShapes='image:0':4x3x64x48,tokens:4x20x16",
@@ -267,48 +306,48 @@ def test_profiles_every_input_and_dynamic_axis():
 
 
 def test_profiles_ranges_for_spatial_and_sequence_axes():
-    inputs = tt.onnx_inputs(two_input_net())
-    ps = tt.input_profiles(
+    inputs = onnx_inputs(two_input_net())
+    ps = input_profiles(
         inputs, input_shapes=["'image:0':1,3,64,64"],
-        min_shapes=tt.parse_shape_specs(["tokens:1x4x16"]),
-        opt_shapes=tt.parse_shape_specs(["tokens:2x32x16"]),
-        max_shapes=tt.parse_shape_specs(["tokens:8x128x16"]))
+        min_shapes=parse_shape_specs(["tokens:1x4x16"]),
+        opt_shapes=parse_shape_specs(["tokens:2x32x16"]),
+        max_shapes=parse_shape_specs(["tokens:8x128x16"]))
     assert ps[1].min == (1, 4, 16) and ps[1].max == (8, 128, 16)
     assert ps[1].source == "--min/--opt/--max-shapes"
     # --opt-shapes alone fixes min = opt = max, as trtexec does
-    ps = tt.input_profiles(inputs, input_shapes=["image:0:1,3,64,64"],
-                           opt_shapes=tt.parse_shape_specs(["tokens:2x32x16"]))
+    ps = input_profiles(inputs, input_shapes=["image:0:1,3,64,64"],
+                           opt_shapes=parse_shape_specs(["tokens:2x32x16"]))
     assert ps[1].static_profile and ps[1].opt == (2, 32, 16)
 
 
 def test_dynamic_hw_without_a_size_is_a_usage_error_naming_the_fix():
-    inputs = tt.onnx_inputs(two_input_net())
+    inputs = onnx_inputs(two_input_net())
     with pytest.raises(UsageError) as e:
-        tt.input_profiles(inputs, input_shapes=["tokens:1,20,16"])
+        input_profiles(inputs, input_shapes=["tokens:1,20,16"])
     msg = str(e.value)
     assert "'image:0' axis 2 is dynamic" in msg and "--input-shape 'image:0':N,3,N,N" in msg
     # a classifier's crop fills H/W of its image input
-    ps = tt.input_profiles(tt.onnx_inputs(conv_net(dynamic_hw=True)), default_hw=224)
+    ps = input_profiles(onnx_inputs(conv_net(dynamic_hw=True)), default_hw=224)
     assert ps[0].opt == (1, 3, 224, 224) and "crop 224" in ps[0].source
 
 
 def test_profile_errors():
-    inputs = tt.onnx_inputs(two_input_net())
+    inputs = onnx_inputs(two_input_net())
     with pytest.raises(UsageError, match="no input 'imag'"):
-        tt.input_profiles(inputs, input_shapes=["imag:1,3,8,8", "tokens:1,2,16"])
+        input_profiles(inputs, input_shapes=["imag:1,3,8,8", "tokens:1,2,16"])
     with pytest.raises(UsageError, match="3 dims, the ONNX input has 4"):
-        tt.input_profiles(inputs, input_shapes=["image:0:1,3,8", "tokens:1,2,16"])
+        input_profiles(inputs, input_shapes=["image:0:1,3,8", "tokens:1,2,16"])
     with pytest.raises(UsageError, match="fixes it to 16"):
-        tt.input_profiles(inputs, input_shapes=["image:0:1,3,8,8", "tokens:1,2,17"])
+        input_profiles(inputs, input_shapes=["image:0:1,3,8,8", "tokens:1,2,17"])
     with pytest.raises(UsageError, match="min <= opt <= max"):
-        tt.input_profiles(inputs, input_shapes=["image:0:1,3,8,8"],
+        input_profiles(inputs, input_shapes=["image:0:1,3,8,8"],
                           min_shapes={"tokens": (1, 9, 16)}, opt_shapes={"tokens": (1, 4, 16)},
                           max_shapes={"tokens": (1, 9, 16)})
     with pytest.raises(UsageError, match="--opt-shapes alone or all of"):
-        tt.input_profiles(inputs, input_shapes=["image:0:1,3,8,8"],
+        input_profiles(inputs, input_shapes=["image:0:1,3,8,8"],
                           min_shapes={"tokens": (1, 4, 16)}, opt_shapes={"tokens": (1, 4, 16)})
     with pytest.raises(UsageError, match="--min-batch"):
-        tt.input_profiles(IMG, min_batch=4, opt_batch=2, max_batch=8)
+        input_profiles(IMG, min_batch=4, opt_batch=2, max_batch=8)
 
 
 def shared_dim_net():
@@ -344,31 +383,31 @@ def test_named_dims_need_overlapping_profile_ranges(tmp_path):
 
 def test_names_trtexec_cannot_write_are_refused():
     with pytest.raises(UsageError, match="cannot be written in trtexec's shape syntax"):
-        tt.shape_flags(tt.input_profiles([("a,b", [None, 3], F32)], default_hw=None))
+        shape_flags(input_profiles([("a,b", [None, 3], F32)], default_hw=None))
     with pytest.raises(UsageError):
-        tt.trtexec_shape_name("it's")
-    assert tt.trtexec_shape_name("x") == "x" and tt.trtexec_shape_name("x:0") == "'x:0'"
+        trtexec_shape_name("it's")
+    assert trtexec_shape_name("x") == "x" and trtexec_shape_name("x:0") == "'x:0'"
 
 
 def test_shape_spec_parsing():
-    assert tt.parse_shape_specs(["'in:0':1x3x8x8,b:2x5", "c:0:4x4"]) == {
+    assert parse_shape_specs(["'in:0':1x3x8x8,b:2x5", "c:0:4x4"]) == {
         "in:0": (1, 3, 8, 8), "b": (2, 5), "c:0": (4, 4)}
-    assert common.parse_input_shape("tokens:1,16:int64") == ("tokens", (1, 16), "int64")
-    assert common.parse_input_shape("input:0:1,3,32,32") == ("input:0", (1, 3, 32, 32), None)
-    assert common.parse_input_shape("1x3x8x8") == (None, (1, 3, 8, 8), None)
+    assert parse_input_shape("tokens:1,16:int64") == ("tokens", (1, 16), "int64")
+    assert parse_input_shape("input:0:1,3,32,32") == ("input:0", (1, 3, 32, 32), None)
+    assert parse_input_shape("1x3x8x8") == (None, (1, 3, 8, 8), None)
     for bad in (["x:1x0"], ["x:"], ["1x3"], ["a:1,a:2"]):
         with pytest.raises(UsageError):
-            tt.parse_shape_specs(bad)
+            parse_shape_specs(bad)
     with pytest.raises(UsageError, match="unknown dtype"):
-        common.parse_input_shape("x:1,2:notatype")
+        parse_input_shape("x:1,2:notatype")
 
 
 def test_static_profile_for_dla():
-    ps = tt.input_profiles(IMG, min_batch=1, opt_batch=2, max_batch=64, static=True)
+    ps = input_profiles(IMG, min_batch=1, opt_batch=2, max_batch=64, static=True)
     assert ps[0].min == ps[0].opt == ps[0].max == (2, 3, 224, 224)
     assert "static for DLA" in ps[0].source
-    assert tt.input_profiles([("x", [1, 3, 8, 8], F32)])[0].dynamic is False
-    assert tt.shape_flags(tt.input_profiles([("x", [1, 3, 8, 8], F32)])) == []
+    assert input_profiles([("x", [1, 3, 8, 8], F32)])[0].dynamic is False
+    assert shape_flags(input_profiles([("x", [1, 3, 8, 8], F32)])) == []
 
 
 # --------------------------------------------------------------------------------------------
@@ -382,8 +421,8 @@ REMOVED_IN_10 = ("--workspace", "--explicitBatch", "--buildOnly")
 def cmd(variant, version, static=False, **kw):
     kw.setdefault("timing_cache", "e/timing.cache")
     kw.setdefault("layer_info", f"e/{variant}.layers.json")
-    kw.setdefault("profiles", tt.input_profiles(IMG, max_batch=64, static=static))
-    return tt.build_command(f"o/{variant}.onnx", f"e/{variant}.plan", variant, version, **kw)
+    kw.setdefault("profiles", input_profiles(IMG, max_batch=64, static=static))
+    return build_command(f"o/{variant}.onnx", f"e/{variant}.plan", variant, version, **kw)
 
 
 def flags(c):
@@ -404,7 +443,7 @@ def test_commands_trt8(variant, expected):
 
 @pytest.mark.parametrize("variant", ["int4", "int4_cli_broken"])
 def test_commands_trt8_int4_unsupported(variant):
-    with pytest.raises(tt.UnsupportedVariant):
+    with pytest.raises(UnsupportedVariant):
         cmd(variant, V86)
 
 
@@ -419,7 +458,7 @@ def test_commands_trt10(version, variant, strong):
     assert not any(a.startswith(REMOVED_IN_10) for a in c)
 
 
-@pytest.mark.parametrize("variant", list(tt.VARIANTS))
+@pytest.mark.parametrize("variant", list(VARIANTS))
 def test_commands_trt11_never_weak_flags(variant):
     c = cmd(variant, V110, mem_pool_mb=2048)
     assert not flags(c) & WEAK_FLAGS
@@ -427,17 +466,17 @@ def test_commands_trt11_never_weak_flags(variant):
     assert not any(a.startswith(REMOVED_IN_10 + ("--precisionConstraints", "--calib")) for a in c)
     # and nothing 11.0 reported as unknown in the captured log
     log = read("trtexec_11.0.0_b200_stronglytyped_skipinference_then_unknown_option_fp16_int8_best.log")
-    rejected = {o.split("=")[0] for o in tp.parse_unknown_options(log)}
+    rejected = {o.split("=")[0] for o in parse_unknown_options(log)}
     assert not flags(c) & rejected
     assert "--memPoolSize=workspace:2048" in c
 
 
 def test_commands_dynamic_and_static_shapes():
-    c = cmd("fp32", V103, profiles=tt.input_profiles(IMG, min_batch=1, opt_batch=8,
+    c = cmd("fp32", V103, profiles=input_profiles(IMG, min_batch=1, opt_batch=8,
                                                      max_batch=32))
     assert {"--minShapes=input:1x3x224x224", "--optShapes=input:8x3x224x224",
             "--maxShapes=input:32x3x224x224"} <= set(c)
-    c = cmd("fp32", V103, profiles=tt.input_profiles([("input", [1, 3, 224, 224], F32)]))
+    c = cmd("fp32", V103, profiles=input_profiles([("input", [1, 3, 224, 224], F32)]))
     assert not any(a.startswith(("--minShapes", "--optShapes", "--maxShapes")) for a in c)
 
 
@@ -489,7 +528,7 @@ def test_commands_implicit_int8():
     assert {"--int8", "--fp16", "--calib=e/c.cache"} <= set(c) and "--stronglyTyped" not in c
     with pytest.raises(UsageError, match="needs a calibration cache"):
         cmd("int8", V86, int8="implicit")
-    with pytest.raises(tt.UnsupportedVariant, match="no implicit INT8"):
+    with pytest.raises(UnsupportedVariant, match="no implicit INT8"):
         cmd("int8", V110, int8="implicit", calib="e/c.cache")
 
 
@@ -515,10 +554,10 @@ def test_stage6_dry_run_refuses_tensorrt_before_8_5(tmp_path):
 
 
 def test_plan_version_command_per_version():
-    assert tt.plan_version_command("p.plan", V86) is None  # 8.6 trtexec has no such flag
-    assert tt.plan_version_command("p.plan", V103, "trtexec") == [
+    assert plan_version_command("p.plan", V86) is None  # 8.6 trtexec has no such flag
+    assert plan_version_command("p.plan", V103, "trtexec") == [
         "trtexec", "--loadEngine=p.plan", "--getPlanVersionOnly"]
-    assert tt.plan_version_command("p.plan", V110) is not None
+    assert plan_version_command("p.plan", V110) is not None
 
 
 # --------------------------------------------------------------------------------------------
@@ -528,12 +567,12 @@ def test_version_conflicts():
     base = dict(trtexec="t", banner=(10, 3, 0), header=(10, 3, 0), libnvinfer="/l/libnvinfer.so.10",
                 libnvinfer_version=(10, 3, 0), python_runtime=(10, 3, 0, 30), python_detail="",
                 env={})
-    assert tt.version_conflicts(tt.Detected(**base)) == []
-    p = tt.version_conflicts(tt.Detected(**{**base, "libnvinfer_version": (10, 8, 0)}))
+    assert version_conflicts(Detected(**base)) == []
+    p = version_conflicts(Detected(**{**base, "libnvinfer_version": (10, 8, 0)}))
     assert any("loads libnvinfer 10.8.0" in m for m in p)
-    p = tt.version_conflicts(tt.Detected(**{**base, "python_runtime": (8, 6, 1, 6)}))
+    p = version_conflicts(Detected(**{**base, "python_runtime": (8, 6, 1, 6)}))
     assert any("Python runtime" in m for m in p)
-    p = tt.version_conflicts(tt.Detected(**{**base, "libnvinfer": None, "libnvinfer_version": None}))
+    p = version_conflicts(Detected(**{**base, "libnvinfer": None, "libnvinfer_version": None}))
     assert any("no libnvinfer" in m for m in p)
 
 
@@ -541,21 +580,23 @@ def test_find_trtexec(tmp_path):
     exe = tmp_path / "trtexec"
     exe.write_text("#!/bin/sh\n")
     exe.chmod(0o755)
-    assert tt.find_trtexec({"TRTEXEC": str(exe)}) == (exe, "TRTEXEC")
-    assert tt.find_trtexec({"PATH": str(tmp_path)})[0] == exe
-    p, why = tt.find_trtexec({"TRTEXEC": str(tmp_path / "nope")})
+    assert find_trtexec({"TRTEXEC": str(exe)}) == (exe, "TRTEXEC")
+    assert find_trtexec({"PATH": str(tmp_path)})[0] == exe
+    p, why = find_trtexec({"TRTEXEC": str(tmp_path / "nope")})
     assert p is None and "not an executable" in why
 
 
 def test_parse_ldd_real_output():
     out = subprocess.run(["ldd", sys.executable], capture_output=True, text=True).stdout
-    libs = tp.parse_ldd(out + "\tlibnvinfer.so.10 => not found\n")
+    libs = parse_ldd(out + "\tlibnvinfer.so.10 => not found\n")
     assert libs["libnvinfer.so.10"] is None
     assert any(k.startswith("libc.so") and v and Path(v).exists() for k, v in libs.items())
 
 
 def test_trt_modules_import_no_tensorrt():
-    code = ("import sys, trt_tools, trt_parsers, trt_onnx; "
+    code = ("import sys, trt_tools, deploykit.trt.rules, deploykit.trt.profiles, "
+            "deploykit.trt.commands, deploykit.trt.plans, deploykit.trt.detect, "
+            "deploykit.trt.parsers, deploykit.trt.onnx_prep; "
             "assert 'tensorrt' not in sys.modules; print('ok')")
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert p.stdout.strip() == "ok", p.stderr
@@ -580,7 +621,7 @@ def test_qdq_opset19_to_17_is_exact(fp16, axes_initializer):
     import onnx
 
     m = qdq_net(fp16, axes_initializer=axes_initializer)
-    conv, notes, reason = trt_onnx.to_opset(m)
+    conv, notes, reason = to_opset(m)
     assert reason is None and conv.ir_version == 8
     assert [o.version for o in conv.opset_import if o.domain in ("", "ai.onnx")] == [17]
     rm = next(n for n in conv.graph.node if n.op_type == "ReduceMean")
@@ -590,7 +631,7 @@ def test_qdq_opset19_to_17_is_exact(fp16, axes_initializer):
     scales = {i.name: i.data_type for i in conv.graph.initializer if i.name.endswith("_s")}
     assert set(scales.values()) == {onnx.TensorProto.FLOAT}
     assert any("widened" in n for n in notes) == fp16
-    par = trt_onnx.ort_parity(m, conv, trt_onnx.parity_feed(m, {"input": (2, 3, 8, 8)}))
+    par = ort_parity(m, conv, parity_feed(m, {"input": (2, 3, 8, 8)}))
     assert par["exact"] and par["max_abs_diff"] == 0.0 and par["n_tensors_compared"] > 10
     assert m.opset_import[0].version == 19  # the input model is not modified
 
@@ -604,23 +645,23 @@ def test_onnx_converter_empty_axes_bug_is_covered():
     plain = version_converter.convert_version(m, 17)
     rm = next(n for n in plain.graph.node if n.op_type == "ReduceMean")
     assert [list(a.ints) for a in rm.attribute if a.name == "axes"] == [[]]  # the bug
-    conv, notes, reason = trt_onnx.to_opset(m)
+    conv, notes, reason = to_opset(m)
     rm = next(n for n in conv.graph.node if n.op_type == "ReduceMean")
     assert [list(a.ints) for a in rm.attribute if a.name == "axes"] == [[2, 3]]
     assert any("noop_with_empty_axes" in n for n in notes)
     m.graph.initializer.remove(next(i for i in m.graph.initializer if i.name == "axes"))
     m.graph.input.append(helper.make_tensor_value_info("axes", TensorProto.INT64, [2]))
-    assert "computed at run time" in trt_onnx.to_opset(m)[2]
+    assert "computed at run time" in to_opset(m)[2]
 
 
 def test_parity_detects_a_wrong_conversion():
     from onnx import numpy_helper
 
     m = qdq_net(False)
-    conv, _, _ = trt_onnx.to_opset(m)
+    conv, _, _ = to_opset(m)
     s = next(i for i in conv.graph.initializer if i.name == "r_s")
     s.CopyFrom(numpy_helper.from_array(np.float32(0.021), "r_s"))
-    par = trt_onnx.ort_parity(m, conv, trt_onnx.parity_feed(m, {"input": (2, 3, 8, 8)}))
+    par = ort_parity(m, conv, parity_feed(m, {"input": (2, 3, 8, 8)}))
     assert not par["exact"] and par["max_abs_diff"] > 0
 
 
@@ -630,10 +671,10 @@ def test_no_opset17_form_is_reported_not_forced():
     m = qdq_net(False)
     m.graph.node.append(helper.make_node("Relu", ["logits"], ["z"], domain="com.microsoft",
                                          name="ms"))
-    assert "com.microsoft" in trt_onnx.to_opset(m)[2]
+    assert "com.microsoft" in to_opset(m)[2]
     m = qdq_net(False)
     m.graph.initializer.append(helper.make_tensor("f8", TensorProto.FLOAT8E4M3FN, [1], [1.0]))
-    assert "FP8" in trt_onnx.to_opset(m)[2]
+    assert "FP8" in to_opset(m)[2]
     # An op that does not exist at opset 17 (GroupNormalization-18): no exact form.
     g = helper.make_graph(
         [helper.make_node("GroupNormalization", ["x", "s", "b"], ["y"], num_groups=2)], "g",
@@ -642,10 +683,10 @@ def test_no_opset17_form_is_reported_not_forced():
          helper.make_tensor_value_info("b", TensorProto.FLOAT, [2])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 2, 2])])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
-    conv, _, reason = trt_onnx.to_opset(m)
+    conv, _, reason = to_opset(m)
     assert conv is None and reason
     m17 = conv_net(opset=17)
-    assert trt_onnx.to_opset(m17)[0] is m17  # already 17: unchanged
+    assert to_opset(m17)[0] is m17  # already 17: unchanged
 
 
 @pytest.fixture(scope="module")
@@ -679,19 +720,19 @@ def test_modelopt_output_is_opset19_and_converts_exactly(modelopt_int8):
 
     q = onnx.load(str(modelopt_int8 / "int8.onnx"))
     assert [o.version for o in q.opset_import if o.domain in ("", "ai.onnx")] == [19]
-    conv, notes, reason = trt_onnx.to_opset(q)
+    conv, notes, reason = to_opset(q)
     assert reason is None, reason
-    par = trt_onnx.ort_parity(q, conv, trt_onnx.parity_feed(q, {"input": (2, 3, 8, 8)}))
+    par = ort_parity(q, conv, parity_feed(q, {"input": (2, 3, 8, 8)}))
     assert par["exact"], par
     # the implicit path's cache keys are tensors of the FP32 source, through ModelOpt's Cast
-    scales, skipped = trt_onnx.calibration_scales(q, onnx.load(str(modelopt_int8 / "fp32.onnx")))
+    scales, skipped = calibration_scales(q, onnx.load(str(modelopt_int8 / "fp32.onnx")))
     assert "input" in scales and not skipped and all(s > 0 for s in scales.values())
 
 
 def test_calibration_scales_follow_casts_and_skip_weights():
     src = conv_net(opset=17)  # names: input, r0..r3
     q = qdq_net(True)  # Q on Cast(input), weights quantized, r0 quantized
-    scales, skipped = trt_onnx.calibration_scales(q, src)
+    scales, skipped = calibration_scales(q, src)
     assert scales == {"input": pytest.approx(0.03, rel=1e-3), "r0": pytest.approx(0.02,
                                                                                    rel=1e-3)}
     assert skipped == []
@@ -700,15 +741,15 @@ def test_calibration_scales_follow_casts_and_skip_weights():
 def test_calibration_cache_text_matches_tensorrt_written_cache():
     # A cache TensorRT 8.2.4 wrote (header TRT-8204): reading and re-writing it gives the bytes.
     real = read("calib_cache_8.2.4_cookbook_plugin_int8.cache")
-    c = tp.parse_calibration_cache(real)
-    assert trt_onnx.calibration_cache_text(c["scales"], tt.encode_version_int((8, 2, 4))) == real
+    c = parse_calibration_cache(real)
+    assert calibration_cache_text(c["scales"], encode_version_int((8, 2, 4))) == real
     real = read("calib_cache_qdq_translator_8600_yolov5_cudla_samples.cache")
-    c = tp.parse_calibration_cache(real)
-    assert trt_onnx.calibration_cache_text(c["scales"], 8600) == real
-    text = trt_onnx.calibration_cache_text({"x:0": 2 ** -7}, 100300)
+    c = parse_calibration_cache(real)
+    assert calibration_cache_text(c["scales"], 8600) == real
+    text = calibration_cache_text({"x:0": 2 ** -7}, 100300)
     assert text == "TRT-100300-EntropyCalibration2\nx:0: 3c000000\n"
     with pytest.raises(StageError):
-        trt_onnx.calibration_cache_text({"x": 0.0}, 8601)
+        calibration_cache_text({"x": 0.0}, 8601)
 
 
 # --------------------------------------------------------------------------------------------
@@ -730,7 +771,7 @@ def test_batch_invariance_passes_and_pads_to_batch_n():
     rng = np.random.default_rng(0)
     x, w = rng.standard_normal((5, 3, 2, 2)).astype(np.float32), rng.standard_normal((12, 10))
     calls = []
-    r = tt.batch_invariance(_linear_infer(w, calls=calls), {"input": x}, 4)
+    r = batch_invariance(_linear_infer(w, calls=calls), {"input": x}, 4)
     assert r["ok"] and r["top1_agreement"] == 1.0 and r["max_abs_diff"] < 1e-5
     assert r["note"] is None
     assert calls == [1] * 5 + [4, 4]  # every batch-N call really has N rows
@@ -739,28 +780,28 @@ def test_batch_invariance_passes_and_pads_to_batch_n():
 def test_batch_invariance_flags_batch_dependent_outputs():
     rng = np.random.default_rng(0)
     x, w = rng.standard_normal((6, 3, 2, 2)).astype(np.float32), rng.standard_normal((12, 10))
-    r = tt.batch_invariance(_linear_infer(w, batch_dependent=0.5), {"input": x}, 3)
+    r = batch_invariance(_linear_infer(w, batch_dependent=0.5), {"input": x}, 3)
     assert not r["ok"] and r["max_abs_diff"] == pytest.approx(0.5, rel=1e-5)
     assert "no TensorRT release note" in r["note"] and "NVIDIA/TensorRT#4796" in r["note"]
     with pytest.raises(UsageError):
-        tt.batch_invariance(_linear_infer(w), {"input": x}, 1)
+        batch_invariance(_linear_infer(w), {"input": x}, 1)
 
 
 def test_fit_batch():
     prof = ((1, 3, 224, 224), (8, 3, 224, 224), (32, 3, 224, 224))
-    assert tt.fit_batch(prof, 64, (3, 224, 224)) == 32
-    assert tt.fit_batch(((4, 3, 8, 8),) * 3, 64, (3, 8, 8)) == 4  # static DLA profile
+    assert fit_batch(prof, 64, (3, 224, 224)) == 32
+    assert fit_batch(((4, 3, 8, 8),) * 3, 64, (3, 8, 8)) == 4  # static DLA profile
     with pytest.raises(UsageError, match="rebuild with 6_build_engines.sh"):
-        tt.fit_batch(prof, 8, (3, 256, 256))
+        fit_batch(prof, 8, (3, 256, 256))
 
 
 def test_diagnose_plan_load_reads_the_file(tmp_path):
     onnx_file = save(conv_net(), tmp_path / "m.onnx")
-    r = tt.diagnose_plan_load(onnx_file, read("plan_magic_tag_8.x_onnx_read_as_plan.txt"),
+    r = diagnose_plan_load(onnx_file, read("plan_magic_tag_8.x_onnx_read_as_plan.txt"),
                               (8, 6, 1, 6))
     assert r["kind"] == "not_a_plan" and "Fix:" in r["text"]
     (tmp_path / "empty.plan").write_bytes(b"")
-    assert tt.diagnose_plan_load(tmp_path / "empty.plan", "", None)["kind"] == "not_a_plan"
+    assert diagnose_plan_load(tmp_path / "empty.plan", "", None)["kind"] == "not_a_plan"
 
 
 # --------------------------------------------------------------------------------------------
@@ -784,13 +825,13 @@ def trtexec_lines(out: str) -> list[str]:
 
 
 def test_stage6_skips_without_trtexec(tmp_path):
-    if Path(tt.JETPACK_TRTEXEC).exists():
+    if Path(JETPACK_TRTEXEC).exists():
         pytest.skip("trtexec is installed here")
     p = stage6(tmp_path)
     assert p.returncode == 0, p.stderr
     assert "SKIPPED" in p.stdout and "trtexec not found" in p.stdout
     rows = sorted((tmp_path / "r" / "mobilenet_v3_small").glob("trt_build_*.json"))
-    assert [r.stem for r in rows] == sorted(f"trt_build_{v}" for v in tt.DEFAULT_VARIANTS)
+    assert [r.stem for r in rows] == sorted(f"trt_build_{v}" for v in DEFAULT_VARIANTS)
     for r in rows:
         rec = json.loads(r.read_text())
         assert rec["status"] == "skipped" and "trtexec not found" in rec["reason"]
@@ -984,7 +1025,7 @@ def test_stage6_dry_run_int4_on_trt8_says_int4_needs_10(tmp_path, variant):
 def test_stage6_skip_names_missing_onnx(tmp_path):
     """Without trtexec every row is skipped; a variant whose ONNX was never made says which
     stage makes it, one whose ONNX exists only says trtexec is missing."""
-    if Path(tt.JETPACK_TRTEXEC).exists():
+    if Path(JETPACK_TRTEXEC).exists():
         pytest.skip("trtexec is installed here")
     save(conv_net(opset=18), tmp_path / "a" / "mobilenet_v3_small" / "onnx" / "fp32.onnx")
     p = stage6(tmp_path, "fp32", "int8")
@@ -1028,11 +1069,11 @@ def fake_build(tmp_path, monkeypatch):
     monkeypatch.setenv("ARTIFACTS", str(tmp_path / "a"))
     monkeypatch.setenv("RESULTS", str(tmp_path / "r"))
     stage = importlib.import_module("6_build_engines")
-    det = tt.Detected(str(exe), (8, 6, 2), (8, 6, 2), "/usr/lib/libnvinfer.so.8", (8, 6, 2),
+    det = Detected(str(exe), (8, 6, 2), (8, 6, 2), "/usr/lib/libnvinfer.so.8", (8, 6, 2),
                       None, "no tensorrt here", dict(os.environ))
-    monkeypatch.setattr(tt, "find_trtexec", lambda env=None: (exe, "TRTEXEC"))
-    monkeypatch.setattr(tt, "detect_with_loader_fix", lambda t, env=None: (det, []))
-    monkeypatch.setattr(tt, "jetson_info", lambda: {"l4t": "R36 (release)", "l4t_major": 36,
+    monkeypatch.setattr(stage, "find_trtexec", lambda env=None: (exe, "TRTEXEC"))
+    monkeypatch.setattr(stage, "detect_with_loader_fix", lambda t, env=None: (det, []))
+    monkeypatch.setattr(stage, "jetson_info", lambda: {"l4t": "R36 (release)", "l4t_major": 36,
                                                     "model": "test", "dla_cores": 2})
 
     def run(*argv, log=None):
@@ -1133,7 +1174,7 @@ def test_stage6_dla_int8_writes_the_calibration_cache(fake_build):
     run("--dla-core", "0", "int8", log="dla_placement_8.4_orin_model_gn_int8.log")
     rec = json.loads((res / "trt_build_int8.json").read_text())
     assert rec["int8_path"] == "implicit" and rec["calibration_scales"] == 2
-    cache = tp.parse_calibration_cache(Path(rec["calib_cache"]).read_text())
+    cache = parse_calibration_cache(Path(rec["calib_cache"]).read_text())
     assert cache["version"] == (8, 6, 2) and set(cache["scales"]) == {"input", "r0"}
     assert rec["dla"]["placement_found"] and rec["dla"]["warning"]  # GN capture: names differ
 
@@ -1172,11 +1213,10 @@ def test_stage7_usage_error_exit_2(tmp_path):
 def test_trt_runner_names_an_unreadable_plan(tmp_path):
     """--engine given a folder (e.g. artifacts/M/engines) or a missing file: a message naming the
     path, not an IsADirectoryError traceback from reading it."""
-    import runners
 
     for bad in (tmp_path, tmp_path / "missing.plan"):
         with pytest.raises(StageError, match=f"cannot read the plan {bad}"):
-            runners.TrtRunner(bad)
+            TrtRunner(bad)
 
 
 class _FakeRunner:
@@ -1190,11 +1230,10 @@ class _FakeRunner:
 
 
 def test_stage7_batch_invariance_check_on_eval_data():
-    import evaluate
 
     stage7 = importlib.import_module("7_trt_eval")
     rng = np.random.default_rng(0)
-    data = evaluate.EvalData(x_u8=rng.integers(0, 255, (20, 3, 2, 2), dtype=np.uint8),
+    data = EvalData(x_u8=rng.integers(0, 255, (20, 3, 2, 2), dtype=np.uint8),
                              mean=(0.5,) * 3, std=(0.5,) * 3, input_name="input")
     w = rng.standard_normal((12, 10))
     ok = stage7.batch_invariance_check(_FakeRunner(w), data, 8)
@@ -1208,5 +1247,5 @@ def test_stage7_batch_invariance_check_on_eval_data():
 def test_batch_invariance_with_two_inputs():
     rng = np.random.default_rng(1)
     feed = {"a": rng.standard_normal((5, 4)), "b": rng.standard_normal((5, 4))}
-    r = tt.batch_invariance(lambda f: {"y": f["a"] * 2 + f["b"]}, feed, 2)
+    r = batch_invariance(lambda f: {"y": f["a"] * 2 + f["b"]}, feed, 2)
     assert r["ok"] and r["n"] == 5 and r["max_abs_diff"] == 0.0

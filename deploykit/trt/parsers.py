@@ -19,6 +19,7 @@ Sources relied on (read to learn; formats checked against the captures):
   ``<tensor>: <8 hex digits of the float32 scale>`` (trtexec ``readScalesFromCalibrationCache``
   in sampleEngines.cpp reads 8 hex digits after ``": "``; NVIDIA Deep-Learning-Accelerator-SW
   ``tools/qdq-translator/utils.py`` writes the same form).
+
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ import re
 import struct
 from typing import Any, Mapping, Sequence
 
-from common import StageError
+from deploykit.errors import StageError
+
 
 Version = tuple  # (major, minor, patch[, build]) of ints
 
@@ -57,6 +59,8 @@ def _vs(v: Sequence[int] | None) -> str:
 # trtexec console output
 # --------------------------------------------------------------------------------------------
 _BANNER = re.compile(r"\[TensorRT v(\d+)\]")
+
+
 _HEADER = re.compile(r"TensorRT version:\s*(\d+\.\d+\.\d+(?:\.\d+)?)")
 
 
@@ -77,7 +81,11 @@ def parse_trtexec_version(text: str) -> dict[str, Version | None]:
 
 
 _METRIC_LINE = re.compile(r"\]\s*(?:\[I\]\s*)?(?P<key>[A-Za-z0-9 ]+?):\s*(?P<body>min = .*)$")
+
+
 _STAT = re.compile(r"(min|max|mean|median|percentile\((\d+(?:\.\d+)?)%\))\s*=\s*([-+0-9.eE]+)\s*ms")
+
+
 _SCALAR = {
     "Throughput": ("throughput_qps", re.compile(r"Throughput:\s*([-+0-9.eE]+)\s*qps")),
     "Total Host Walltime": ("total_host_walltime_s",
@@ -194,6 +202,8 @@ def parse_plan_version(text: str) -> Version | None:
 # Plans: header bytes and runtime load errors
 # --------------------------------------------------------------------------------------------
 PLAN_FILE_TAG = 0x74727466  # first little-endian uint32 of a plan ("ftrt"), sampleEngines.cpp
+
+
 PLAN_HEADER_BYTES = 28      # what printPlanVersion reads
 
 
@@ -241,11 +251,19 @@ def plan_header_info(head: bytes) -> dict:
 
 _LIB_MISMATCH = re.compile(r"expecting library version\s+([^\s,]*?)\s+got\s+([^\s,]*?)[\s,]*"
                            r"(?:please rebuild|\)|$)", re.M)
+
+
 _TAG_MISMATCH = re.compile(r"Current Version:\s*(\d+),\s*Serialized Engine Version:\s*(\d+)")
+
+
 _DEV_MISMATCH = re.compile(r"expecting compute\s+([0-9.]+)\s+got compute\s+([0-9.]+)")
+
+
 # 8.x "Magic tag does not match" (stdArchiveReader.cpp), 8.6 "plan->header.magicTag ==
 # rt::kPLAN_MAGIC_TAG" (runtime.cpp::parsePlan), 7.x "verifyHeader: 0 (Magic tag does not match)".
 _MAGIC = re.compile(r"Magic tag does not match|magicTag\s*==\s*rt::kPLAN_MAGIC_TAG|kMAGIC_TAG")
+
+
 _SIZE = re.compile(r"Size specified in header does not match archive size|sizeRead\s*==")
 
 
@@ -413,6 +431,8 @@ _DTYPE_WORDS = (
     (re.compile(r"\bInt64\b|\bINT64\b"), "INT64"),
     (re.compile(r"\bBool\b"), "BOOL"),
 )
+
+
 _SHORT_DTYPES = {"Float", "Half", "Int8", "Int32", "Int64", "BFloat16", "FP8", "Int4", "FP4",
                  "Bool", "UInt8", "Double", "None"}
 
@@ -580,17 +600,31 @@ def error_lines(text: str, limit: int = 20) -> list[str]:
 # DLA placement (build log)
 # --------------------------------------------------------------------------------------------
 _DLA_HEAD = re.compile(r"-+ Layers Running on DLA -+")
+
+
 _GPU_HEAD = re.compile(r"-+ Layers Running on GPU -+")
+
+
 _DLA_LAYER = re.compile(r"\[DlaLayer\]\s*(?P<text>.*?)\s*$")
+
+
 _GPU_LAYER = re.compile(r"\[GpuLayer\]\s*(?P<text>.*?)\s*$")
+
+
 _FOREIGN = re.compile(r"\{ForeignNode\[(?P<body>.*)\]\}")
+
+
 _GPU_TYPE = re.compile(r"^(?P<type>[A-Z][A-Z0-9_]*):\s+(?P<name>.*)$")
+
+
 # Per-layer fallback warnings: 8.x "Layer 'X' (TYPE): Unsupported on DLA. Switching this layer's
 # device type to GPU." (NVIDIA-AI-IOT/jetson_dla_tutorial#3) and older "Default DLA is enabled
 # but layer X is not supported on DLA, falling back to GPU." (NVIDIA/TensorRT#2318).
 _FALLBACK = (re.compile(r"Layer '(?P<name>.+?)' \((?P<type>[A-Z_0-9]+)\): Unsupported on DLA"),
              re.compile(r"Default DLA is enabled but layer (?P<name>.+?) is not "
                         r"(?:supported|running) on DLA, falling back to GPU"))
+
+
 _NO_DLA = re.compile(r"no layer in the network can run on DLA")
 
 

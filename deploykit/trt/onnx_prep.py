@@ -42,20 +42,32 @@ What the implicit path can and cannot do without TensorRT:
   matches a network tensor (a build shows "Missing scale" warnings and falls back to FP16 for
   those layers); reproduce ModelOpt's placement exactly (implicit quantization lets TensorRT choose
   INT8 per layer; weights are re-quantized by TensorRT, per channel, max).
+
 """
 from __future__ import annotations
 
 import struct
 from pathlib import Path
 from typing import Mapping, Sequence
-
 import numpy as np
 
-import common
-import onnx_graph
-from common import StageError
+from deploykit.errors import StageError
+from deploykit.io import atomic_path
+from deploykit.onnx.graph import (
+    QDQ_OPS,
+    constants,
+    consumers,
+    graph_inputs,
+    mark_all_outputs,
+    onnx_opset,
+    producers,
+)
+from deploykit.runners import ort_session_options
+
 
 TARGET_OPSET = 17
+
+
 # IR version of ONNX 1.12/1.13, the releases that introduced / kept opset 17 (onnx
 # docs/Versioning.md); TensorRT 8.6's parser is built against ONNX 1.13.1 (onnx-tensorrt
 # release/8.6-GA README).
@@ -76,13 +88,13 @@ def _widen_fp16_qdq_scales(m) -> list[str]:
     from onnx import TensorProto, helper, numpy_helper
 
     inits = {i.name: i for i in m.graph.initializer}
-    consumers = onnx_graph.consumers(m)
+    cons = consumers(m)
     half = {n for n, i in inits.items() if i.data_type == TensorProto.FLOAT16}  # before rewriting
     done: set[str] = set()
     new_nodes = []
     n_q = n_dq = 0
     for node in m.graph.node:
-        if node.op_type not in onnx_graph.QDQ_OPS or node.domain not in ("", "ai.onnx"):
+        if node.op_type not in QDQ_OPS or node.domain not in ("", "ai.onnx"):
             new_nodes.append(node)
             continue
         scale = inits.get(node.input[1])
@@ -96,8 +108,8 @@ def _widen_fp16_qdq_scales(m) -> list[str]:
             raise StageError(f"{node.op_type} {node.name!r}: scale type "
                              f"{TensorProto.DataType.Name(scale.data_type)} has no opset-17 form")
         if node.input[1] not in done:
-            users = consumers[node.input[1]]
-            if any(u.op_type not in onnx_graph.QDQ_OPS for u in users):
+            users = cons[node.input[1]]
+            if any(u.op_type not in QDQ_OPS for u in users):
                 raise StageError(f"float16 scale {node.input[1]!r} is also read by a non-Q/DQ node")
             arr = numpy_helper.to_array(scale).astype(np.float32)
             scale.CopyFrom(numpy_helper.from_array(arr, scale.name))
@@ -139,7 +151,7 @@ def _reduce_axes(m) -> dict[str, list[int]]:
     Raises:
         StageError: a Reduce node whose axes are computed at run time (no opset-17 form).
     """
-    consts = onnx_graph.constants(m)
+    consts = constants(m)
     out = {}
     for n in m.graph.node:
         if n.op_type in _REDUCE_18 and n.domain in ("", "ai.onnx") and len(n.input) > 1 \
@@ -230,7 +242,7 @@ def to_opset(model, target: int = TARGET_OPSET):
     import onnx
     from onnx import version_converter
 
-    cur = onnx_graph.opset(model)
+    cur = onnx_opset(model)
     if cur <= target:
         return model, [f"already opset {cur}"], None
     other = sorted({n.domain for n in model.graph.node if n.domain not in ("", "ai.onnx")})
@@ -284,7 +296,7 @@ def parity_feed(model, shapes: Mapping[str, Sequence[int]], seed: int = 0
     """
     rng = np.random.default_rng(seed)
     out = {}
-    for name, _dims, dtype in onnx_graph.inputs(model):
+    for name, _dims, dtype in graph_inputs(model):
         if name not in shapes:
             raise StageError(f"no shape for input {name!r} of the parity check")
         shape = tuple(int(d) for d in shapes[name])
@@ -320,7 +332,6 @@ def ort_parity(a, b, feed: Mapping[str, np.ndarray]) -> dict:
     import onnx
     import onnxruntime as ort
 
-    import runners
 
     results = []
     graph_outputs = None
@@ -329,10 +340,10 @@ def ort_parity(a, b, feed: Mapping[str, np.ndarray]) -> dict:
         model = onnx.load(str(m)) if isinstance(m, (str, Path)) else m
         if graph_outputs is None:
             graph_outputs = [o.name for o in model.graph.output]
-        marked = onnx_graph.mark_all_outputs(model)
+        marked = mark_all_outputs(model)
         try:
             s = ort.InferenceSession(marked.SerializeToString(),
-                                     sess_options=runners.ort_session_options("disable"),
+                                     sess_options=ort_session_options("disable"),
                                      providers=["CPUExecutionProvider"])
             names = [o.name for o in s.get_outputs()]
             results.append(dict(zip(names, s.run(None, dict(feed)))))
@@ -369,6 +380,8 @@ def ort_parity(a, b, feed: Mapping[str, np.ndarray]) -> dict:
 # Calibration cache (implicit INT8)
 # --------------------------------------------------------------------------------------------
 CALIB_ALGORITHM = "EntropyCalibration2"  # trtexec's calibrator is an IInt8EntropyCalibrator2
+
+
 # (sampleEngines.cpp RndInt8Calibrator); DLA takes only IInt8EntropyCalibrator2 (NVIDIA/TensorRT
 # #2222, NVIDIA reply).
 _PASS_THROUGH = ("Cast", "Identity")
@@ -388,8 +401,8 @@ def calibration_scales(qdq_model, source_model) -> tuple[dict[str, float], list[
     Returns:
         ``(scales {tensor: float32 scale > 0}, skipped [why, one per quantizer not used])``.
     """
-    consts = onnx_graph.constants(qdq_model)
-    prod = onnx_graph.producers(qdq_model)
+    consts = constants(qdq_model)
+    prod = producers(qdq_model)
     src = {i.name for i in source_model.graph.input} | {
         o for n in source_model.graph.node for o in n.output}
     scales: dict[str, float] = {}
@@ -446,6 +459,6 @@ def write_calibration_cache(path: Path | str, scales: Mapping[str, float], nv_ve
                             ) -> Path:
     """Write :func:`calibration_cache_text` to ``path`` atomically and return the path."""
     path = Path(path)
-    with common.atomic_path(path) as tmp:
+    with atomic_path(path) as tmp:
         tmp.write_text(calibration_cache_text(scales, nv_version))
     return path

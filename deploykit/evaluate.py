@@ -20,6 +20,7 @@ Row schema (``results/<model>/<tag>.json``; every field present, None when it do
     latency_batch (same block at --latency-batch when it is not 1), harness_overhead_ms,
     size_mb, diagnostics {name: result}, timings_s {inference, latency, diagnostic:<name>},
     provenance.
+
 """
 from __future__ import annotations
 
@@ -28,11 +29,17 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
-
 import numpy as np
 
-import common
-import runners
+from deploykit.cli import progress_bar
+from deploykit.compare import parity, topk_accuracy
+from deploykit.data.images import normalize
+from deploykit.data.splits import align_reference, load_split
+from deploykit.errors import StageError, UsageError
+from deploykit.io import load_npz
+from deploykit.models import ModelSpec
+from deploykit.results import provenance, result_record, write_result
+from deploykit.runners import Runner, harness_overhead_ms
 
 
 @dataclasses.dataclass
@@ -77,11 +84,11 @@ class EvalData:
     def batch(self, idx: np.ndarray) -> dict[str, np.ndarray]:
         """The feed for sample indices ``idx`` (normalised here, outside any timed region)."""
         if self.classifier:
-            return {self.input_name: common.normalize(self.x_u8[idx], self.mean, self.std)}
+            return {self.input_name: normalize(self.x_u8[idx], self.mean, self.std)}
         return {k: v[idx] for k, v in self.feed.items()}
 
 
-def classifier_data(spec: common.ModelSpec, limit: int | None = None,
+def classifier_data(spec: ModelSpec, limit: int | None = None,
                     ref_path: Path | None = None, input_name: str = "input") -> EvalData:
     """Evaluation split of ``spec``'s preprocessing, with the reference logits aligned by file.
 
@@ -91,7 +98,7 @@ def classifier_data(spec: common.ModelSpec, limit: int | None = None,
         StageError: missing split/cache, or the reference does not cover every evaluated image
             (the message says which rerun fixes it).
     """
-    x, y, files = common.load_split("eval", spec, limit)
+    x, y, files = load_split("eval", spec, limit)
     ref = aligned_reference(ref_path, files, limit) if ref_path is not None else None
     return EvalData(x_u8=x, y=y, files=files, mean=spec.mean, std=spec.std,
                     input_name=input_name, ref=ref,
@@ -101,7 +108,7 @@ def classifier_data(spec: common.ModelSpec, limit: int | None = None,
 def custom_data(ref_path: Path) -> EvalData:
     """Inputs and reference outputs of a custom model from ``ref_outputs.npz`` (stage 1):
     keys ``in:<input name>`` and ``out:<output name>``."""
-    z = common.load_npz(ref_path, None, "1_pytorch_baseline.py --input-shape ...")
+    z = load_npz(ref_path, None, "1_pytorch_baseline.py --input-shape ...")
     feed = {k[3:]: v for k, v in z.items() if k.startswith("in:")}
     ref = {k[4:]: v for k, v in z.items() if k.startswith("out:")}
     return EvalData(feed=feed, ref=ref)
@@ -114,13 +121,13 @@ def aligned_reference(ref_path: Path, files: list[str], limit: int | None) -> np
         StageError: the reference does not cover every file (stage 1 ran with a smaller
             ``--limit`` or on another split); the message says which rerun fixes it.
     """
-    logits, mask = common.align_reference(ref_path, files)
+    logits, mask = align_reference(ref_path, files)
     if not mask.all():
-        n_ref = len(common.load_npz(ref_path, ("files",), "1_pytorch_baseline.py")["files"])
+        n_ref = len(load_npz(ref_path, ("files",), "1_pytorch_baseline.py")["files"])
         hint = (f"pass --limit {n_ref} (or less), or rerun 1_pytorch_baseline.py "
                 "without --limit" if n_ref < len(files) else
                 "rerun 1_pytorch_baseline.py after 0_prepare_data.py")
-        raise common.StageError(
+        raise StageError(
             f"{ref_path} covers {n_ref} eval images but {int((~mask).sum())} of the "
             f"{len(files)} asked for (--limit {limit}) are not among them: {hint}")
     return logits
@@ -150,7 +157,7 @@ def require_batch_axis(outputs: dict[str, np.ndarray], n: int) -> None:
     """
     for name, v in outputs.items():
         if np.ndim(v) == 0:
-            raise common.StageError(
+            raise StageError(
                 f"output {name!r} has shape () for a batch of {n} input samples: it has no "
                 "batch axis (axis 0 must hold the samples' rows), so it cannot be compared "
                 "sample by sample. Fix: return a [N, ...] tensor from the model's forward "
@@ -158,7 +165,7 @@ def require_batch_axis(outputs: dict[str, np.ndarray], n: int) -> None:
                 "it does")
 
 
-def run_outputs(runner: runners.Runner, data: EvalData, batch: int,
+def run_outputs(runner: Runner, data: EvalData, batch: int,
                 progress: str | None = None) -> dict[str, np.ndarray]:
     """Every output of ``runner`` over all samples of ``data``, in batches that respect the
     model's accepted batch range (a static batch is padded by repeating the last sample and the
@@ -173,7 +180,7 @@ def run_outputs(runner: runners.Runner, data: EvalData, batch: int,
     n = len(data)
     b, fixed = batch_plan(n, batch, runner.batch_range)
     parts: dict[str, list[np.ndarray]] = {}
-    for i in common.progress(range(0, n, b), desc=progress or "infer", unit="batch"):
+    for i in progress_bar(range(0, n, b), desc=progress or "infer", unit="batch"):
         idx = np.arange(i, min(i + b, n))
         real = len(idx)
         if fixed and real < fixed:
@@ -185,7 +192,7 @@ def run_outputs(runner: runners.Runner, data: EvalData, batch: int,
     return {k: np.concatenate(v) for k, v in parts.items()}
 
 
-def latency(runner: runners.Runner, data: EvalData, batch: int, warmup: int, iters: int
+def latency(runner: Runner, data: EvalData, batch: int, warmup: int, iters: int
             ) -> dict:
     """The ``latency`` block (:meth:`runners.Timing.stats`) at ``batch``, on the first
     ``batch`` samples of ``data`` (repeated when there are fewer).
@@ -195,14 +202,15 @@ def latency(runner: runners.Runner, data: EvalData, batch: int, warmup: int, ite
     """
     lo, hi = runner.batch_range
     if batch < lo or (hi is not None and batch > hi):
-        raise common.UsageError(f"--latency-batch {batch}: the model accepts batch {lo}.."
+        raise UsageError(f"--latency-batch {batch}: the model accepts batch {lo}.."
                                 f"{hi if hi is not None else 'any'}")
     feed = data.batch(np.arange(batch) % len(data))
     block = runner.time(feed, warmup, iters).stats(batch, warmup)
-    block["max_seconds"] = runners.MAX_SECONDS if runners.MAX_SECONDS < float("inf") else None
+    budget = runner.max_seconds
+    block["max_seconds"] = budget if budget < float("inf") else None
     if block["iters"] < iters:  # the time budget stopped the loop: say so, never silently
         print(f"note: latency at batch {batch}: {block['iters']} of --iters {iters} timed runs "
-              f"(the loop stops after --max-seconds {runners.MAX_SECONDS:g}; --max-seconds 0 "
+              f"(the loop stops after --max-seconds {budget:g}; --max-seconds 0 "
               "runs all of them)", file=sys.stderr)
     return block
 
@@ -243,13 +251,13 @@ def score(data: EvalData, outputs: dict[str, np.ndarray]) -> dict:
                            "parity": None, "parity_outputs": None,
                            "nonfinite_outputs": nonfinite_outputs(data, outputs)}
     if data.classifier:
-        out["accuracy"] = common.topk_accuracy(first, data.y)
+        out["accuracy"] = topk_accuracy(first, data.y)
         if data.ref is not None:
-            out["parity"] = common.parity(data.ref, first)
+            out["parity"] = parity(data.ref, first)
     else:
         out["reason_accuracy"] = "not an ImageNet classifier"
         if data.ref is not None:
-            out["parity_outputs"] = {name: common.parity(ref, o) for (name, ref), o
+            out["parity_outputs"] = {name: parity(ref, o) for (name, ref), o
                                      in zip(data.ref.items(), outputs.values())}
             out["parity"] = next(iter(out["parity_outputs"].values()))
     return out
@@ -261,7 +269,7 @@ def base_record(stage: str, precision: str, model: str, tag: str, runner_desc: d
     """A row with every schema field (see the module docstring), filled from ``runner_desc``
     (:meth:`runners.Runner.describe`) and ``fields``."""
     d = dict(runner_desc or {})
-    rec = common.result_record(stage, backend or d.get("backend", "?"), precision, model, tag,
+    rec = result_record(stage, backend or d.get("backend", "?"), precision, model, tag,
                                status=status, reason=reason)
     rec.update({"variant": None, "device": d.get("device"), "device_name": d.get("device_name"),
                 "device_index": d.get("device_index"), "ep_requested": d.get("ep_requested"),
@@ -276,7 +284,7 @@ def base_record(stage: str, precision: str, model: str, tag: str, runner_desc: d
     return rec
 
 
-def evaluate(runner: runners.Runner, data: EvalData, *, stage: str, precision: str, model: str,
+def evaluate(runner: Runner, data: EvalData, *, stage: str, precision: str, model: str,
              tag: str, args: Any, started: float, inputs: list = (), batch_size: int = 64,
              latency_batch: int = 1, warmup: int = 20, iters: int = 200,
              write: bool = True, **fields) -> tuple[dict, dict[str, np.ndarray]]:
@@ -295,7 +303,7 @@ def evaluate(runner: runners.Runner, data: EvalData, *, stage: str, precision: s
     """
     desc = runner.describe()
     if getattr(args, "max_seconds", None) is not None:  # the stage's --max-seconds (0: none)
-        runners.MAX_SECONDS = args.max_seconds or float("inf")
+        runner.max_seconds = args.max_seconds or float("inf")
     t0 = time.perf_counter()
     outputs = run_outputs(runner, data, batch_size, progress=f"{tag}")
     t1 = time.perf_counter()
@@ -308,16 +316,16 @@ def evaluate(runner: runners.Runner, data: EvalData, *, stage: str, precision: s
     # the model takes (its static batch); any other batch is a second measurement.
     if latency_batch not in (1, lat1):
         rec["latency_batch"] = latency(runner, data, latency_batch, warmup, iters)
-    rec["harness_overhead_ms"] = runners.harness_overhead_ms()
+    rec["harness_overhead_ms"] = harness_overhead_ms()
     # Where the stage's time went (s), for benchmarks/profile_run.py.
     rec["timings_s"] = {"inference": round(t1 - t0, 3),
                         "latency": round(time.perf_counter() - t1, 3)}
     rec.update(fields)
-    rec["provenance"] = common.provenance(args, inputs, started,
+    rec["provenance"] = provenance(args, inputs, started,
                                           f"cuda:{desc.get('device_index') or 0}"
                                           if desc.get("device") == "cuda" else None)
     if write:
-        common.write_result(model, tag, rec)
+        write_result(model, tag, rec)
     return rec, outputs
 
 
@@ -343,7 +351,7 @@ def diagnose(rec: dict, name: str, fn: Callable[[], dict]) -> dict | None:
     else:
         rec.setdefault("diagnostics", {})[name] = res
     rec.setdefault("timings_s", {})[f"diagnostic:{name}"] = round(time.perf_counter() - t0, 3)
-    common.write_result(rec["model"], rec["tag"], rec)
+    write_result(rec["model"], rec["tag"], rec)
     return res
 
 

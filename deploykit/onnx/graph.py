@@ -3,21 +3,23 @@ attributes, producers/consumers, and marking every tensor as an output.
 
 Nothing here runs a model. Each function takes an ``onnx.ModelProto`` (or a path for
 :func:`load`) and reads its main graph; subgraphs (If/Loop bodies) are not walked.
+
 """
 from __future__ import annotations
 
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
-
 import numpy as np
 
-from common import StageError, require
+from deploykit.cli import require
+from deploykit.errors import StageError
+
 
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
 
 
-def load(path: Path | str, producer: str = "2_export_onnx.py / 5_quantize.sh",
+def load_onnx(path: Path | str, producer: str = "2_export_onnx.py / 5_quantize.sh",
          external: bool = True):
     """``onnx.load`` of an artifact (``external``: also its external weight data).
 
@@ -36,7 +38,7 @@ def load(path: Path | str, producer: str = "2_export_onnx.py / 5_quantize.sh",
         raise StageError(f"cannot read ONNX model {path}: {e}") from e
 
 
-def inputs(model) -> list[tuple[str, list[int | None], np.dtype]]:
+def graph_inputs(model) -> list[tuple[str, list[int | None], np.dtype]]:
     """Real graph inputs (initializers that old exporters also list as inputs are skipped).
 
     Returns:
@@ -63,13 +65,13 @@ def static_batch(model) -> int | None:
     Returns:
         e.g. ``1`` for a file exported with a static ``[1, 3, 224, 224]`` input.
     """
-    sizes = {dims[0] for _, dims, _ in inputs(model) if dims}
+    sizes = {dims[0] for _, dims, _ in graph_inputs(model) if dims}
     if len(sizes) != 1 or None in sizes:
         return None
     return sizes.pop()
 
 
-def opset(model, domain: str = "") -> int:
+def onnx_opset(model, domain: str = "") -> int:
     """Opset version the model imports for ``domain`` (default ONNX domain), 0 if none."""
     doms = ("", "ai.onnx") if domain in ("", "ai.onnx") else (domain,)
     return max((o.version for o in model.opset_import if o.domain in doms), default=0)

@@ -1,146 +1,17 @@
-"""Backend runners: one interface for PyTorch, ONNX Runtime, TensorRT and a null backend.
-
-Every stage and tool that runs a model goes through these classes (after Polygraphy's
-``BaseRunner`` and timm's ``benchmark.py``):
-
-- a context manager: ``with OrtRunner(path) as r: ...``;
-- ``infer(feed) -> {output name: np.ndarray}``: ``feed`` maps input names to host arrays with the
-  batch on axis 0; outputs come back on the host (floating outputs as float32);
-- ``time(feed, warmup, iters) -> Timing``: the runner's own timer (``time.perf_counter`` around
-  a host call on the CPU, plus CUDA events around the GPU work on a GPU); preprocessing is never
-  inside the timed region;
-- ``describe() -> dict``: backend, device, the EP or engine really used, versions, TF32 state;
-- ``input_names`` / ``output_names``; ``batch_range``: the batch sizes the model accepts.
-
-Terms (trtexec's): *end-to-end* latency is host wall-clock from host inputs to host outputs
-(H2D copy + compute + D2H copy + synchronisation); *GPU Compute Time* is the device time of the
-work alone, from CUDA events. Units: milliseconds (ms).
+"""TODO docstring for runners
 """
 from __future__ import annotations
 
-import dataclasses
 import re
 import sys
-import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
-
+from typing import Any, Sequence
 import numpy as np
 
-from common import StageError, UsageError, latency_stats
-
-
-# --------------------------------------------------------------------------------------------
-# Timing
-# --------------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class Timing:
-    """Per-iteration latencies of one timed loop.
-
-    Attributes:
-        end_to_end_ms: host wall-clock per iteration (ms), always measured.
-        gpu_compute_ms: CUDA-event time per iteration (ms), GPU runners only, else None.
-        end_to_end_timer / gpu_compute_timer: how each was measured (for the results row).
-        extra: further figures of the same work on a GPU, ``{name: (times_ms or None, timer
-            or the reason it could not be measured)}``, e.g. ``cuda_graph`` (graph replay),
-            ``device_buffers`` (ORT I/O binding on device buffers), ``compile``
-            (``torch.compile``).
-    """
-
-    end_to_end_ms: list[float]
-    end_to_end_timer: str
-    gpu_compute_ms: list[float] | None = None
-    gpu_compute_timer: str | None = None
-    extra: dict[str, tuple[list[float] | None, str]] = dataclasses.field(default_factory=dict)
-
-    def stats(self, batch: int, warmup: int) -> dict:
-        """The ``latency`` block of a results row: ``{"batch", "warmup", "iters",
-        "end_to_end_ms": latency_stats, "end_to_end_timer", "gpu_compute_ms": latency_stats or
-        None, "gpu_compute_timer"}`` plus ``"<name>_ms"`` and ``"<name>_timer"`` (or
-        ``"<name>_error"``) for each extra figure."""
-        out = {"batch": batch, "warmup": warmup, "iters": len(self.end_to_end_ms),
-               "end_to_end_ms": latency_stats(self.end_to_end_ms, batch),
-               "end_to_end_timer": self.end_to_end_timer,
-               "gpu_compute_ms": (latency_stats(self.gpu_compute_ms, batch)
-                                  if self.gpu_compute_ms else None),
-               "gpu_compute_timer": self.gpu_compute_timer}
-        for name, (times, how) in self.extra.items():
-            out[f"{name}_ms"] = latency_stats(times, batch) if times else None
-            out[f"{name}_timer" if times else f"{name}_error"] = how
-        return out
-
-
-def try_extra(timing: Timing, name: str, fn: Callable[[], tuple[list[float], str]]) -> None:
-    """Measure an extra figure into ``timing.extra[name]``; a failure (a model that cannot be
-    captured in a CUDA graph, say) is recorded with its reason instead of raised."""
-    try:
-        timing.extra[name] = fn()
-    except KeyboardInterrupt:
-        raise
-    except Exception as e:  # noqa: BLE001 - any capture/compile failure is a recorded finding
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        # ORT's own reason follows "FAIL : " (e.g. "... as all compute graph nodes have not been
-        # partitioned to the CUDAExecutionProvider"): keep that, not the path before it.
-        msg = msg.split("FAIL : ", 1)[-1].strip()
-        timing.extra[name] = (None, msg[:300])
-
-
-# Time budget of one timed loop: it stops after ``iters`` iterations or this many seconds,
-# whichever comes first, but never before MIN_ITERS iterations (MLPerf's LoadGen bounds a run
-# the same way, by a minimum query count and a minimum duration). A 400 ms INT8 model on a busy
-# 2-core CPU would otherwise spend 80 s on 200 iterations; the row records how many ran.
-MAX_SECONDS = 5.0
-MIN_ITERS = 20
-
-
-def wall_loop(fn: Callable[[], Any], warmup: int, iters: int,
-              sync: Callable[[], None] | None = None,
-              max_seconds: float | None = None) -> list[float]:
-    """Wall-clock latency (ms) of ``fn()``: ``warmup`` untimed calls, then up to ``iters`` timed
-    ones with ``time.perf_counter`` (fewer once ``max_seconds``, default :data:`MAX_SECONDS`, has
-    passed, but at least ``min(iters, MIN_ITERS)``); ``sync()`` (a device synchronisation) runs
-    before each timestamp so asynchronous work is counted."""
-    budget = MAX_SECONDS if max_seconds is None else max_seconds
-    for _ in range(warmup):
-        fn()
-    if sync:
-        sync()
-    times: list[float] = []
-    start = time.perf_counter()
-    for i in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        if sync:
-            sync()
-        t1 = time.perf_counter()
-        times.append((t1 - t0) * 1e3)
-        if i + 1 >= MIN_ITERS and t1 - start > budget:
-            break
-    return times
-
-
-def cuda_event_loop(fn: Callable[[], Any], warmup: int, iters: int, stream=None) -> list[float]:
-    """Device time (ms) of the work ``fn()`` enqueues on ``stream`` (default: the current torch
-    stream), from a pair of CUDA events per iteration, after ``warmup`` untimed calls; the same
-    iteration/time bounds as :func:`wall_loop`."""
-    import torch
-
-    stream = stream or torch.cuda.current_stream()
-    for _ in range(warmup):
-        fn()
-    stream.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times: list[float] = []
-    t_start = time.perf_counter()
-    for i in range(iters):
-        start.record(stream)
-        fn()
-        end.record(stream)
-        end.synchronize()
-        times.append(float(start.elapsed_time(end)))
-        if i + 1 >= MIN_ITERS and time.perf_counter() - t_start > MAX_SECONDS:
-            break
-    return times
+from deploykit.envinfo import device_info
+from deploykit.errors import StageError, UsageError
+from deploykit.timing import MAX_SECONDS, Timing, cuda_event_loop, try_extra, wall_loop
+from deploykit.trt.parsers import PLAN_HEADER_BYTES, classify_plan_load_error, parse_layer_info
 
 
 # --------------------------------------------------------------------------------------------
@@ -149,6 +20,10 @@ def cuda_event_loop(fn: Callable[[], Any], warmup: int, iters: int, stream=None)
 class Runner:
     """Base class: a model on one backend. Subclasses set ``input_names``/``output_names`` and
     implement :meth:`infer`, :meth:`time` and :meth:`describe`."""
+
+    #: Time budget (s) of one timed loop (:data:`deploykit.timing.MAX_SECONDS`); a stage's
+    #: ``--max-seconds`` sets it on the runner it times (``float('inf')``: every iteration).
+    max_seconds: float = MAX_SECONDS
 
     backend = "?"
     input_names: list[str] = []
@@ -182,7 +57,8 @@ class Runner:
 
     def time(self, feed: dict[str, np.ndarray], warmup: int, iters: int) -> Timing:
         """Latency of :meth:`infer`-equivalent work on ``feed`` (see :class:`Timing`)."""
-        return Timing(wall_loop(lambda: self.infer(feed), warmup, iters),
+        return Timing(wall_loop(lambda: self.infer(feed), warmup, iters,
+                                max_seconds=self.max_seconds),
                       "time.perf_counter around infer() (host arrays in and out)")
 
     def describe(self) -> dict:
@@ -201,7 +77,8 @@ class NullRunner(Runner):
         return {}
 
     def time(self, feed, warmup, iters):
-        return Timing(wall_loop(lambda: None, warmup, iters), "time.perf_counter around a no-op")
+        return Timing(wall_loop(lambda: None, warmup, iters, max_seconds=self.max_seconds),
+                      "time.perf_counter around a no-op")
 
     def describe(self):
         return {"backend": self.backend, "device": "cpu"}
@@ -213,7 +90,6 @@ def harness_overhead_ms(iters: int = 200) -> float:
 
 
 def _host_name() -> str:
-    from common import device_info
 
     return device_info()["cpu"]
 
@@ -307,11 +183,13 @@ class TorchRunner(Runner):
         with ``compile``, ``torch.compile``'s module (extra ``compile``)."""
         args = self._args(feed)
         cuda = self.device.type == "cuda"
-        wall = wall_loop(lambda: self._forward(args), warmup, iters, self.sync if cuda else None)
+        wall = wall_loop(lambda: self._forward(args), warmup, iters, self.sync if cuda else None,
+                         max_seconds=self.max_seconds)
         t = Timing(wall, "time.perf_counter around forward() on device-resident inputs"
                    + (" + torch.cuda.synchronize" if cuda else ""))
         if cuda:
-            t.gpu_compute_ms = cuda_event_loop(lambda: self._forward(args), warmup, iters)
+            t.gpu_compute_ms = cuda_event_loop(lambda: self._forward(args), warmup, iters,
+                                               max_seconds=self.max_seconds)
             t.gpu_compute_timer = "torch.cuda.Event pair around forward()"
             try_extra(t, "cuda_graph", lambda: self._time_graph(args, warmup, iters))
         if self.compile:
@@ -330,7 +208,7 @@ class TorchRunner(Runner):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             self._forward(static)
-        times = cuda_event_loop(graph.replay, warmup, iters)
+        times = cuda_event_loop(graph.replay, warmup, iters, max_seconds=self.max_seconds)
         return times, "torch.cuda.Event pair around torch.cuda.CUDAGraph.replay() of forward()"
 
     def _time_compiled(self, args, warmup: int, iters: int) -> tuple[list[float], str]:
@@ -340,9 +218,11 @@ class TorchRunner(Runner):
         self.sync()
         cuda = self.device.type == "cuda"
         if cuda:
-            return (cuda_event_loop(lambda: self._forward(args, compiled), warmup, iters),
+            return (cuda_event_loop(lambda: self._forward(args, compiled), warmup, iters,
+                                    max_seconds=self.max_seconds),
                     "torch.cuda.Event pair around torch.compile(model)(...)")
-        return (wall_loop(lambda: self._forward(args, compiled), warmup, iters),
+        return (wall_loop(lambda: self._forward(args, compiled), warmup, iters,
+                          max_seconds=self.max_seconds),
                 "time.perf_counter around torch.compile(model)(...)")
 
     def describe(self):
@@ -499,7 +379,8 @@ class OrtRunner(Runner):
         outside the CUDA EP or with dynamic shapes inside cannot be captured, and the reason is
         recorded)."""
         feed = {k: v for k, v in feed.items() if k in self.input_names}
-        t = Timing(wall_loop(lambda: self.session.run(None, feed), warmup, iters),
+        t = Timing(wall_loop(lambda: self.session.run(None, feed), warmup, iters,
+                             max_seconds=self.max_seconds),
                    "time.perf_counter around InferenceSession.run (host arrays in and out)")
         if self.used == "CUDAExecutionProvider":
             try_extra(t, "device_buffers",
@@ -526,7 +407,7 @@ class OrtRunner(Runner):
         session.run_with_iobinding(binding)  # first run: allocation / graph capture
         binding.synchronize_outputs()
         times = wall_loop(lambda: session.run_with_iobinding(binding), warmup, iters,
-                          binding.synchronize_outputs)
+                          binding.synchronize_outputs, max_seconds=self.max_seconds)
         return times, f"time.perf_counter around run_with_iobinding ({what}, device buffers)"
 
     def describe(self):
@@ -593,7 +474,6 @@ class TrtRunner(Runner):
 
         if not torch.cuda.is_available():
             raise StageError("no CUDA GPU visible to torch (TensorRT needs one)")
-        import trt_parsers
 
         self.trt, self.torch = trt, torch
         self.dev = torch.device("cuda", device)
@@ -618,8 +498,8 @@ class TrtRunner(Runner):
         if self.engine is None:
             # Classified with its fix (not a plan / truncated / another TensorRT / another GPU /
             # library path), trt_parsers.classify_plan_load_error.
-            why = trt_parsers.classify_plan_load_error(
-                "\n".join(self.logger.messages), blob[:trt_parsers.PLAN_HEADER_BYTES],
+            why = classify_plan_load_error(
+                "\n".join(self.logger.messages), blob[:PLAN_HEADER_BYTES],
                 runtime_version=tuple(int(p) for p in re.findall(r"\d+", trt.__version__)[:4]),
                 file_size=len(blob), plan=self.label)
             raise StageError(f"TensorRT {trt.__version__} cannot load {self.label} "
@@ -689,19 +569,20 @@ class TrtRunner(Runner):
         """End-to-end: host arrays to host arrays (H2D, ``execute_async_v3``, D2H, sync), as
         trtexec's "Latency"; GPU Compute Time: CUDA events around ``execute_async_v3`` alone on
         bound device buffers, as trtexec's "GPU Compute Time"."""
-        wall = wall_loop(lambda: self.infer(feed), warmup, iters)
+        wall = wall_loop(lambda: self.infer(feed), warmup, iters,
+                                max_seconds=self.max_seconds)
         self.bind(feed)
-        gpu = cuda_event_loop(self.execute, warmup, iters, self.stream)
+        gpu = cuda_event_loop(self.execute, warmup, iters, self.stream,
+                              max_seconds=self.max_seconds)
         return Timing(wall, "time.perf_counter around H2D + execute_async_v3 + D2H + sync",
                       gpu, "torch.cuda.Event pair around execute_async_v3 on bound buffers")
 
     def layer_info(self) -> dict:
         """Engine inspector JSON summarised by :func:`trt_parsers.parse_layer_info`."""
-        import trt_parsers
 
         insp = self.engine.create_engine_inspector()
         insp.execution_context = self.context
-        return trt_parsers.parse_layer_info(
+        return parse_layer_info(
             insp.get_engine_information(self.trt.LayerInformationFormat.JSON))
 
     def describe(self):

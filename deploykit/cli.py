@@ -1,0 +1,255 @@
+"""Command-line plumbing shared by every stage and tool: :func:`cli` (errors to exit codes),
+the help formatter, the shared flags (``--model``, ``--warmup``, ``--iters``, ``--max-seconds``,
+``--threads``) and their argument types, and :func:`progress_bar` (tqdm, one line per step).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+from deploykit.errors import StageError, UsageError
+
+
+def cli(get_args_parser: Callable[[], Any], main: Callable[[Any], Any]) -> None:
+    """Run ``main(parser.parse_args())`` with the project's exit-status convention.
+
+    argparse itself exits 2 on unknown flags; :class:`UsageError` also exits 2 (usage line
+    and error printed, as argparse does; ``--help`` lists every flag);
+    :class:`StageError` exits 1 with its message; Ctrl-C (``KeyboardInterrupt``) exits 130
+    with one line, no traceback (every output is written atomically, so nothing half-written is
+    left under a final name); ``MemoryError`` exits 1 with a message naming the flags that size
+    the arrays; other exceptions propagate (traceback, 1).
+    """
+    parser = get_args_parser()
+    args = parser.parse_args()
+    try:
+        main(args)
+    except UsageError as e:
+        parser.print_usage(sys.stderr)
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except StageError as e:
+        print(f"{parser.prog}: FAILED: {e}", file=sys.stderr)
+        sys.exit(1)
+    except MemoryError as e:
+        sizing = [f"--{n.replace('_', '-')} {getattr(args, n)}" for n in
+                  ("batch_size", "latency_batch", "limit") if getattr(args, n, None)]
+        print(f"{parser.prog}: FAILED: out of memory ({e or 'MemoryError'}); "
+              + (f"this run asked for {', '.join(sizing)}: lower the batch sizes" if sizing
+                 else "close other programs or use a machine with more memory")
+              + ". Files written before stay as they were (each is written whole or not at "
+              "all)", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        print(f"\n{parser.prog}: interrupted (Ctrl-C); files it had finished are in place, "
+              "nothing half-written was installed: rerun the same command", file=sys.stderr)
+        sys.exit(130)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` keeps the description's line breaks and shows every flag's default (unless
+    the help text already says it, the flag is a switch, or the default is None)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if ("default" in text or action.default in (None, False, argparse.SUPPRESS)
+                or isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))):
+            return text
+        return super()._get_help_string(action)
+
+
+def stage_parser(doc: str, prog: str | None = None) -> argparse.ArgumentParser:
+    """An argument parser whose description is the whole module docstring ``doc`` (what the
+    stage reads, writes and how to rerun it, in whole sentences) and whose help shows defaults.
+    """
+    return argparse.ArgumentParser(prog=prog, description=doc.strip(),
+                                   formatter_class=HelpFormatter)
+
+
+def default_model() -> str:
+    """``$MODEL``, else the default model ``mobilenet_v3_small``."""
+    return os.environ.get("MODEL") or DEFAULT_MODEL
+
+
+DEFAULT_MODEL = "mobilenet_v3_small"
+
+
+def model_arg(text: str) -> str:
+    """argparse type of ``--model``: a non-empty name without surrounding blanks (an empty
+    ``--model ""`` used to reach the stages as a model folder named ``""``)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            "empty model name: give mobilenet_v3_small, efficientnet_lite0, a torchvision "
+            "classifier or package.module:factory")
+    return text.strip()
+
+
+# Flags shared by several stages, declared once (name -> (flags, add_argument kwargs)). Help
+# texts say what the flag does; the formatter appends the default.
+_SHARED_FLAGS: dict[str, tuple[tuple[str, ...], Callable[[], dict]]] = {
+    "model": (("--model",), lambda: dict(
+        default=default_model(), type=model_arg,
+        help="mobilenet_v3_small, efficientnet_lite0, a torchvision classifier or "
+             "package.module:factory (default from $MODEL)")),
+    "weights": (("--weights",), lambda: dict(
+        default=None, help="local state-dict checkpoint (torch.save(model.state_dict(), PATH)) "
+                           "instead of the model's default weights")),
+    "random_init": (("--random-init",), lambda: dict(
+        action="store_true", help="random weights: structure runs only, accuracy is meaningless")),
+    "input_shape": (("--input-shape",), lambda: dict(
+        action="append", default=None, metavar="NAME:D0,D1,...[:DTYPE]",
+        help="custom models: one per forward() argument, in order; the first axis is the batch "
+             "(repeatable)")),
+    "limit": (("--limit",), lambda: dict(
+        type=int, default=None, help="use the first N evaluation images only (smoke runs)")),
+    "batch_size": (("--batch-size",), lambda: dict(
+        type=int, default=64, help="batch size of the accuracy pass (capped at the largest "
+                                   "batch the model or engine accepts)")),
+    "latency_batch": (("--latency-batch",), lambda: dict(
+        type=int, default=1, help="batch size of the latency measurement")),
+    "warmup": (("--warmup",), lambda: dict(
+        type=int, default=20, help="untimed iterations before timing")),
+    "iters": (("--iters",), lambda: dict(
+        type=int, default=200, help="timed iterations (each timed loop also stops after "
+                                    "--max-seconds, never before 20 iterations)")),
+    "max_seconds": (("--max-seconds",), lambda: dict(
+        type=_seconds_arg, default=5.0,
+        help="time budget of one timed loop in seconds: it stops after --iters iterations or "
+             "this long, whichever comes first (the row records how many ran); 0 = no budget, "
+             "exactly --iters")),
+    "threads": (("--threads",), lambda: dict(
+        type=_threads_arg, default=0,
+        help="intra-op CPU threads of the backend (0 = its default; at most the CPUs this "
+             "process may use)")),
+}
+
+
+def _seconds_arg(text: str) -> float:
+    """``--max-seconds`` value: a finite number >= 0 (exit 2 otherwise)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 <= v < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text}: must be >= 0 seconds (0 = no budget)")
+    return v
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse ``type`` for a count flag: an integer >= ``low``, else a usage error (exit 2)
+    naming the flag, e.g. ``argument --rounds: must be an integer >= 1 (got 0)``. For flags
+    whose impossible values would otherwise fail deep inside the work (an empty median, a
+    DataLoader error)."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low} (got {text!r})") \
+                from None
+        if n < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low} (got {n})")
+        return n
+    parse.__name__ = f"integer >= {low}"  # argparse's own messages name the type
+    return parse
+
+
+def env_assignment(text: str) -> str:
+    """An argparse ``type`` for a ``VAR=value`` environment setting (exit 2 otherwise)."""
+    if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not VAR=value "
+                                         "(e.g. MODEL=efficientnet_lite0)")
+    return text
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (``os.sched_getaffinity``, which honours taskset/cgroup
+    cpusets, else ``os.cpu_count()``)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _threads_arg(text: str) -> int:
+    """``--threads`` value: 0 (the backend's default) .. :func:`usable_cpus`.
+
+    More intra-op threads than CPUs only contend (ONNX Runtime's pool spins each thread): on 2
+    CPUs ``--threads 9999`` made stage 3 run for minutes without finishing.
+
+    Raises:
+        argparse.ArgumentTypeError: not an integer, negative, or above the CPU count (exit 2).
+    """
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    cpus = usable_cpus()
+    if n < 0 or n > cpus:
+        raise argparse.ArgumentTypeError(
+            f"{n}: use 0 (the backend's default) or 1..{cpus}, the CPUs this process may use; "
+            "more threads than CPUs only contend and make every timing meaningless")
+    return n
+
+
+def add_shared_args(parser: argparse.ArgumentParser, *names: str) -> argparse.ArgumentParser:
+    """Add the shared flags ``names`` (keys of ``_SHARED_FLAGS``: ``model``, ``weights``,
+    ``random_init``, ``input_shape``, ``limit``, ``batch_size``, ``latency_batch``, ``warmup``,
+    ``iters``, ``max_seconds``, ``threads``) to ``parser`` and return it.
+
+    Raises:
+        KeyError: an unknown flag name (a programming error).
+    """
+    for n in names:
+        flags, kwargs = _SHARED_FLAGS[n]
+        parser.add_argument(*flags, **kwargs())
+    return parser
+
+
+def check_positive(args: Any, *names: str, allow_zero: Sequence[str] = ()) -> None:
+    """Raise :class:`UsageError` unless each numeric flag ``names`` of ``args`` is >= 1 (or >= 0
+    for those in ``allow_zero``); None values are skipped.
+
+    Raises:
+        UsageError: naming the flag and the value.
+    """
+    for n in names:
+        v = getattr(args, n, None)
+        low = 0 if n in allow_zero else 1
+        if v is not None and v < low:
+            raise UsageError(f"--{n.replace('_', '-')} must be >= {low} (got {v})")
+
+
+def require(path: Path, producer: str) -> Path:
+    """Return ``path`` if it exists, else raise StageError naming the stage that makes it.
+
+    Args:
+        path: an artifact this stage reads.
+        producer: the command that writes it, e.g. ``"2_export_onnx.py"``.
+    Raises:
+        StageError: ``path`` does not exist.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise StageError(f"{path} missing: run {producer} first")
+    return path
+
+
+def progress_bar(iterable: Iterable | None = None, desc: str = "", total: int | None = None,
+             unit: str = "it"):
+    """A tqdm progress bar on stderr for a long loop.
+
+    Shown on a terminal; under ``run_all.sh`` (``PIPELINE_PROGRESS=1``, stderr is the stage's
+    log) it is written there too, updated at most every 5 s, and ``run_all.sh`` shows its last
+    state on the console. Elsewhere (pipes, CI) it is off.
+    """
+    from tqdm import tqdm
+
+    forced = os.environ.get("PIPELINE_PROGRESS") == "1"
+    tty = sys.stderr.isatty()
+    return tqdm(iterable, desc=desc, total=total, unit=unit, file=sys.stderr,
+                disable=False if forced else None, mininterval=0.5 if tty else 2.0,
+                ncols=None if tty else 100, leave=tty)

@@ -1,0 +1,2 @@
+"""Images and splits: reading and preprocessing images, and the calibration/evaluation splits.
+"""

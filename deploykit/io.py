@@ -1,0 +1,185 @@
+"""File I/O with the pipeline's guarantees: atomic writes (temporary name, then rename), JSON,
+SHA-256, the one checked ``.npz`` reader (:func:`load_npz`), writable-folder checks and sizes (MB).
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import os
+import zipfile
+import zlib
+from pathlib import Path
+from typing import Any, Sequence
+import numpy as np
+
+from deploykit.cli import require
+from deploykit.errors import StageError
+
+
+def check_writable(*folders: Path | str) -> None:
+    """Make sure each folder exists (created if needed) and a file can be created in it, before
+    any long work starts.
+
+    Creates and removes a small probe file, which also catches read-only mounts and folders that
+    ``os.access`` reports writable for root.
+
+    Raises:
+        StageError: naming the folder, the operating system's reason and the fix.
+    """
+    import tempfile
+
+    for folder in folders:
+        folder = Path(folder)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-probe-"):
+                pass
+        except OSError as e:
+            raise StageError(
+                f"cannot {'write to' if folder.is_dir() else 'create'} {folder} "
+                f"({e.strerror or type(e).__name__}"
+                f"{': ' + str(e.filename) if e.filename and Path(e.filename) != folder else ''})"
+                f": make it writable, or point ARTIFACTS / RESULTS at a writable folder "
+                "(nothing was changed)") from e
+
+
+# --------------------------------------------------------------------------------------------
+# Atomic writes
+# --------------------------------------------------------------------------------------------
+# errno values that mean "this write cannot succeed here" (as opposed to a bug in the writer).
+_WRITE_ERRNOS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded",
+                 errno.EFBIG: "the file size limit is exceeded (ulimit -f)",
+                 errno.EROFS: "the file system is read-only",
+                 errno.EACCES: "permission denied", errno.EPERM: "operation not permitted"}
+
+
+def _write_failure(path: Path, e: OSError) -> StageError:
+    """A :class:`StageError` naming the final ``path`` of a failed write and what to do."""
+    why = _WRITE_ERRNOS.get(e.errno, e.strerror or str(e))
+    keep = (f"; the previous {path.name} is unchanged" if path.exists() else
+            "; nothing was written under that name")
+    fix = ("free some space (df -h " + str(path.parent) + ") or point ARTIFACTS / RESULTS at "
+           "another disk" if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else
+           "make the folder writable or point ARTIFACTS / RESULTS elsewhere")
+    return StageError(f"cannot write {path}: {why} [{errno.errorcode.get(e.errno, e.errno)}]"
+                      f"{keep}: {fix}, then rerun")
+
+
+@contextlib.contextmanager
+def atomic_path(path: Path | str):
+    """Yield a temporary path beside ``path``; rename it to ``path`` only if the block succeeds.
+
+    An interrupted or failed stage therefore never leaves a half-written artifact that the next
+    stage would read, and an earlier good ``path`` stays as it was. The temporary name keeps the
+    suffix, so writers that check it (np.savez, onnx.save) behave as for the final name.
+
+    Raises:
+        StageError: the folder cannot be created or the write fails for lack of space, quota,
+            file-size limit or permission (``ENOSPC``, ``EDQUOT``, ``EFBIG``, ``EROFS``,
+            ``EACCES``, ``EPERM``); the message names ``path``. Other errors propagate.
+    """
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _write_failure(path, e) from e
+    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except OSError as e:
+        if e.errno in _WRITE_ERRNOS and (e.filename is None or
+                                         Path(e.filename) in (tmp, path, path.parent)):
+            raise _write_failure(path, e) from e
+        raise
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+
+
+def write_json(path: Path | str, obj: Any) -> Path:
+    """Write ``obj`` as indented JSON atomically (NaN/inf written as null)."""
+    path = Path(path)
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(_jsonable(obj), indent=2, sort_keys=False, allow_nan=False) + "\n")
+    return path
+
+
+def load_json(path: Path | str, producer: str | None = None) -> Any:
+    """Parse a JSON file.
+
+    Raises:
+        StageError: missing, unreadable or not valid JSON; names the file (and ``producer``,
+            the command that rewrites it, when given).
+    """
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise StageError(f"{path} is unreadable ({type(e).__name__}: {e})"
+                         + (f": rerun {producer}" if producer else "")) from e
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, Path):
+        return str(obj)
+    if isinstance(obj, np.generic):
+        obj = obj.item()
+    if isinstance(obj, float) and not np.isfinite(obj):
+        return None
+    if isinstance(obj, np.ndarray):
+        return _jsonable(obj.tolist())
+    return obj
+
+
+def sha256_file(path: Path | str, chunk: int = 1 << 20) -> str:
+    """Hex SHA-256 of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def load_npz(path: Path | str, keys: Sequence[str] | None, producer: str
+             ) -> dict[str, np.ndarray]:
+    """Read arrays ``keys`` (None: all) of an ``.npz`` file completely (no pickles).
+
+    Args:
+        path: the file. keys: arrays that must be there. producer: the command that rewrites
+            the file, named in the error.
+    Returns:
+        ``{key: array}``.
+    Raises:
+        StageError: the file is missing, truncated, corrupt or lacks a key; names the file and
+            ``producer``.
+    """
+    path = require(Path(path), producer)
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            names = set(z.files)
+            keys = list(z.files) if keys is None else keys
+            out = {k: z[k] for k in keys if k in names}
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, zlib.error) as e:
+        raise StageError(f"{path} is unreadable ({type(e).__name__}: {e}); it is truncated or "
+                         f"corrupt: rerun {producer} to rewrite it") from e
+    missing = [k for k in keys if k not in out]
+    if missing:
+        raise StageError(f"{path} lacks {missing} (has {sorted(names)}): rerun {producer}")
+    return out
+
+
+def file_size_mb(path: Path | str) -> float:
+    """Size in MB (1e6 bytes) of a file plus its ONNX external-data file, if any."""
+    path = Path(path)
+    total = path.stat().st_size
+    ext = path.with_name(path.name + ".data")
+    if ext.exists():
+        total += ext.stat().st_size
+    return total / 1e6

@@ -1,0 +1,2 @@
+"""Layer-wise parity: which layer is wrong, and why.
+"""

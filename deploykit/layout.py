@@ -1,0 +1,190 @@
+"""Where every artifact and result of a model and variant lives: the one path owner.
+
+``ARTIFACTS``/``RESULTS`` (environment) or ``<repo>/artifacts`` and ``<repo>/results``;
+``package.module:factory`` models map to a safe folder name (:func:`model_tag`). The shell asks
+this module (``python -m deploykit.layout``) instead of spelling paths.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+from deploykit.errors import UsageError
+from deploykit.variants import VARIANTS
+
+
+ROOT = Path(__file__).resolve().parents[1]  # the repository: stages, data/, artifacts/
+
+
+DEFAULT_DATA = ROOT / "data" / "imagenet-sample-1k"
+
+
+# --------------------------------------------------------------------------------------------
+# Paths
+# --------------------------------------------------------------------------------------------
+def artifacts_dir() -> Path:
+    """Root of intermediate artifacts (``$ARTIFACTS`` or ``<repo>/artifacts``)."""
+    return Path(os.environ.get("ARTIFACTS", ROOT / "artifacts"))
+
+
+def results_dir() -> Path:
+    """Root of results JSON and the report (``$RESULTS`` or ``<repo>/results``)."""
+    return Path(os.environ.get("RESULTS", ROOT / "results"))
+
+
+def model_tag(model: str) -> str:
+    """File-system-safe name of a model spec (``pkg.mod:factory`` -> ``pkg.mod-factory``)."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", model).strip("-")
+
+
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}$")
+
+
+def safe_name(value: str, flag: str = "--tag") -> str:
+    """Return ``value`` if it can be used as one file-name component, else raise.
+
+    Tags, variant names and other user-given names become file names
+    (``results/<model>/<tag>.json``); a value such as ``../../x`` would write outside the
+    results folder. Allowed: letters, digits and ``_ . + -``, starting with a letter or digit,
+    at most 128 characters (so no ``/``, ``..``, spaces or a leading dot).
+
+    Args:
+        value: the name. flag: the flag or field it came from, for the message.
+    Raises:
+        UsageError: naming the flag, the value and the rule.
+    """
+    if not isinstance(value, str) or not _SAFE_NAME.match(value) or ".." in value:
+        raise UsageError(f"{flag} {value!r}: not a plain name; use letters, digits and _ . + - "
+                         "(no '/', '..', spaces or leading dot), e.g. ort_fp16")
+    return value
+
+
+# Suffixes of the files write_result keeps beside a good row (<tag>.<status>.json).
+_SIDECAR_SUFFIXES = (".failed", ".skipped")
+
+
+def check_row_tag(model: str, tag: str, flag: str = "--tag") -> str:
+    """Return ``tag`` if ``results/<model>/<tag>.json`` may hold a results row, else raise.
+
+    Besides :func:`safe_name`: a tag ending in ``.failed``/``.skipped`` would be taken for the
+    failure kept beside the row ``<tag without it>`` (and deleted by that row's next good run),
+    and a tag naming a results file that is no row (``data``, ``export``, ``calib``,
+    ``quant_<variant>``, a benchmark's output) would replace that file.
+
+    Raises:
+        UsageError: naming the flag, the value and the file it would clash with.
+    """
+    safe_name(tag, flag)
+    for suf in _SIDECAR_SUFFIXES:
+        if tag.endswith(suf):
+            raise UsageError(f"{flag} {tag!r}: a tag ending in {suf} names the file kept beside "
+                             f"the row {tag[:-len(suf)]!r} when a rerun fails; choose another "
+                             "tag (e.g. replace the dot by _)")
+    path = model_results(model) / f"{tag}.json"
+    try:
+        existing = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return tag  # none, or unreadable: a row may (re)place it
+    if not (isinstance(existing, dict) and "backend" in existing):
+        owner = existing.get("stage") if isinstance(existing, dict) else None
+        raise UsageError(f"{flag} {tag!r}: {path} is {owner or 'another tool'}'s output, not a "
+                         "results row, and would be replaced; choose another tag")
+    return tag
+
+
+def model_artifacts(model: str) -> Path:
+    """Per-model artifact folder, e.g. ``artifacts/efficientnet_lite0``."""
+    return artifacts_dir() / model_tag(model)
+
+
+def model_results(model: str) -> Path:
+    """Per-model results folder, e.g. ``results/efficientnet_lite0``."""
+    return results_dir() / model_tag(model)
+
+
+def splits_path() -> Path:
+    """The data split written by ``0_prepare_data.py``."""
+    return artifacts_dir() / "splits.json"
+
+
+def result_sidecars(model: str, tag: str) -> list[Path]:
+    """The ``<tag>.failed.json`` / ``<tag>.skipped.json`` files that hold a rerun's failure
+    beside an earlier good row (:func:`write_result`)."""
+    folder = model_results(model)
+    return [folder / f"{tag}.{s}.json" for s in ("failed", "skipped")]
+
+
+# --------------------------------------------------------------------------------------------
+# Paths shared by stages 6 and 7
+# --------------------------------------------------------------------------------------------
+def engines_dir(model: str) -> Path:
+    """``artifacts/<model>/engines``."""
+    return model_artifacts(model) / "engines"
+
+
+def engine_paths(model: str, variant: str) -> dict[str, Path]:
+    """Plan, build log, layer info, timing cache, converted ONNX and calibration cache paths of
+    ``variant``."""
+    d = engines_dir(model)
+    return {"plan": d / f"{variant}.plan", "log": d / f"{variant}.build.log",
+            "layers": d / f"{variant}.layers.json", "cache": d / "timing.cache",
+            "opset17": d / f"{variant}.opset17.onnx", "calib": d / f"{variant}.calib.cache"}
+
+
+def onnx_dir(model: str) -> Path:
+    """``artifacts/<model>/onnx``: the exported, converted and quantized ONNX files."""
+    return model_artifacts(model) / "onnx"
+
+
+def fp32_onnx_path(model: str) -> Path:
+    """``artifacts/<model>/onnx/fp32.onnx`` (stage 2): the source of every derived file."""
+    return onnx_dir(model) / "fp32.onnx"
+
+
+def calib_path(model: str) -> Path:
+    """``artifacts/<model>/calib.npz`` (stage 4): the calibration samples keyed by input name."""
+    return model_artifacts(model) / "calib.npz"
+
+
+def ref_logits_path(model: str) -> Path:
+    """``artifacts/<model>/ref_logits.npz`` (stage 1): the PyTorch reference outputs."""
+    return model_artifacts(model) / "ref_logits.npz"
+
+
+def variant_onnx_path(model: str, variant: str) -> Path:
+    """``artifacts/<model>/onnx/<file>`` of ``variant``."""
+    return onnx_dir(model) / VARIANTS[variant].onnx_file
+
+
+#: ``python -m deploykit.layout NAME MODEL [VARIANT]``: the shell asks for paths here.
+PATHS = {"tag": lambda m: model_tag(m), "artifacts": model_artifacts, "results": model_results,
+         "onnx-dir": onnx_dir, "fp32-onnx": fp32_onnx_path, "calib": calib_path,
+         "ref-logits": ref_logits_path, "engines": engines_dir}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print one path (or the model's folder tag) for the shell; exit 2 on a bad name.
+
+    ``python -m deploykit.layout fp32-onnx efficientnet_lite0`` prints
+    ``<ARTIFACTS>/efficientnet_lite0/onnx/fp32.onnx``; ``variant-onnx MODEL VARIANT`` prints
+    that variant's file. ARTIFACTS/RESULTS are read from the environment as by every stage.
+    """
+    import sys
+
+    argv = sys.argv[1:] if argv is None else argv
+    names = sorted([*PATHS, "variant-onnx"])
+    if len(argv) == 3 and argv[0] == "variant-onnx" and argv[2] in VARIANTS:
+        print(variant_onnx_path(argv[1], argv[2]))
+        return 0
+    if len(argv) == 2 and argv[0] in PATHS:
+        print(PATHS[argv[0]](argv[1]))
+        return 0
+    print(f"usage: python -m deploykit.layout {{{','.join(names)}}} MODEL [VARIANT]"
+          f" (VARIANT with variant-onnx: one of {', '.join(VARIANTS)})", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,2 @@
+"""ONNX graph utilities: queries (:mod:`.graph`) and capture of intermediate tensors (:mod:`.activations`).
+"""

@@ -1,0 +1,2 @@
+"""Mixed precision for an accuracy budget (``int8_auto``).
+"""

@@ -1,0 +1,486 @@
+"""Bias checks: ORT's WeightBiasQuantization re-quantization replayed with ORT's kernels and
+judged by its effect on the node's output, and quantized bias scale = s_in * s_w.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+import numpy as np
+
+from deploykit.checks.base import value_shapes
+from deploykit.compare import cosine_rows
+from deploykit.errors import StageError
+from deploykit.onnx.graph import attr, constants, consumers, graph_inputs, load_onnx, producers
+from deploykit.quant.qdq import (
+    Finding,
+    TOL_STEPS,
+    channel_rows,
+    dequantize,
+    dq_weight,
+    int_range,
+    output_axis,
+    qdq_int_dtype,
+    scale_zero_point,
+)
+from deploykit.runners import ort_session_options
+
+
+# --------------------------------------------------------------------------------------------
+# Bias re-quantization by ORT's WeightBiasQuantization
+# --------------------------------------------------------------------------------------------
+def wbq_candidates(model, consts: dict | None = None) -> list[dict]:
+    """The Conv/ConvTranspose/Gemm nodes ORT's ``WeightBiasQuantization`` rewrites, selected by
+    its own rules (weight_bias_quantization.cc, ``ApplyImpl``): input 0 from a DequantizeLinear
+    with a scalar scale; the output reaches a QuantizeLinear through a chain without branches
+    that may contain Relu/Clip; the weight from a DequantizeLinear (not blocked; per-tensor, or
+    per-channel on axis 0 for Conv and on ``transB ? 0 : 1`` for Gemm, with as many scales as
+    bias values) or a float32 initializer; a 1-D bias initializer (required when the weight is
+    already quantized). A MatMul + Add that ORT's ``MatMulAddFusion`` (also level basic) fuses
+    into a Gemm first is judged as that Gemm (:func:`matmul_add_gemms`).
+
+    Returns:
+        ``[{"node", "dq_in", "dq_w" (or None: float weight), "bias", "chain" (Relu/Clip nodes),
+        "q_out", "label" (node name and op for messages), "fused_add" (the Add of a fused
+        MatMul, else None)}]`` (ONNX NodeProto objects, bias = initializer name; for a fused
+        MatMul ``node`` is the Gemm standing for it).
+    """
+    consts = constants(model) if consts is None else consts
+    prod, cons = producers(model), consumers(model)
+    fused = matmul_add_gemms(model)
+    out = []
+    for n0 in model.graph.node:
+        n, add = fused.get(n0.output[0], (n0, None)) if n0.op_type == "MatMul" else (n0, None)
+        if n.op_type not in ("Conv", "ConvTranspose", "Gemm") or len(n.input) < 2:
+            continue
+        dq_in, dq_w = prod.get(n.input[0]), prod.get(n.input[1])
+        if dq_in is None or dq_in.op_type != "DequantizeLinear":
+            continue
+        s_in = consts.get(dq_in.input[1])
+        if s_in is None or s_in.size != 1 or s_in.ndim > 1:
+            continue
+        chain, cur, q_out = [], n, None
+        while len(cur.output) == 1:
+            users = cons.get(cur.output[0], [])
+            if len(users) != 1:
+                break
+            if users[0].op_type == "QuantizeLinear":
+                q_out = users[0]
+                break
+            if users[0].op_type not in ("Relu", "Clip"):
+                break
+            chain.append(users[0])
+            cur = users[0]
+        if q_out is None:
+            continue
+        if dq_w is not None and dq_w.op_type != "DequantizeLinear":
+            dq_w = None
+        if dq_w is None:
+            w = consts.get(n.input[1])
+            if w is None or w.dtype != np.float32:
+                continue
+        bias = n.input[2] if len(n.input) > 2 and n.input[2] else None
+        if bias is not None:
+            b = consts.get(bias)
+            if b is None or b.ndim != 1:
+                continue
+        if dq_w is not None and bias is None:
+            continue
+        if dq_w is not None:
+            s_w = consts.get(dq_w.input[1])
+            if s_w is None:
+                continue
+            if not (s_w.size == 1 and s_w.ndim <= 1):
+                if s_w.ndim != 1 or s_w.shape[0] != consts[bias].shape[0]:
+                    continue
+                if int(attr(dq_w, "block_size", 0) or 0):
+                    continue
+                w_rank = len(consts[dq_w.input[0]].shape) if dq_w.input[0] in consts else None
+                axis = int(attr(dq_w, "axis", 1))
+                if axis < 0:
+                    if w_rank is None:
+                        continue
+                    axis += w_rank
+                expected = 0
+                if n.op_type == "Gemm":
+                    expected = 0 if int(attr(n, "transB", 0)) else 1
+                if axis != expected:
+                    continue
+        label = (f"{n.name} (MatMul + Add {add.name}, fused into a Gemm by ORT's "
+                 "MatMulAddFusion)" if add is not None else f"{n.name} ({n.op_type})")
+        out.append({"node": n, "dq_in": dq_in, "dq_w": dq_w, "bias": bias, "chain": chain,
+                    "q_out": q_out, "label": label, "fused_add": add})
+    return out
+
+
+def matmul_add_gemms(model) -> dict[str, tuple[Any, Any]]:
+    """The MatMul + Add pairs ORT's ``MatMulAddFusion`` (level basic, like
+    ``WeightBiasQuantization``) turns into one Gemm that the bias re-quantization then sees,
+    each as ``{MatMul output tensor: (Gemm NodeProto standing for the fused node, the Add
+    node)}``.
+
+    ORT's rules (onnxruntime/core/optimizer/matmul_add_fusion.cc): the MatMul's output has one
+    consumer, an Add, and is no graph output; A and B have known shapes, B of rank 2; a float
+    type (the DequantizeLinear that ``WeightBiasQuantization`` needs before A guarantees it).
+    Only a rank-2 A is kept here: for a higher rank ORT puts a Reshape after the Gemm, so its
+    output no longer reaches a QuantizeLinear directly and ``WeightBiasQuantization`` leaves it
+    alone. The Gemm keeps the MatMul's name (or its output's), reads ``[A, B, bias]``
+    (``transB=0``) and writes the Add's output; :func:`wbq_candidates` then applies ``WeightBiasQuantization``'s own rules
+    (a 1-D bias initializer among them).
+    """
+    pass  # value_shapes: ONNX shape inference (imported late: heavier)
+    from onnx import helper
+
+    matmuls = [n for n in model.graph.node
+               if n.op_type == "MatMul" and n.domain in ("", "ai.onnx")]
+    if not matmuls:
+        return {}
+    cons = consumers(model)
+    graph_out = {o.name for o in model.graph.output}
+    shapes = value_shapes(model)
+    out = {}
+    for mm in matmuls:
+        users = cons.get(mm.output[0], [])
+        if len(users) != 1 or mm.output[0] in graph_out or users[0].op_type != "Add":
+            continue
+        add = users[0]
+        if len(add.input) != 2 or add.input[0] == add.input[1]:
+            continue
+        a, b = shapes.get(mm.input[0]), shapes.get(mm.input[1])
+        if a is None or b is None or len(a) != 2 or len(b) != 2:
+            continue
+        bias = add.input[1] if add.input[0] == mm.output[0] else add.input[0]
+        out[mm.output[0]] = (helper.make_node("Gemm", [mm.input[0], mm.input[1], bias],
+                                              list(add.output), name=mm.name or mm.output[0]),
+                             add)
+    return out
+
+
+def _ort_weight_scale(w: np.ndarray) -> tuple[np.float32, int]:
+    """Scale and zero point ORT gives a float32 weight it quantizes itself
+    (``GetQuantizationParameter<int8_t>`` in core/util/qmath.h: range widened to include 0,
+    scale = (max - min) / 255, zero point rounded half to even)."""
+    lo, hi = min(float(w.min()), 0.0), max(float(w.max()), 0.0)
+    scale = np.float32(1.0 if hi == lo else (hi - lo) / 255.0)
+    zp = int(np.clip(np.rint(-128 - lo / float(scale)), -128, 127))
+    return scale, zp
+
+
+def simulate_bias_requant(bias: np.ndarray, s_in: np.ndarray, s_w: np.ndarray
+                          ) -> tuple[np.ndarray, np.ndarray]:
+    """The bias ORT's ``WeightBiasQuantization`` hands the node, computed by ONNX Runtime itself.
+
+    The optimizer inserts ``Mul(s_in, s_w) -> Div(bias, .) -> Round -> Cast(int32) ->
+    DequantizeLinear(., Mul)`` (weight_bias_quantization.cc). The same subgraph is built here in
+    the stored dtypes and run on ORT's CPU EP, so float16 arithmetic (ORT runs it through
+    inserted fp32 casts) and the float -> int32 cast of out-of-range values (on x86: -2^31, for
+    +inf, NaN and values beyond int32 alike) are exactly what the session would do.
+
+    Args:
+        bias: 1-D float bias. s_in: the input's scalar scale. s_w: the weight scale (scalar or
+            per output channel).
+    Returns:
+        ``(effective bias float64 [C], int32 values [C])``.
+    Raises:
+        StageError: ORT cannot run the subgraph (e.g. mixed scale dtypes: the optimizer's
+            rewrite would not be valid either).
+    """
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    def vi(name, a):
+        return helper.make_tensor_value_info(
+            name, helper.np_dtype_to_tensor_dtype(np.asarray(a).dtype), list(np.shape(a)))
+
+    per_channel = np.asarray(s_w).size > 1
+    nodes = [helper.make_node("Mul", ["s_in", "s_w"], ["s_b"]),
+             helper.make_node("Div", ["b", "s_b"], ["d"]),
+             helper.make_node("Round", ["d"], ["r"]),
+             helper.make_node("Cast", ["r"], ["q"], to=TensorProto.INT32),
+             helper.make_node("DequantizeLinear", ["q", "s_b"], ["y"],
+                              **({"axis": 0} if per_channel else {}))]
+    feed = {"b": np.asarray(bias), "s_in": np.asarray(s_in), "s_w": np.asarray(s_w)}
+    y_dtype = helper.np_dtype_to_tensor_dtype(np.asarray(s_w).dtype)
+    g = helper.make_graph(nodes, "wbq", [vi(k, v) for k, v in feed.items()],
+                          [helper.make_tensor_value_info("y", y_dtype, None),
+                           helper.make_tensor_value_info("q", TensorProto.INT32, None)])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 19)], ir_version=9)
+    try:
+        sess = ort.InferenceSession(m.SerializeToString(), ort_session_options("disable"),
+                                    providers=["CPUExecutionProvider"])
+        y, q = sess.run(["y", "q"], feed)
+    except Exception as e:  # noqa: BLE001 - ORT raises its own types
+        raise StageError(f"cannot replay ORT's bias re-quantization: {e}") from e
+    return np.asarray(y, np.float64).reshape(-1), np.asarray(q).reshape(-1)
+
+
+def _activation_bounds(chain: list, consts: dict) -> list[tuple[float, float]]:
+    """``[(lo, hi)]`` of each Relu/Clip in ``chain`` (Clip bounds from inputs or, before opset
+    11, attributes; a missing bound is infinite)."""
+    out = []
+    for c in chain:
+        if c.op_type == "Relu":
+            out.append((0.0, np.inf))
+            continue
+        lo = consts.get(c.input[1]) if len(c.input) > 1 and c.input[1] else attr(c, "min")
+        hi = consts.get(c.input[2]) if len(c.input) > 2 and c.input[2] else attr(c, "max")
+        out.append((-np.inf if lo is None else float(np.asarray(lo, np.float64)),
+                    np.inf if hi is None else float(np.asarray(hi, np.float64))))
+    return out
+
+
+def _q_params(q_node, consts: dict, prod: dict, model) -> tuple[np.ndarray, np.ndarray, tuple]:
+    """Scale, zero point (float64) and integer range of a QuantizeLinear."""
+    s, zp = scale_zero_point(consts, q_node)
+    dtype = qdq_int_dtype(model, q_node, consts, prod)
+    s = np.asarray(s, np.float64)
+    zp = np.zeros_like(s) if zp is None else np.asarray(zp, np.float64)
+    return s, zp, int_range(dtype) or (0, 255)
+
+
+def _apply_chain(v: np.ndarray, bounds: list[tuple[float, float]], lo_out, hi_out) -> np.ndarray:
+    for lo, hi in bounds:
+        v = np.clip(v, lo, hi)
+    return np.clip(v, lo_out, hi_out)
+
+
+def _worst_change(b: np.ndarray, d: np.ndarray, lo: np.ndarray, hi: np.ndarray,
+                  bounds: list[tuple[float, float]], lo_out: np.ndarray, hi_out: np.ndarray
+                  ) -> np.ndarray:
+    """Per channel, the largest ``|F(v + d) - F(v)|`` over ``v`` in ``[b + lo, b + hi]`` where
+    ``F`` is the clip chain then the output clamp (monotone, piecewise linear): the maximum is
+    at an end of the interval or where ``v`` or ``v + d`` meets a bound."""
+    C = b.shape[0]
+    pts = [b + lo, b + hi]
+    for t in [x for pair in bounds for x in pair] + [lo_out, hi_out]:
+        t = np.broadcast_to(np.asarray(t, np.float64), (C,))
+        for cand in (t, t - d):
+            pts.append(np.clip(np.where(np.isfinite(cand), cand, b + lo), b + lo, b + hi))
+    best = np.zeros(C)
+    for v in pts:
+        with np.errstate(invalid="ignore"):
+            g = np.abs(_apply_chain(v + d, bounds, lo_out, hi_out)
+                       - _apply_chain(v, bounds, lo_out, hi_out))
+        best = np.maximum(best, np.where(np.isnan(g), np.inf, g))
+    return best
+
+
+def _contribution_bounds(node, w: np.ndarray, x_lo: float, x_hi: float
+                         ) -> tuple[np.ndarray, np.ndarray]:
+    """Per output channel, the range of the weighted sum (without bias) when every input lies in
+    ``[x_lo, x_hi]`` (``x_lo <= 0 <= x_hi``, so zero padding stays inside): the sum over the
+    channel's weights of ``min``/``max(w * x_lo, w * x_hi)``. ConvTranspose: every tap of the
+    group counted (an upper bound). Gemm: times ``alpha``."""
+    ax = output_axis(node, w.ndim)
+    w = w.astype(np.float64)
+    a, b = w * x_lo, w * x_hi
+    lo_t, hi_t = np.minimum(a, b), np.maximum(a, b)
+    lo, hi = channel_rows(lo_t, ax).sum(1), channel_rows(hi_t, ax).sum(1)
+    if node.op_type == "ConvTranspose":
+        g = int(attr(node, "group", 1))
+        lo = np.repeat(lo.reshape(g, -1).sum(0, keepdims=True), g, 0).ravel() if g > 1 else lo
+        hi = np.repeat(hi.reshape(g, -1).sum(0, keepdims=True), g, 0).ravel() if g > 1 else hi
+    alpha = float(attr(node, "alpha", 1.0)) if node.op_type == "Gemm" else 1.0
+    lo, hi = alpha * lo, alpha * hi
+    return np.minimum(lo, hi), np.maximum(lo, hi)
+
+
+def check_bias_requant(model, consts: dict | None = None, activations: dict | None = None,
+                       tol_steps: float = TOL_STEPS) -> tuple[list[Finding], list[dict]]:
+    """Nodes whose output ORT's bias re-quantization changes by more than ``tol_steps``.
+
+    Args:
+        activations: optional ``{node output tensor: float array [N, C, ...] (Gemm [N, C])}``
+            of the candidate nodes on calibration data (pre-activation, graph optimisations
+            off, see :func:`candidate_outputs`); without it the change is bounded from the
+            scales alone.
+    Returns:
+        ``(findings, rows)``: ``rows`` has one entry per candidate node with the simulated
+        bias change and the output change in steps (``basis``: ``calibration`` or ``scales``).
+    """
+    consts = constants(model) if consts is None else consts
+    prod = producers(model)
+    findings, rows = [], []
+    for c in wbq_candidates(model, consts):
+        n, dq_in, dq_w = c["node"], c["dq_in"], c["dq_w"]
+        if c["bias"] is None:
+            continue  # only the float weight is quantized: not a bias effect
+        bias = consts[c["bias"]]
+        s_in = consts[dq_in.input[1]]
+        if dq_w is not None:
+            s_w = consts[dq_w.input[1]]
+            wq = dq_weight(dq_w, consts, prod)
+            w = None if wq is None else dequantize(wq["q"], wq["scale"], wq["zp"], wq["axis"],
+                                                   wq["block"])
+        else:
+            w = consts[n.input[1]]
+            s_w, _ = _ort_weight_scale(w)
+            s_w = np.asarray(s_w, np.float32)
+        row = {"node": n.name, "op_type": n.op_type, "bias": c["bias"],
+               "scale_dtype": str(np.asarray(s_w).dtype), "n_channels": int(bias.size)}
+        try:
+            b_new, q_int = simulate_bias_requant(bias, s_in, s_w)
+        except StageError as e:
+            findings.append(Finding("bias_requant", n.name, c["bias"],
+                                    f"{c['label']}: {e}", "keep the bias float and "
+                                    "check the scale dtypes (input and weight scale must match)"))
+            continue
+        beta = float(attr(n, "beta", 1.0)) if n.op_type == "Gemm" else 1.0
+        b64 = bias.astype(np.float64).ravel()
+        b_new = np.broadcast_to(b_new, b64.shape)
+        d = beta * (b_new - b64)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = np.abs(b64) / (np.abs(s_in.astype(np.float64)).ravel()[0]
+                                   * np.abs(np.asarray(s_w, np.float64)).ravel())
+        row.update(max_abs_ratio=float(np.nanmax(ratio)) if np.isfinite(ratio).any() else None,
+                   n_over_int32=int((ratio > 2 ** 31 - 1).sum()),
+                   n_nonfinite=int((~np.isfinite(b_new)).sum()),
+                   max_bias_change=float(np.nanmax(np.abs(d))) if d.size else 0.0)
+        s_out, zp_out, (qmin, qmax) = _q_params(c["q_out"], consts, prod, model)
+        s_out_c = float(s_out.ravel()[0]) if s_out.size == 1 else s_out
+        lo_out = (qmin - zp_out) * s_out
+        hi_out = (qmax - zp_out) * s_out
+        bounds = _activation_bounds(c["chain"], consts)
+        if activations is not None and n.output[0] in activations:
+            y = np.asarray(activations[n.output[0]], np.float64)
+            cax = 1 if n.op_type in ("Conv", "ConvTranspose") else y.ndim - 1
+            shape = [1] * y.ndim
+            shape[cax] = -1
+            f0 = _apply_chain(y, bounds, lo_out.reshape(()) if lo_out.size == 1 else lo_out,
+                              hi_out.reshape(()) if hi_out.size == 1 else hi_out)
+            with np.errstate(invalid="ignore"):
+                f1 = _apply_chain(y + d.reshape(shape), bounds,
+                                  lo_out.reshape(()) if lo_out.size == 1 else lo_out,
+                                  hi_out.reshape(()) if hi_out.size == 1 else hi_out)
+                steps = np.abs(np.rint(f1 / s_out_c) - np.rint(f0 / s_out_c))
+            steps = np.where(np.isnan(steps), np.inf, steps)
+            ch = channel_rows(steps, cax).max(1)
+            cos = cosine_rows(f0, np.nan_to_num(f1, nan=0.0))
+            row.update(basis="calibration", n_samples=int(len(y)),
+                       max_change_steps=float(ch.max()) if ch.size else 0.0,
+                       frac_elements_changed=float((steps > tol_steps).mean()),
+                       output_cosine_min=float(cos.min()),
+                       nonfinite_output=bool(np.isnan(f1).any() and not np.isnan(f0).any()))
+        else:
+            wq_in = scale_zero_point(consts, dq_in)
+            x_dtype = qdq_int_dtype(model, dq_in, consts, prod)
+            xr = int_range(x_dtype) or (0, 255)
+            sx = float(np.asarray(wq_in[0], np.float64).ravel()[0])
+            zx = 0.0 if wq_in[1] is None else float(np.asarray(wq_in[1], np.float64).ravel()[0])
+            x_lo, x_hi = min((xr[0] - zx) * sx, 0.0), max((xr[1] - zx) * sx, 0.0)
+            if w is None:
+                continue
+            lo, hi = _contribution_bounds(n, w, x_lo, x_hi)
+            ch = _worst_change(beta * b64, d, lo, hi, bounds,
+                               np.broadcast_to(lo_out, b64.shape),
+                               np.broadcast_to(hi_out, b64.shape))
+            ch = ch / np.broadcast_to(np.asarray(s_out, np.float64), b64.shape)
+            row.update(basis="scales", max_change_steps=float(ch.max()) if ch.size else 0.0)
+        bad = np.flatnonzero(ch > tol_steps)
+        row.update(channels_changed=bad[:50].tolist(), n_channels_changed=int(bad.size))
+        rows.append(row)
+        if not bad.size:
+            continue
+        k = int(bad[np.argmax(ch[bad])])
+        how = ("on calibration data" if row["basis"] == "calibration" else
+               "at worst over the input range its scales allow (no --calib)")
+        extra = ""
+        if row["basis"] == "calibration":
+            extra = (f"; {100 * row['frac_elements_changed']:.2g} % of its output elements change,"
+                     f" output cosine min {row['output_cosine_min']:.4f}")
+        msg = (f"{c['label']}: ORT's WeightBiasQuantization re-quantizes bias "
+               f"{c['bias']} to int32 with scale input_scale x weight_scale in "
+               f"{row['scale_dtype']}; {bad.size} of {b64.size} channel(s) change enough to move "
+               f"the output by more than {tol_steps:g} quantization step(s) {how}: worst channel "
+               f"{k}, bias {b64[k]:.4g} -> {b_new[k]:.4g} (int32 {int(q_int[k % q_int.size])}), "
+               f"output change {ch[k]:.4g} steps of {float(np.asarray(s_out).ravel()[0]):.4g}"
+               + extra)
+        fix = ("keep the scales fp32 (ModelOpt --high_precision_dtype fp32) if they are fp16; "
+               "otherwise quantize the bias yourself (int32, scale s_in*s_w) or keep this node in "
+               "float; meanwhile run ORT with --disable-optimizer WeightBiasQuantization (stage 3) "
+               "or --opt-level disable, and do not report its ORT numbers as the quantization "
+               "result")
+        findings.append(Finding("bias_requant", n.name, c["bias"], msg, fix, row))
+    return findings, rows
+
+
+def candidate_outputs(path: Path | str, data: dict[str, np.ndarray], tensors: list[str],
+                      limit: int = 32) -> dict[str, np.ndarray]:
+    """Run ``path`` on ORT's CPU EP with graph optimisations off and return ``tensors`` (node
+    outputs made graph outputs) for the first ``limit`` samples of ``data``, in chunks that fit a
+    static batch axis.
+
+    Raises:
+        StageError: ORT cannot load or run the model.
+    """
+    import onnx
+    import onnxruntime as ort
+
+    if not tensors:
+        return {}
+    model = load_onnx(path)
+    have = {o.name for o in model.graph.output}
+    for t in tensors:
+        if t not in have:
+            model.graph.output.append(onnx.ValueInfoProto(name=t))
+    inputs = graph_inputs(model)
+    static = {d[0] for _, d, _ in inputs if d and d[0]}
+    batch = min(static) if static else 8
+    n = min(limit, min(len(v) for v in data.values()))
+    try:
+        sess = ort.InferenceSession(model.SerializeToString(),
+                                    ort_session_options("disable"),
+                                    providers=["CPUExecutionProvider"])
+        parts: dict[str, list] = defaultdict(list)
+        for i in range(0, n - n % batch if static else n, batch):
+            feed = {name: np.asarray(data[name][i:i + batch]) for name, _, _ in inputs}
+            for t, v in zip(tensors, sess.run(tensors, feed)):
+                parts[t].append(np.asarray(v))
+    except Exception as e:  # noqa: BLE001
+        raise StageError(f"onnxruntime cannot run {path} on the calibration data: "
+                                f"{e}") from e
+    return {t: np.concatenate(v) for t, v in parts.items()}
+
+
+# --------------------------------------------------------------------------------------------
+# Quantized bias scale
+# --------------------------------------------------------------------------------------------
+def check_bias_scales(model, consts: dict | None = None) -> list[Finding]:
+    """int32 biases (DequantizeLinear of a constant) whose scale is not ``s_in * s_w``."""
+    consts = constants(model) if consts is None else consts
+    prod = producers(model)
+    out = []
+    for n in model.graph.node:
+        if n.op_type not in ("Conv", "ConvTranspose", "Gemm") or len(n.input) < 3 or not n.input[2]:
+            continue
+        dq_b, dq_in, dq_w = (prod.get(n.input[i]) for i in (2, 0, 1))
+        if not all(d is not None and d.op_type == "DequantizeLinear" for d in (dq_b, dq_in, dq_w)):
+            continue
+        s_b, s_in, s_w = (consts.get(d.input[1]) for d in (dq_b, dq_in, dq_w))
+        if s_b is None or s_in is None or s_w is None or s_in.size != 1:
+            continue
+        expected = (float(np.asarray(s_in, np.float64).ravel()[0])
+                    * np.asarray(s_w, np.float64).ravel())
+        actual = np.broadcast_to(np.asarray(s_b, np.float64).ravel(), expected.shape) \
+            if np.asarray(s_b).size in (1, expected.size) else None
+        if actual is None:
+            continue
+        tol = 2e-3 if np.float16 in (s_b.dtype, s_in.dtype, s_w.dtype) else 1e-5
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = actual / expected
+        bad = np.flatnonzero(~(np.abs(ratio - 1) <= tol))
+        if not bad.size:
+            continue
+        k = int(bad[0])
+        out.append(Finding(
+            "bias_scale_mismatch", n.name, dq_b.input[1],
+            f"{n.name} ({n.op_type}): int32 bias {dq_b.input[0]} has scale {actual[k]:.6g} but "
+            f"input_scale x weight_scale is {expected[k]:.6g} (ratio {ratio[k]:.4g}) in {bad.size} "
+            f"of {expected.size} channel(s): ONNX QLinearConv requires bias scale = x_scale x "
+            "w_scale, and an integer kernel that fuses this node reads the int32 values with that "
+            "scale, i.e. a bias off by the ratio",
+            "re-quantize the bias as round(b_float / (s_in * s_w)) with scale s_in * s_w, or "
+            "leave the bias in float",
+            {"ratio_min": float(np.nanmin(ratio)), "ratio_max": float(np.nanmax(ratio)),
+             "n_channels": int(bad.size)}))
+    return out

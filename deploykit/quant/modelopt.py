@@ -1,0 +1,91 @@
+"""ModelOpt's ONNX PTQ with a calibration batch of its own, its log warnings, and an ORT smoke
+run of its output.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Sequence
+import numpy as np
+
+from deploykit.io import load_npz
+from deploykit.errors import UsageError
+from deploykit.quant.calibration import calibration_plan, deployment_shapes
+from deploykit.runners import ort_session_options
+
+
+def modelopt_quantize(argv: Sequence[str], calib_batch: str | int = "all") -> None:
+    """``python -m modelopt.onnx.quantization ARGV`` (ModelOpt's own argument parser and
+    ``quantize()``), with the calibration batch set on its own.
+
+    ModelOpt 0.47.0's CLI has one knob for two things: ``--calibration_shapes`` is both the
+    calibration batch (calib_utils.CalibrationDataProvider) and the shapes its GEMV rule reads
+    (graph_utils.find_nodes_from_matmul_to_exclude: a Gemm whose M is 1 stays float). Without
+    it the batch is the model's batch dim, 1 when dynamic. Here the calibration data reader gets
+    the batch of :func:`calibration_plan` and, unless ARGV says otherwise, the GEMV rule keeps
+    seeing the deployment batch (:func:`deployment_shapes`), so the nodes ModelOpt quantizes are
+    the same as with its CLI; only the calibration batch differs.
+
+    Raises:
+        UsageError: ``--autotune`` (use ModelOpt's CLI for it).
+    """
+    import inspect
+
+    from modelopt.onnx.quantization import quantize
+    from modelopt.onnx.quantization.__main__ import get_parser
+    from modelopt.onnx.quantization.calib_utils import CalibrationDataProvider
+
+    args = get_parser().parse_args(list(argv))
+    if args.autotune is not None:
+        raise UsageError("--autotune: run python -m modelopt.onnx.quantization directly")
+    params = inspect.signature(quantize).parameters
+    kw = {k: v for k, v in vars(args).items() if k in params and k != "onnx_path"}
+    kw["autotune"] = False
+    if args.calibration_data_path:
+        data = load_npz(args.calibration_data_path, None, "4_make_calib.py")
+        plan = calibration_plan(args.onnx_path, data, calib_batch)
+        kw["calibration_data"] = data
+        kw["calibration_data_reader"] = CalibrationDataProvider(args.onnx_path, data,
+                                                                plan["calibration_shapes"])
+        if not args.calibration_shapes:
+            kw["calibration_shapes"] = deployment_shapes(args.onnx_path, data)
+        print(f"calibration batch {plan['batch_size']} ({len(plan['batches'])} batch(es) of "
+              f"{plan['batches'][:4]}); ModelOpt's GEMV rule sees {kw['calibration_shapes']}")
+    quantize(args.onnx_path, **kw)
+
+
+# --------------------------------------------------------------------------------------------
+# record-quant (5_quantize.sh)
+# --------------------------------------------------------------------------------------------
+KEEP_WARNINGS = re.compile(r"WARNING|replaced with|smaller than smallest|Error|error:", re.I)
+
+
+def log_warnings(log: Path, limit: int = 40) -> list[str]:
+    """ModelOpt warning lines worth keeping (deduplicated, timestamps stripped)."""
+    out: list[str] = []
+    for line in Path(log).read_text(errors="replace").splitlines():
+        if KEEP_WARNINGS.search(line):
+            msg = re.sub(r"^\S+ \S+ - \[modelopt\]\[onnx\] - ", "", line).strip()
+            if msg not in out:
+                out.append(msg)
+    return out[:limit]
+
+
+def ort_smoke(path: Path) -> dict:
+    """Load ``path`` in ORT CPU and run one all-zero batch-1 input (symbolic dims -> 1), at the
+    default optimisation level: ``{"ok": bool, "error": str | None}``. A model ORT accepts at
+    load time can still fail at the first run (blocked DequantizeLinear shape checks)."""
+    import onnxruntime as ort
+
+    try:
+        sess = ort.InferenceSession(str(path), ort_session_options("all"),
+                                    providers=["CPUExecutionProvider"])
+        feed = {}
+        for i in sess.get_inputs():
+            shape = [d if isinstance(d, int) and d > 0 else 1 for d in i.shape]
+            dtype = np.float16 if "float16" in i.type else np.float32
+            feed[i.name] = np.zeros(shape, dtype)
+        sess.run(None, feed)
+        return {"ok": True, "error": None}
+    except Exception as e:  # noqa: BLE001 - ORT raises Fail/InvalidGraph/RuntimeException
+        return {"ok": False, "error": f"{type(e).__name__}: {str(e)[:600]}"}

@@ -1,0 +1,138 @@
+"""Latency measurement: the bounded timed loops (wall clock with device sync, CUDA events)
+and their statistics (p50/p90/p99 in ms, throughput).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Sequence
+import numpy as np
+from typing import Any, Callable, Sequence
+
+
+
+def latency_stats(times_ms: Sequence[float], batch: int = 1) -> dict[str, float]:
+    """Summary of per-iteration latencies (ms): p50/p90/p99/mean/min/max and FPS
+    (``batch * 1000 / mean``)."""
+    t = np.asarray(times_ms, np.float64)
+    return {"batch": batch, "iters": int(t.size), "p50_ms": float(np.percentile(t, 50)),
+            "p90_ms": float(np.percentile(t, 90)), "p99_ms": float(np.percentile(t, 99)),
+            "mean_ms": float(t.mean()), "min_ms": float(t.min()), "max_ms": float(t.max()),
+            "fps": float(batch * 1000.0 / t.mean())}
+
+
+# --------------------------------------------------------------------------------------------
+# Timing
+# --------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Timing:
+    """Per-iteration latencies of one timed loop.
+
+    Attributes:
+        end_to_end_ms: host wall-clock per iteration (ms), always measured.
+        gpu_compute_ms: CUDA-event time per iteration (ms), GPU runners only, else None.
+        end_to_end_timer / gpu_compute_timer: how each was measured (for the results row).
+        extra: further figures of the same work on a GPU, ``{name: (times_ms or None, timer
+            or the reason it could not be measured)}``, e.g. ``cuda_graph`` (graph replay),
+            ``device_buffers`` (ORT I/O binding on device buffers), ``compile``
+            (``torch.compile``).
+    """
+
+    end_to_end_ms: list[float]
+    end_to_end_timer: str
+    gpu_compute_ms: list[float] | None = None
+    gpu_compute_timer: str | None = None
+    extra: dict[str, tuple[list[float] | None, str]] = dataclasses.field(default_factory=dict)
+
+    def stats(self, batch: int, warmup: int) -> dict:
+        """The ``latency`` block of a results row: ``{"batch", "warmup", "iters",
+        "end_to_end_ms": latency_stats, "end_to_end_timer", "gpu_compute_ms": latency_stats or
+        None, "gpu_compute_timer"}`` plus ``"<name>_ms"`` and ``"<name>_timer"`` (or
+        ``"<name>_error"``) for each extra figure."""
+        out = {"batch": batch, "warmup": warmup, "iters": len(self.end_to_end_ms),
+               "end_to_end_ms": latency_stats(self.end_to_end_ms, batch),
+               "end_to_end_timer": self.end_to_end_timer,
+               "gpu_compute_ms": (latency_stats(self.gpu_compute_ms, batch)
+                                  if self.gpu_compute_ms else None),
+               "gpu_compute_timer": self.gpu_compute_timer}
+        for name, (times, how) in self.extra.items():
+            out[f"{name}_ms"] = latency_stats(times, batch) if times else None
+            out[f"{name}_timer" if times else f"{name}_error"] = how
+        return out
+
+
+def try_extra(timing: Timing, name: str, fn: Callable[[], tuple[list[float], str]]) -> None:
+    """Measure an extra figure into ``timing.extra[name]``; a failure (a model that cannot be
+    captured in a CUDA graph, say) is recorded with its reason instead of raised."""
+    try:
+        timing.extra[name] = fn()
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:  # noqa: BLE001 - any capture/compile failure is a recorded finding
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        # ORT's own reason follows "FAIL : " (e.g. "... as all compute graph nodes have not been
+        # partitioned to the CUDAExecutionProvider"): keep that, not the path before it.
+        msg = msg.split("FAIL : ", 1)[-1].strip()
+        timing.extra[name] = (None, msg[:300])
+
+
+# Time budget of one timed loop: it stops after ``iters`` iterations or this many seconds,
+# whichever comes first, but never before MIN_ITERS iterations (MLPerf's LoadGen bounds a run
+# the same way, by a minimum query count and a minimum duration). A 400 ms INT8 model on a busy
+# 2-core CPU would otherwise spend 80 s on 200 iterations; the row records how many ran.
+MAX_SECONDS = 5.0
+
+
+MIN_ITERS = 20
+
+
+def wall_loop(fn: Callable[[], Any], warmup: int, iters: int,
+              sync: Callable[[], None] | None = None,
+              max_seconds: float | None = None) -> list[float]:
+    """Wall-clock latency (ms) of ``fn()``: ``warmup`` untimed calls, then up to ``iters`` timed
+    ones with ``time.perf_counter`` (fewer once ``max_seconds``, default :data:`MAX_SECONDS`, has
+    passed, but at least ``min(iters, MIN_ITERS)``); ``sync()`` (a device synchronisation) runs
+    before each timestamp so asynchronous work is counted."""
+    budget = MAX_SECONDS if max_seconds is None else max_seconds
+    for _ in range(warmup):
+        fn()
+    if sync:
+        sync()
+    times: list[float] = []
+    start = time.perf_counter()
+    for i in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        if sync:
+            sync()
+        t1 = time.perf_counter()
+        times.append((t1 - t0) * 1e3)
+        if i + 1 >= MIN_ITERS and t1 - start > budget:
+            break
+    return times
+
+
+def cuda_event_loop(fn: Callable[[], Any], warmup: int, iters: int, stream=None,
+                    max_seconds: float | None = None) -> list[float]:
+    """Device time (ms) of the work ``fn()`` enqueues on ``stream`` (default: the current torch
+    stream), from a pair of CUDA events per iteration, after ``warmup`` untimed calls; the same
+    iteration/time bounds as :func:`wall_loop`."""
+    import torch
+
+    budget = MAX_SECONDS if max_seconds is None else max_seconds
+    stream = stream or torch.cuda.current_stream()
+    for _ in range(warmup):
+        fn()
+    stream.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times: list[float] = []
+    t_start = time.perf_counter()
+    for i in range(iters):
+        start.record(stream)
+        fn()
+        end.record(stream)
+        end.synchronize()
+        times.append(float(start.elapsed_time(end)))
+        if i + 1 >= MIN_ITERS and time.perf_counter() - t_start > budget:
+            break
+    return times

@@ -1,0 +1,3 @@
+"""TensorRT: version rules, shape profiles, trtexec command lines, plan diagnosis, detection,
+log parsers and ONNX preparation for older parsers.
+"""
