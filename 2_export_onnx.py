@@ -47,6 +47,7 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+from deploykit.compare import OUTPUT_MIN_COSINE
 from deploykit.checks.base import check_result, format_result, with_source, worst
 from deploykit.checks.export import (
     capture_warnings,
@@ -90,9 +91,9 @@ def get_args_parser() -> argparse.ArgumentParser:
                    help="custom models: .npz of real samples keyed by input name (batch on axis "
                         "0) for parity and the FP16 range audit (default: seeded random inputs "
                         "of --input-shape)")
-    p.add_argument("--min-cosine-fp32", type=float, default=0.99999,
+    p.add_argument("--min-cosine-fp32", type=float, default=OUTPUT_MIN_COSINE["fp32"],
                    help="lowest per-image cosine similarity of the FP32 file vs PyTorch")
-    p.add_argument("--min-cosine-fp16", type=float, default=0.999,
+    p.add_argument("--min-cosine-fp16", type=float, default=OUTPUT_MIN_COSINE["fp16"],
                    help="lowest per-image cosine similarity of the FP16 file vs PyTorch")
     p.add_argument("--no-fp16", action="store_true", help="export FP32 only")
     p.add_argument("--fp16-keep-fp32", action="append", default=None, metavar="NODE[,NODE]",

@@ -90,10 +90,19 @@ if [ -n "$limit" ]; then
   RES_ROOT="$RES_ROOT/smoke"
 fi
 export ARTIFACTS="$ART_ROOT" RESULTS="$RES_ROOT"
-ART="$ART_ROOT/$MODEL_TAG"
-ONNX_DIR="$ART/onnx"
+# Paths, row tags and file names come from their owners (deploykit.layout, the variant registry).
+dirs_out="$(python -m deploykit.layout artifacts "$MODEL")"
+ART="$dirs_out"
+dirs_out="$(python -m deploykit.layout onnx-dir "$MODEL")"
+ONNX_DIR="$dirs_out"
+dirs_out="$(python -m deploykit.layout results "$MODEL")"
+RES_DIR="$dirs_out"
 LOG_DIR="$ART_ROOT/logs/$MODEL_TAG"
-RES_DIR="$RES_ROOT/$MODEL_TAG"
+declare -A ORT_TAG TRT_TAG ONNX_FILE
+registry_out="$(python variants.py list --with ort_tag --with trt_tag --with onnx_file)"
+while IFS=$'\t' read -r v ort_tag trt_tag onnx_file; do
+  ORT_TAG[$v]=$ort_tag TRT_TAG[$v]=$trt_tag ONNX_FILE[$v]=$onnx_file
+done <<<"$registry_out"
 # A smoke run shrinks every stage: stage 0 keeps the first N images of each split, so the
 # calibration set, every evaluation and every cross-check are N images; timed loops are short.
 lim=()
@@ -417,8 +426,8 @@ if want 3; then
   export_out="$(python variants.py list --stage 3)"
   mapfile -t export_variants <<<"$export_out"
   for v in "${export_variants[@]}"; do
-    run "3_onnx_eval_$v" python 3_onnx_eval.py --model "$MODEL" --onnx "$ONNX_DIR/$v.onnx" \
-      --tag "ort_$v" "${lim[@]}" "${timing[@]}"
+    run "3_onnx_eval_$v" python 3_onnx_eval.py --model "$MODEL" \
+      --onnx "$ONNX_DIR/${ONNX_FILE[$v]}" --tag "${ORT_TAG[$v]}" "${lim[@]}" "${timing[@]}"
   done
   end 3
 fi
@@ -445,17 +454,17 @@ if want 5; then
       if [ "$v" = int4_cli_broken ]; then
         # Reproduces ModelOpt 0.47.0's INT4 axis bug on purpose: ORT must refuse to run it.
         run_expect_failure "3_onnx_eval_$v" python 3_onnx_eval.py --model "$MODEL" \
-          --onnx "$ONNX_DIR/$v.onnx" --tag "ort_$v" "${lim[@]}" "${timing[@]}"
+          --onnx "$ONNX_DIR/${ONNX_FILE[$v]}" --tag "${ORT_TAG[$v]}" "${lim[@]}" "${timing[@]}"
       else
-        run "3_onnx_eval_$v" python 3_onnx_eval.py --model "$MODEL" --onnx "$ONNX_DIR/$v.onnx" \
-          --tag "ort_$v" "${lim[@]}" "${timing[@]}"
+        run "3_onnx_eval_$v" python 3_onnx_eval.py --model "$MODEL" \
+          --onnx "$ONNX_DIR/${ONNX_FILE[$v]}" --tag "${ORT_TAG[$v]}" "${lim[@]}" "${timing[@]}"
       fi
     done
   fi
   if [ "$custom" = 0 ] && have 5b_quantize_int4.py; then
     run 5b_quantize_int4 python 5b_quantize_int4.py --model "$MODEL" --no-eval
-    run 3_onnx_eval_int4 python 3_onnx_eval.py --model "$MODEL" --onnx "$ONNX_DIR/int4.onnx" \
-      --tag ort_int4 "${lim[@]}" "${timing[@]}"
+    run 3_onnx_eval_int4 python 3_onnx_eval.py --model "$MODEL" \
+      --onnx "$ONNX_DIR/${ONNX_FILE[int4]}" --tag "${ORT_TAG[int4]}" "${lim[@]}" "${timing[@]}"
   fi
   end 5
 fi
@@ -483,7 +492,7 @@ if want 7; then
     mapfile -t trt_variants <<<"$trt_out"
     for v in "${trt_variants[@]}"; do
       run "7_trt_eval_$v" python 7_trt_eval.py --model "$MODEL" --engine "$ART/engines/$v.plan" \
-        --tag "trt_$v" "${lim[@]}" "${timing[@]}"
+        --tag "${TRT_TAG[$v]}" "${lim[@]}" "${timing[@]}"
     done
   fi
   end 7

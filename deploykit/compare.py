@@ -73,6 +73,99 @@ def parity(ref: np.ndarray, out: np.ndarray) -> dict[str, float]:
     return res
 
 
+
+# --------------------------------------------------------------------------------------------
+# One comparison of two sets of outputs
+# --------------------------------------------------------------------------------------------
+def match_outputs(ref_names: Sequence[str], out_names: Sequence[str]
+                  ) -> list[tuple[str, str | None, str | None]]:
+    """Pair each reference output with an output of the other run: by name, then by index.
+
+    The rule is Polygraphy's ``find_output_func`` (polygraphy/comparator/compare.py): an exact
+    name match first; otherwise the output at the same index when the other run has one and
+    that output is not matched by name to another reference output.
+
+    Args:
+        ref_names, out_names: output names in graph order.
+    Returns:
+        ``[(ref name, out name or None, "name" | "index" | None)]`` in ``ref_names`` order.
+    """
+    by_name = set(ref_names) & set(out_names)
+    pairs = []
+    for i, rn in enumerate(ref_names):
+        if rn in by_name:
+            pairs.append((rn, rn, "name"))
+        elif i < len(out_names) and out_names[i] not in by_name:
+            pairs.append((rn, out_names[i], "index"))
+        else:
+            pairs.append((rn, None, None))
+    return pairs
+
+
+@dataclasses.dataclass
+class OutputDiff:
+    """One reference output against its match (:func:`compare`).
+
+    ``nonfinite`` counts elements that are NaN/Inf where the reference is finite;
+    ``nonfinite_rows`` marks the samples (axis 0) that hold any. ``parity`` is
+    :func:`parity`'s dict for floating outputs of equal shape with at least one element.
+    """
+
+    ref_name: str
+    out_name: str | None
+    matched_by: str | None
+    shape_ref: tuple
+    shape_out: tuple | None = None
+    integer: bool = False
+    equal: bool | None = None
+    nonfinite: int = 0
+    nonfinite_rows: np.ndarray | None = None
+    parity: dict | None = None
+
+    @property
+    def status(self) -> str:
+        """``missing`` | ``shape`` | ``integer_differs`` | ``nonfinite`` | ``compared``."""
+        if self.out_name is None:
+            return "missing"
+        if self.shape_out != self.shape_ref:
+            return "shape"
+        if self.integer:
+            return "compared" if self.equal else "integer_differs"
+        return "nonfinite" if self.nonfinite else "compared"
+
+
+def compare(ref: dict[str, np.ndarray], out: dict[str, np.ndarray]) -> list[OutputDiff]:
+    """Compare every reference output with its match in ``out`` (:func:`match_outputs`).
+
+    The one comparator: the export, FP16 and mixed-precision checks are views of its result.
+
+    Args:
+        ref, out: ``{output name: [N, ...] array}`` in graph order.
+    Returns:
+        One :class:`OutputDiff` per reference output, in ``ref`` order.
+    """
+    res = []
+    for rn, on, how in match_outputs(list(ref), list(out)):
+        r = np.asarray(ref[rn])
+        d = OutputDiff(rn, on, how, tuple(r.shape))
+        res.append(d)
+        if on is None:
+            continue
+        o = np.asarray(out[on])
+        d.shape_out = tuple(o.shape)
+        if d.shape_out != d.shape_ref:
+            continue
+        if not np.issubdtype(r.dtype, np.floating) and not np.issubdtype(o.dtype, np.floating):
+            d.integer, d.equal = True, bool(np.array_equal(r, o))
+            continue
+        n = len(o) if o.ndim else 1
+        bad = ~np.isfinite(o.astype(np.float64)) & np.isfinite(r.astype(np.float64))
+        d.nonfinite = int(bad.sum())
+        d.nonfinite_rows = bad.reshape(n, -1).any(1)
+        if r.size:
+            d.parity = parity(r, o)
+    return res
+
 # --------------------------------------------------------------------------------------------
 # Tolerances
 # --------------------------------------------------------------------------------------------
@@ -106,6 +199,26 @@ TOLERANCES: dict[str, dict[str, float]] = {
     "int8": {"min_cosine": 0.98, "atol": 1e-2, "rtol": 1.0},
     "int4": {"min_cosine": 0.95, "atol": 1e-2, "rtol": 2.0},
 }
+
+
+#: End-to-end gate of a converted file's final outputs against PyTorch (per-sample cosine
+#: similarity, minimum over the samples), used by stage 2 and ``export_checks.py``: an FP32
+#: export differs from PyTorch only by summation order (cosine >= 0.99999); an FP16 file rounds
+#: every tensor to a 10-bit mantissa (cosine >= 0.999, as :data:`TOLERANCES` ``fp16``).
+OUTPUT_MIN_COSINE: dict[str, float] = {"fp32": 0.99999, "fp16": 0.999}
+
+#: One backend against another on the same graph (a Q/DQ model on ORT optimised vs unoptimised,
+#: or on two EPs), read by ``layerwise.py quant-backend`` and the stage-3 backend cross-check.
+#: A backend reproduces a Q/DQ graph when every tensor stays, on average, well within one
+#: quantization step of the graph's own semantics (DequantizeLinear + float ops, ORT
+#: optimisations off): an integer kernel may round a requantized value the other way (ties, fused
+#: scale products) and such one-step flips propagate to later layers as sparse larger errors, so
+#: the test is on the mean error and the cosine, not on the largest element: mean |error| <= 0.5
+#: step (<= 2 % of the tensor's range where the graph does not quantize it; cosine alone cannot
+#: see a wrong magnitude, e.g. a one-value output that saturates) and cosine >= 0.999 (the FP16
+#: line: fp16 scales make ORT CPU compute through inserted casts in either run).
+BACKEND_TOLERANCE: dict[str, float] = {"max_mean_steps": 0.5, "min_cosine": 0.999,
+                                       "max_mean_rel_err": 0.02}
 
 
 def tolerances_for(precision: str, overrides: dict[str, float] | None = None) -> dict[str, float]:

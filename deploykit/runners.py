@@ -90,7 +90,6 @@ def harness_overhead_ms(iters: int = 200) -> float:
 
 
 def _host_name() -> str:
-
     return device_info()["cpu"]
 
 

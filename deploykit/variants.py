@@ -258,7 +258,6 @@ def modelopt_args(name: str, calib: str, eps: str, depthwise: Sequence[str] = ()
 
 
 def get_args_parser() -> argparse.ArgumentParser:
-
     p = stage_parser(__doc__, prog="variants.py")
     sub = p.add_subparsers(dest="cmd", required=True)
     sp = sub.add_parser("list", help="variant names, one per line, in pipeline order",
@@ -269,6 +268,10 @@ def get_args_parser() -> argparse.ArgumentParser:
                     help="with --stage: include the ablations and failure reproductions")
     sp.add_argument("--auto-precision", action="store_true",
                     help="include the variants that need a tuning split (int8_auto)")
+    sp.add_argument("--with", dest="fields", action="append", default=[],
+                    choices=("onnx_file", "ort_tag", "trt_tag", "build_tag", "precision"),
+                    help="print these fields after the name, tab-separated (repeatable): "
+                         "run_all.sh takes row tags and file names from here")
     sp = sub.add_parser("describe", help="one-line description of a variant",
                         formatter_class=HelpFormatter)
     sp.add_argument("name", help="variant name")
@@ -292,12 +295,12 @@ def get_args_parser() -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace) -> None:
-
     try:
         if args.cmd == "list":
             vs = (VARIANTS.values() if args.stage is None
                   else for_stage(args.stage, args.all, args.auto_precision))
-            print("\n".join(v.name for v in vs))
+            print("\n".join("\t".join([v.name, *(str(getattr(v, f)) for f in args.fields)])
+                            for v in vs))
         elif args.cmd == "describe":
             print(get_variant(args.name).description)
         elif args.cmd == "needs-tuning":

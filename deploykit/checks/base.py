@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 import numpy as np
 
-from deploykit.compare import parity
+from deploykit.compare import compare
 from deploykit.onnx.graph import constants, graph_inputs
 
 
@@ -126,30 +126,25 @@ def _nan_safe_below(value: float, threshold: float) -> bool:
 
 
 def output_problems(ref: dict[str, np.ndarray], out: dict[str, np.ndarray], min_cosine: float
-             ) -> list[str]:
-    """Problems of ``out`` against ``ref`` (matched by position): shapes, non-finite values,
-    cosine similarity below ``min_cosine``."""
+                    ) -> list[str]:
+    """Problems of ``out`` against ``ref`` (outputs matched by :func:`compare.match_outputs`):
+    shapes, integer differences, non-finite values, cosine similarity below ``min_cosine``."""
     problems = []
-    for (rn, r), (on, o) in zip(ref.items(), out.items()):
-        r, o = np.asarray(r), np.asarray(o)
-        if r.shape != o.shape:
-            problems.append(f"output {on} shape {list(o.shape)} vs PyTorch {list(r.shape)}")
+    for d in compare(ref, out):
+        on = d.out_name
+        if d.status == "missing":
             continue
-        if not np.issubdtype(r.dtype, np.floating) and not np.issubdtype(o.dtype, np.floating):
-            if not np.array_equal(r, o):
-                problems.append(f"output {on} (integer) differs from PyTorch")
-            continue
-        bad = int((~np.isfinite(o.astype(np.float64)) & np.isfinite(r.astype(np.float64))).sum())
-        if bad:
-            problems.append(f"output {on} has {bad} NaN/inf values where PyTorch is finite")
-            continue
-        if r.size == 0:
-            continue
-        par = parity(r, o)
-        if _nan_safe_below(par["cosine_min"], min_cosine):
+        if d.status == "shape":
+            problems.append(f"output {on} shape {list(d.shape_out)} vs PyTorch {list(d.shape_ref)}")
+        elif d.status == "integer_differs":
+            problems.append(f"output {on} (integer) differs from PyTorch")
+        elif d.status == "nonfinite":
+            problems.append(f"output {on} has {d.nonfinite} NaN/inf values where PyTorch is "
+                            "finite")
+        elif d.parity is not None and _nan_safe_below(d.parity["cosine_min"], min_cosine):
             problems.append(f"output {on} differs from PyTorch (cosine min "
-                            f"{par['cosine_min']:.6f} < {min_cosine}, max abs err "
-                            f"{par['max_abs_err']:.3g})")
+                            f"{d.parity['cosine_min']:.6f} < {min_cosine}, max abs err "
+                            f"{d.parity['max_abs_err']:.3g})")
     if len(out) < len(ref):
         problems.append(f"the file has {len(out)} outputs, PyTorch {len(ref)}")
     return problems

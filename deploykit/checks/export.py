@@ -12,7 +12,7 @@ import numpy as np
 
 from deploykit.checks.base import check_result, node_label, output_problems, suspects
 from deploykit.checks.lint import DATA_DEPENDENT_OPS, lint
-from deploykit.compare import parity
+from deploykit.compare import OUTPUT_MIN_COSINE, parity
 from deploykit.errors import StageError
 from deploykit.onnx.graph import graph_inputs, load_onnx, static_batch
 from deploykit.runners import OrtRunner, TorchRunner
@@ -381,7 +381,7 @@ def ort_runner(path: Path | str, ep: str = "cpu") -> Callable[[dict], dict]:
 
 
 def check_export(model, onnx_path: Path | str, feed: dict[str, np.ndarray], *,
-                 min_cosine: float = 0.99999, batches: Sequence[int] | None = None,
+                 min_cosine: float = OUTPUT_MIN_COSINE["fp32"], batches: Sequence[int] | None = None,
                  declared: dict[str, Sequence[int]] | None = None,
                  example_batch: int | None = None, exporter_warnings: Sequence[dict] | None = None,
                  allow_tracer: bool = False, second_feed: dict[str, np.ndarray] | None = None,

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Sequence
 import numpy as np
 
-from deploykit.compare import TOLERANCES, TensorStat, tolerances_for
+from deploykit.compare import BACKEND_TOLERANCE, TOLERANCES, TensorStat, tolerances_for
 from deploykit.io import atomic_path, write_json
 from deploykit.layerwise.diff import b_name_for
 from deploykit.layerwise.report import fmt_value
@@ -26,15 +26,6 @@ from deploykit.runners import ORT_EPS
 # --------------------------------------------------------------------------------------------
 # Quantization error vs backend error (Q/DQ models)
 # --------------------------------------------------------------------------------------------
-#: A backend reproduces a Q/DQ graph when every tensor stays, on average, well within one
-#: quantization step of the graph's own semantics (DequantizeLinear + float ops, ORT
-#: optimisations off): an integer kernel may round a requantized value the other way (ties, fused
-#: scale products) and such one-step flips propagate to later layers as sparse larger errors, so
-#: the test is on the mean error and the cosine, not on the largest element: mean |error| <= 0.5
-#: step (<= 2 % of the tensor's range where the graph does not quantize it; cosine alone cannot
-#: see a wrong magnitude, e.g. a one-value output that saturates) and cosine >= 0.999 (the FP16
-#: line: fp16 scales make ORT CPU compute through inserted casts in either run).
-BACKEND_TOL = {"max_mean_steps": 0.5, "min_cosine": 0.999, "max_mean_rel_err": 0.02}
 
 
 def quantization_steps(model) -> dict[str, float]:
@@ -60,16 +51,16 @@ def quantization_steps(model) -> dict[str, float]:
 
 def _pair_result(st: TensorStat, tol: dict, step: float | None, backend: bool) -> dict:
     """:meth:`TensorStat.result` plus the error in quantization steps (``steps_max``,
-    ``steps_mean``) when the tensor has a step; backend rows judged by :data:`BACKEND_TOL`."""
+    ``steps_mean``) when the tensor has a step; backend rows judged by :data:`BACKEND_TOLERANCE`."""
     r = st.result(tol)
     if step and "max_abs_err" in r:
         r["steps_max"] = r["max_abs_err"] / step
         r["steps_mean"] = r["mean_abs_err"] / step
     if backend and "max_abs_err" in r:
-        mean_ok = (r["steps_mean"] <= BACKEND_TOL["max_mean_steps"] if step else
-                   r["mean_abs_err"] <= 1e-6 + BACKEND_TOL["max_mean_rel_err"] * r["ref_abs_max"])
+        mean_ok = (r["steps_mean"] <= BACKEND_TOLERANCE["max_mean_steps"] if step else
+                   r["mean_abs_err"] <= 1e-6 + BACKEND_TOLERANCE["max_mean_rel_err"] * r["ref_abs_max"])
         ok = (st.nonfinite_b == 0 and np.isfinite(r["cosine_min"])
-              and r["cosine_min"] >= BACKEND_TOL["min_cosine"] and mean_ok)
+              and r["cosine_min"] >= BACKEND_TOLERANCE["min_cosine"] and mean_ok)
         r["status"] = "pass" if ok else "fail"
     return r
 
@@ -120,7 +111,7 @@ def quant_backend_table(fp32_onnx: Path | str, qdq_onnx: Path | str, feed: dict[
     - **Q1**: the Q/DQ graph as the backend runs it (``ep``, ``opt_level``).
 
     quantization error = F vs Q0 (the precision's tolerance, :data:`TOLERANCES`); backend error
-    = Q0 vs Q1 (:data:`BACKEND_TOL`). Both in cosine (min over samples) and, for tensors that
+    = Q0 vs Q1 (:data:`BACKEND_TOLERANCE`). Both in cosine (min over samples) and, for tensors that
     the graph quantizes, in quantization steps of that tensor (max and mean |error| / scale).
     The final outputs are compared on unmarked models too (fusions intact).
 
@@ -247,7 +238,7 @@ def quant_backend_table(fp32_onnx: Path | str, qdq_onnx: Path | str, feed: dict[
                      f"{r0['node']} ({r0['op_type']}) (per-channel cosine < 0.5: small channels "
                      "a shared scale leaves at zero; the tensor's cosine hides them)")
     result = {"a": str(fp32_onnx), "b": str(qdq_onnx), "backend": backend_name,
-              "precision": precision, "tolerances": {"quantization": tol, "backend": BACKEND_TOL},
+              "precision": precision, "tolerances": {"quantization": tol, "backend": BACKEND_TOLERANCE},
               "n_samples": int(len(next(iter(feed.values())))) if feed else 0,
               "layers": rows, "final_outputs": finals,
               "first_quant": first_q and {k: first_q[k] for k in ("index", "node", "op_type")},
@@ -286,9 +277,9 @@ def render_quant_backend(result: dict, max_rows: int | None = None) -> str:
              f"- quantization error: Q/DQ graph vs float graph, both ORT CPU with optimisations "
              f"off (fail if cosine_min < {tq['min_cosine']})",
              f"- backend error: {result['backend']} vs the same Q/DQ graph with optimisations off "
-             f"(fail if cosine_min < {BACKEND_TOL['min_cosine']} or the mean error exceeds "
-             f"{BACKEND_TOL['max_mean_steps']:g} quantization step, or "
-             f"{100 * BACKEND_TOL['max_mean_rel_err']:g} % of the range of a tensor the graph "
+             f"(fail if cosine_min < {BACKEND_TOLERANCE['min_cosine']} or the mean error exceeds "
+             f"{BACKEND_TOLERANCE['max_mean_steps']:g} quantization step, or "
+             f"{100 * BACKEND_TOLERANCE['max_mean_rel_err']:g} % of the range of a tensor the graph "
              "does not quantize)",
              "- error: max / mean |error| in steps of the tensor's quantization scale; for a "
              "tensor the graph does not quantize, in % of the tensor's range",

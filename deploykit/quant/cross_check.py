@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 import numpy as np
 
-from deploykit.compare import cosine_rows, parity, topk_accuracy
+from deploykit.compare import BACKEND_TOLERANCE, cosine_rows, parity, topk_accuracy
 from deploykit.envinfo import cpu_has_vnni
 from deploykit.evaluate import run_outputs
 from deploykit.runners import OrtRunner
@@ -23,7 +23,8 @@ X64_QUANT_PRECISION = {"session.x64quantprecision": "1"}
 CROSS_CHECK_FIRST = 128  # samples of the adaptive cross-check's first look
 
 
-CROSS_CHECK_MIN_COSINE = 0.999  # per-sample output cosine under which two runs "differ"
+#: per-sample output cosine under which two runs of one graph "differ"
+CROSS_CHECK_MIN_COSINE = BACKEND_TOLERANCE["min_cosine"]
 
 
 def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarray], *,

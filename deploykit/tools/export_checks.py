@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Sequence
 import numpy as np
 
+from deploykit.compare import OUTPUT_MIN_COSINE
 from deploykit.checks.base import check_result, format_result, output_problems, worst
 from deploykit.checks.export import check_export, keep_list, random_feed
 from deploykit.checks.fp16 import convert_fp16, fp16_checks, fp16_range_audit
@@ -97,7 +98,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     s.add_argument("--batches", default=None,
                    help="batch sizes to compare, e.g. 1,3 (default: 1 and --n; a static batch "
                         "is used as it is)")
-    s.add_argument("--min-cosine", type=float, default=0.99999,
+    s.add_argument("--min-cosine", type=float, default=OUTPUT_MIN_COSINE["fp32"],
                    help="lowest cosine similarity per sample against PyTorch")
     s.add_argument("--json", type=Path, default=None, help="also write the results as JSON")
     add_inputs(s, 4)
@@ -120,7 +121,7 @@ def get_args_parser() -> argparse.ArgumentParser:
                    help="FP16 file to write (artifacts/<model>/onnx/fp16.onnx for the pipeline)")
     s.add_argument("--keep-fp32", action="append", default=None, metavar="NODE[,NODE]",
                    help="nodes to compute in FP32 (repeatable, comma-separated)")
-    s.add_argument("--min-cosine", type=float, default=0.999,
+    s.add_argument("--min-cosine", type=float, default=OUTPUT_MIN_COSINE["fp16"],
                    help="lowest cosine similarity per sample against the FP32 file")
     s.add_argument("--batch", type=int, default=8, help="samples per run (a static batch wins)")
     add_inputs(s, 16)

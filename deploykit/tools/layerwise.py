@@ -40,7 +40,7 @@ import sys
 from pathlib import Path
 
 from deploykit.tools import export_checks as export_checks_cli
-from deploykit.compare import TOLERANCES
+from deploykit.compare import OUTPUT_MIN_COSINE, TOLERANCES
 from deploykit.errors import StageError, UsageError
 from deploykit.feeds import feed_plan, input_shape_batch, load_feed, match_inputs
 from deploykit.layerwise.diff import run_layer_diff
@@ -123,8 +123,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     e.add_argument("--weights", type=Path)
     e.add_argument("--batches", default=None, help="batch sizes to compare (default: 1 and "
                    "--n; a static batch is used as it is)")
-    e.add_argument("--min-cosine", type=float, default=0.99999,
-                   help="lowest cosine similarity per sample against PyTorch (default 0.99999)")
+    e.add_argument("--min-cosine", type=float, default=OUTPUT_MIN_COSINE["fp32"],
+                   help="lowest cosine similarity per sample against PyTorch (default "
+                        f"{OUTPUT_MIN_COSINE['fp32']})")
     add_inputs(e)
     e.set_defaults(n=4)
     return p

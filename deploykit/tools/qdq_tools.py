@@ -110,9 +110,11 @@ def get_args_parser() -> argparse.ArgumentParser:
                    "statistics check (eval split, or stage 1's inputs for custom models)")
     s.add_argument("--reference", type=Path, default=None,
                    help="npz of evaluation inputs to compare statistics with (overrides --model)")
-    s.add_argument("--batch", default="all",
+    s.add_argument("--calib-batch", dest="batch", default="all",
                    help="calibration batch: 'all' (one batch, order-independent; capped by "
                         "memory) or a number")
+    # --batch means samples per run everywhere else; the old spelling keeps working here
+    s.add_argument("--batch", dest="batch", help=argparse.SUPPRESS)
     s.add_argument("--no-stats-check", action="store_true",
                    help="skip the comparison with the evaluation data (recorded)")
     s.add_argument("--json", type=Path, default=None, help="write the calibration record here")

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 import numpy as np
 
-from deploykit.compare import parity, topk_accuracy
+from deploykit.compare import compare, parity, topk_accuracy
 from deploykit.errors import StageError
 from deploykit.evaluate import run_outputs
 from deploykit.io import atomic_path, write_json
@@ -140,15 +140,16 @@ def output_metrics(ref, out, labels: np.ndarray | None = None) -> dict:
         raise StageError(f"outputs {list(out)} differ from the FP32 model's {list(ref)}")
     per = {}
     bad_rows = None
-    for k, r in ref.items():
-        o = out[k]
-        if r.shape != o.shape:
+    for d in compare(ref, out):
+        k, r, o = d.ref_name, ref[d.ref_name], out[d.ref_name]
+        if d.status == "shape":
             raise StageError(f"output {k!r}: shape {o.shape} != FP32 {r.shape}")
         n = len(o) if o.ndim else 1
+        # a sample counts as non-finite when its output row is and its reference row is not
         bad = ~np.isfinite(np.asarray(o, np.float64).reshape(n, -1)).all(1) & \
             np.isfinite(np.asarray(r, np.float64).reshape(n, -1)).all(1)
         bad_rows = bad if bad_rows is None else bad_rows | bad
-        par = parity(r, o)
+        par = d.parity if d.parity is not None else parity(r, o)
         ok = bool(np.isfinite([par["cosine_mean"], par["cosine_min"]]).all())
         per[k] = {"cosine_mean": par["cosine_mean"] if ok else None,
                   "cosine_min": par["cosine_min"] if ok else None, "nonfinite": int(bad.sum())}

@@ -1,0 +1,77 @@
+"""deploykit.compare: the one comparator (output matching, per-output comparison) and the tables
+every check reads; the export and mixed-precision checks are views of it."""
+import numpy as np
+import pytest
+
+from deploykit.checks.base import output_problems
+from deploykit.compare import (
+    BACKEND_TOLERANCE,
+    OUTPUT_MIN_COSINE,
+    TOLERANCES,
+    compare,
+    match_outputs,
+)
+from deploykit.errors import StageError
+from deploykit.quant.auto.search import output_metrics
+from deploykit.quant.cross_check import CROSS_CHECK_MIN_COSINE
+
+
+def test_outputs_match_by_name_then_by_index():
+    """Polygraphy's rule: names first; an unmatched reference output takes the output at its
+    index unless that output is another reference output's name match."""
+    assert match_outputs(["a", "b"], ["b", "a"]) == [("a", "a", "name"), ("b", "b", "name")]
+    assert match_outputs(["logits"], ["output"]) == [("logits", "output", "index")]
+    # "x" sits at index 0 of the other run but belongs to the reference output "x"
+    assert match_outputs(["y", "x"], ["x", "z"]) == [("y", None, None), ("x", "x", "name")]
+    assert match_outputs(["a", "b"], ["o0"]) == [("a", "o0", "index"), ("b", None, None)]
+
+
+def test_compare_statuses():
+    rng = np.random.default_rng(0)
+    r = rng.normal(size=(4, 10)).astype(np.float32)
+    bad = r.copy()
+    bad[2, 3] = np.nan
+    ref = {"logits": r, "idx": np.arange(4), "shape": r, "nan": r, "gone": r}
+    out = {"logits": r + 1e-7, "idx": np.arange(4)[::-1], "shape": r[:, :5], "nan": bad}
+    by = {d.ref_name: d for d in compare(ref, out)}
+    assert by["logits"].status == "compared" and by["logits"].parity["cosine_min"] > 0.9999999
+    assert by["idx"].status == "integer_differs" and by["idx"].integer
+    assert by["shape"].status == "shape" and by["shape"].shape_out == (4, 5)
+    assert by["nan"].status == "nonfinite" and by["nan"].nonfinite == 1
+    assert by["nan"].nonfinite_rows.tolist() == [False, False, True, False]
+    assert by["gone"].status == "missing" and by["gone"].out_name is None
+
+
+def test_export_check_view_names_each_problem():
+    r = np.eye(3, dtype=np.float32)
+    flipped = r[::-1].copy()
+    assert output_problems({"output_0": r}, {"logits": r}, 0.99999) == []
+    (p,) = output_problems({"output_0": r}, {"logits": flipped}, 0.99999)
+    assert "output logits differs from PyTorch" in p and "cosine min 0.000000" in p
+    p = output_problems({"a": r, "b": r}, {"a": r}, 0.99999)
+    assert p == ["the file has 1 outputs, PyTorch 2"]
+
+
+def test_mixed_precision_view_keeps_its_strict_name_rule():
+    r = np.eye(3, dtype=np.float32)
+    with pytest.raises(StageError, match="differ from the FP32 model's"):
+        output_metrics({"a": r}, {"b": r})
+    with pytest.raises(StageError, match="shape"):
+        output_metrics({"a": r}, {"a": r[:, :2]})
+    m = output_metrics({"a": r}, {"a": r})
+    assert m["agreement"] == 100.0 and m["cosine_min"] == pytest.approx(1.0)
+
+
+def test_cli_defaults_and_backend_checks_read_the_tables():
+    """The literals that were spread over the CLIs now come from one place."""
+    import importlib
+
+    assert CROSS_CHECK_MIN_COSINE == BACKEND_TOLERANCE["min_cosine"]
+    stage2 = importlib.import_module("2_export_onnx").get_args_parser()
+    args = stage2.parse_args([])
+    assert args.min_cosine_fp32 == OUTPUT_MIN_COSINE["fp32"]
+    assert args.min_cosine_fp16 == OUTPUT_MIN_COSINE["fp16"] == TOLERANCES["fp16"]["min_cosine"]
+    from deploykit.tools.export_checks import get_args_parser
+
+    check = get_args_parser().parse_args(["check", "--onnx", "x.onnx"])
+    assert check.min_cosine == OUTPUT_MIN_COSINE["fp32"]
