@@ -92,19 +92,19 @@ def main(args: argparse.Namespace) -> dict:
         raise UsageError("--calib-fraction must be in [0, 1)")
     if not 0.0 <= args.tune_fraction < 1.0:
         raise UsageError(f"--tune-fraction {args.tune_fraction}: must be in [0, 1) (0 = "
-                                "no tuning split)")
+                         "no tuning split)")
     if args.calib_per_class < 0 or (args.eval_per_class is not None and args.eval_per_class < 1):
         raise UsageError("--calib-per-class must be >= 0 and --eval-per-class >= 1")
     root = Path(args.data_root) if args.data_root else DEFAULT_DATA
     spec = model_spec(args.model)
     if not spec.classifier:
         raise UsageError(f"--model {args.model} is not an ImageNet classifier: the data "
-                                "stage does not apply (export and parity use --input-shape)")
+                         "stage does not apply (export and parity use --input-shape)")
     # Check the output folders before the long preprocessing, not after it.
     check_writable(artifacts_dir(), model_results(args.model))
     items, layout = list_images(root, args.labels_csv, args.allow_class_subset)
     ev, ca = make_splits(items, args.eval_per_class, args.calib_per_class,
-                                args.calib_fraction, args.seed)
+                         args.calib_fraction, args.seed)
     assert not {p for p, _ in ev} & {p for p, _ in ca}, "eval/calib overlap"
     counts: dict[int, int] = {}
     for _, c in items:
@@ -141,7 +141,7 @@ def main(args: argparse.Namespace) -> dict:
         if not split[name]:
             continue
         x, good, bad = preprocess_items(root, [tuple(i) for i in split[name]], prep,
-                                               desc=f"preprocess {name}")
+                                        desc=f"preprocess {name}")
         for rel, err in bad:
             print(f"WARNING: unreadable image dropped from {name}: {root / rel}: {err}",
                   file=sys.stderr)
@@ -150,7 +150,7 @@ def main(args: argparse.Namespace) -> dict:
         caches[name] = (x, good)
     if not split["eval"]:
         raise StageError(f"no readable evaluation image in {root} (see the warnings "
-                                "above); the previous splits.json is unchanged")
+                         "above); the previous splits.json is unchanged")
     # Caches first, then the split that names them: a failure leaves the previous pair intact.
     for name, (x, _) in caches.items():
         save_cache(split, name, prep, x)

@@ -43,8 +43,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=os.environ.get("TORCH_DEVICE", "cpu"),
                    help="cpu or cuda[:i] (default from $TORCH_DEVICE)")
     add_shared_args(p, "batch_size", "limit", "latency_batch", "warmup", "iters",
-                           "max_seconds",
-                           "threads")
+                    "max_seconds",
+                    "threads")
     p.add_argument("--no-save-reference", action="store_true",
                    help="do not (over)write the reference logits (e.g. a CUDA latency run)")
     p.add_argument("--precision", choices=("fp32", "fp16"), default="fp32",
@@ -98,11 +98,11 @@ def main(args: argparse.Namespace) -> dict:
     else:
         if not shapes:
             raise UsageError(f"--model {args.model}: give --input-shape for a custom "
-                                    "model (e.g. --input-shape x:1,3,224,224)")
+                             "model (e.g. --input-shape x:1,3,224,224)")
         data = (custom_data(art / "ref_outputs.npz") if fp16 else
                 EvalData(feed=example_inputs(spec, shapes, batch=4, seed=0)))
         runner = TorchRunner(model, args.device, input_names=[n for n, _, _ in shapes],
-                                     **opts)
+                             **opts)
         try:
             runner.infer(data.feed)
         except (TypeError, RuntimeError) as e:

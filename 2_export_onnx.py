@@ -114,18 +114,18 @@ def _check_args(args: argparse.Namespace) -> None:
 
     if args.check_images < 2:
         raise UsageError(f"--check-images must be >= 2 (batch-N check), got "
-                                f"{args.check_images}")
+                         f"{args.check_images}")
     for flag in ("min_cosine_fp32", "min_cosine_fp16"):
         v = getattr(args, flag)
         if not 0.0 < v <= 1.0:  # NaN fails too
             raise UsageError(f"--{flag.replace('_', '-')} {v}: a cosine similarity lies "
-                                    "in [-1, 1] and a threshold that can fail a file in (0, 1] "
-                                    "(e.g. 0.999); nothing was exported")
+                             "in [-1, 1] and a threshold that can fail a file in (0, 1] "
+                             "(e.g. 0.999); nothing was exported")
     top = onnx.defs.onnx_opset_version()
     low = 18 if args.exporter == "dynamo" else 7
     if args.opset is not None and not low <= args.opset <= top:
         raise UsageError(f"--opset {args.opset}: the {args.exporter} exporter writes "
-                                f"opsets {low}..{top} here")
+                         f"opsets {low}..{top} here")
     if args.true_fp16_budget_s < 0:
         raise UsageError("--true-fp16-budget-s must be >= 0")
     if args.no_fp16 and args.fp16_keep_fp32:
@@ -144,7 +144,7 @@ def _exporter_error(e: Exception, exporter: str, opset: int) -> StageError:
             "whose TracerWarning stage 2 then names." if "data-dependent" in text.lower()
             or "GuardOnDataDependent" in text else "")
     return StageError(f"torch.onnx.export ({exporter}, opset {opset}) failed: "
-                             f"{type(e).__name__}: {first}{where}.{hint}")
+                      f"{type(e).__name__}: {first}{where}.{hint}")
 
 
 def export_fp32(model, example: dict[str, np.ndarray], path: Path, exporter: str, opset: int,
@@ -211,11 +211,11 @@ def _inputs(args, spec, shapes) -> tuple[dict[str, np.ndarray], dict | None, boo
             missing = [n for n in names if n not in feed]
             if missing:
                 raise UsageError(f"--inputs {args.inputs}: keys {sorted(feed)} lack "
-                                        f"{missing} (names of --input-shape)")
+                                 f"{missing} (names of --input-shape)")
             feed = {n: feed[n] for n in names}
         if not feed or len({len(v) for v in feed.values()}) != 1:
             raise UsageError(f"--inputs {args.inputs}: every array needs the same number "
-                                    "of samples on axis 0")
+                             "of samples on axis 0")
         return {k: v[:args.check_images] for k, v in feed.items()}, None, True
     if spec.classifier:
         x, _, _ = load_split("eval", spec, args.check_images)
@@ -224,7 +224,7 @@ def _inputs(args, spec, shapes) -> tuple[dict[str, np.ndarray], dict | None, boo
         return {"input": normalize(x, spec.mean, spec.std)}, None, True
     if not shapes:
         raise UsageError(f"--model {args.model}: give --input-shape for a custom model "
-                                "(and --inputs with real samples for the FP16 audit)")
+                         "(and --inputs with real samples for the FP16 audit)")
     n = max(EXAMPLE_BATCH, min(args.check_images, 8))
     feed = example_inputs(spec, shapes, batch=n, seed=0)
     return feed, other_paths(feed, seed=1), False
@@ -312,12 +312,12 @@ def main(args: argparse.Namespace) -> dict:
             onnx.save(m16, str(cand["fp16"]))
             onnx.checker.check_model(str(cand["fp16"]))
             r16 = fp16_checks(m32, cand["fp16"], feed, ref, args.min_cosine_fp16,
-                                 converter_warnings=conv_warn, real_inputs=real, keep_fp32=keep,
-                                 true_fp16_budget_s=args.true_fp16_budget_s,
-                                 trained=not args.random_init)
+                              converter_warnings=conv_warn, real_inputs=real, keep_fp32=keep,
+                              true_fp16_budget_s=args.true_fp16_budget_s,
+                              trained=not args.random_init)
             run16 = ort_runner(cand["fp16"])
             bp = check_batch_parity({b: cache[("b", b)] for b in (1, n) if ("b", b) in cache},
-                                       {b: {k: v[:b] for k, v in feed.items()} for b in (1, n)
+                                    {b: {k: v[:b] for k, v in feed.items()} for b in (1, n)
                                         if ("b", b) in cache}, run16, args.min_cosine_fp16)
             for r in bp:
                 r["detail"] = ("ORT CPU EP (computes this FP16 graph in FP32 through inserted "
@@ -380,12 +380,12 @@ def _first_divergent_module(model, onnx_path: Path, feed: dict) -> list[dict]:
         res = torch_vs_onnx(model, onnx_path, {k: v[:2] for k, v in feed.items()})
     except Exception as e:  # noqa: BLE001 - diagnostics never hide the real failure
         return [check_result("first_divergent_module", "skip",
-                          f"torch-vs-onnx could not run: {' '.join(str(e).split())[:160]}")]
+                             f"torch-vs-onnx could not run: {' '.join(str(e).split())[:160]}")]
     fd = res.get("first_divergent")
     if not fd:
         return [check_result("first_divergent_module", "skip",
-                          "every mapped module matches its ONNX tensor: the difference is in "
-                          "unmapped nodes")]
+                             "every mapped module matches its ONNX tensor: the difference is in "
+                             "unmapped nodes")]
     head = (f"module {fd['module']} ({fd['type']}) is the first whose ONNX output differs "
             f"(cosine min {fd.get('cosine_min', float('nan')):.4f})")
     if fd.get("inputs_agree") is False and fd.get("input_node"):
@@ -401,8 +401,8 @@ def _first_divergent_module(model, onnx_path: Path, feed: dict) -> list[dict]:
             fix=f"look at the ops that compute {fd['module']}'s input (the source line above) "
                 "and how they are exported; python layerwise.py torch-vs-onnx shows all rows")]
     return [check_result("first_divergent_module", "fail", head, node=fd["node"],
-                      fix="look at how this module is exported (op, attributes, indexing); "
-                          "python layerwise.py torch-vs-onnx shows all rows")]
+                         fix="look at how this module is exported (op, attributes, indexing); "
+                         "python layerwise.py torch-vs-onnx shows all rows")]
 
 
 if __name__ == "__main__":

@@ -62,7 +62,8 @@ STAGE = "3_onnx_eval"
 def get_args_parser() -> argparse.ArgumentParser:
     p = stage_parser(__doc__)
     p.add_argument("--onnx", type=Path, required=True, help="ONNX file to evaluate")
-    p.add_argument("--tag", required=True, help="row id, e.g. ort_fp32 (results/<model>/<tag>.json)")
+    p.add_argument("--tag", required=True,
+                   help="row id, e.g. ort_fp32 (results/<model>/<tag>.json)")
     add_shared_args(p, "model")
     p.add_argument("--precision", default="auto",
                    help="FP32/FP16/INT8/INT4 label for the report (auto: read from the file)")
@@ -82,11 +83,12 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--disable-optimizer", action="append", default=[],
                    help="ORT optimizer to disable (repeatable), e.g. WeightBiasQuantization")
     add_shared_args(p, "batch_size", "limit", "latency_batch", "warmup", "iters",
-                           "max_seconds",
-                           "threads")
+                    "max_seconds",
+                    "threads")
     p.add_argument("--cross-check-images", type=int, default=-1,
-                   help="images for the Q/DQ backend cross-check (-1: adaptive, the first 128 "
-                        "and the whole split as soon as any of them differs; 0 disables it)")
+                   help="images for the Q/DQ backend cross-check (-1: adaptive: the first 128, "
+                        "and the whole split only when they differ and do not decide the "
+                        "verdict beyond doubt; N: exactly N; 0 disables it)")
     p.add_argument("--cross-check-tol", type=float, default=2.0,
                    help="top-1 difference (points) that counts as a backend disagreement")
     p.add_argument("--layerwise", action="store_true",
@@ -136,7 +138,7 @@ def main(args: argparse.Namespace) -> dict:
 
     def fail(reason: str, desc: dict | None = None) -> None:
         rec = base_record(STAGE, precision, args.model, args.tag, desc, backend="ORT",
-                                   status="failed", reason=reason, **base)
+                          status="failed", reason=reason, **base)
         if desc is None:
             rec["ep_requested"] = ORT_EPS[args.ep]
         rec["provenance"] = provenance(args, [onnx_path], started)
@@ -144,10 +146,10 @@ def main(args: argparse.Namespace) -> dict:
 
     try:
         runner = OrtRunner(onnx_path, args.ep, args.allow_cpu_fallback, args.opt_level,
-                                   args.disable_optimizer, args.threads,
-                                   tf32=False if args.no_tf32 else None,
-                                   session_config=X64_PRECISION if args.x64_quant_precision
-                                   else None)
+                           args.disable_optimizer, args.threads,
+                           tf32=False if args.no_tf32 else None,
+                           session_config=X64_PRECISION if args.x64_quant_precision
+                           else None)
     except StageError as e:
         fail(str(e))
         raise
@@ -205,15 +207,15 @@ def _quant_backend(args, spec, data: EvalData, onnx_path: Path) -> dict:
     a summary for the row."""
 
     ref_onnx = require(fp32_onnx_path(args.model),
-                              "2_export_onnx.py")
+                       "2_export_onnx.py")
     n = args.layerwise_images
     feed = (load_feed(None, args.model, n, ref_onnx) if spec.classifier
             else {k: v[:n] for k, v in data.feed.items()})
     out_dir = model_results(args.model) / f"quant_backend_{args.tag}"
     res = quant_backend_table(ref_onnx, onnx_path, feed, ep=args.ep,
-                                        opt_level=args.opt_level,
-                                        disabled_optimizers=args.disable_optimizer,
-                                        batch=args.batch_size, out_dir=out_dir)
+                              opt_level=args.opt_level,
+                              disabled_optimizers=args.disable_optimizer,
+                              batch=args.batch_size, out_dir=out_dir)
     print(render_quant_backend(res, max_rows=40))
     return {"out_dir": str(out_dir), "verdict": res["verdict"],
             "first_quant": res["first_quant"], "first_backend": res["first_backend"],
@@ -225,13 +227,13 @@ def _layerwise(args, spec, onnx_path: Path, precision: str) -> dict:
     ``results/<model>/layerwise_<tag>/`` and returns a summary for the row."""
 
     ref_onnx = require(fp32_onnx_path(args.model),
-                              "2_export_onnx.py")
+                       "2_export_onnx.py")
     feed = load_feed(None, args.model if spec.classifier else None,
-                               args.layerwise_images, ref_onnx)
+                     args.layerwise_images, ref_onnx)
     out_dir = model_results(args.model) / f"layerwise_{args.tag}"
     res = run_layer_diff(ref_onnx, onnx_path, feed, ep_b=args.ep,
-                                   precision=precision.lower(), opt_level=args.opt_level,
-                                   out_dir=out_dir)
+                         precision=precision.lower(), opt_level=args.opt_level,
+                         out_dir=out_dir)
     print(render_table(res, max_rows=40))
     return {"out_dir": str(out_dir), "first_divergent": res.get("first_divergent"),
             "verdict": res.get("verdict"), "summary": res.get("summary")}

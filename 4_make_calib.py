@@ -97,7 +97,7 @@ def check_disjoint(split: dict) -> None:
     both = sorted(p for p, _ in split.get("calib", []) if p in ev)
     if both:
         raise StageError(f"{len(both)} calibration image(s) are also evaluation images "
-                                f"(first: {both[0]}); rerun 0_prepare_data.py")
+                         f"(first: {both[0]}); rerun 0_prepare_data.py")
 
 
 def classifier_data(args, spec, inputs) -> tuple[dict[str, np.ndarray], dict]:
@@ -111,18 +111,18 @@ def classifier_data(args, spec, inputs) -> tuple[dict[str, np.ndarray], dict]:
     """
     if args.inputs or args.random:
         raise UsageError(f"--model {args.model} is an image classifier: its calibration "
-                                "data is the calibration split; --inputs/--random are for "
-                                "custom models")
+                         "data is the calibration split; --inputs/--random are for "
+                         "custom models")
     if len(inputs) != 1:
         raise UsageError(f"--model {args.model}: the ONNX has {len(inputs)} inputs "
-                                f"({[i[0] for i in inputs]}); an image classifier takes one")
+                         f"({[i[0] for i in inputs]}); an image classifier takes one")
     require(splits_path(), "0_prepare_data.py")
     split = load_splits()
     check_disjoint(split)
     x_u8, _, files = load_split("calib", spec, args.limit)
     if {p for p, _ in split["eval"]} & set(files):  # what is really used, not only the split
         raise StageError("calibration cache holds evaluation images: rerun "
-                                "0_prepare_data.py")
+                         "0_prepare_data.py")
     name, _, dtype = inputs[0]
     x = normalize(x_u8, spec.mean, spec.std).astype(dtype)
     return {name: x}, {"source": "calibration split", "files": files,
@@ -154,7 +154,7 @@ def custom_data(args, inputs) -> tuple[dict[str, np.ndarray], dict]:
     for name, dims, dtype in inputs:
         if any(d is None for d in dims[1:]):
             raise UsageError(f"input {name} has dynamic non-batch axes {dims}: --random "
-                                    "cannot choose their sizes; give --inputs NPZ")
+                             "cannot choose their sizes; give --inputs NPZ")
         shapes.append((name, tuple([1] + list(dims[1:])), str(dtype)))
     spec = ModelSpec(args.model, "custom", classifier=False)
     data = example_inputs(spec, shapes, batch=args.random, seed=args.seed)

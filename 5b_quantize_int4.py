@@ -126,7 +126,7 @@ def choose_block_size(ks: list[int], override: int | None = None,
     """
     if not ks:
         raise StageError("no Gemm/MatMul with a constant weight: nothing to quantize "
-                                "to INT4 (ModelOpt's ONNX INT4 path is Gemm/MatMul only)")
+                         "to INT4 (ModelOpt's ONNX INT4 path is Gemm/MatMul only)")
     if override is not None:
         if override <= 0:
             raise UsageError(f"--block-size {override}: must be > 0")
@@ -138,7 +138,7 @@ def choose_block_size(ks: list[int], override: int | None = None,
         if b > 0 and all(k % b == 0 for k in ks):
             return int(b)
     raise StageError(f"no block size in {list(candidates)} divides every K "
-                            f"({sorted(set(ks))}): pass --block-size or --block-candidates")
+                     f"({sorted(set(ks))}): pass --block-size or --block-candidates")
 
 
 def layout_for_int4(model) -> tuple[object, list[dict]]:
@@ -270,7 +270,7 @@ def run_modelopt(src: Path, dst: Path, log: Path, calib: Path | None, method: st
     except Exception as e:  # noqa: BLE001 - ModelOpt raises many types
         tail = log.read_text(errors="replace").splitlines()[-15:] if log.exists() else []
         raise StageError(f"ModelOpt INT4 failed: {type(e).__name__}: {e}\n"
-                                + "\n".join(tail)) from e
+                         + "\n".join(tail)) from e
     finally:
         shutil.rmtree(work, ignore_errors=True)
         for h in list(logging.getLogger("modelopt").handlers):
@@ -302,7 +302,7 @@ def main(args: argparse.Namespace) -> dict:
         ref, ref_src = (None, "skipped (--no-stats-check)") if args.no_stats_check else \
             calibration_reference(args.model, src)
         calib_rec = validate_calibration(src, data, ref, source=str(calib),
-                                                   reference_source=ref_src)
+                                         reference_source=ref_src)
         calib_rec["plan"] = calibration_plan(src, data, "all")
         calib_rec.update(calib=str(calib), sha256=sha256_file(calib))
     print(f"int4: {len(ks)} Gemm/MatMul, K = {sorted({k['k'] for k in ks})} -> block {block}"
@@ -356,7 +356,7 @@ def main(args: argparse.Namespace) -> dict:
     record["inspect"] = rep
     record["check"] = check_record(out, src, calib)
     record["provenance"] = provenance(args, [src, out] + ([calib] if calib else []),
-                                             started)
+                                      started)
     record["wall_time_s"] = record["provenance"]["wall_time_s"]
     write_json(model_results(args.model) / "quant_int4.json", record)
     print(f"int4: {out} ({record['size_mb']:.2f} MB), quantization {quant_wall:.1f}s, "

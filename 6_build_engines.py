@@ -378,7 +378,7 @@ def _write(args, variant: str, rec: dict) -> Path:
     # that describes a plan now on disk (``plan`` set: a check failed after it was written)
     # replaces it (common.write_result).
     return write_result(args.model, VARIANTS[variant].build_tag, rec,
-                               keep_good=rec.get("plan") is None)
+                        keep_good=rec.get("plan") is None)
 
 
 def _python_plan_check(plan: Path, env: Mapping[str, str], runtime) -> tuple[bool | None, str]:
@@ -507,7 +507,7 @@ def _build_one(args, var: str, det: Detected, jetson: dict | None) -> tuple[dict
     tmp_plan = paths["plan"].with_name(f".tmp-{pid}-{paths['plan'].name}")
     tmp_layers = paths["layers"].with_name(f".tmp-{pid}-{paths['layers'].name}")
     cmd = [a.replace(str(paths["plan"]), str(tmp_plan)).replace(str(paths["layers"]),
-                                                                  str(tmp_layers))
+                                                                str(tmp_layers))
            if a.startswith(("--saveEngine=", "--exportLayerInfo=")) else a for a in plan.cmd]
     paths["plan"].parent.mkdir(parents=True, exist_ok=True)
     for n in plan.notes:

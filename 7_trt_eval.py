@@ -74,7 +74,7 @@ def get_args_parser() -> argparse.ArgumentParser:
                    help="label for the row (default: the precision of the engine's variant, "
                         "from its file name)")
     add_shared_args(p, "batch_size", "limit", "latency_batch", "warmup", "iters",
-                           "max_seconds")
+                    "max_seconds")
     p.add_argument("--device", type=int, default=0, help="CUDA device index")
     p.add_argument("--layerwise", action="store_true",
                    help="also compare every layer of the engine with ORT CPU FP32 "
@@ -99,9 +99,9 @@ def _row(args, status: str, reason: str | None, started: float, desc: dict | Non
     """A row without measurements (skipped / failed), :mod:`evaluate` schema."""
     v = variant_of_file(args.engine)
     rec = base_record(STAGE, _precision(args), args.model, args.tag, desc,
-                               backend="TensorRT", status=status, reason=reason,
-                               engine=str(args.engine), variant=v.name if v else None,
-                               device="cuda", **fields)
+                      backend="TensorRT", status=status, reason=reason,
+                      engine=str(args.engine), variant=v.name if v else None,
+                      device="cuda", **fields)
     rec["provenance"] = provenance(args, [], started)
     return rec
 
@@ -185,7 +185,7 @@ def main(args) -> dict | None:
                   f"{row.get('reason')})", started)
             return None
         raise StageError(f"--engine {args.engine}: no such file (build it with "
-                                "6_build_engines.sh, or check the path); no row written")
+                         "6_build_engines.sh, or check the path); no row written")
     try:
         import tensorrt as trt  # noqa: F401 - availability check
     except ImportError as e:
@@ -221,7 +221,7 @@ def main(args) -> dict | None:
             data.input_name = r.input_names[0]
             # the profile stage 6 built (and recorded) must hold the eval images
             fit_batch(r.profile_shapes[data.input_name], args.batch_size,
-                                data.x_u8.shape[1:], what=f"engine {args.engine}")
+                      data.x_u8.shape[1:], what=f"engine {args.engine}")
         rec, _ = evaluate(
             r, data, stage=STAGE, precision=_precision(args), model=args.model, tag=args.tag,
             args=args, started=started, inputs=[args.engine, ref_path],
@@ -240,7 +240,7 @@ def main(args) -> dict | None:
         print(f"{summary_line(rec)}, reformat layers {layers['reformat_layers']} -> "
               f"{path}")
         diagnose(rec, "batch_invariance",
-                          lambda: batch_invariance_check(r, data, rec["batch_size"] or 1))
+                 lambda: batch_invariance_check(r, data, rec["batch_size"] or 1))
     if args.layerwise:
         diagnose(rec, "layerwise", lambda: layerwise_engine(args, variant))
     return rec

@@ -185,8 +185,8 @@ def missing_rows(rows: list[dict], model: str) -> list[dict]:
     """Placeholder rows (status "not run") for the expected rows that have no results JSON."""
     have = {r["tag"] for r in rows}
     return [result_record("8_report", b, p, model, tag, status="not run",
-                                 reason=f"no results/{model_tag(model)}/{tag}.json: "
-                                        f"run {cmd}")
+                          reason=f"no results/{model_tag(model)}/{tag}.json: "
+                          f"run {cmd}")
             for b, p, tag, cmd in EXPECTED if tag not in have]
 
 
@@ -469,7 +469,7 @@ def main(args: argparse.Namespace) -> Path:
         check_writable(folder, results_dir())
     if not rows:
         raise StageError(f"no results in {folder}: run the stages first "
-                                "(bash run_all.sh)")
+                         "(bash run_all.sh)")
     if model_spec(args.model).classifier:
         rows = sorted(missing_rows(rows, args.model) + rows, key=_sort_key)
     data_file = folder / "data.json"

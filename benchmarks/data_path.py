@@ -68,7 +68,7 @@ def main() -> None:
         for _ in range(args.rounds):  # interleaved: the page cache and drift affect both
             t0 = time.perf_counter()
             ours, good, bad = preprocess_items(DEFAULT_DATA, items, prep,
-                                                      desc="cache")
+                                               desc="cache")
             t_ours.append(time.perf_counter() - t0)
             assert not bad, bad
             dl = torch.utils.data.DataLoader(ds, batch_size=args.batch,

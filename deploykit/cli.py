@@ -239,7 +239,7 @@ def require(path: Path, producer: str) -> Path:
 
 
 def progress_bar(iterable: Iterable | None = None, desc: str = "", total: int | None = None,
-             unit: str = "it"):
+                 unit: str = "it"):
     """A tqdm progress bar on stderr for a long loop.
 
     Shown on a terminal; under ``run_all.sh`` (``PIPELINE_PROGRESS=1``, stderr is the stage's

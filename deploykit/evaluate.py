@@ -203,7 +203,7 @@ def latency(runner: Runner, data: EvalData, batch: int, warmup: int, iters: int
     lo, hi = runner.batch_range
     if batch < lo or (hi is not None and batch > hi):
         raise UsageError(f"--latency-batch {batch}: the model accepts batch {lo}.."
-                                f"{hi if hi is not None else 'any'}")
+                         f"{hi if hi is not None else 'any'}")
     feed = data.batch(np.arange(batch) % len(data))
     block = runner.time(feed, warmup, iters).stats(batch, warmup)
     budget = runner.max_seconds
@@ -270,7 +270,7 @@ def base_record(stage: str, precision: str, model: str, tag: str, runner_desc: d
     (:meth:`runners.Runner.describe`) and ``fields``."""
     d = dict(runner_desc or {})
     rec = result_record(stage, backend or d.get("backend", "?"), precision, model, tag,
-                               status=status, reason=reason)
+                        status=status, reason=reason)
     rec.update({"variant": None, "device": d.get("device"), "device_name": d.get("device_name"),
                 "device_index": d.get("device_index"), "ep_requested": d.get("ep_requested"),
                 "ep_used": d.get("ep_used"), "cpu_fallback": d.get("cpu_fallback"),
@@ -322,8 +322,8 @@ def evaluate(runner: Runner, data: EvalData, *, stage: str, precision: str, mode
                         "latency": round(time.perf_counter() - t1, 3)}
     rec.update(fields)
     rec["provenance"] = provenance(args, inputs, started,
-                                          f"cuda:{desc.get('device_index') or 0}"
-                                          if desc.get("device") == "cuda" else None)
+                                   f"cuda:{desc.get('device_index') or 0}"
+                                   if desc.get("device") == "cuda" else None)
     if write:
         write_result(model, tag, rec)
     return rec, outputs

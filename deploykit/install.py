@@ -30,7 +30,7 @@ def install_rejected(candidate: Path, final: Path, results: Sequence[dict]) -> P
     rej = rejected_path(final)
     os.replace(candidate, rej)
     write_json(rej.with_suffix(".json"),
-                      {"file": str(rej), "final_name": str(final),
-                       "reason": [r for r in results if r["status"] == "fail"],
-                       "warnings": [r for r in results if r["status"] == "warn"]})
+               {"file": str(rej), "final_name": str(final),
+                "reason": [r for r in results if r["status"] == "fail"],
+                "warnings": [r for r in results if r["status"] == "warn"]})
     return rej

@@ -103,7 +103,8 @@ def write_json(path: Path | str, obj: Any) -> Path:
     """Write ``obj`` as indented JSON atomically (NaN/inf written as null)."""
     path = Path(path)
     with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(_jsonable(obj), indent=2, sort_keys=False, allow_nan=False) + "\n")
+        tmp.write_text(json.dumps(_jsonable(obj), indent=2,
+                       sort_keys=False, allow_nan=False) + "\n")
     return path
 
 

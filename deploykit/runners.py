@@ -506,7 +506,8 @@ class TrtRunner(Runner):
         self.context = self.engine.create_execution_context()
         self.profile = profile
         if profile:
-            self.context.set_optimization_profile_async(profile, torch.cuda.current_stream().cuda_stream)
+            self.context.set_optimization_profile_async(
+                profile, torch.cuda.current_stream().cuda_stream)
         self.version = trt.__version__
         names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
         self.input_names = [n for n in names
@@ -569,7 +570,7 @@ class TrtRunner(Runner):
         trtexec's "Latency"; GPU Compute Time: CUDA events around ``execute_async_v3`` alone on
         bound device buffers, as trtexec's "GPU Compute Time"."""
         wall = wall_loop(lambda: self.infer(feed), warmup, iters,
-                                max_seconds=self.max_seconds)
+                         max_seconds=self.max_seconds)
         self.bind(feed)
         gpu = cuda_event_loop(self.execute, warmup, iters, self.stream,
                               max_seconds=self.max_seconds)

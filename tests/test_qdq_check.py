@@ -25,7 +25,7 @@ from deploykit.layout import DEFAULT_DATA, model_artifacts, model_tag, splits_pa
 from deploykit.models import model_spec
 from deploykit.quant.bias import simulate_bias_requant
 from deploykit.quant.calibration import calibration_plan, validate_calibration
-from deploykit.quant.cross_check import CROSS_CHECK_FIRST, backend_cross_check
+from deploykit.quant.cross_check import CROSS_CHECK_FIRST, backend_cross_check, first_look_verdict
 from deploykit.quant.health import check_against_float, check_model, check_scales
 from deploykit.quant.inspect import inspect_model
 from deploykit.quant.modelopt import modelopt_quantize
@@ -669,8 +669,9 @@ def _qdq_classifier(w_scale, path):
 @pytest.mark.parametrize("broken", [True, False])
 def test_adaptive_cross_check_escalates_exactly_when_the_backend_differs(broken, tmp_path):
     """Classifier cross-check (stage 3's): a backend disagreement (WeightBiasQuantization on a
-    tiny weight channel under a large bias) is seen on the first 128 samples and then measured
-    on all 200; a model the backend runs faithfully stops after 128."""
+    tiny weight channel under a large bias) is seen on the first 128 samples, beyond doubt
+    there (no rerun of the rest), and measured on all 200 when asked for exactly 200; a model
+    the backend runs faithfully stops after 128."""
     q = _qdq_classifier([1e-12, 0.01] if broken else [0.01, 0.01], tmp_path / "q.onnx")
     rng = np.random.default_rng(1)
     x = rng.integers(0, 256, (200, 3, 4, 4), dtype=np.uint8)
@@ -682,10 +683,31 @@ def test_adaptive_cross_check_escalates_exactly_when_the_backend_differs(broken,
         main = run_outputs(r, data, 64)
     cc = backend_cross_check(q, data, main, batch=64)
     assert cc["adaptive"] and cc["disagreement"] is broken
-    assert cc["n"] == (200 if broken else CROSS_CHECK_FIRST)
+    assert cc["n"] == CROSS_CHECK_FIRST and cc["decided_on_first_look"] is broken
     if broken:
         assert cc["top1_unoptimized"] == 100.0 and cc["top1_main"] < 90
-        assert "top-1" in cc["reason"] and "(200 images)" in cc["reason"]
+        assert "128 of 200 images, decided on the first look" in cc["reason"]
+        exact = backend_cross_check(q, data, main, n=200, batch=64)
+        assert exact["n"] == 200 and not exact["adaptive"] and exact["disagreement"]
+        assert "(200 images)" in exact["reason"]
+
+
+def test_first_look_verdict_decides_only_beyond_doubt():
+    """The paired top-1 difference must clear the tolerance by 4 standard errors."""
+    n = 128
+    right = np.ones(n, bool)
+    collapsed = np.zeros(n, bool)
+    assert first_look_verdict(collapsed, right, 2.0) is True  # 100 points apart, se 0
+    # same answers (the runs differ only in cosine): agreement, no rerun needed
+    assert first_look_verdict(right, right, 2.0) is False
+    one_flip = right.copy()
+    one_flip[0] = False
+    assert first_look_verdict(one_flip, right, 2.0) is None  # 0.8 + 4 * 0.8 > 2: rerun
+    assert first_look_verdict(one_flip, right, 5.0) is False  # within 5 points beyond doubt
+    some = right.copy()
+    some[:6] = False  # 4.7 points, se 1.9: 4.7 - 7.5 < 2 < 4.7 + 7.5
+    assert first_look_verdict(some, right, 2.0) is None
+    assert first_look_verdict(np.zeros(0, bool), np.zeros(0, bool), 2.0) is None
 
 
 def test_table_names_quantization_error(depthwise_ort):

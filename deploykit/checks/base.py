@@ -20,7 +20,7 @@ STATUS_ORDER = {"fail": 3, "warn": 2, "pass": 1, "skip": 0}
 # Result shape and small helpers
 # --------------------------------------------------------------------------------------------
 def check_result(check: str, status: str, detail: str, node: str | None = None,
-           fix: str | None = None, **extra) -> dict:
+                 fix: str | None = None, **extra) -> dict:
     """One check result (the shape every check returns, in a list).
 
     Raises:

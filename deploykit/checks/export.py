@@ -45,12 +45,12 @@ def check_dynamic_axes(model, declared: dict[str, Sequence[int]] | None = None,
         static = static_batch(model)
         if static is not None:
             return [check_result("dynamic_axes", "warn",
-                           f"every input has the fixed batch {static}: the file runs at batch "
-                           f"{static} only (if a dynamic batch was declared at export, the "
-                           "declaration did not reach the exporter)",
-                           fix="re-export with a dynamic batch axis if other batches are "
-                               "deployed; dynamic_axes keys must be the input_names",
-                           static_batch=static)]
+                                 f"every input has the fixed batch {static}: the file runs at batch "
+                                 f"{static} only (if a dynamic batch was declared at export, the "
+                                 "declaration did not reach the exporter)",
+                                 fix="re-export with a dynamic batch axis if other batches are "
+                                 "deployed; dynamic_axes keys must be the input_names",
+                                 static_batch=static)]
         declared = {n: [0] for n, _, _ in graph_inputs(model)}
     outputs = {o.name for o in model.graph.output}
     for name, axes in declared.items():
@@ -58,8 +58,8 @@ def check_dynamic_axes(model, declared: dict[str, Sequence[int]] | None = None,
             if name not in outputs and name in (model_inputs or ()):
                 continue  # an input the exporter dropped: unused_inputs reports it
             out.append(check_result("dynamic_axes", "fail",
-                              f"{name!r} was declared dynamic but is not an input or output of "
-                              "the file (misspelt name in dynamic_axes?)", fix=fix))
+                                    f"{name!r} was declared dynamic but is not an input or output of "
+                                    "the file (misspelt name in dynamic_axes?)", fix=fix))
             continue
         for ax in axes:
             d = dims[name][ax] if ax < len(dims[name]) else None
@@ -77,10 +77,10 @@ def check_dynamic_axes(model, declared: dict[str, Sequence[int]] | None = None,
         if (ins_dynamic and example_batch and isinstance(d, int) and d == example_batch
                 and o.name not in declared):
             out.append(check_result("dynamic_axes", "fail",
-                              f"output {o.name} has the fixed axis 0 = {d}, the example batch, "
-                              "while the inputs are dynamic", node=o.name, fix=fix))
+                                    f"output {o.name} has the fixed axis 0 = {d}, the example batch, "
+                                    "while the inputs are dynamic", node=o.name, fix=fix))
     return out or [check_result("dynamic_axes", "pass",
-                          f"declared dynamic axes are symbolic ({dict(declared)})")]
+                                f"declared dynamic axes are symbolic ({dict(declared)})")]
 
 
 def check_exporter_warnings(records: Sequence[dict], allow_tracer: bool = False) -> list[dict]:
@@ -112,12 +112,12 @@ def check_exporter_warnings(records: Sequence[dict], allow_tracer: bool = False)
                 "line, --allow-tracer-warnings accepts it"))
         else:
             out.append(check_result("exporter_warnings", "warn", f"{cat} at {where}: {msg}",
-                              node=where))
+                                    node=where))
     if out:
         return out
     return [check_result("exporter_warnings", "pass",
-                   "no exporter warnings" + (f" ({quiet} deprecation notices recorded)"
-                                             if quiet else ""))]
+                         "no exporter warnings" + (f" ({quiet} deprecation notices recorded)"
+                                                   if quiet else ""))]
 
 
 def capture_warnings(caught: Sequence[warnings.WarningMessage]) -> list[dict]:
@@ -198,7 +198,7 @@ def check_batch_parity(ref_by_batch: dict[int, dict[str, np.ndarray]],
                 par = {}
     if problems and node is None:
         sus = suspects(lint_results, ("hardsigmoid", "softmax_axis", "shape_constants",
-                                       "squeeze_axes", "fp16_initializers", "exporter_warnings"))
+                                      "squeeze_axes", "fp16_initializers", "exporter_warnings"))
         if sus:
             node = sus[0]["node"]
             fix = sus[0]["fix"] or ("the exporter warned about this construct: rewrite it as "
@@ -210,9 +210,10 @@ def check_batch_parity(ref_by_batch: dict[int, dict[str, np.ndarray]],
             fix = ("python layerwise.py torch-vs-onnx --model M --onnx F names the first module "
                    "whose ONNX output differs")
     return [check_result("batch_parity", "fail" if problems else "pass",
-                   "; ".join(problems) or f"matches PyTorch at batch sizes {sorted(feed_by_batch)}"
-                   f" (cosine >= {min_cosine})", node=node, fix=fix if problems else None,
-                   batches=sorted(feed_by_batch), output_shapes=shapes, parity=par)]
+                         "; ".join(
+                             problems) or f"matches PyTorch at batch sizes {sorted(feed_by_batch)}"
+                         f" (cosine >= {min_cosine})", node=node, fix=fix if problems else None,
+                         batches=sorted(feed_by_batch), output_shapes=shapes, parity=par)]
 
 
 def check_batch_independence(ref_by_batch: dict[int, dict[str, np.ndarray]]) -> list[dict]:
@@ -233,9 +234,9 @@ def check_batch_independence(ref_by_batch: dict[int, dict[str, np.ndarray]]) -> 
                 diffs.append(f"output {n1}: max abs diff {d:.3g}")
     if diffs:
         return [check_result("batch_independence", "warn",
-                       f"in PyTorch, sample 0 alone differs from sample 0 inside a batch of "
-                       f"{big} ({'; '.join(diffs)}): the samples interact",
-                       fix="model.eval() before export; no statistics over the batch axis")]
+                             f"in PyTorch, sample 0 alone differs from sample 0 inside a batch of "
+                             f"{big} ({'; '.join(diffs)}): the samples interact",
+                             fix="model.eval() before export; no statistics over the batch axis")]
     return [check_result("batch_independence", "pass", "samples do not interact (PyTorch)")]
 
 
@@ -263,18 +264,18 @@ def check_input_paths(ref_feeds: Sequence[tuple[dict, dict]], run: Callable[[dic
     if not verdicts[0] and any(verdicts[1:]):
         bad = next(v for v in verdicts[1:] if v)
         return [check_result("input_paths", "fail",
-                       f"matches PyTorch on the first input but not on another ({bad[0]}): a "
-                       f"data-dependent value was frozen at export{why}",
-                       node=(list(unused) or [None])[0], fix=fix)]
+                             f"matches PyTorch on the first input but not on another ({bad[0]}): a "
+                             f"data-dependent value was frozen at export{why}",
+                             node=(list(unused) or [None])[0], fix=fix)]
     if all(verdicts):
         if unused:
             return [check_result("input_paths", "fail",
-                           f"differs from PyTorch on every input ({verdicts[0][0]}){why}",
-                           node=list(unused)[0], fix=fix)]
+                                 f"differs from PyTorch on every input ({verdicts[0][0]}){why}",
+                                 node=list(unused)[0], fix=fix)]
         return [check_result("input_paths", "skip",
-                       "the file differs from PyTorch on every input: see batch_parity")]
+                             "the file differs from PyTorch on every input: see batch_parity")]
     return [check_result("input_paths", "pass",
-                   f"matches PyTorch on {len(ref_feeds)} inputs with different values")]
+                         f"matches PyTorch on {len(ref_feeds)} inputs with different values")]
 
 
 def check_unused_inputs(model, names: Sequence[str]) -> list[dict]:
@@ -285,10 +286,10 @@ def check_unused_inputs(model, names: Sequence[str]) -> list[dict]:
     missing = [n for n in names if n not in have]
     if missing:
         return [check_result("unused_inputs", "warn",
-                       f"inputs {missing} are not inputs of the file: the exported graph does not "
-                       "depend on them", node=missing[0], unused=missing,
-                       fix="if the output should depend on them, keep their use tensor-valued "
-                           "(no int()/.item()/Python branch on them)")]
+                             f"inputs {missing} are not inputs of the file: the exported graph does not "
+                             "depend on them", node=missing[0], unused=missing,
+                             fix="if the output should depend on them, keep their use tensor-valued "
+                             "(no int()/.item()/Python branch on them)")]
     return [check_result("unused_inputs", "pass", "every model input is a graph input")]
 
 
@@ -356,7 +357,7 @@ def torch_runner(model) -> Callable[[dict], dict]:
     :class:`runners.TorchRunner`); the inputs are passed positionally in the feed's order."""
     def run(feed):
         return TorchRunner(model, "cpu", output_names=(),
-                                   input_names=list(feed)).infer(feed)
+                           input_names=list(feed)).infer(feed)
     return run
 
 
@@ -452,13 +453,13 @@ def check_export(model, onnx_path: Path | str, feed: dict[str, np.ndarray], *,
             refs[b] = ref_for(("b", b), feeds[b])
         except Exception as e:  # noqa: BLE001 - the model itself rejects this batch
             out.append(check_result("batch_parity", "warn", f"PyTorch itself fails at batch {b} "
-                              f"({str(e).splitlines()[0][:160]}); not compared"))
+                                    f"({str(e).splitlines()[0][:160]}); not compared"))
             feeds.pop(b)
     out += check_batch_parity(refs, feeds, run, min_cosine, lint_res)
     out += check_batch_independence(refs)
     if not input_paths:
         return out + [check_result("input_paths", "skip", f"{n} real samples exercise the model's "
-                             "data-dependent paths (batch_parity)")]
+                                   "data-dependent paths (batch_parity)")]
     b = max(feeds) if feeds else sizes[-1]
     second = second_feed if second_feed is not None else other_paths(
         feeds.get(b) or feed_for(b), seed + 1)

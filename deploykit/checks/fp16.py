@@ -195,34 +195,34 @@ def fp16_range_audit(fp32_model, feed: dict[str, np.ndarray], fp16_model=None, *
                if keep else None)
         if st.amax > FP16_MAX:
             out.append(check_result("fp16_range", "fail",
-                              f"tensor {name} made by {made_by} reaches max |x| {st.amax:.6g} > "
-                              f"{FP16_MAX:g}: inf in FP16", node=node_label(node) if node else
-                              name, fix=fix, tensor=name, max_abs=st.amax, keep_fp32=keep))
+                                    f"tensor {name} made by {made_by} reaches max |x| {st.amax:.6g} > "
+                                    f"{FP16_MAX:g}: inf in FP16", node=node_label(node) if node else
+                                    name, fix=fix, tensor=name, max_abs=st.amax, keep_fp32=keep))
         elif st.l1 > 0 and st.l1_small / st.l1 > UNDERFLOW_MASS_SHARE:
             out.append(check_result("fp16_range", "fail",
-                              f"tensor {name} made by {made_by} has "
-                              f"{100 * st.l1_small / st.l1:.0f}% of its mass (sum |x|) below "
-                              f"FP16's smallest normal {FP16_MIN_NORMAL:.3g}: subnormal or zero "
-                              "in FP16", node=node_label(node) if node else name, fix=fix,
-                              tensor=name, max_abs=st.amax,
-                              underflow_share=st.l1_small / st.l1, keep_fp32=keep))
+                                    f"tensor {name} made by {made_by} has "
+                                    f"{100 * st.l1_small / st.l1:.0f}% of its mass (sum |x|) below "
+                                    f"FP16's smallest normal {FP16_MIN_NORMAL:.3g}: subnormal or zero "
+                                    "in FP16", node=node_label(node) if node else name, fix=fix,
+                                    tensor=name, max_abs=st.amax,
+                                    underflow_share=st.l1_small / st.l1, keep_fp32=keep))
         elif acc.get(name, 0.0) > FP16_MAX:
             red = reds[name]
             keep = [k for k in keep_fp32_nodes(m32, [name]) if k not in keep_fp32]
             fix = f"keep {', '.join(keep)} in FP32: --fp16-keep-fp32 {','.join(keep)}"
             if ACCUMULATING_REDUCTIONS[red.op_type] == "l2":
                 out.append(check_result("fp16_range", "fail",
-                                  f"{made_by}: its sum of squares reaches ~{acc[name]:.6g} > "
-                                  f"{FP16_MAX:g} although the root ({st.amax:.4g}) fits: inf in "
-                                  "FP16 (as on ONNX Runtime's CUDA EP)", node=node_label(red),
-                                  fix=fix, tensor=name, running_sum=acc[name], keep_fp32=keep))
+                                        f"{made_by}: its sum of squares reaches ~{acc[name]:.6g} > "
+                                        f"{FP16_MAX:g} although the root ({st.amax:.4g}) fits: inf in "
+                                        "FP16 (as on ONNX Runtime's CUDA EP)", node=node_label(red),
+                                        fix=fix, tensor=name, running_sum=acc[name], keep_fp32=keep))
             else:
                 out.append(check_result("fp16_range", "warn",
-                                  f"{made_by} averages {acc[name] / max(st.amax, 1e-30):.0f} "
-                                  f"values: its running sum reaches ~{acc[name]:.6g} > "
-                                  f"{FP16_MAX:g}, inf where a kernel accumulates in FP16 (GPU "
-                                  "kernels usually accumulate in FP32)", node=node_label(red),
-                                  fix=fix, tensor=name, running_sum=acc[name], keep_fp32=keep))
+                                        f"{made_by} averages {acc[name] / max(st.amax, 1e-30):.0f} "
+                                        f"values: its running sum reaches ~{acc[name]:.6g} > "
+                                        f"{FP16_MAX:g}, inf where a kernel accumulates in FP16 (GPU "
+                                        "kernels usually accumulate in FP32)", node=node_label(red),
+                                        fix=fix, tensor=name, running_sum=acc[name], keep_fp32=keep))
     src = "real inputs" if real_inputs else "synthetic N(0,1) inputs (pass --inputs for a real "\
         "audit)"
     n = len(next(iter(feed.values()))) if feed else 0
@@ -366,7 +366,7 @@ def fp16_converter_changes(fp32_model, fp16_model, converter_warnings: Sequence[
                    f"raised to {FP16_MIN_SUBNORMAL:.3g}, below {CONSTANT_CHANGE_SHARE:g} of their "
                    f"tensor's largest value: {'; '.join(minor[:5])}")
     return out + [check_result("fp16_constants", "fail" if out else "pass", detail, summary=True,
-                         changed_minor=minor, converter_warnings=list(converter_warnings))]
+                               changed_minor=minor, converter_warnings=list(converter_warnings))]
 
 
 #: onnx.reference time per sample / ONNX Runtime CPU time per sample of the same FP16 file:
@@ -446,22 +446,22 @@ def fp16_true_arithmetic(fp16_path: Path | str, feed: dict[str, np.ndarray],
         estimate = 0.0
     if estimate > budget_s:
         return [check_result("fp16_true_arithmetic", "skip",
-                       f"onnx.reference would take about {estimate:.0f} s per sample here "
-                       f"(budget {budget_s:g} s): not run; the range audit judges FP16",
-                       fix="raise --true-fp16-budget-s to run it")]
+                             f"onnx.reference would take about {estimate:.0f} s per sample here "
+                             f"(budget {budget_s:g} s): not run; the range audit judges FP16",
+                             fix="raise --true-fp16-budget-s to run it")]
     try:
         ev = ReferenceEvaluator(model, new_ops=_reference_ops())
     except Exception as e:  # noqa: BLE001 - unsupported op, custom domain
         return [check_result("fp16_true_arithmetic", "skip",
-                       f"onnx.reference cannot load the file ({type(e).__name__}: "
-                       f"{str(e).splitlines()[0][:160]})")]
+                             f"onnx.reference cannot load the file ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0][:160]})")]
     nodes = list(model.graph.node)
     t0, done, problems, first_bad = time.time(), 0, [], None
     n = len(next(iter(feed.values()))) // step
     if not n:
         return [check_result("fp16_true_arithmetic", "skip",
-                       f"the file takes exactly {step} samples per run (static batch); "
-                       f"{len(next(iter(feed.values())))} given")]
+                             f"the file takes exactly {step} samples per run (static batch); "
+                             f"{len(next(iter(feed.values())))} given")]
     for i in range(min(max_samples, n)):
         if i and time.time() - t0 > budget_s / 2:
             break
@@ -472,8 +472,8 @@ def fp16_true_arithmetic(fp16_path: Path | str, feed: dict[str, np.ndarray],
                 inter = ev.run(None, one, intermediate=True)
         except Exception as e:  # noqa: BLE001
             return [check_result("fp16_true_arithmetic", "skip",
-                           f"onnx.reference failed on the file ({type(e).__name__}: "
-                           f"{str(e).splitlines()[0][:160]})")]
+                                 f"onnx.reference failed on the file ({type(e).__name__}: "
+                                 f"{str(e).splitlines()[0][:160]})")]
         done += step
         outs = {o.name: inter[o.name] for o in model.graph.output}
         problems += output_problems({k: v[sl] for k, v in ref.items()}, outs, min_cosine)
@@ -495,7 +495,7 @@ def fp16_true_arithmetic(fp16_path: Path | str, feed: dict[str, np.ndarray],
     base = f"onnx.reference (true FP16 arithmetic) on {done} sample(s), {took:.1f} s"
     if not problems:
         return [check_result("fp16_true_arithmetic", "pass", f"{base}: matches PyTorch "
-                       f"(cosine >= {min_cosine})", seconds=took, n_samples=done)]
+                             f"(cosine >= {min_cosine})", seconds=took, n_samples=done)]
     node = with_source(first_bad) if first_bad is not None else None
     lenient = first_bad is not None and first_bad.op_type in REFERENCE_STRICTER_OPS
     where = (f"; first non-finite output: {node_label(first_bad)} ({first_bad.op_type})"
@@ -506,10 +506,10 @@ def fp16_true_arithmetic(fp16_path: Path | str, feed: dict[str, np.ndarray],
     keep = ([k for k in keep_fp32_nodes(model, [o for o in first_bad.output if o])
              if not any(c in k for c in _CAST_SUFFIXES)] if first_bad is not None else [])
     return [check_result("fp16_true_arithmetic", "warn" if lenient else "fail",
-                   f"{base}: {problems[0]}{where}{note}", node=node,
-                   fix=(f"keep {', '.join(keep)} in FP32: --fp16-keep-fp32 {','.join(keep)}"
-                        if keep else None),
-                   seconds=took, n_samples=done, keep_fp32=keep)]
+                         f"{base}: {problems[0]}{where}{note}", node=node,
+                         fix=(f"keep {', '.join(keep)} in FP32: --fp16-keep-fp32 {','.join(keep)}"
+                              if keep else None),
+                         seconds=took, n_samples=done, keep_fp32=keep)]
 
 
 def fp16_backends(fp16_path: Path | str, feed: dict[str, np.ndarray],
@@ -532,8 +532,8 @@ def fp16_backends(fp16_path: Path | str, feed: dict[str, np.ndarray],
                     for c in iter_chunks(feed, batch))
             p = output_problems(ref, got, min_cosine)
             out.append(check_result("fp16_backends", "fail" if p else "pass",
-                              "ORT CUDA EP: " + ("; ".join(p) or f"matches PyTorch (cosine >= "
-                                                 f"{min_cosine})"), backend="ort-cuda"))
+                                    "ORT CUDA EP: " + ("; ".join(p) or f"matches PyTorch (cosine >= "
+                                                       f"{min_cosine})"), backend="ort-cuda"))
         except StageError as e:
             out.append(check_result("fp16_backends", "skip", f"ORT CUDA EP unusable: {e}"))
     ok, info = trt_available()
@@ -543,16 +543,16 @@ def fp16_backends(fp16_path: Path | str, feed: dict[str, np.ndarray],
                 fp16_path, feed, build={"fp16": True}, batch=batch, mark_all=False))
             p = output_problems(ref, got, min_cosine)
             out.append(check_result("fp16_backends", "fail" if p else "pass",
-                              f"TensorRT {info}: " + ("; ".join(p) or "matches PyTorch"),
-                              backend="tensorrt"))
+                                    f"TensorRT {info}: " + ("; ".join(p) or "matches PyTorch"),
+                                    backend="tensorrt"))
         except StageError as e:
             out.append(check_result("fp16_backends", "warn", f"TensorRT {info} failed: {e}"))
     if not out:
         out.append(check_result("fp16_backends", "skip",
-                          "no CUDA EP or TensorRT here: ORT's CPU EP computed this FP16 graph in "
-                          "FP32 (it inserts Casts around ops without FP16 kernels), so its "
-                          "parity cannot see FP16 overflow; the range audit and onnx.reference "
-                          "judge FP16 instead", computed_in="FP32 (ORT CPU EP)"))
+                                "no CUDA EP or TensorRT here: ORT's CPU EP computed this FP16 graph in "
+                                "FP32 (it inserts Casts around ops without FP16 kernels), so its "
+                                "parity cannot see FP16 overflow; the range audit and onnx.reference "
+                                "judge FP16 instead", computed_in="FP32 (ORT CPU EP)"))
     return out
 
 
@@ -595,9 +595,9 @@ def fp16_checks(fp32_model, fp16_path: Path | str, feed: dict[str, np.ndarray],
         for check, rows in seen.items():
             named = [r["node"] for r in rows if r.get("node")][:3]
             kept.append(check_result(check, "warn",
-                               f"random weights (--random-init): value ranges are not the "
-                               f"trained model's, not judged; {len(rows)} finding(s) on these "
-                               f"weights, e.g. {rows[0]['detail'][:160]}",
-                               node=", ".join(named) or None, findings=rows))
+                                     f"random weights (--random-init): value ranges are not the "
+                                     f"trained model's, not judged; {len(rows)} finding(s) on these "
+                                     f"weights, e.g. {rows[0]['detail'][:160]}",
+                                     node=", ".join(named) or None, findings=rows))
         out = kept
     return out

@@ -229,9 +229,9 @@ def lint_shape_constants(model, example_batch: int | None = None) -> list[dict]:
                 node=with_source(n), fix=fix))
     if not n_seen:
         return [check_result("shape_constants", "skip", "no Reshape/Expand/Tile with a constant shape "
-                                                  "on data")]
+                             "on data")]
     return out or [check_result("shape_constants", "pass",
-                          f"{n_seen} constant shapes hold no batch size")]
+                                f"{n_seen} constant shapes hold no batch size")]
 
 
 def lint_blocked_qdq_opset(model) -> list[dict]:
@@ -244,12 +244,12 @@ def lint_blocked_qdq_opset(model) -> list[dict]:
         return [check_result("blocked_qdq_opset", "skip", "no blocked Q/DQ nodes")]
     if ops >= 21:
         return [check_result("blocked_qdq_opset", "pass",
-                       f"{len(blocked)} blocked Q/DQ nodes at opset {ops} >= 21")]
+                             f"{len(blocked)} blocked Q/DQ nodes at opset {ops} >= 21")]
     return [check_result("blocked_qdq_opset", "fail",
-                   f"block_size={attr(n, 'block_size')} at opset {ops}: blocked Q/DQ "
-                   "exists from opset 21 on; runtimes reject or misread it", node=node_label(n),
-                   fix="set the model's default-domain opset to 21 (onnx.version_converter), or "
-                       "quantize per-channel") for n in blocked]
+                         f"block_size={attr(n, 'block_size')} at opset {ops}: blocked Q/DQ "
+                         "exists from opset 21 on; runtimes reject or misread it", node=node_label(n),
+                         fix="set the model's default-domain opset to 21 (onnx.version_converter), or "
+                         "quantize per-channel") for n in blocked]
 
 
 def lint_fp16_initializers(model) -> list[dict]:

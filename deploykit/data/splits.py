@@ -53,7 +53,8 @@ def make_splits(items: Sequence[tuple[str, int]], eval_per_class: int | None,
     ev, ca = [], []
     if single:
         n_cal = int(round(calib_fraction * len(single)))
-        cal_classes = set(rng.choice(single, size=n_cal, replace=False).tolist()) if n_cal else set()
+        cal_classes = set(rng.choice(single, size=n_cal, replace=False).tolist()
+                          ) if n_cal else set()
         for c in single:
             (ca if c in cal_classes else ev).append((by_class[c][0], c))
     for c in several:

@@ -146,7 +146,7 @@ def run_layer_diff(a_onnx: Path | str, b_onnx: Path | str, feed: dict[str, np.nd
 
     # Unmarked final outputs: what the deployed model returns (fusions intact).
     a_final = collect_outputs(ort_activations(a_onnx, feed, ep=ep_a, batch=batch, opt_level=opt_level,
-                                       mark_all=False))
+                                              mark_all=False))
     if b_trt:
         b_final_iter = trt_activations(b_onnx, feed, build=trt_build, batch=batch,
                                        mark_all=False, engine_path=b_engine)

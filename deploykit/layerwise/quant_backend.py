@@ -246,7 +246,7 @@ def quant_backend_table(fp32_onnx: Path | str, qdq_onnx: Path | str, feed: dict[
               "channels_lost": [{"node": r["node"], "channels": r["quant"]["channels_lost"]}
                                 for r in lost_rows],
               "verdict": "; ".join(parts) or ("the backend reproduces the Q/DQ graph and the "
-                                               "quantization error stays within tolerance"),
+                                              "quantization error stays within tolerance"),
               "note": MARKING_NOTE, "wall_time_s": round(time.time() - t0, 3), "status": "ok"}
     if out_dir:
         out_dir = Path(out_dir)

@@ -93,7 +93,7 @@ def _ort_session(model_or_path, ep: str, tmp: Path, opt_level: str,
         big = model_or_path.ByteSize() > 1_500_000_000
         onnx.save(model_or_path, str(path), save_as_external_data=big)
     return OrtRunner(path, ep=ep, opt_level=opt_level,
-                             disabled_optimizers=disabled_optimizers)
+                     disabled_optimizers=disabled_optimizers)
 
 
 # --------------------------------------------------------------------------------------------
@@ -131,7 +131,8 @@ def ort_activations(model_or_path, feed: dict[str, np.ndarray], *, ep: str = "cp
             try:
                 yield runner.infer(chunk), n
             except Exception as e:  # noqa: BLE001 - ORT raises its own types
-                raise StageError(f"onnxruntime failed on {model_or_path if isinstance(model_or_path, (str, Path)) else 'model'}: {e}") from e
+                raise StageError(
+                    f"onnxruntime failed on {model_or_path if isinstance(model_or_path, (str, Path)) else 'model'}: {e}") from e
 
 
 def trt_available() -> tuple[bool, str | None]:

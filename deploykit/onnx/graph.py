@@ -20,7 +20,7 @@ QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
 
 
 def load_onnx(path: Path | str, producer: str = "2_export_onnx.py / 5_quantize.sh",
-         external: bool = True):
+              external: bool = True):
     """``onnx.load`` of an artifact (``external``: also its external weight data).
 
     Args:

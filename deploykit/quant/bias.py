@@ -438,7 +438,7 @@ def candidate_outputs(path: Path | str, data: dict[str, np.ndarray], tensors: li
                 parts[t].append(np.asarray(v))
     except Exception as e:  # noqa: BLE001
         raise StageError(f"onnxruntime cannot run {path} on the calibration data: "
-                                f"{e}") from e
+                         f"{e}") from e
     return {t: np.concatenate(v) for t, v in parts.items()}
 
 

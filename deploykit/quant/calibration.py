@@ -193,9 +193,9 @@ def validate_calibration(onnx_path: Path | str, data: dict[str, np.ndarray],
         stats_note = f"passed against {reference_source}"
     if problems:
         raise StageError(f"{source} refused: " + "; ".join(problems)
-                                + (" (if the data are right and the evaluation inputs are not "
-                                   "representative, pass --no-stats-check / CALIB_STATS_CHECK=0)"
-                                   if any("evaluation data" in p for p in problems) else ""))
+                         + (" (if the data are right and the evaluation inputs are not "
+                            "representative, pass --no-stats-check / CALIB_STATS_CHECK=0)"
+                            if any("evaluation data" in p for p in problems) else ""))
     return {"n_samples": int(next(iter(counts.values()))), "inputs": info,
             "stats_check": stats_note}
 

@@ -27,6 +27,43 @@ CROSS_CHECK_FIRST = 128  # samples of the adaptive cross-check's first look
 CROSS_CHECK_MIN_COSINE = BACKEND_TOLERANCE["min_cosine"]
 
 
+#: Standard errors by which a first look must clear the tolerance to be taken as final
+#: (:func:`first_look_verdict`); 4 puts the chance of a wrong early verdict below 1e-4.
+FIRST_LOOK_Z = 4.0
+
+
+def first_look_verdict(main_right: np.ndarray, ref_right: np.ndarray, tol_points: float,
+                       z: float = FIRST_LOOK_Z) -> bool | None:
+    """Decide a classifier's backend disagreement on the first samples, when that is beyond doubt.
+
+    The two runs see the same images, so their top-1 difference is a paired difference: with
+    ``b`` images right only in the main run and ``c`` right only in the unoptimised one, the
+    difference is ``d = (b - c) / n`` and its standard error
+    ``se = sqrt(b + c - (b - c)**2 / n) / n`` (the variance of a mean of per-image differences in
+    {-1, 0, 1}; McNemar's test uses the same discordant counts). The verdict is final when
+    ``|d|`` clears the tolerance by ``z`` standard errors either way.
+
+    Args:
+        main_right, ref_right: bool ``[n]``, top-1 correct per image in each run.
+        tol_points: tolerance in top-1 points. z: standard errors of margin.
+    Returns:
+        True (disagreement beyond doubt), False (agreement beyond doubt) or None (inconclusive:
+        measure the whole split).
+    """
+    n = len(main_right)
+    if n == 0:
+        return None
+    b = int((main_right & ~ref_right).sum())
+    c = int((ref_right & ~main_right).sum())
+    d = 100.0 * abs(b - c) / n
+    se = 100.0 * np.sqrt(max(b + c - (b - c) ** 2 / n, 0.0)) / n
+    if d - z * se > tol_points:
+        return True
+    if d + z * se < tol_points and b + c < n:  # b + c = n: every image flipped, not agreement
+        return False
+    return None
+
+
 def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarray], *,
                         n: int = -1, batch: int = 64, tol_points: float = 2.0,
                         min_cosine: float = 0.99, opt_level: str = "all",
@@ -37,8 +74,12 @@ def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarr
     ONNX Runtime is not a neutral judge of Q/DQ graphs (``WeightBiasQuantization``, QDQ fusions
     into integer kernels): a result that changes here is the backend's, not the quantization's.
     ``n`` samples; ``n < 0`` is adaptive: the first :data:`CROSS_CHECK_FIRST`, extended to all
-    as soon as any of them differs between the two runs (top-1, or an output cosine below
-    :data:`CROSS_CHECK_MIN_COSINE`). A backend effect comes from the weights and scales (an
+    when any of them differs between the two runs (top-1, or an output cosine below
+    :data:`CROSS_CHECK_MIN_COSINE`) unless the first look already decides: for classifiers
+    :func:`first_look_verdict` (the top-1 difference clears the tolerance by
+    :data:`FIRST_LOOK_Z` standard errors), for other models an output whose cosine is already
+    below ``min_cosine`` (more samples can only lower the minimum). ``decided_on_first_look``
+    says which; ``n >= 0`` measures exactly that many samples (the exact figure). A backend effect comes from the weights and scales (an
     overflowing int32 bias, a fused kernel), not from one input, so it shows on the first
     samples, and every flagged disagreement is then measured on all of them. When the two
     disagree on an x86-64 CPU without VNNI, the optimised graph is run once more with
@@ -86,15 +127,28 @@ def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarr
     if data.classifier:
         k0 = next(iter(head))
         differs = differs or bool((ref[k0].argmax(1) != head[k0].argmax(1)).any())
+    early = None
     if adaptive and differs and first < total:
+        if data.classifier:
+            k0 = next(iter(head))
+            y = data.y[:first]
+            early = first_look_verdict(head[k0].argmax(1) == y, ref[k0].argmax(1) == y,
+                                       tol_points)
+        else:
+            _, w0 = compare(ref, head)
+            early = True if w0 is not None and w0[1]["cosine_min"] < min_cosine else None
+    if adaptive and differs and first < total and early is None:
         more = run(first, total, opt_level="disable")
         ref = {k: np.concatenate([v, more[k]]) for k, v in ref.items()}
     k = len(next(iter(ref.values())))
     main = {name: v[:k] for name, v in outputs.items()}
     pars, worst = compare(ref, main)
     rec: dict = {"n": int(k), "adaptive": adaptive, "opt_level": "disable", "outputs": pars,
-                 "cause": None, "cpu_vnni": cpu_has_vnni()}
+                 "cause": None, "cpu_vnni": cpu_has_vnni(),
+                 "decided_on_first_look": early is not None, "n_total": int(total)}
     first_out = next(iter(main))
+    seen = (f"{k} of {total} images, decided on the first look (--cross-check-images {total} "
+            "for the exact figure)" if early is not None else f"{k} images")
     if data.classifier:
         t_main = topk_accuracy(main[first_out], data.y[:k], (1,))["top1"]
         t_ref = topk_accuracy(ref[first_out], data.y[:k], (1,))["top1"]
@@ -103,12 +157,13 @@ def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarr
                                                  == main[first_out].argmax(1)).mean()),
                    disagreement=bool(abs(t_main - t_ref) > tol_points))
         rec["reason"] = (f"top-1 {t_main:.1f}% at opt level {opt_level} vs {t_ref:.1f}% with ORT "
-                         f"graph optimisations disabled ({k} images)")
+                         f"graph optimisations disabled ({seen})")
     else:
         bad = worst is not None and worst[1]["cosine_min"] < min_cosine
         rec.update(min_cosine=min_cosine, disagreement=bool(bad))
         rec["reason"] = (f"output {worst[0]}: cosine min {worst[1]['cosine_min']:.4f} between the "
-                         f"optimised and the unoptimised run ({k} samples)" if worst else
+                         f"optimised and the unoptimised run ({seen.replace('images', 'samples')})"
+                         if worst else
                          "no comparable output")
     if rec["disagreement"] and cpu_has_vnni() is False and not session_config:
         # The cause needs no more samples than the first look: the saturating and the u8u8

@@ -140,7 +140,7 @@ def check_weights(model, consts: dict | None = None) -> list[Finding]:
             blocked_own = bool(w["block"]) and (w["axis"] % q.ndim) != oax
             try:
                 zp = 0.0 if w["zp"] is None else broadcast_param(w["zp"], q.shape, w["axis"],
-                                                            w["block"])
+                                                                 w["block"])
             except (ValueError, IndexError):
                 own = True  # zero point does not fit its axis: block_scale_shape says so
             if not own and not blocked_own:

@@ -42,7 +42,7 @@ def list_depthwise(model) -> list[dict]:
             continue
         if not n.name:
             raise StageError("a grouped Conv has no node name: name the nodes (e.g. "
-                                    "re-export) so it can be excluded from quantization")
+                             "re-export) so it can be excluded from quantization")
         shape = weight_shape(model, n, consts)
         out.append({"name": n.name, "group": int(attr(n, "group", 1)),
                     "weight_shape": list(shape) if shape else None,

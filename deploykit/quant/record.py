@@ -35,7 +35,7 @@ def run_check(onnx_path: Path | str, fp32: Path | str | None = None,
     fp32_model = load_onnx(fp32, "2_export_onnx.py") if fp32 else None
     data = load_npz(calib, None, "4_make_calib.py") if calib else None
     rep = check_model(model, path=onnx_path, fp32_model=fp32_model, calib=data,
-                                calib_limit=calib_limit)
+                      calib_limit=calib_limit)
     return {"file": str(onnx_path), "fp32": str(fp32) if fp32 else None,
             "calib": str(calib) if calib else None, **rep}
 

@@ -117,12 +117,12 @@ def budget_from_args(args: argparse.Namespace) -> Budget:
         raise UsageError(f"--min-agreement {b.min_agreement}: a percentage in [0, 100]")
     if b.min_cosine is not None and not -1 <= b.min_cosine <= 1:
         raise UsageError(f"--min-cosine {b.min_cosine}: a cosine similarity lies in "
-                                "[-1, 1]")
+                         "[-1, 1]")
     if b.max_top1_drop is not None and b.max_top1_drop < 0:
         raise UsageError(f"--max-top1-drop {b.max_top1_drop}: points, >= 0")
     if b.min_agreement is None and b.min_cosine is None and b.max_top1_drop is None:
         raise UsageError("every budget bound is off: give at least one of "
-                                "--min-agreement, --min-cosine, --max-top1-drop")
+                         "--min-agreement, --min-cosine, --max-top1-drop")
     return b
 
 
@@ -239,7 +239,7 @@ def cmd_verify(args: argparse.Namespace) -> dict:
     check_positive(args, "batch")
     outputs = record_paths(args.model, args.out_dir)
     rec = load_json(require(outputs["json"], "auto_precision.py search "
-                                          "(5_quantize.sh int8_auto runs both)"))
+                            "(5_quantize.sh int8_auto runs both)"))
     fp32, work = _paths(args)
     onnx_path = require(Path(args.onnx), "5_quantize.sh int8_auto")
     budget = Budget(**rec["budget"])
@@ -247,7 +247,7 @@ def cmd_verify(args: argparse.Namespace) -> dict:
     data, tuning = tuning_data(args.model, fp32, t.get("tune_npz"), t.get("images"), t["seed"])
     if tuning["sha256"] != t["sha256"]:
         raise StageError("the tuning data changed since the search (another split or "
-                                "npz): rerun auto_precision.py search (5_quantize.sh int8_auto)")
+                         "npz): rerun auto_precision.py search (5_quantize.sh int8_auto)")
     ref = _fp32_reference(fp32, data, work, t["sha256"], args.batch, "tune")
     labels = data.y if data.classifier else None
     q_model = load_onnx(onnx_path)
@@ -276,7 +276,7 @@ def cmd_verify(args: argparse.Namespace) -> dict:
         digest = data_digest(ev)
         ref_e = _fp32_reference(fp32, ev, work, digest, args.batch, "eval")
         m_eval = output_metrics(ref_e, run_model(q_model, ev, args.batch, desc="int8_auto (eval)"),
-                         ev.y)
+                                ev.y)
         v.update(eval=m_eval, eval_budget_met=budget.met(m_eval),
                  eval_misses=budget.misses(m_eval), eval_margins=budget.margins(m_eval))
     v["wall_s"] = round(time.time() - started, 1)

@@ -134,7 +134,7 @@ def _feed(args, onnx_path: Path) -> tuple[dict[str, np.ndarray], bool]:
     spec = model_spec(args.model) if args.model else None
     use_images = bool(args.model and spec.classifier and not args.inputs and not args.input_shape)
     feed = load_feed(args.inputs, args.model if use_images else None, args.n,
-                               onnx_path, args.input_shape)
+                     onnx_path, args.input_shape)
     return feed, bool(args.inputs or use_images)
 
 
@@ -154,9 +154,9 @@ def cmd_fp16(args) -> list[dict]:
     # A static batch is fed exactly (samples that do not fill a run are left out, said on
     # stderr); a dynamic one takes --batch samples per run.
     feed, per_run = feed_plan({k: v for k, v in feed.items() if k in names}, [m32],
-                                        args.batch)
+                              args.batch)
     ref = collect_outputs(ort_activations(args.onnx, feed, batch=per_run,
-                                                       mark_all=False))
+                                          mark_all=False))
     m16, warn = convert_fp16(m32, keep)
     out_path = Path(args.output)
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -169,8 +169,8 @@ def cmd_fp16(args) -> list[dict]:
         par = output_problems(ref, collect_outputs(ort_activations(
             cand, feed, batch=per_run, mark_all=False)), args.min_cosine)
         res.append(check_result("fp16_ort_cpu_parity", "fail" if par else "pass",
-                          "; ".join(par) or f"matches the FP32 file on ORT CPU (cosine >= "
-                          f"{args.min_cosine}; computed in FP32 there)"))
+                                "; ".join(par) or f"matches the FP32 file on ORT CPU (cosine >= "
+                                f"{args.min_cosine}; computed in FP32 there)"))
         _print_results(res, show_pass=False)
         if worst(res) == "fail":
             install_rejected(cand, out_path, res)
@@ -231,7 +231,7 @@ def main(args) -> list[dict]:
     _print_results(res)
     if args.json:
         write_json(args.json, {"onnx": str(args.onnx), "status": worst(res),
-                                      "results": res})
+                               "results": res})
     if worst(res) == "fail":
         raise StageError("export check failed: fix the export before comparing runtimes")
     return res

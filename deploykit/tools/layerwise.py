@@ -142,7 +142,8 @@ def main(args) -> dict:
         feed, batch = feed_plan(feed, [args.a, args.b], batch or None)
         res = run_layer_diff(
             args.a, args.b, feed, ep_a=args.ep_a, ep_b=args.ep_b, b_engine=args.engine_b,
-            b_trt=args.trt, trt_build={"fp16": args.trt_fp16 or None, "int8": args.trt_int8 or None},
+            b_trt=args.trt, trt_build={
+                "fp16": args.trt_fp16 or None, "int8": args.trt_int8 or None},
             tolerances={"atol": args.atol, "rtol": args.rtol, "min_cosine": args.min_cosine},
             precision=args.precision, batch=batch, opt_level=args.opt_level,
             out_dir=args.out_dir)

@@ -175,7 +175,7 @@ def main(args: argparse.Namespace):
         if args.check:
             if any(r["status"] != "ok" for r in report):
                 raise StageError("inconsistent blocked DequantizeLinear axis "
-                                        "(run without --check to repair)")
+                                 "(run without --check to repair)")
             if report and ops < 21:
                 raise StageError(f"opset {ops} does not define block_size")
             return report

@@ -361,7 +361,7 @@ def ort_parity(a, b, feed: Mapping[str, np.ndarray]) -> dict:
             return bool(np.array_equal(x, y, equal_nan=True)), float(np.nanmax(d)) \
                 if not np.all(np.isnan(d)) else 0.0
         return bool(np.array_equal(x, y)), float(np.max(np.abs(x.astype(np.int64)
-                                                                - y.astype(np.int64))))
+                                                               - y.astype(np.int64))))
 
     ra, rb = results
     exact, worst = True, 0.0

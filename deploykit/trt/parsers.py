@@ -408,7 +408,7 @@ def classify_plan_load_error(log: str, header: bytes | None = None, *,
         return other_version()
     tail = " | ".join(ln.strip() for ln in (log or "").strip().splitlines()[-3:])
     return out("unknown", f"the runtime refused {plan}" + (f": {tail}" if tail else
-                                                          " without a message"),
+                                                           " without a message"),
                "read the runtime log above; if the plan is old or from another machine, " + rebuild)
 
 

@@ -67,11 +67,11 @@ def tuning_data(model: str, onnx_path: Path, tune_npz: Path | None = None,
         both = sorted(set(files) & other)
         if both:
             raise StageError(f"{len(both)} tuning image(s) are also evaluation or "
-                                    f"calibration images (first: {both[0]}): rerun "
-                                    "0_prepare_data.py --tune-fraction F")
+                             f"calibration images (first: {both[0]}): rerun "
+                             "0_prepare_data.py --tune-fraction F")
         name = graph_inputs(load_onnx(onnx_path, external=False))[0][0]
         data = EvalData(x_u8=x, y=y, files=files, mean=spec.mean, std=spec.std,
-                                 input_name=name)
+                        input_name=name)
         source = f"tune split of {splits_path()} ({len(files)} images)"
     else:
         path = Path(tune_npz) if tune_npz else model_artifacts(model) / "tune.npz"
@@ -87,9 +87,9 @@ def tuning_data(model: str, onnx_path: Path, tune_npz: Path | None = None,
         # counts, NaN/Inf): a wrong file is refused here, not as an ONNX Runtime traceback
 
         validate_calibration(onnx_path, feed, None, source=f"tuning data {path}",
-                                       reference_source="tuning data: not compared",
-                                       producer="the tuning samples must be disjoint from "
-                                                "the calibration and evaluation data")
+                             reference_source="tuning data: not compared",
+                             producer="the tuning samples must be disjoint from "
+                             "the calibration and evaluation data")
         data = EvalData(feed=feed)
         source = str(path)
     n = len(data)
@@ -144,8 +144,8 @@ def base_qdq(model: str, fp32: Path, calib: Path, calib_batch: str, eps: str, wo
         if p.returncode != 0 or not (Path(tmp) / "base.onnx").exists():
             tail = log.read_text(errors="replace").splitlines()[-15:]
             raise StageError(f"ModelOpt failed on the base quantization (exit "
-                                    f"{p.returncode}); last lines of {log}:\n  "
-                                    + "\n  ".join(tail))
+                             f"{p.returncode}); last lines of {log}:\n  "
+                             + "\n  ".join(tail))
         os.replace(Path(tmp) / "base.onnx", out)
     rec = {"key": key, "command": shown, "log": str(log), "sha256": sha256_file(out),
            "wall_s": round(time.time() - t0, 1)}

@@ -258,7 +258,7 @@ class Cache:
     def put(self, float_nodes: Iterable[str], m: dict) -> None:
         self.misses += 1
         self.data["configs"][self.config_id(float_nodes)] = {"float": sorted(float_nodes),
-                                                            "metrics": m}
+                                                             "metrics": m}
         write_json(self.path, self.data)
 
     def array_path(self, what: str) -> Path:

@@ -67,7 +67,7 @@ class QdqSpace:
                 continue
             if not n.name:
                 raise StageError(f"a quantized {n.op_type} has no node name: it could not "
-                                        "be excluded by name (re-export with node names)")
+                                 "be excluded by name (re-export with node names)")
             weight, act = {}, []
             for i, d in dqs.items():
                 if self._is_weight(d):
@@ -80,7 +80,7 @@ class QdqSpace:
                                              weight, act))
         if not self.candidates:
             raise StageError("the Q/DQ model has no quantized Conv/ConvTranspose/Gemm/"
-                                    "MatMul: nothing to choose")
+                             "MatMul: nothing to choose")
         self.names = [c.name for c in self.candidates]
         by_name = {c.name: c for c in self.candidates}
         # Activation DQ -> the candidates that read it (its "owners": while any of them is INT8,
