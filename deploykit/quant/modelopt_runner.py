@@ -125,6 +125,13 @@ def shown_command(argv: Sequence[str], replace: Mapping[Path | str, Path | str] 
     return shlex.join(out)
 
 
+def _umask() -> int:
+    """This process's file-creation mask."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def run_modelopt(onnx_path: Path | str, output_path: Path | str, flags: Sequence[str],
                  log: Path | str, *, calib_batch: str | int = "all",
                  replace: Mapping[Path | str, Path | str] | None = None,
@@ -155,6 +162,7 @@ def run_modelopt(onnx_path: Path | str, output_path: Path | str, flags: Sequence
     output = Path(output_path)
     fd, tmp = tempfile.mkstemp(dir=log.parent, prefix=f".tmp-{log.name}.")
     try:
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it 0600: the log gets the usual mode
         start = time.monotonic()
         with os.fdopen(fd, "w") as f:
             # subprocess.run kills the child if this process is interrupted while waiting.
