@@ -420,7 +420,12 @@ def main(args: argparse.Namespace) -> list[dict]:
     print(f"stage 5: {model}: {len(dw)} depthwise conv(s), stem {' '.join(stem) or 'none'}, "
           f"calibration EP {eps}")
 
-    old_handlers = {s: signal.signal(s, _raise_exit) for s in (signal.SIGTERM, signal.SIGHUP)}
+    old_handlers = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        try:
+            old_handlers[sig] = signal.signal(sig, _raise_exit)
+        except ValueError:  # not the main thread: signals stay as they are
+            pass
     # ModelOpt 0.47.0 rewrites the file given as --onnx_path (same bytes, new mtime): it gets a
     # private copy, so fp32.onnx is never written while another stage may be reading it. The
     # work folder sits beside the outputs (same file system: the final rename is atomic) and
@@ -475,7 +480,7 @@ def _quantize_all(args, selected, env, eps, src, calib, onnx_dir, res_dir, work,
             if p.returncode != 0:  # exit 2 (a usage error in AUTO_ARGS) is passed on as it is
                 print(f"{_prog()}: FAILED: the mixed-precision search for {variant} failed "
                       "(above); nothing was installed", file=sys.stderr)
-                raise SystemExit(p.returncode)
+                raise SystemExit(p.returncode if p.returncode > 0 else 128 - p.returncode)
             auto = p.stdout.rstrip("\n").split("\n") if p.stdout.strip() else []
         try:
             flags = variants.modelopt_args(variant, str(work_calib), eps, dw, stem, auto)
