@@ -6,19 +6,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
+import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 import numpy as np
 
+from deploykit.quant import modelopt_runner
 from deploykit.data.splits import load_split, load_splits
 from deploykit.envinfo import versions
 from deploykit.errors import StageError, UsageError
 from deploykit.evaluate import EvalData
 from deploykit.io import load_npz, sha256_file, write_json
-from deploykit.layout import ROOT, model_artifacts, splits_path
+from deploykit.layout import model_artifacts, splits_path
 from deploykit.models import model_spec
 from deploykit.onnx.graph import graph_inputs, load_onnx
 from deploykit.quant.auto.search import VARIANT, data_digest
@@ -129,25 +129,21 @@ def base_qdq(model: str, fp32: Path, calib: Path, calib_batch: str, eps: str, wo
             return out, {**old, "reused": True}
     work.mkdir(parents=True, exist_ok=True)
     log = work / "base.quant.log"
-    t0 = time.time()
     with tempfile.TemporaryDirectory(dir=work, prefix=".tmp-base-") as tmp:
-        src = Path(tmp) / "fp32.onnx"
-        src.write_bytes(Path(fp32).read_bytes())  # ModelOpt rewrites its --onnx_path
-        cmd = [sys.executable, str(ROOT / "qdq_tools.py"), "modelopt", "--calib-batch",
-               str(calib_batch), "--", "--onnx_path", str(src), *flags,
-               "--output_path", str(Path(tmp) / "base.onnx")]
-        shown = " ".join(cmd).replace(str(src), str(fp32)).replace(
-            str(Path(tmp) / "base.onnx"), str(out))
+        src, made = Path(tmp) / "fp32.onnx", Path(tmp) / "base.onnx"
+        shutil.copyfile(fp32, src)  # ModelOpt rewrites its --onnx_path
+        replace = {src: fp32, made: out}
+        shown = modelopt_runner.shown_command(
+            modelopt_runner.modelopt_argv(src, made, flags, calib_batch), replace)
         print(f"auto-precision: quantizing every candidate once: {shown}", file=sys.stderr)
-        with open(log, "w") as f:
-            p = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
-        if p.returncode != 0 or not (Path(tmp) / "base.onnx").exists():
-            tail = log.read_text(errors="replace").splitlines()[-15:]
+        run = modelopt_runner.run_modelopt(src, made, flags, log, calib_batch=calib_batch,
+                                           replace=replace)
+        if not run.ok:
             raise StageError(f"ModelOpt failed on the base quantization (exit "
-                             f"{p.returncode}); last lines of {log}:\n  "
-                             + "\n  ".join(tail))
-        os.replace(Path(tmp) / "base.onnx", out)
-    rec = {"key": key, "command": shown, "log": str(log), "sha256": sha256_file(out),
-           "wall_s": round(time.time() - t0, 1)}
+                             f"{run.returncode}); last lines of {log}:\n  "
+                             + "\n  ".join(run.tail(15)))
+        os.replace(made, out)
+    rec = {"key": key, "command": run.shown, "log": str(log), "sha256": sha256_file(out),
+           "wall_s": round(run.wall_s, 1)}
     write_json(meta, rec)
     return out, {**rec, "reused": False}
