@@ -23,7 +23,7 @@ from deploykit.errors import StageError
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from deploykit.quant import modelopt_runner  # noqa: E402
+from deploykit.quant import modelopt_runner, quantize  # noqa: E402
 from tests.test_quant import _save, conv_model  # noqa: E402
 
 stage5 = importlib.import_module("5_quantize")
@@ -106,16 +106,17 @@ def _count_opens(monkeypatch, path: Path) -> list[str]:
 # --------------------------------------------------------------------------------------------
 def test_calibration_read_validated_and_planned_once_for_several_variants(tiny, monkeypatch):
     fake = FakeModelOpt()
-    monkeypatch.setattr(stage5.modelopt_runner, "run_modelopt", fake)
+    monkeypatch.setattr(modelopt_runner, "run_modelopt", fake)
     counts = {"validate": 0, "plan": 0, "depthwise": 0}
     for name, key in (("validate_calibration", "validate"), ("calibration_plan", "plan"),
                       ("list_depthwise", "depthwise")):
-        real = getattr(stage5, name)  # the stage's own names
+        where = stage5 if name == "list_depthwise" else quantize  # who calls it
+        real = getattr(where, name)
 
         def wrapped(*a, _real=real, _key=key, **kw):
             counts[_key] += 1
             return _real(*a, **kw)
-        monkeypatch.setattr(stage5, name, wrapped)
+        monkeypatch.setattr(where, name, wrapped)
     opened = _count_opens(monkeypatch, tiny / "calib.npz")
     recs = stage5.main(_args("int8_hp32", "excl_dw"))
     assert [r["variant"] for r in recs] == ["int8_hp32", "excl_dw"]
@@ -136,7 +137,7 @@ def test_record_hashes_the_calibration_bytes_modelopt_was_given(tiny, monkeypatc
     def replace_calib(_):
         np.savez(calib, input=np.zeros((8, 3, 16, 16), np.float32))
     fake = FakeModelOpt(on_call=replace_calib)
-    monkeypatch.setattr(stage5.modelopt_runner, "run_modelopt", fake)
+    monkeypatch.setattr(modelopt_runner, "run_modelopt", fake)
     (rec,) = stage5.main(_args("int8_hp32"))
     used = fake.calls[0]["calib_bytes"]
     assert used == before and _sha(calib.read_bytes()) != _sha(before)
@@ -156,7 +157,7 @@ def test_record_hashes_the_calibration_bytes_modelopt_was_given(tiny, monkeypatc
 def test_modelopt_failure_keeps_the_earlier_file_and_removes_the_work_folder(tiny, monkeypatch):
     out = tiny / "onnx" / "int8_hp32.onnx"
     out.write_bytes(b"earlier good file")
-    monkeypatch.setattr(stage5.modelopt_runner, "run_modelopt", FakeModelOpt(fail=True))
+    monkeypatch.setattr(modelopt_runner, "run_modelopt", FakeModelOpt(fail=True))
     with pytest.raises(StageError, match="(?s)ModelOpt failed on int8_hp32.*fake ModelOpt"):
         stage5.main(_args("int8_hp32"))
     assert out.read_bytes() == b"earlier good file"
@@ -173,7 +174,7 @@ def test_unwritable_results_folder_is_refused_before_any_work(tiny, tmp_path, mo
     blocker.write_text("a file where the results folder should be")
     monkeypatch.setenv("RESULTS", str(blocker / "r"))  # mkdir fails, even for root
     fake = FakeModelOpt()
-    monkeypatch.setattr(stage5.modelopt_runner, "run_modelopt", fake)
+    monkeypatch.setattr(modelopt_runner, "run_modelopt", fake)
     opened = _count_opens(monkeypatch, tiny / "calib.npz")
     with pytest.raises(StageError, match="cannot create .*not_a_folder"):
         stage5.main(_args("int8_hp32"))

@@ -1,0 +1,326 @@
+"""Stage 5's procedure: the calibration file read, validated and planned once, every requested\nvariant quantized by ModelOpt (deploykit.quant.modelopt_runner) in a private work folder,\nhealth-checked, installed atomically and recorded in results/<model>/quant_<variant>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+import numpy as np
+from deploykit.quant import modelopt_runner
+from deploykit.cli import require
+from deploykit.errors import StageError, UsageError
+from deploykit.io import file_size_mb, sha256_file, write_json
+from deploykit.layout import ROOT, model_results
+from deploykit.onnx.graph import load_onnx
+from deploykit.quant.auto.report import publish
+from deploykit.quant.calibration import (
+    calibration_plan,
+    calibration_reference,
+    validate_calibration,
+)
+from deploykit.quant.health import check_model, summary_line
+from deploykit.quant.inspect import inspect_model
+from deploykit.quant.macs import mac_summary
+from deploykit.quant.modelopt import log_warnings, ort_smoke
+from deploykit.quant.record import calibration_summary, print_check
+from deploykit.results import provenance
+from deploykit.variants import get_variant, modelopt_args
+
+
+STAGE = "5_quantize"
+
+
+HEALTH_CHECK_SAMPLES = 32  # calibration samples the health check runs (qdq_tools.py check's)
+
+
+# --------------------------------------------------------------------------------------------
+# Settings from the environment
+# --------------------------------------------------------------------------------------------
+def env_settings(environ=None) -> dict:
+    """The environment variables the stage reads, checked.
+
+    Args:
+        environ: the environment (default ``os.environ``).
+    Returns:
+        ``{"eps" (None: choose), "calib_batch", "stats_check", "auto_args", "auto_text"}``.
+    Raises:
+        UsageError: ``CALIB_BATCH`` is neither ``all`` nor a positive integer.
+    """
+    env = os.environ if environ is None else environ
+    batch = env.get("CALIB_BATCH") or "all"
+    if batch != "all":
+        try:
+            ok = int(batch) >= 1
+        except ValueError:
+            ok = False
+        if not ok:
+            raise UsageError(f"CALIB_BATCH={batch!r}: 'all' (one batch) or a positive "
+                                    "integer")
+    text = env.get("AUTO_ARGS") or ""
+    # As bash's `read -r -a` did: the first line, split on blanks, no quote processing.
+    first = text.splitlines()[0] if text else ""
+    return {"eps": env.get("EPS") or None, "calib_batch": batch,
+            "stats_check": (env.get("CALIB_STATS_CHECK") or "1") != "0",
+            "auto_args": first.split(), "auto_text": text}
+
+
+def default_eps() -> str:
+    """``cuda:0`` when onnxruntime offers the CUDA EP, else ``cpu``."""
+    try:
+        import onnxruntime
+
+        return "cuda:0" if "CUDAExecutionProvider" in onnxruntime.get_available_providers() \
+            else "cpu"
+    except Exception:  # noqa: BLE001 - no usable onnxruntime: calibrate on the CPU
+        return "cpu"
+
+
+# --------------------------------------------------------------------------------------------
+# Calibration data: read once, validated, planned
+# --------------------------------------------------------------------------------------------
+def read_calibration(path: Path) -> tuple[dict[str, np.ndarray], bytes, str]:
+    """Read the calibration npz once.
+
+    Args:
+        path: the npz (``artifacts/<model>/calib.npz``).
+    Returns:
+        ``(arrays by key, the bytes read, their hex SHA-256)``: the arrays are parsed from
+        those bytes, so the hash is that of the data used.
+    Raises:
+        StageError: missing or not an npz of arrays.
+    """
+    raw = require(Path(path), "4_make_calib.py").read_bytes()
+    try:
+        with np.load(io.BytesIO(raw), allow_pickle=False) as z:
+            data = {k: z[k] for k in z.files}
+    except Exception as e:  # noqa: BLE001 - zipfile/ValueError/AttributeError (an .npy)
+        raise StageError(f"cannot read {path} as an .npz of arrays ({e}): write it with "
+                                "np.savez(path, <input name>=array, ...)") from e
+    return data, raw, hashlib.sha256(raw).hexdigest()
+
+
+def calibration_record(model: str, onnx_path: Path, calib: Path, data: dict[str, np.ndarray],
+                       sha256: str, batch: str, stats_check: bool) -> dict:
+    """Validate the calibration arrays for the model and plan the calibration batch (what
+    ``qdq_tools.py check-calib`` does, on arrays already read).
+
+    Args:
+        model: the model name (evaluation data for the statistics check; stage 4's record).
+        onnx_path: the float model. calib: the npz's path (named in messages and records).
+        data: its arrays. sha256: the hash of its bytes (:func:`read_calibration`).
+        batch: ``CALIB_BATCH``. stats_check: compare the statistics with the evaluation data.
+    Returns:
+        the record ``qdq_tools.calibration_summary`` reads: ``n_samples``, ``inputs``,
+        ``stats_check``, ``plan``, ``calib``, ``sha256``, ``order_seed``, ``made_by``.
+    Raises:
+        StageError: the data do not fit the model or the evaluation data.
+    """
+    ref, ref_src = (None, "skipped (--no-stats-check)")
+    if stats_check:
+        ref, ref_src = calibration_reference(model, onnx_path)
+    rep = validate_calibration(onnx_path, data, ref, source=str(calib),
+                                         reference_source=ref_src)
+    plan = calibration_plan(onnx_path, data, batch)
+    rec = {**rep, "plan": plan, "calib": str(calib), "sha256": sha256, "order_seed": None,
+           "made_by": "unknown (not the npz stage 4 recorded)"}
+    made = model_results(model) / "calib.json"
+    try:
+        stage4 = json.loads(made.read_text()) if made.exists() else {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        stage4 = {}
+    if isinstance(stage4, dict) and stage4.get("sha256") == sha256:
+        rec["order_seed"] = stage4.get("order_seed")
+        rec["made_by"] = f"4_make_calib.py ({stage4.get('source')})"
+    print(f"calibration: {plan['n_samples']} samples, batch {plan['batch_size']} "
+          f"({len(plan['batches'])} batch(es): {plan['reason']}); statistics "
+          f"{rep['stats_check']}", file=sys.stderr)
+    if plan["order_dependent"]:
+        print(f"NOTE: {len(plan['batches'])} calibration batches: entropy scales depend on the "
+              f"sample order (order seed {rec['order_seed']})", file=sys.stderr)
+    return rec
+
+
+# --------------------------------------------------------------------------------------------
+# The quantization record
+# --------------------------------------------------------------------------------------------
+def health_check(onnx_path: Path, inputs: dict) -> dict:
+    """The Q/DQ health check of a stage-5 file (``qdq_tools.py check`` with the float model
+    and the calibration arrays already in memory); prints the findings, never raises.
+
+    Args:
+        onnx_path: the installed Q/DQ file. inputs: :func:`main`'s inputs (``src``,
+            ``fp32_model``, ``calib``, ``calib_data``).
+    Returns:
+        the check report with ``file``, ``fp32``, ``calib`` and ``summary``, or
+        ``{"ok": None, "error", "summary": "check: could not run"}``.
+    """
+    try:
+        rep = check_model(load_onnx(onnx_path), path=onnx_path,
+                                    fp32_model=inputs["fp32_model"], calib=inputs["calib_data"],
+                                    calib_limit=HEALTH_CHECK_SAMPLES)
+    except (StageError, ValueError) as e:
+        print(f"WARNING: qdq_tools.py check could not run on {onnx_path}: {e}", file=sys.stderr)
+        return {"ok": None, "error": str(e)[:600], "summary": "check: could not run"}
+    rep = {"file": str(onnx_path), "fp32": str(inputs["src"]), "calib": str(inputs["calib"]),
+           **rep}
+    rep["summary"] = summary_line(rep)
+    if rep["ok"]:
+        print(f"  {onnx_path.name}: {rep['summary']}")
+    else:
+        print_check(rep, limit=3)
+    return rep
+
+
+def quant_record(args: argparse.Namespace, inputs: dict, variant: str, status: str, out: Path,
+                 log: Path, wall_s: float, command: str) -> dict:
+    """Write ``results/<model>/quant_<variant>.json`` (the fields ``qdq_tools.py
+    record-quant`` writes) and return it.
+
+    Args:
+        args: the stage's arguments (provenance). inputs: :func:`main`'s inputs.
+        variant, status (``ok``/``failed``), out (the installed file), log, wall_s, command:
+            what the record says.
+    Returns:
+        the record: ``stage``, ``model``, ``variant``, ``status``, ``output``,
+        ``wall_time_s``, ``command``, ``log``, ``description``, ``warnings``,
+        ``calibration``; when ok also ``inspect``, ``macs``, ``size_mb``, ``ort_cpu_smoke``,
+        ``check``; ``provenance`` (input hashes: the bytes ModelOpt was given).
+    Raises:
+        StageError: the results folder cannot be written.
+    """
+    rec = {"stage": STAGE, "model": args.model, "variant": variant, "status": status,
+           "output": str(out), "wall_time_s": wall_s, "command": command, "log": str(log),
+           "description": get_variant(variant).description,
+           "warnings": log_warnings(log) if log.exists() else [],
+           "calibration": calibration_summary(inputs["calib_rec"])}
+    if status == "ok" and out.exists():
+        qmodel = load_onnx(out)
+        rep = inspect_model(qmodel)
+        rep.pop("_helper", None)
+        rec["inspect"] = rep
+        rec["macs"] = mac_summary(qmodel)  # the report's INT8 MACs column
+        rec["size_mb"] = file_size_mb(out)
+        rec["ort_cpu_smoke"] = ort_smoke(out)
+        if not rec["ort_cpu_smoke"]["ok"]:
+            print(f"WARNING: ONNX Runtime cannot run {out}: "
+                  f"{rec['ort_cpu_smoke']['error'][:300]}", file=sys.stderr)
+        rec["check"] = health_check(out, inputs)
+    settings = {**vars(args), "variant": variant, "eps": inputs["eps"],
+                "calib_batch": inputs["calib_batch"], **{
+                    k: os.environ.get(k) for k in ("CALIB_BATCH", "CALIB_STATS_CHECK",
+                                                   "AUTO_ARGS", "EPS")}}
+    prov = provenance(argparse.Namespace(**settings), [out])
+    prov["input_sha256"] = {str(inputs["src"]): inputs["src_sha256"],
+                            str(inputs["calib"]): inputs["calib_sha256"],
+                            **prov["input_sha256"]}
+    prov["wall_time_s"] = wall_s
+    rec["provenance"] = prov
+    write_json(model_results(args.model) / f"quant_{variant}.json", rec)
+    return rec
+
+
+# --------------------------------------------------------------------------------------------
+# The stage
+# --------------------------------------------------------------------------------------------
+def _python_tool(*argv: str) -> list[str]:
+    """A command line of one of the project's Python tools, run in the repository root."""
+    return [sys.executable, *argv]
+
+
+def quantize_all(args, selected, env, eps, src, calib, onnx_dir, res_dir, work, fp32_model,
+                  dw, stem) -> list[dict]:
+    """:func:`main`'s work inside the work folder."""
+    model = args.model
+    work_src = work / "fp32.onnx"
+    shutil.copyfile(src, work_src)
+    # Calibration data read once, checked before ModelOpt sees it (ModelOpt itself only
+    # asserts), and handed to ModelOpt as a private copy of the very bytes that were checked.
+    try:
+        data, raw, calib_sha = read_calibration(calib)
+        calib_rec = calibration_record(model, src, calib, data, calib_sha, env["calib_batch"],
+                                       env["stats_check"])
+    except StageError as e:
+        raise StageError(f"{e}; nothing was quantized") from e
+    work_calib = work / "calib.npz"
+    work_calib.write_bytes(raw)
+    calib_batch = calib_rec["plan"]["batch_size"]
+    inputs = {"src": src, "src_sha256": sha256_file(work_src), "fp32_model": fp32_model,
+              "calib": calib, "calib_sha256": calib_sha, "calib_data": data,
+              "calib_rec": calib_rec, "eps": eps, "calib_batch": calib_batch}
+
+    records, not_made = [], []
+    for variant in selected:
+        v = get_variant(variant)
+        auto: list[str] = []
+        auto_dir = work / "auto_precision"
+        if v.needs_tuning:
+            # The search chooses the nodes to keep in float (anchored regexes on stdout); its
+            # record is written in the work folder and published with the installed file.
+            print(f"Stage 5: search {variant}: which nodes stay in float (auto_precision.py "
+                  f"search {env['auto_text']})")
+            p = subprocess.run(_python_tool(
+                "auto_precision.py", "search", "--model", model, "--fp32", str(src), "--calib",
+                str(calib), "--calib-batch", str(calib_batch), "--eps", eps, "--variant",
+                variant, "--out-dir", str(auto_dir), *env["auto_args"]),
+                stdout=subprocess.PIPE, text=True, cwd=ROOT)
+            if p.returncode != 0:  # exit 2 (a usage error in AUTO_ARGS) is passed on as it is
+                print(f"{_prog()}: FAILED: the mixed-precision search for {variant} failed "
+                      "(above); nothing was installed", file=sys.stderr)
+                raise SystemExit(p.returncode if p.returncode > 0 else 128 - p.returncode)
+            auto = p.stdout.rstrip("\n").split("\n") if p.stdout.strip() else []
+        try:
+            flags = modelopt_args(variant, str(work_calib), eps, dw, stem, auto)
+        except ValueError as e:
+            print(f"{_prog()}: {variant} not made: {str(e).strip(chr(39) + chr(34))}",
+                  file=sys.stderr)
+            not_made.append(variant)
+            continue
+        out = onnx_dir / f"{variant}.onnx"
+        log = onnx_dir / f"{variant}.quant.log"
+        tmp = work / f"{variant}.onnx"
+        print(f"Stage 5: quantize {variant}: {src} + {calib} -> {out}")
+        run = modelopt_runner.run_modelopt(
+            work_src, tmp, flags, log, calib_batch=calib_batch,
+            replace={tmp: out, work_src: src, work_calib: calib})
+        status = run.status
+        wall = round(run.wall_s, 1)
+        # int8_auto: measured on the tuning split (it must meet the budget) and the evaluation
+        # split before it replaces anything.
+        verify_failed = False
+        if status == "ok" and v.needs_tuning and subprocess.run(_python_tool(
+                "auto_precision.py", "verify", "--model", model, "--fp32", str(src), "--onnx",
+                str(tmp), "--installed-as", str(out), "--out-dir", str(auto_dir)),
+                cwd=ROOT).returncode != 0:
+            verify_failed, status = True, "failed"
+        if status == "ok":
+            os.replace(tmp, out)
+        else:
+            tmp.unlink(missing_ok=True)
+        if v.needs_tuning and (auto_dir / "auto_precision.json").exists():
+            # results/<model>/auto_precision.* always describe the installed file; a run that
+            # was not installed is published beside them as auto_precision.failed.*
+            publish(auto_dir, res_dir, failed=status != "ok")
+        records.append(quant_record(args, inputs, variant, status, out, log, wall, run.shown))
+        if verify_failed:
+            raise StageError(f"{variant} re-quantized by ModelOpt misses its budget on "
+                                    "the tuning split (auto_precision.py verify, above); "
+                                    f"{out} left as it was")
+        if status != "ok":
+            raise StageError(f"ModelOpt failed on {variant} (exit {run.returncode}); "
+                                    f"last lines of {log}:\n" + "\n".join(run.tail(20)))
+        print(f"  finished {variant} [elapsed={wall}s] -> {out}")
+    if not_made:
+        raise StageError(f"{' '.join(not_made)} not made (reason above); the other "
+                                "requested variants were made")
+    return records
+
+
+def _prog() -> str:
+    """The program name in messages (as :func:`common.cli` prints it)."""
+    return Path(sys.argv[0]).name

@@ -1,0 +1,465 @@
+"""The report of one model's rows (stage 8): loading and validating result rows, the table and its\ncolumns, speedups, the GPU table, plots and the markdown/CSV, and the one-line summary.
+"""
+from __future__ import annotations
+
+import io
+import json
+import sys
+from pathlib import Path
+from deploykit.evaluate import primary_latency
+from deploykit.io import atomic_path
+from deploykit.layout import model_tag, results_dir
+from deploykit.results import result_record
+from deploykit.variants import PRECISION_ORDER, variant_order
+
+
+COLUMNS = ["backend", "precision", "tag", "EP/device", "images", "top-1 %", "top-1 agree %",
+           "top-5 %", "delta top-1", "INT8 MACs %", "p50 ms", "GPU compute p50 ms", "FPS",
+           "speedup", "size MB", "cosine sim", "status"]
+
+
+# Row order: the hops of the pipeline, then precision, then the variant registry's order.
+_ORDER = {"PyTorch": 0, "ORT": 1, "TensorRT": 2}
+
+
+def _variant(r: dict) -> str:
+    """Variant name of a row: its ``variant`` field, else the tag without the backend prefix."""
+    tag = r["tag"]
+    return r.get("variant") or (tag.split("_", 1)[1] if "_" in tag else tag)
+
+
+def _is_rerun(r: dict) -> bool:
+    """True for a rerun's failure kept beside a good row (``<tag>.failed.json``,
+    :func:`common.write_result`)."""
+    return r.get("_file", f"{r['tag']}.json") != f"{r['tag']}.json"
+
+
+def row_sort_key(r: dict) -> tuple:
+    return (_ORDER.get(r["backend"], 9), PRECISION_ORDER.get(r["precision"][:4], 9),
+            variant_order(_variant(r)), r["tag"], _is_rerun(r))
+
+
+# Types of the row fields the report reads (``evaluate`` schema); None is always allowed for the
+# optional ones. A row that breaks them is listed as "invalid" naming the file and the field.
+_NUM = (int, float)
+
+
+_FIELDS = {"backend": (str,), "precision": (str,), "tag": (str,), "status": (str,),
+           "reason": (str, type(None)), "device": (str, type(None)),
+           "ep_used": (str, type(None)), "n_images": (int, type(None)),
+           "size_mb": _NUM + (type(None),), "accuracy": (dict, type(None)),
+           "parity": (dict, type(None)), "latency": (dict, type(None)),
+           "diagnostics": (dict, type(None)), "reference": (str, type(None)),
+           "nonfinite_outputs": (dict, type(None))}
+
+
+_NESTED = {"accuracy": ("top1", "top5"), "parity": ("cosine_mean", "top1_agreement")}
+
+
+_LATENCY = ("end_to_end_ms", "gpu_compute_ms")
+
+
+_STATS = ("p50_ms", "mean_ms", "fps")
+
+
+def row_problem(rec: dict) -> str | None:
+    """The first field of ``rec`` whose type the report cannot use, as ``"field X is T
+    (value), expected ..."``; None when the row is usable."""
+    def bad(name, v, types):
+        want = " or ".join("null" if t is type(None) else {"str": "a string", "int": "an "
+                           "integer", "float": "a number", "dict": "an object"}[t.__name__]
+                           for t in types)
+        return f"field {name} is {type(v).__name__} ({json.dumps(v)[:40]}), expected {want}"
+
+    for name, types in _FIELDS.items():
+        v = rec.get(name)
+        if (name in ("backend", "precision", "tag", "status") or v is not None) and (
+                not isinstance(v, types) or isinstance(v, bool)):
+            return bad(name, v, types)
+    for name, keys in _NESTED.items():
+        for k in keys:
+            v = (rec.get(name) or {}).get(k)
+            if v is not None and (not isinstance(v, _NUM) or isinstance(v, bool)):
+                return bad(f"{name}.{k}", v, _NUM)
+    for block in _LATENCY:
+        stats = (rec.get("latency") or {}).get(block)
+        if stats is not None and not isinstance(stats, dict):
+            return bad(f"latency.{block}", stats, (dict,))
+        for k in _STATS:
+            v = (stats or {}).get(k)
+            if v is not None and (not isinstance(v, _NUM) or isinstance(v, bool)):
+                return bad(f"latency.{block}.{k}", v, _NUM)
+    return None
+
+
+ROW_STATUSES = ("ok", "failed", "skipped")  # what the stages write (common.write_result)
+
+
+def row_identity_problem(rec: dict, f: Path) -> str | None:
+    """Why the row in file ``f`` is not a row of this folder, or None: its status is not one
+    the stages write, its tag is not the file's name (``<tag>.json``, or the rerun sidecars
+    ``<tag>.failed.json`` / ``<tag>.skipped.json``), or its model is not the folder's
+    (``results/<model tag>/``). A copied or hand-edited file otherwise showed another model's
+    numbers, or stood in for another tag, as if this run had made them."""
+    if rec["status"] not in ROW_STATUSES:
+        return f"field status is {rec['status']!r}, expected one of {', '.join(ROW_STATUSES)}"
+    names = {f"{rec['tag']}{s}.json" for s in ("", ".failed", ".skipped")}
+    if f.name not in names:
+        return (f"field tag is {rec['tag']!r} but the file is {f.name} (a row is written as "
+                f"<tag>.json): a renamed or copied file")
+    model = rec.get("model")
+    if isinstance(model, str) and model_tag(model) != f.parent.name:
+        return (f"field model is {model!r} but the folder is {f.parent.name}/: a row of "
+                "another model, copied here")
+    return None
+
+
+def load_rows(folder: Path) -> list[dict]:
+    """Results records in ``folder`` that describe a backend run, in pipeline order.
+
+    A file that is not valid JSON, or whose fields have types the report cannot use, becomes
+    an ``invalid`` row naming the file and the field (and a warning), so one bad file never
+    hides the others.
+    """
+    rows = []
+    for f in sorted(folder.glob("*.json")):
+        problem, rec = None, None
+        try:
+            rec = json.loads(f.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            problem = f"not valid JSON ({e})"
+        if rec is not None and not isinstance(rec, dict):
+            problem = (f"a JSON {type(rec).__name__}, not a results row (an object with "
+                       "backend, tag, status, ...)")
+        elif rec is not None and "backend" not in rec:
+            continue  # data.json, export.json, quant_*.json, ...: not a backend row
+        if problem is None:
+            problem = row_problem(rec) or row_identity_problem(rec, f)
+        if problem is not None:
+            print(f"WARNING: {f}: {problem}: listed as invalid; rerun the stage that wrote it",
+                  file=sys.stderr)
+            # The file names the row (<tag>.json, <tag>.failed.json): its own tag field may be
+            # what is wrong.
+            tag = f.name[:-len(".json")].removesuffix(".failed").removesuffix(".skipped")
+            rec = result_record("8_report", str(rec.get("backend")) if isinstance(
+                rec, dict) else "?", "?", "", tag, status="invalid",
+                reason=f"{f.name}: {problem}; rerun the stage that wrote it")
+        rec["_file"] = f.name
+        rows.append(rec)
+    # The Q/DQ health check of the file a row ran (stages 5/5b record it in quant_<variant>.json).
+    for rec in rows:
+        q = folder / f"quant_{_variant(rec)}.json"
+        if str(rec.get("precision", "")).startswith("INT") and q.exists():
+            try:
+                qrec = json.loads(q.read_text())
+            except (OSError, json.JSONDecodeError):
+                continue
+            rec["_quant_check"] = (qrec.get("check") or {}).get("summary")
+            rec["_int8_macs"] = (qrec.get("macs") or {}).get("int8_fraction")
+    rows.sort(key=row_sort_key)
+    return rows
+
+
+# Rows every classifier run should have, with the command that makes each.
+EXPECTED = [("PyTorch", "FP32", "pytorch_fp32_cpu", "1_pytorch_baseline.py"),
+            ("ORT", "FP32", "ort_fp32", "2_export_onnx.py, then 3_onnx_eval.py --tag ort_fp32"),
+            ("ORT", "FP16", "ort_fp16", "2_export_onnx.py, then 3_onnx_eval.py --tag ort_fp16")]
+
+
+def missing_rows(rows: list[dict], model: str) -> list[dict]:
+    """Placeholder rows (status "not run") for the expected rows that have no results JSON."""
+    have = {r["tag"] for r in rows}
+    return [result_record("8_report", b, p, model, tag, status="not run",
+                          reason=f"no results/{model_tag(model)}/{tag}.json: "
+                          f"run {cmd}")
+            for b, p, tag, cmd in EXPECTED if tag not in have]
+
+
+def _fmt(v, nd=2):
+    return "" if v is None else (f"{v:.{nd}f}" if isinstance(v, float) else str(v))
+
+
+def speedup_references(rows: list[dict]) -> dict[str, float]:
+    """Per device ("cpu", "cuda"), the p50 ms (batch 1, end to end) that speedups divide: the
+    PyTorch FP32 row of that device, ``pytorch_fp32_<device>`` when present (never a variant
+    such as ``pytorch_fp16_cuda`` or ``pytorch_fp32_cuda_notf32``, whose p50 would rescale
+    every speedup of the device), else the first ok PyTorch FP32 row of the device."""
+    ref: dict[str, float] = {}
+    for r in rows:
+        p50 = primary_latency(r).get("p50_ms")
+        if not (r["backend"] == "PyTorch" and r["precision"] == "FP32" and r["status"] == "ok"
+                and p50):
+            continue
+        dev = r.get("device") or "cpu"
+        if r["tag"] == f"pytorch_fp32_{dev}" or dev not in ref:
+            ref[dev] = p50
+    return ref
+
+
+def table_rows(rows: list[dict]) -> list[dict]:
+    """One dict per report row with the :data:`COLUMNS` keys (strings, ready to print)."""
+    base = next((r for r in rows if r["backend"] == "PyTorch" and r["status"] == "ok"
+                 and (r.get("accuracy") or {}).get("top1") is not None), None)
+    base_top1 = base["accuracy"]["top1"] if base else None
+    pt_ms = speedup_references(rows)
+    out = []
+    for r in rows:
+        acc = r.get("accuracy") or {}
+        lat = primary_latency(r)
+        gpu = (r.get("latency") or {}).get("gpu_compute_ms") or {}
+        par = r.get("parity") or {}
+        dev = r.get("device") or "cpu"
+        ep = (r.get("ep_used") or dev).replace("ExecutionProvider", " EP")
+        if r.get("cpu_fallback"):
+            ep += " (fallback)"
+        status = r["status"]
+        if _is_rerun(r):
+            status = f"latest rerun {status} ({r['_file']}; the ok row above is kept)"
+        if r.get("reason"):
+            status += f": {r['reason'].splitlines()[0][:320]}"
+        if r.get("nonfinite_outputs"):
+            status += "; NON-FINITE OUTPUTS: " + ", ".join(
+                f"{n} NaN/Inf values in {k}" for k, n in r["nonfinite_outputs"].items()) + (
+                " where the reference is finite (no result: see qdq_tools.py check / "
+                "layerwise.py diff for the node)")
+        if r.get("fp16_computed_in"):
+            status += f"; FP16 graph computed in {r['fp16_computed_in'].split(' (')[0]} here"
+        diags = r.get("diagnostics") or {}
+        bi = diags.get("batch_invariance") or {}
+        if bi.get("ok") is False:
+            agree = bi.get("top1_agreement")
+            status += (f"; BATCH-DEPENDENT OUTPUT: batch 1 vs batch {bi.get('batch')} differ by "
+                       f"{bi.get('rel_max_diff', 0):.2g} of max |output|"
+                       + (f", top-1 agreement {100 * agree:.1f}%" if agree is not None else ""))
+        for name, d in diags.items():
+            if isinstance(d, dict) and d.get("status") == "error":
+                status += f"; diagnostic {name} failed: {str(d.get('error'))[:120]}"
+        cc = diags.get("backend_cross_check") or {}
+        if cc.get("disagreement"):
+            if cc.get("top1_unoptimized") is not None:
+                status += (f"; BACKEND DISAGREEMENT: top-1 {cc['top1_unoptimized']:.1f}% with "
+                           f"ORT optimisations disabled ({cc['n']} images)")
+            else:  # a model without labels: the cross-check says what differs
+                status += f"; BACKEND DISAGREEMENT: {cc.get('reason')}"
+            status += f"; cause: {cc['cause']}" if cc.get("cause") else ""
+        if r.get("_quant_check") and r["_quant_check"] != "check: clean":
+            status += f"; Q/DQ {r['_quant_check']} (qdq_tools.py check)"
+        if lat.get("mean_ms") and lat.get("p50_ms") and lat["mean_ms"] > 1.5 * lat["p50_ms"]:
+            status += (f"; noisy timing: mean {lat['mean_ms']:.1f} ms vs p50 "
+                       f"{lat['p50_ms']:.1f} ms (busy machine?)")
+        top1 = acc.get("top1")
+        speed = (pt_ms[dev] / lat["p50_ms"]) if lat.get("p50_ms") and dev in pt_ms else None
+        out.append({
+            "backend": r["backend"], "precision": r["precision"], "tag": r["tag"],
+            "EP/device": ep, "images": _fmt(r.get("n_images")), "top-1 %": _fmt(top1),
+            "top-5 %": _fmt(acc.get("top5")),
+            "delta top-1": _fmt(top1 - base_top1) if top1 is not None and base_top1 is not None
+            else "",
+            "INT8 MACs %": _fmt(100 * r["_int8_macs"], 1) if isinstance(
+                r.get("_int8_macs"), (int, float)) else "",
+            "p50 ms": _fmt(lat.get("p50_ms"), 3), "GPU compute p50 ms": _fmt(gpu.get("p50_ms"), 3),
+            "FPS": _fmt(lat.get("fps"), 1),
+            "speedup": f"{speed:.2f}x" if speed else ("n/a" if lat else ""),
+            "size MB": _fmt(r.get("size_mb")),
+            "cosine sim": _fmt(par.get("cosine_mean"), 5) if par else
+            ("reference" if r.get("reference") else ""),
+            "top-1 agree %": _fmt(par.get("top1_agreement"), 1), "status": status})
+    return out
+
+
+def split_builds(rows: list[dict]) -> tuple[list[dict], list[dict]]:
+    """``(run rows for the table, stage-6 engine-build rows listed separately)``."""
+    return ([r for r in rows if r.get("stage") != "6_build_engines"],
+            [r for r in rows if r.get("stage") == "6_build_engines"])
+
+
+GPU_COLUMNS = ["tag", "GPU", "eager / end-to-end", "GPU compute", "CUDA graph",
+               "device buffers", "torch.compile", "batch", "throughput img/s", "TF32"]
+
+
+def gpu_table(rows: list[dict]) -> str:
+    """Markdown table of the GPU rows' latency figures (empty string when there is none)."""
+    out = []
+    for r in rows:
+        if r.get("device") != "cuda" or r["status"] != "ok" or not r.get("latency"):
+            continue
+        lat, big = r["latency"], r.get("latency_batch") or {}
+        p50 = {k: _fmt((lat.get(f"{k}_ms") or {}).get("p50_ms"), 3)
+               for k in ("end_to_end", "gpu_compute", "cuda_graph", "device_buffers", "compile")}
+        for k in ("cuda_graph", "device_buffers"):
+            if lat.get(f"{k}_error"):
+                p50[k] = "n/a: " + lat[f"{k}_error"][:90].replace("|", "/")
+        tf32 = (r.get("runtime") or {}).get("tf32")
+        out.append([r["tag"], r.get("device_name") or "", p50["end_to_end"], p50["gpu_compute"],
+                    p50["cuda_graph"], p50["device_buffers"], p50["compile"],
+                    _fmt(big.get("batch")),
+                    _fmt((big.get("end_to_end_ms") or {}).get("fps"), 0),
+                    "" if tf32 is None else ("on" if any(tf32.values()) else "off")])
+    if not out:
+        return ""
+    return ("| " + " | ".join(GPU_COLUMNS) + " |\n|" + "---|" * len(GPU_COLUMNS) + "\n"
+            + "".join("| " + " | ".join(row) + " |\n" for row in out))
+
+
+def render_plots(rows: list[dict], folder: Path) -> dict[str, str]:
+    """PNGs beside the report: top-1 against batch-1 p50 latency (one labelled marker per
+    row, CPU and GPU rows in separate panels) and model size per row by precision.
+
+    Returns:
+        ``{file name: alt text}`` of the plots written (none without an ok row with numbers).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = [r for r in rows if r["status"] == "ok" and (r.get("accuracy") or {}).get("top1")
+           is not None and primary_latency(r).get("p50_ms")]
+    out: dict[str, str] = {}
+    colors = {"FP32": "tab:blue", "FP16": "tab:green", "INT8": "tab:red", "INT4": "tab:purple"}
+    if pts:
+        devs = [d for d in ("cpu", "cuda") if any((r.get("device") or "cpu") == d for r in pts)]
+        fig, axes = plt.subplots(1, len(devs), figsize=(6.5 * len(devs), 4.8), squeeze=False)
+        for ax, dev in zip(axes[0], devs):
+            for r in (r for r in pts if (r.get("device") or "cpu") == dev):
+                x, y = primary_latency(r)["p50_ms"], r["accuracy"]["top1"]
+                ax.scatter([x], [y], color=colors.get(r["precision"][:4], "0.4"),
+                           marker="o" if r["backend"] != "PyTorch" else "s", s=36)
+                ax.annotate(r["tag"], (x, y), fontsize=7, xytext=(4, 3),
+                            textcoords="offset points")
+            ax.set_xscale("log")
+            ax.set_xlabel("batch-1 end-to-end p50 latency (ms, log)")
+            ax.set_ylabel("top-1 (%)")
+            ax.set_title(f"{dev.upper()} rows", fontsize=10)
+            ax.grid(alpha=0.3, which="both")
+        handles = [plt.Line2D([], [], marker="o", ls="", color=c, label=p)
+                   for p, c in colors.items()]
+        axes[0][0].legend(handles=handles, fontsize=8, loc="lower left")
+        fig.tight_layout()
+        with atomic_path(folder / "accuracy_latency.png") as tmp:
+            fig.savefig(tmp, dpi=110, format="png")
+        plt.close(fig)
+        out["accuracy_latency.png"] = "top-1 against batch-1 latency"
+    sized = [r for r in rows if r["status"] == "ok" and r.get("size_mb")
+             and r["backend"] != "PyTorch"]
+    if sized:
+        fig, ax = plt.subplots(figsize=(8, 0.3 * len(sized) + 1.2))
+        ax.barh([r["tag"] for r in sized], [r["size_mb"] for r in sized],
+                color=[colors.get(r["precision"][:4], "0.4") for r in sized])
+        ax.invert_yaxis()
+        ax.set_xlabel("size (MB)")
+        ax.set_title("model / engine size by row (colour = precision)", fontsize=10)
+        ax.grid(alpha=0.3, axis="x")
+        fig.tight_layout()
+        with atomic_path(folder / "size.png") as tmp:
+            fig.savefig(tmp, dpi=110, format="png")
+        plt.close(fig)
+        out["size.png"] = "model size by precision"
+    return out
+
+
+def render_markdown(model: str, rows: list[dict], data: dict | None,
+                    trs: list[dict] | None = None, plots: dict[str, str] | None = None) -> str:
+    """The report as markdown: a header naming model, data and machine, the table, the GPU
+    details, the plots (``{file: alt}`` relative to the report) and the engine builds
+    (``trs``: the :func:`table_rows` of the run rows, when the caller already has them)."""
+    runs, builds = split_builds(rows)
+    trs = table_rows(runs) if trs is None else trs
+    buf = io.StringIO()
+    buf.write(f"# Deployment report: {model}\n\n")
+    if data:
+        buf.write(f"Data: {data.get('n_eval')} eval images ({data.get('layout')}, "
+                  f"{data.get('data_root')}); {data.get('n_calib')} disjoint calibration images; "
+                  f"preprocessing {data.get('preprocessing')}.")
+        if data.get("n_tune"):
+            buf.write(f" {data['n_tune']} more images (disjoint from both) form the tuning split "
+                      "of the mixed-precision search (int8_auto); the evaluation split is smaller "
+                      "by as many.")
+        fewer = sorted({r["n_images"] for r in rows if r.get("n_images")
+                        and r["n_images"] != data.get("n_eval")})
+        if fewer:
+            buf.write(f" Some rows ran on fewer images ({', '.join(map(str, fewer))}: "
+                      "--limit): compare rows with the same image count only.")
+        buf.write("\n\n")
+    machines: dict[str, list[str]] = {}
+    for r in rows:
+        prov = r.get("provenance")
+        if not prov:
+            continue
+        d, v = prov["device"], prov["versions"]
+        gpu = f"{d.get('gpu')} (driver {d.get('driver')})" if d.get("gpu") else "none"
+        line = (f"{d.get('cpu')} ({d.get('cpu_count')} cores), GPU: {gpu}; torch "
+                f"{v.get('torch')}, onnxruntime {v.get('onnxruntime-gpu') or v.get('onnxruntime')}"
+                f"{' (GPU build)' if v.get('onnxruntime-gpu') else ''}, modelopt "
+                f"{v.get('nvidia-modelopt')}, TensorRT {v.get('tensorrt') or 'not installed'}")
+        machines.setdefault(line, []).append(r.get("_source") or "")
+    for line, srcs in machines.items():
+        src = next((s for s in srcs if s), None)
+        buf.write(f"Machine{' of the rows from ' + src if src else ''}: {line}.\n\n")
+    buf.write("Latency: batch 1, median (p50) of the timed runs after warm-up, end to end (host "
+              "arrays in and out); GPU rows also give the GPU Compute Time (CUDA events); p90/p99 "
+              "and the timer of each row are in its JSON. Speedup = PyTorch FP32 p50 / this "
+              "row's p50, on the same device. Parity vs PyTorch FP32 logits.\n\n")
+    buf.write("| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS) + "\n")
+    for t in trs:
+        buf.write("| " + " | ".join(t[c].replace("|", "/") for c in COLUMNS) + " |\n")
+    gpu = gpu_table(runs)
+    if gpu:
+        buf.write("\nGPU rows in detail (batch 1 p50 ms unless named; CUDA graph = replay of a "
+                  "captured graph, no launch overhead; device buffers = ORT I/O binding, no host "
+                  "copies; throughput at the row's --latency-batch):\n\n" + gpu)
+    if plots:
+        buf.write("\n" + "".join(f"![{alt}]({name})\n" for name, alt in plots.items()))
+    if any(_variant(r) == "int8_auto" for r in runs):
+        buf.write("\nint8_auto: which nodes stay in float, each node's sensitivity and MACs, and "
+                  "the budget on the tuning and evaluation splits: "
+                  "[auto_precision.md](auto_precision.md).\n")
+    if builds:
+        buf.write("\nTensorRT engine builds (stage 6):\n\n| variant | status | detail |\n"
+                  "|---|---|---|\n")
+        for b in builds:
+            detail = (b.get("reason") or b.get("plan") or "").splitlines()
+            st = b["status"] + (f" (latest rerun, {b['_file']}; the ok row above is kept)"
+                                if _is_rerun(b) else "")
+            buf.write(f"| {b['tag'].removeprefix('trt_build_')} | {st} | "
+                      f"{(detail[0] if detail else '')[:200].replace('|', '/')} |\n")
+    return buf.getvalue()
+
+
+def gpu_rows(model: str, folder: Path) -> list[dict]:
+    """The GPU rows (``device == "cuda"``) of ``results/gpu/<model>/`` (made on a GPU machine by
+    ``benchmarks/gpu_rows.sh``), shown beside this machine's rows; each gets ``_source``."""
+    gpu = results_dir() / "gpu" / model_tag(model)
+    if not gpu.is_dir() or gpu.resolve() == folder.resolve():
+        return []
+    rel = f"results/gpu/{model_tag(model)}"
+    return [dict(r, _source=rel) for r in load_rows(gpu) if r.get("device") == "cuda"]
+
+
+def summary(model: str, runs: list[dict], path: Path) -> str:
+    """One console line: rows ok/failed/skipped, the best quantized recipe by top-1 agreement
+    with FP32 and its speedup, and where the report is."""
+    st = {k: sum(r["status"] == k for r in runs)
+          for k in ("ok", "failed", "skipped", "not run", "invalid")}
+    # A rerun's failure kept beside a good row has the same tag: look the good row up.
+    trs = {t["tag"]: t for r, t in zip(runs, table_rows(runs)) if not _is_rerun(r)}
+    q = [r for r in runs if r["status"] == "ok" and r["precision"][:3] == "INT"
+         and not r.get("nonfinite_outputs")
+         and (r.get("parity") or {}).get("top1_agreement") is not None
+         and (r.get("accuracy") or {}).get("top1") is not None]  # custom models: no top-1
+    best = max(q, key=lambda r: r["parity"]["top1_agreement"], default=None)
+    bits = [f"report {model}: {st['ok']} ok, {st['failed']} failed, {st['skipped']} skipped"
+            + (f", {st['not run']} not run" if st["not run"] else "")
+            + (f", {st['invalid']} invalid" if st["invalid"] else "")]
+    if best:
+        bits.append(f"best quantized row {best['tag']} (top-1 {best['accuracy']['top1']:.2f}%, "
+                    f"agreement {best['parity']['top1_agreement']:.1f}%, speedup "
+                    f"{trs[best['tag']]['speedup'] or 'n/a'})")
+    failed = [r["tag"] + (" (a rerun; its ok row is kept)" if _is_rerun(r) else "")
+              for r in runs if r["status"] == "failed"]
+    if failed:
+        bits.append("failed: " + ", ".join(failed))
+    invalid = [r["_file"] for r in runs if r["status"] == "invalid"]
+    if invalid:
+        bits.append("invalid (see the warnings): " + ", ".join(invalid))
+    return "; ".join(bits) + f" -> {path}"
