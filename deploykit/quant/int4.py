@@ -1,12 +1,21 @@
-"""Blocked (INT4) DequantizeLinear: axis / scale-shape consistency, the axis repair for ModelOpt
-0.47.0's Gemm weights, and blocked dequantization.
+"""INT4 weight-only quantization (stage 5b): blocked DequantizeLinear axis / scale-shape
+consistency and the axis repair for ModelOpt 0.47.0's Gemm weights, blocked dequantization, the
+block size choice, the [K, N] weight layout ModelOpt expects, its INT4 call and the verification
+of every block against the float weight.
 """
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
 import numpy as np
 
-from deploykit.errors import StageError
-from deploykit.onnx.graph import attr, constants
+from deploykit.errors import StageError, UsageError
+from deploykit.layout import model_results
+from deploykit.onnx.graph import attr, constants, consumers
+from deploykit.quant.health import check_against_float, check_weights
+from deploykit.quant.modelopt import log_warnings
+from deploykit.quant.qdq import reduction_axis, weight_consumers
 
 
 # --------------------------------------------------------------------------------------------
@@ -94,3 +103,208 @@ def dequantize_blocked(q: np.ndarray, scale: np.ndarray, axis: int, block: int,
         zp = np.take(np.repeat(zero_point.astype(np.float64), block, axis=axis),
                      np.arange(q.shape[axis]), axis=axis)
     return (q.astype(np.float64) - zp) * s
+
+
+DEFAULT_CANDIDATES = (128, 64, 32, 16)
+
+
+def quantized_k_dims(model) -> list[dict]:
+    """The Gemm/MatMul nodes ModelOpt's INT4 path quantizes (constant 2-D weight) with their
+    reduction dimension K.
+
+    Returns:
+        ``[{"node", "op", "weight", "shape", "k"}]``; for Gemm ``K = shape[1]`` if ``transB``
+        else ``shape[0]``; for MatMul ``K = shape[-2]``.
+    """
+    consts = constants(model)
+    out = []
+    for n in model.graph.node:
+        if n.op_type not in ("Gemm", "MatMul") or len(n.input) < 2 or n.input[1] not in consts:
+            continue
+        shape = consts[n.input[1]].shape
+        if len(shape) < 2:
+            continue
+        if n.op_type == "Gemm":
+            k = shape[1] if int(attr(n, "transB", 0)) else shape[0]
+        else:
+            k = shape[-2]
+        out.append({"node": n.name, "op": n.op_type, "weight": n.input[1],
+                    "shape": list(shape), "k": int(k)})
+    return out
+
+
+def choose_block_size(ks: list[int], override: int | None = None,
+                      candidates=DEFAULT_CANDIDATES) -> int:
+    """Block size for INT4: ``override`` if given (checked), else the first of ``candidates``
+    that divides every K.
+
+    Raises:
+        UsageError: ``override`` is not positive or does not divide every K.
+        StageError: no K at all, or no candidate divides every K (message lists the K values).
+    """
+    if not ks:
+        raise StageError("no Gemm/MatMul with a constant weight: nothing to quantize "
+                         "to INT4 (ModelOpt's ONNX INT4 path is Gemm/MatMul only)")
+    if override is not None:
+        if override <= 0:
+            raise UsageError(f"--block-size {override}: must be > 0")
+        bad = sorted({k for k in ks if k % override})
+        if bad:
+            raise UsageError(f"--block-size {override} does not divide K = {bad}")
+        return override
+    for b in candidates:
+        if b > 0 and all(k % b == 0 for k in ks):
+            return int(b)
+    raise StageError(f"no block size in {list(candidates)} divides every K "
+                     f"({sorted(set(ks))}): pass --block-size or --block-candidates")
+
+
+def layout_for_int4(model) -> tuple[object, list[dict]]:
+    """Copy of ``model`` whose Gemm weights are ``[K, N]``: every Gemm with ``transB=1`` and a
+    constant 2-D weight gets the transposed weight (new initializer ``<name>_KN``) and
+    ``transB=0`` (the same function). ModelOpt's INT4 path blocks along axis 0, which is then K
+    for every Gemm and MatMul weight.
+
+    Returns:
+        ``(new model, [{"node", "weight", "new_weight", "shape"}])``.
+    """
+    import copy
+
+    from onnx import helper, numpy_helper
+
+    model = copy.deepcopy(model)
+    consts = constants(model)
+    inits = {i.name for i in model.graph.initializer}
+    changed = []
+    for n in model.graph.node:
+        if (n.op_type != "Gemm" or len(n.input) < 2 or n.input[1] not in inits
+                or not int(attr(n, "transB", 0))):
+            continue
+        w = consts[n.input[1]]
+        if w.ndim != 2:
+            continue
+        new = f"{n.input[1]}_KN"
+        if new not in inits:
+            model.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(w.T), new))
+            inits.add(new)
+        changed.append({"node": n.name, "weight": n.input[1], "new_weight": new,
+                        "shape": list(w.T.shape)})
+        n.input[1] = new
+        keep = [a for a in n.attribute if a.name != "transB"]
+        del n.attribute[:]
+        n.attribute.extend(keep + [helper.make_attribute("transB", 0)])
+    used = {i for n in model.graph.node for i in n.input}
+    keep = [i for i in model.graph.initializer if i.name in used]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(keep)
+    return model, changed
+
+
+VERIFY_KINDS = ("block_axis", "block_scale_shape", "block_opset", "weight_error", "dead_channels")
+
+
+def verify_blocks(q_model, float_model) -> tuple[list[dict], list[dict]]:
+    """Every quantized weight checked: blocked DequantizeLinear axis = reduction axis of its
+    consumer, scale shape fits, opset defines ``block_size``, dequantized weight within the
+    bit width's tolerance of the float weight per output channel (:mod:`deploykit.quant.health`).
+
+    Returns:
+        ``(problems [finding dicts of the kinds in VERIFY_KINDS], per-weight rows)``.
+    """
+
+    consts = constants(q_model)
+    problems = [f.as_dict() for f in check_weights(q_model, consts)
+                if f.kind in VERIFY_KINDS]
+    found, rows = check_against_float(q_model, float_model, consts)
+    problems += [f.as_dict() for f in found]
+    return problems, rows
+
+
+def repair_axes(model) -> list[dict]:
+    """Set ``axis`` of blocked DequantizeLinear nodes to the reduction axis of their consumer
+    where the scale is laid out along that axis and ``axis`` says otherwise (ModelOpt's
+    awq_clip on ``[N, K]`` Gemm weights). Other inconsistencies are left for
+    :func:`verify_blocks` to refuse.
+
+    Returns:
+        the :func:`qdq_tools.check_blocked_dq` records of the repaired nodes (``new_axis``).
+    """
+    from onnx import helper
+
+    cons = consumers(model)
+    fixed = []
+    nodes = {n.name: n for n in model.graph.node}
+    for r in check_blocked_dq(model):
+        if r["status"] != "mismatch":
+            continue
+        dq = nodes[r["name"]]
+        users = weight_consumers(dq.output[0], cons)
+        if not users:
+            continue
+        node, pos = users[0]
+        red = reduction_axis(node, len(r["x_shape"]), pos)
+        if red is None or red not in r["valid_axes"]:
+            continue
+        keep = [a for a in dq.attribute if a.name != "axis"]
+        del dq.attribute[:]
+        dq.attribute.extend(keep + [helper.make_attribute("axis", red)])
+        fixed.append(dict(r, new_axis=red))
+    return fixed
+
+
+def run_modelopt(src: Path, dst: Path, log: Path, calib: Path | None, method: str, block: int,
+                 eps: str, calibration_shapes: str | None = None) -> list[str]:
+    """``modelopt.onnx.quantization.quantize`` (INT4) with its log captured in ``log``.
+
+    Returns:
+        the ModelOpt warnings worth keeping.
+    Raises:
+        StageError: ModelOpt raised (message carries the log tail).
+    """
+    import shutil
+    import tempfile
+
+    from modelopt.onnx.quantization import quantize
+
+    # ModelOpt 0.47.0 rewrites the file given as onnx_path: hand it a private copy.
+    work = Path(tempfile.mkdtemp(prefix="5b_int4_"))
+    if isinstance(src, Path):
+        src = Path(shutil.copy2(src, work / "fp32.onnx"))
+    else:  # a ModelProto (the [K, N] layout)
+        import onnx
+
+        onnx.save(src, str(work / "fp32.onnx"))
+        src = work / "fp32.onnx"
+    kwargs = {"onnx_path": str(src), "quantize_mode": "int4", "calibration_method": method,
+              "calibration_eps": [eps], "block_size": block, "output_path": str(dst),
+              "log_file": str(log), "log_level": "INFO"}
+    if calib is not None:
+        with np.load(calib) as z:
+            kwargs["calibration_data"] = {k: z[k] for k in z.files}
+        if calibration_shapes:
+            kwargs["calibration_shapes"] = calibration_shapes
+    try:
+        quantize(**kwargs)
+    except Exception as e:  # noqa: BLE001 - ModelOpt raises many types
+        tail = log.read_text(errors="replace").splitlines()[-15:] if log.exists() else []
+        raise StageError(f"ModelOpt INT4 failed: {type(e).__name__}: {e}\n"
+                         + "\n".join(tail)) from e
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        for h in list(logging.getLogger("modelopt").handlers):
+            if isinstance(h, logging.FileHandler) and Path(h.baseFilename) == log.resolve():
+                h.close()
+                logging.getLogger("modelopt").removeHandler(h)
+    return log_warnings(log) if log.exists() else []
+
+
+def stage4_seed(model: str, sha: str) -> int | None:
+    """Order seed stage 4 recorded for the npz with this sha256 (None if another npz)."""
+    import json
+
+    path = model_results(model) / "calib.json"
+    try:
+        rec = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return rec.get("order_seed") if rec.get("sha256") == sha else None
