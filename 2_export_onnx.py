@@ -36,46 +36,40 @@ until then.
 from __future__ import annotations
 
 import argparse
-import os
-import re
-import shlex
 import shutil
-import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
-
-import numpy as np
 from deploykit.compare import OUTPUT_MIN_COSINE
-from deploykit.checks.base import check_result, format_result, with_source, worst
+from deploykit.checks.base import format_result, worst
 from deploykit.checks.export import (
-    capture_warnings,
     check_batch_parity,
     check_export,
     keep_list,
     ort_runner,
-    other_paths,
 )
 from deploykit.checks.fp16 import convert_fp16, fp16_checks
-from deploykit.checks.lint import DEFAULT_EXAMPLE_BATCH
-from deploykit.cli import add_shared_args, cli, require, stage_parser
-from deploykit.data.images import normalize
-from deploykit.data.splits import load_split
-from deploykit.errors import StageError, UsageError
+from deploykit.cli import add_shared_args, cli, stage_parser
+from deploykit.errors import StageError
 from deploykit.evaluate import require_batch_axis
 from deploykit.install import install, install_rejected, rejected_path
 from deploykit.io import check_writable, file_size_mb, sha256_file, write_json
-from deploykit.layerwise.torch_vs_onnx import torch_vs_onnx
 from deploykit.layout import model_artifacts, model_results
-from deploykit.models import build_model, example_inputs, parse_input_shapes
-from deploykit.onnx.graph import load_onnx
+from deploykit.models import build_model, parse_input_shapes
 from deploykit.results import provenance
 from deploykit.runners import TorchRunner
 from deploykit.tools.export_checks import split_names
-
-
-EXAMPLE_BATCH = DEFAULT_EXAMPLE_BATCH
+from deploykit.export import (
+    EXAMPLE_BATCH,
+    check_export_args,
+    first_divergent_module,
+    fp16_fix_command,
+    export_inputs,
+    export_parity,
+    repeat_rows,
+    print_export_summary,
+    export_fp32,
+)
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -108,170 +102,17 @@ def get_args_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _check_args(args: argparse.Namespace) -> None:
-    """Range checks of the numeric flags (UsageError names the flag)."""
-    import onnx
-
-    if args.check_images < 2:
-        raise UsageError(f"--check-images must be >= 2 (batch-N check), got "
-                         f"{args.check_images}")
-    for flag in ("min_cosine_fp32", "min_cosine_fp16"):
-        v = getattr(args, flag)
-        if not 0.0 < v <= 1.0:  # NaN fails too
-            raise UsageError(f"--{flag.replace('_', '-')} {v}: a cosine similarity lies "
-                             "in [-1, 1] and a threshold that can fail a file in (0, 1] "
-                             "(e.g. 0.999); nothing was exported")
-    top = onnx.defs.onnx_opset_version()
-    low = 18 if args.exporter == "dynamo" else 7
-    if args.opset is not None and not low <= args.opset <= top:
-        raise UsageError(f"--opset {args.opset}: the {args.exporter} exporter writes "
-                         f"opsets {low}..{top} here")
-    if args.true_fp16_budget_s < 0:
-        raise UsageError("--true-fp16-budget-s must be >= 0")
-    if args.no_fp16 and args.fp16_keep_fp32:
-        raise UsageError("--fp16-keep-fp32 with --no-fp16: there is no FP16 file")
-
-
-def _exporter_error(e: Exception, exporter: str, opset: int) -> StageError:
-    """A short message for an exporter failure: its first line and the user's source lines."""
-    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))  # drop terminal colour codes
-    user = [ln.strip() for ln in text.splitlines() if ln.strip().startswith("File \"")
-            and f"{os.sep}torch{os.sep}" not in ln]
-    first = next((ln for ln in text.splitlines() if ln.strip()), type(e).__name__)[:300]
-    where = f" (at {user[0]})" if user else ""
-    hint = (" The model reads a tensor's value into Python (int()/.item()/bool()/a branch): "
-            "keep it a tensor (masks, torch.gather/torch.where), or try --exporter legacy, "
-            "whose TracerWarning stage 2 then names." if "data-dependent" in text.lower()
-            or "GuardOnDataDependent" in text else "")
-    return StageError(f"torch.onnx.export ({exporter}, opset {opset}) failed: "
-                      f"{type(e).__name__}: {first}{where}.{hint}")
-
-
-def export_fp32(model, example: dict[str, np.ndarray], path: Path, exporter: str, opset: int,
-                output_names: list[str]) -> tuple[list[dict], dict[str, list[int]]]:
-    """Export ``model`` with a dynamic batch axis on every input (and, legacy exporter, output).
-
-    Args:
-        example: ``{input name: array}`` with the batch axis first (batch >= 2, see
-            :data:`EXAMPLE_BATCH`).
-    Returns:
-        ``(exporter warnings, declared dynamic axes {name: [axes]})``; the warnings are captured
-        (never silenced) for :func:`export_checks.check_exporter_warnings`.
-    Raises:
-        StageError: the exporter fails (message: its first line and the user's source line).
-    """
-    import onnx
-    import torch
-
-    args = tuple(torch.from_numpy(v) for v in example.values())
-    names = list(example)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            if exporter == "dynamo":
-                batch = torch.export.Dim("batch", min=1, max=4096)
-                prog = torch.onnx.export(
-                    model, args, input_names=names, output_names=output_names,
-                    opset_version=opset, dynamo=True, external_data=False,
-                    dynamic_shapes=tuple({0: batch} for _ in args), verbose=False)
-                prog.save(str(path), external_data=False)
-                declared = {n: [0] for n in names}
-            else:
-                declared = {n: [0] for n in names + list(output_names)}
-                torch.onnx.export(model, args, str(path), input_names=names,
-                                  output_names=output_names, opset_version=opset,
-                                  dynamo=False, dynamic_axes={n: {0: "batch"} for n in declared},
-                                  do_constant_folding=True)
-        except Exception as e:  # noqa: BLE001 - exporter errors have many types
-            raise _exporter_error(e, exporter, opset) from e
-    onnx.checker.check_model(str(path))
-    return [w for w in capture_warnings(caught)
-            if not _OWN_CALL_NOTICE.search(w["message"])], declared
-
-
-# The dynamo exporter's notice that inputs sharing our one Dim("batch") share its name: caused by
-# this stage's own dynamic_shapes, not by the model (torch 2.14, torch/onnx/_internal/exporter).
-_OWN_CALL_NOTICE = re.compile(r"axis name: \w+ will not be used, since it shares the same shape "
-                              r"constraints")
-
-
-def _rows(feed: dict[str, np.ndarray], n: int) -> dict[str, np.ndarray]:
-    """The first ``n`` samples of ``feed`` (samples repeated cyclically when it has fewer)."""
-    return {k: v[np.arange(n) % len(v)] for k, v in feed.items()}
-
-
-def _inputs(args, spec, shapes) -> tuple[dict[str, np.ndarray], dict | None, bool]:
-    """``(feed, second feed or None, real)`` for the checks."""
-    if args.inputs is not None:
-        path = require(args.inputs, "np.savez of your samples")
-        with np.load(path) as z:
-            feed = {k: z[k] for k in z.files}
-        if shapes:
-            names = [n for n, _, _ in shapes]
-            missing = [n for n in names if n not in feed]
-            if missing:
-                raise UsageError(f"--inputs {args.inputs}: keys {sorted(feed)} lack "
-                                 f"{missing} (names of --input-shape)")
-            feed = {n: feed[n] for n in names}
-        if not feed or len({len(v) for v in feed.values()}) != 1:
-            raise UsageError(f"--inputs {args.inputs}: every array needs the same number "
-                             "of samples on axis 0")
-        return {k: v[:args.check_images] for k, v in feed.items()}, None, True
-    if spec.classifier:
-        x, _, _ = load_split("eval", spec, args.check_images)
-        if len(x) < 2:
-            raise UsageError("--check-images must be >= 2 (batch-N check)")
-        return {"input": normalize(x, spec.mean, spec.std)}, None, True
-    if not shapes:
-        raise UsageError(f"--model {args.model}: give --input-shape for a custom model "
-                         "(and --inputs with real samples for the FP16 audit)")
-    n = max(EXAMPLE_BATCH, min(args.check_images, 8))
-    feed = example_inputs(spec, shapes, batch=n, seed=0)
-    return feed, other_paths(feed, seed=1), False
-
-
-def _fix_command(keep: list[str]) -> str:
-    """This stage's command line with ``--fp16-keep-fp32`` set to ``keep``."""
-    argv, skip = [], False
-    for a in sys.argv[1:]:
-        if skip:
-            skip = False
-            continue
-        if a == "--fp16-keep-fp32":
-            skip = True
-            continue
-        if a.startswith("--fp16-keep-fp32="):
-            continue
-        argv.append(a)
-    return shlex.join(["python", Path(sys.argv[0]).name, *argv, "--fp16-keep-fp32",
-                       ",".join(keep)])
-
-
-def _summary(name: str, path: Path, par: dict | None, results: list[dict]) -> None:
-    line = f"ONNX {name}: {path.name}"
-    if any(r.get("computed_in") for r in results):
-        line += " (ORT CPU EP computes it in FP32; FP16 judged by the range audit and onnx.reference)"
-    if par:
-        line += f", cosine min {par['cosine_min']:.6f}" + (
-            f", top-1 agreement {par['top1_agreement']:.1f}%" if "top1_agreement" in par else "")
-    line += f" -> {worst(results)}"
-    print(line)
-    for r in results:  # failures are listed in the stage's error message
-        if r["status"] == "warn":
-            print("  " + format_result(r).replace("\n", "\n  "))
-
-
 def main(args: argparse.Namespace) -> dict:
     import onnx
 
     started = time.time()
-    _check_args(args)  # before anything is exported: an impossible threshold fails every file
+    check_export_args(args)  # before anything is exported: an impossible threshold fails every file
     check_writable(model_artifacts(args.model), model_results(args.model))
     keep = split_names(args.fp16_keep_fp32)
     model, spec = build_model(args.model, args.weights, pretrained=not args.random_init)
     opset = args.opset or (18 if args.exporter == "dynamo" else 17)
     shapes = parse_input_shapes(args.input_shape)
-    feed, second, real = _inputs(args, spec, shapes)
+    feed, second, real = export_inputs(args, spec, shapes)
     output_names = ["logits"] if spec.classifier else None
     with TorchRunner(model, "cpu") as tr:
         ref = tr.infer(feed)
@@ -292,7 +133,7 @@ def main(args: argparse.Namespace) -> dict:
     cand_dir = Path(tempfile.mkdtemp(dir=onnx_dir, prefix=".stage2-"))
     try:
         cand = {k: cand_dir / p.name for k, p in final.items()}
-        ex_warn, declared = export_fp32(model, _rows(feed, EXAMPLE_BATCH), cand["fp32"],
+        ex_warn, declared = export_fp32(model, repeat_rows(feed, EXAMPLE_BATCH), cand["fp32"],
                                         args.exporter, opset, output_names)
         record["exporter_warnings"] = ex_warn
         cache = {("b", n): ref}
@@ -301,11 +142,11 @@ def main(args: argparse.Namespace) -> dict:
             example_batch=EXAMPLE_BATCH, exporter_warnings=ex_warn,
             allow_tracer=args.allow_tracer_warnings, second_feed=second,
             input_paths=not (real and spec.classifier), ref_cache=cache)}
-        par = {"fp32": _parity(res["fp32"])}
+        par = {"fp32": export_parity(res["fp32"])}
         if worst(res["fp32"]) == "fail" and any(
                 r["check"] == "batch_parity" and r["status"] == "fail" and r["node"] is None
                 for r in res["fp32"]):
-            res["fp32"] += _first_divergent_module(model, cand["fp32"], feed)
+            res["fp32"] += first_divergent_module(model, cand["fp32"], feed)
         m32 = onnx.load(str(cand["fp32"]))
         if not args.no_fp16 and worst(res["fp32"]) != "fail":
             m16, conv_warn = convert_fp16(m32, keep)
@@ -324,7 +165,7 @@ def main(args: argparse.Namespace) -> dict:
                                "Casts, blind to FP16 overflow): " + r["detail"])
                 r["computed_in"] = "FP32 (ORT CPU EP)"
             res["fp16"] = bp + r16
-            par["fp16"] = _parity(res["fp16"])
+            par["fp16"] = export_parity(res["fp16"])
         failed = [k for k, r in res.items() if worst(r) == "fail"]
         for name, rs in res.items():
             record["files"][name] = {"path": str(final[name]), "status": worst(rs),
@@ -333,7 +174,7 @@ def main(args: argparse.Namespace) -> dict:
                                      "sha256": sha256_file(cand[name]),
                                      "min_cosine_required": getattr(
                                          args, f"min_cosine_{name}")}
-            _summary(name, final[name], next(iter((par.get(name) or {None: None}).values())),
+            print_export_summary(name, final[name], next(iter((par.get(name) or {None: None}).values())),
                      rs)
         if failed:
             for name in failed:
@@ -345,7 +186,7 @@ def main(args: argparse.Namespace) -> dict:
             lines = [format_result(r) for k in failed for r in res[k]
                      if r["status"] == "fail" and not r.get("summary")]
             more = keep_list(res.get("fp16", []), keep) if "fp16" in failed else keep
-            fix = (f"\nfix (keep those nodes in FP32): {_fix_command(more)}" if more != keep
+            fix = (f"\nfix (keep those nodes in FP32): {fp16_fix_command(more)}" if more != keep
                    else "")
             kept = ", ".join(str(rejected_path(final[k])) for k in failed)
             prev = [str(p) for p in final.values() if p.exists()]
@@ -363,46 +204,6 @@ def main(args: argparse.Namespace) -> dict:
         return record
     finally:
         shutil.rmtree(cand_dir, ignore_errors=True)
-
-
-def _parity(results: list[dict]) -> dict | None:
-    """``{output: common.parity}`` at the largest batch, from the ``batch_parity`` row (None when
-    the file did not run)."""
-    row = next((r for r in results if r["check"] == "batch_parity" and "parity" in r), None)
-    return (row or {}).get("parity") or None
-
-
-def _first_divergent_module(model, onnx_path: Path, feed: dict) -> list[dict]:
-    """Name the first PyTorch module whose ONNX output differs (layerwise.torch_vs_onnx), for a
-    parity failure that no graph check explains. Best effort: errors give a ``skip`` row."""
-
-    try:
-        res = torch_vs_onnx(model, onnx_path, {k: v[:2] for k, v in feed.items()})
-    except Exception as e:  # noqa: BLE001 - diagnostics never hide the real failure
-        return [check_result("first_divergent_module", "skip",
-                             f"torch-vs-onnx could not run: {' '.join(str(e).split())[:160]}")]
-    fd = res.get("first_divergent")
-    if not fd:
-        return [check_result("first_divergent_module", "skip",
-                             "every mapped module matches its ONNX tensor: the difference is in "
-                             "unmapped nodes")]
-    head = (f"module {fd['module']} ({fd['type']}) is the first whose ONNX output differs "
-            f"(cosine min {fd.get('cosine_min', float('nan')):.4f})")
-    if fd.get("inputs_agree") is False and fd.get("input_node"):
-        src = next((n for n in load_onnx(onnx_path).graph.node
-                    if n.name == fd["input_node"]), None)
-        where = with_source(src) if src is not None else fd["input_node"]
-        return [check_result(
-            "first_divergent_module", "fail",
-            f"{head}, but its input already differs (tensor {fd['input_tensor']} made by "
-            f"{where}, cosine min {fd.get('input_cosine_min', float('nan')):.4f}): the error is "
-            f"upstream of {fd['module']}, in code between modules (the parent's forward), at or "
-            f"before node {fd['input_node']}", node=fd["input_node"],
-            fix=f"look at the ops that compute {fd['module']}'s input (the source line above) "
-                "and how they are exported; python layerwise.py torch-vs-onnx shows all rows")]
-    return [check_result("first_divergent_module", "fail", head, node=fd["node"],
-                         fix="look at how this module is exported (op, attributes, indexing); "
-                         "python layerwise.py torch-vs-onnx shows all rows")]
 
 
 if __name__ == "__main__":
