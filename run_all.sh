@@ -83,8 +83,8 @@ RES_ROOT="${RESULTS:-results}"
 case "$ART_ROOT" in /*) ;; *) ART_ROOT="$PWD/$ART_ROOT" ;; esac
 case "$RES_ROOT" in /*) ;; *) RES_ROOT="$PWD/$RES_ROOT" ;; esac
 user_roots=""  # ARTIFACTS / RESULTS to repeat in a resume command (when not the defaults)
-[ "$ART_ROOT" = "$PWD/artifacts" ] || user_roots+=" ARTIFACTS=$ART_ROOT"
-[ "$RES_ROOT" = "$PWD/results" ] || user_roots+=" RESULTS=$RES_ROOT"
+[ "$ART_ROOT" = "$PWD/artifacts" ] || user_roots+=" ARTIFACTS=$(printf '%q' "$ART_ROOT")"
+[ "$RES_ROOT" = "$PWD/results" ] || user_roots+=" RESULTS=$(printf '%q' "$RES_ROOT")"
 if [ -n "$limit" ]; then
   ART_ROOT="$ART_ROOT/smoke"
   RES_ROOT="$RES_ROOT/smoke"
@@ -187,10 +187,12 @@ resume_cmd() {
   [ -z "$limit" ] || c+=" --limit $limit"
   [ "$all_variants" = 0 ] || c+=" --all-variants"
   [ -z "$tune_fraction" ] || c+=" --auto-precision=$tune_fraction"
-  local envs="MODEL=$MODEL$user_roots"
-  [ -z "${WEIGHTS:-}" ] || envs+=" WEIGHTS=$WEIGHTS"
-  [ -z "${VAL_ROOT:-}" ] || envs+=" VAL_ROOT=$VAL_ROOT"
-  [ -z "${INPUT_SHAPE:-}" ] || envs+=" INPUT_SHAPE=\"$INPUT_SHAPE\""
+  # every value shell-quoted: the line pastes back as the same arguments and runs nothing else
+  local envs
+  envs="MODEL=$(printf '%q' "$MODEL")$user_roots"
+  [ -z "${WEIGHTS:-}" ] || envs+=" WEIGHTS=$(printf '%q' "$WEIGHTS")"
+  [ -z "${VAL_ROOT:-}" ] || envs+=" VAL_ROOT=$(printf '%q' "$VAL_ROOT")"
+  [ -z "${INPUT_SHAPE:-}" ] || envs+=" INPUT_SHAPE=$(printf '%q' "$INPUT_SHAPE")"
   echo "$envs $c"
 }
 
