@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import onnx
 import pytest
 
 from deploykit.data.images import normalize
@@ -42,7 +41,6 @@ def stage_env(tmp_path_factory) -> dict:
     env.pop("VAL_ROOT", None)
     run_stage(["0_prepare_data.py", "--model", "efficientnet_lite0"], env)
     return env
-
 
 
 SAMPLE = sorted(DEFAULT_DATA.glob("*.JPEG"))

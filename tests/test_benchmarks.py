@@ -10,7 +10,6 @@ import pytest
 from tests.helpers.stages import ROOT
 
 
-
 # ----------------------------------------------------------------- benchmarks and --help
 @pytest.mark.slow
 @pytest.mark.parametrize("cmd,flag", [

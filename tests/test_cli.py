@@ -17,7 +17,6 @@ from deploykit.cli import add_shared_args, cli, stage_parser
 from tests.helpers.stages import ROOT
 
 
-
 def test_ctrl_c_exits_130_with_one_line_and_no_traceback(capsys, monkeypatch):
     import argparse
 

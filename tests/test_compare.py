@@ -9,7 +9,6 @@ from deploykit.compare import parity, topk_accuracy
 from deploykit.errors import StageError
 
 
-
 # ----------------------------------------------------------------------------- metrics
 def test_topk_accuracy_by_hand():
     logits = np.array([[0.1, 0.9, 0.0, 0.0, 0.0, 0.0],

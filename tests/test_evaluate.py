@@ -4,7 +4,6 @@ the batch plan, diagnostics that never fail the row, NaN outputs, the latency bu
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import time
 
@@ -23,7 +22,6 @@ from deploykit.timing import MIN_ITERS
 
 from tests.helpers.runners import _export, _tiny_torch
 from tests.helpers.verdict_models import static_batch_model
-
 
 
 # ----------------------------------------------------------------- latency: --iters honoured

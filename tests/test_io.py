@@ -12,7 +12,6 @@ from deploykit.errors import StageError
 from deploykit.io import atomic_path, write_json
 
 
-
 def test_atomic_path_leaves_nothing_on_failure(tmp_path):
     target = tmp_path / "x.json"
     with pytest.raises(RuntimeError):

@@ -9,7 +9,6 @@ from deploykit.layout import safe_name
 from deploykit.results import write_result
 
 
-
 def test_unsafe_tag_is_refused_and_nothing_is_written_outside(tmp_path, monkeypatch):
     monkeypatch.setenv("RESULTS", str(tmp_path / "results"))
     for bad in ("../../x", "a/b", "..", ".hidden", "", "x y"):

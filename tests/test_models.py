@@ -19,7 +19,6 @@ from deploykit.models import (
 )
 
 
-
 DATA = DEFAULT_DATA
 
 
@@ -118,7 +117,7 @@ def other_net():
 
 
 def test_factory_that_raises_is_named():
-    with pytest.raises(StageError, match=r"factory tests\.test_reliability_data\."
+    with pytest.raises(StageError, match=r"factory tests\.custom_models\."
                                                 r"raising_factory\(\) raised RuntimeError"):
         build_model("tests.custom_models:raising_factory")
 
@@ -140,7 +139,7 @@ def test_state_dict_of_another_architecture_custom_and_torchvision(tmp_path):
 
     ck = tmp_path / "other.pth"
     torch.save(other_net().state_dict(), ck)
-    with pytest.raises(StageError, match=r"does not fit --model tests\.test_reliability_data"
+    with pytest.raises(StageError, match=r"does not fit --model tests\.custom_models"
                                                 r":tiny_net: .*of another shape.*another architecture"):
         build_model("tests.custom_models:tiny_net", weights=ck)
     with pytest.raises(StageError, match=r"does not fit --model mobilenet_v3_small: "

@@ -28,7 +28,6 @@ import pytest
 from tests.helpers.stages import ROOT
 
 
-
 MARKERS = ("needs: GPU", "needs: TensorRT", "needs: internet", "the test suite")
 N_IMAGES = 48  # images in the scratch data folder: about 5 calibration and 43 evaluation
 

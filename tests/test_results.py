@@ -7,7 +7,6 @@ import json
 from deploykit.results import result_record, write_result
 
 
-
 MODEL = "efficientnet_lite0"
 
 

@@ -13,7 +13,6 @@ from tests.helpers.stages import ROOT
 from tests.helpers.runners import _export, _tiny_torch
 
 
-
 def test_every_runner_honours_the_interface(tmp_path):
     model = _tiny_torch()
     onnx_path = _export(model, tmp_path / "m.onnx")

@@ -10,7 +10,6 @@ import pytest
 from tests.helpers.stages import ROOT
 
 
-
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed")
 def test_shell_scripts_pass_shellcheck():

@@ -9,7 +9,6 @@ import pytest
 from deploykit.timing import latency_stats, MIN_ITERS, Timing, wall_loop
 
 
-
 def test_latency_stats_percentiles():
     s = latency_stats(list(range(1, 101)), batch=2)
     assert s["p50_ms"] == pytest.approx(50.5) and s["p99_ms"] == pytest.approx(99.01)

@@ -5,7 +5,6 @@ from __future__ import annotations
 from deploykit.variants import for_stage, modelopt_args
 
 
-
 def test_int8_auto_only_on_request():
     names = lambda *a: [v.name for v in for_stage(*a)]  # noqa: E731
     for stage in (5, 6, 7):

@@ -17,7 +17,6 @@ from tests.helpers.export_models import _by, _legacy, _model, _vi
 from tests.helpers.verdict_models import _sq_model
 
 
-
 torch = pytest.importorskip("torch")
 nn = torch.nn
 

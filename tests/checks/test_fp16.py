@@ -18,7 +18,6 @@ from tests.helpers.export_models import _legacy, _model, _vi
 from tests.helpers.verdict_models import _ort_model
 
 
-
 torch = pytest.importorskip("torch")
 
 

@@ -18,7 +18,6 @@ from tests.helpers.export_models import _by, _model, _vi
 from tests.helpers.verdict_models import _ort_model, _sq_model
 
 
-
 # ------------------------------------------------------------------------------------------
 # Lint: any ONNX file
 # ------------------------------------------------------------------------------------------

@@ -21,7 +21,6 @@ from tests.helpers.stages import ROOT
 from tests.helpers.images import _class_folders
 
 
-
 SAMPLE = sorted(DEFAULT_DATA.glob("*.JPEG"))
 DATA = DEFAULT_DATA
 

@@ -17,10 +17,6 @@ from deploykit.layout import DEFAULT_DATA
 from deploykit.models import model_spec
 
 
-
-SAMPLE = sorted(DEFAULT_DATA.glob("*.JPEG"))
-
-
 # --------------------------------------------------------------------------------- splits
 def test_tuning_split_is_carved_from_eval_seeded_and_off_by_default():
     items, _ = list_images(DEFAULT_DATA)

@@ -9,7 +9,6 @@ import numpy as np
 from tests.helpers.stages import run_stage
 
 
-
 MODEL = "efficientnet_lite0"
 
 

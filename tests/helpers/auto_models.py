@@ -12,7 +12,6 @@ import numpy as np
 from tests.helpers.stages import ROOT
 
 
-
 def _auto_env(tmp_path: Path, **extra) -> dict:
     env = dict(os.environ, ARTIFACTS=str(tmp_path / "a"), RESULTS=str(tmp_path / "r"),
                PIPELINE_ROOT=str(ROOT), PYTHONPATH=str(ROOT), PYTHON=sys.executable,

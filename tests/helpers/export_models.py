@@ -12,7 +12,6 @@ import pytest
 from onnx import helper, numpy_helper, TensorProto
 
 
-
 torch = pytest.importorskip("torch")
 
 

@@ -8,7 +8,6 @@ from pathlib import Path
 from tests.helpers.stages import ROOT
 
 
-
 def _env(tmp_path: Path, **extra) -> dict:
     env = dict(os.environ, ARTIFACTS=str(tmp_path / "a"), RESULTS=str(tmp_path / "r"),
                PYTHONPATH=str(ROOT))

@@ -9,7 +9,6 @@ import onnx
 import pytest
 
 
-
 torch = pytest.importorskip("torch")
 nn = torch.nn
 

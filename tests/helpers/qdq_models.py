@@ -9,7 +9,6 @@ import numpy as np
 from deploykit.runners import ort_session_options
 
 
-
 def _ort(model_or_path, feed, level="all", disabled=()):
     import onnxruntime as ort
 

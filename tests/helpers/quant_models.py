@@ -9,7 +9,6 @@ import numpy as np
 from tests.helpers.stages import load_stage
 
 
-
 int4 = load_stage("5b_quantize_int4")
 
 

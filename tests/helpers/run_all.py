@@ -12,7 +12,6 @@ from deploykit.results import result_record
 from tests.helpers.stages import ROOT
 
 
-
 MODEL = "efficientnet_lite0"
 
 

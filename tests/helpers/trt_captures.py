@@ -9,7 +9,6 @@ from deploykit.trt.parsers import PLAN_FILE_TAG
 from tests.helpers.stages import ROOT
 
 
-
 DATA = ROOT / "tests" / "data" / "trt"
 
 

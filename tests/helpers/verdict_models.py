@@ -13,7 +13,6 @@ from deploykit.runners import ort_session_options
 from tests.helpers.stages import ROOT
 
 
-
 def _ort_model(model, feed, level="all", disabled=()):
     import onnxruntime as ort
 

@@ -24,7 +24,6 @@ from tests.helpers.export_models import _static_b1
 from tests.helpers.layerwise_models import _copy_with
 
 
-
 torch = pytest.importorskip("torch")
 nn = torch.nn
 

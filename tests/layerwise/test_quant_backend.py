@@ -10,7 +10,6 @@ from tests.helpers.auto_models import _save
 from tests.helpers.qdq_models import _feed, qdq_conv
 
 
-
 # --------------------------------------------------------------------------------------------
 # Quantization error vs backend error
 # --------------------------------------------------------------------------------------------

@@ -19,7 +19,6 @@ from tests.helpers.stages import ROOT
 from tests.helpers.export_models import _legacy
 
 
-
 torch = pytest.importorskip("torch")
 
 

@@ -9,7 +9,6 @@ import numpy as np
 from deploykit.layerwise.report import plot_rows, plot_similarity
 
 
-
 def test_layerwise_plot_keeps_non_finite_layers(tmp_path):
     """A NaN layer used to be a gap in the plot, so the first divergent layer had no point."""
     layers = [{"index": i, "node": f"n{i}", "status": "pass", "cosine_min": 0.9999,

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-import warnings
 
 import numpy as np
 import onnx
@@ -13,7 +11,6 @@ from onnx import numpy_helper
 from deploykit.layerwise.torch_vs_onnx import torch_vs_onnx
 
 from tests.helpers.layerwise_models import _copy_with
-
 
 
 torch = pytest.importorskip("torch")

@@ -8,7 +8,6 @@ from deploykit.layerwise.diff import run_layer_diff
 from deploykit.onnx.activations import trt_available
 
 
-
 torch = pytest.importorskip("torch")
 nn = torch.nn
 

@@ -7,7 +7,6 @@ import numpy as np
 from deploykit.quant.bias import simulate_bias_requant
 
 
-
 def test_simulated_bias_is_what_ort_computes():
     b = np.array([5.0, -3.0, 0.25], np.float16)
     eff, q = simulate_bias_requant(b, np.array(0.01, np.float16),

@@ -16,7 +16,6 @@ from deploykit.quant.calibration import calibration_plan, validate_calibration
 from tests.helpers.auto_models import _save
 
 
-
 # --------------------------------------------------------------------------------------------
 # Calibration data
 # --------------------------------------------------------------------------------------------

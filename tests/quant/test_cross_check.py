@@ -12,7 +12,6 @@ from deploykit.runners import OrtRunner
 from tests.helpers.auto_models import _save
 
 
-
 def _qdq_classifier(w_scale, path):
     """x [N,3,4,4] -> Q/DQ -> Conv 1x1 (2 classes, int8 weights, per-channel ``w_scale``,
     bias [5, 3]) -> Clip(0, 6) -> Q/DQ -> ReduceMean over H, W -> logits [N, 2]."""

@@ -20,7 +20,6 @@ from tests.helpers.qdq_models import _feed, _ort, qdq_conv, scaled_gemm_model
 from tests.helpers.verdict_models import _ort_model, _tool
 
 
-
 int4 = load_stage("5b_quantize_int4")
 
 

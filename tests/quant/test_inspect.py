@@ -9,7 +9,6 @@ from deploykit.quant.inspect import activation_stats, inspect_model
 from tests.helpers.auto_models import _save
 
 
-
 # --------------------------------------------------------------------------------------------
 # inspect, act-stats, stage 5 usage
 # --------------------------------------------------------------------------------------------

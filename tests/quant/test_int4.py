@@ -13,7 +13,6 @@ from tests.helpers.quant_models import _ort_run
 from tests.helpers.stages import load_stage
 
 
-
 int4 = load_stage("5b_quantize_int4")
 
 

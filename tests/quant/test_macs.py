@@ -9,7 +9,6 @@ from deploykit.quant.macs import mac_summary, mac_table
 from tests.helpers.auto_models import _conv_chain, _qdq
 
 
-
 def test_macs_counted_from_the_graph_and_int8_only_with_both_inputs_quantized():
     m = _conv_chain()
     rows = {r["name"]: r for r in mac_table(m)}

@@ -9,7 +9,6 @@ from deploykit.quant.inspect import inspect_model
 from deploykit.quant.modelopt import modelopt_quantize
 
 
-
 @pytest.mark.slow
 def test_default_calibration_batch_makes_entropy_independent_of_order(tmp_path):
     """ModelOpt entropy calibration through stage 5's driver: two sample orders give different

@@ -7,7 +7,6 @@ from deploykit.onnx.graph import load_onnx
 from deploykit.quant.nodes import list_depthwise
 
 
-
 def test_efficientnet_lite0_depthwise_count(tmp_path):
     """Structure only (random init, legacy exporter for speed): one depthwise conv per MBConv
     block, 16 in all."""

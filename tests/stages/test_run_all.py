@@ -9,19 +9,16 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from deploykit.compare import parity
 from deploykit.layout import DEFAULT_DATA
 
 from tests.helpers.stages import ROOT, run_stage
 from tests.helpers.auto_models import _auto_env
 from tests.helpers.run_all import _env, _good_row
-
 
 
 SAMPLE = sorted(DEFAULT_DATA.glob("*.JPEG"))

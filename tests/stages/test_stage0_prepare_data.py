@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import resource
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +17,6 @@ from deploykit.layout import DEFAULT_DATA
 from tests.helpers.stages import ROOT, run_stage
 from tests.helpers.auto_models import _auto_env, _run
 from tests.helpers.images import _class_folders, _env
-
 
 
 SAMPLE = sorted(DEFAULT_DATA.glob("*.JPEG"))

@@ -9,16 +9,11 @@ from pathlib import Path
 import pytest
 
 from deploykit.io import write_json
-from deploykit.layout import DEFAULT_DATA
 from deploykit.runners import TorchRunner
 
 from tests.helpers.stages import ROOT, run_stage
 from tests.helpers.artifacts import _no_temporaries
 from tests.helpers.images import _env
-
-
-
-SAMPLE = sorted(DEFAULT_DATA.glob("*.JPEG"))
 
 
 @pytest.mark.slow

@@ -14,14 +14,10 @@ import numpy as np
 import onnx
 import pytest
 
-from deploykit.layout import DEFAULT_DATA, model_tag
+from deploykit.layout import model_tag
 
 from tests.helpers.stages import ROOT, run_stage
 from tests.helpers.export_models import _by
-
-
-
-SAMPLE = sorted(DEFAULT_DATA.glob("*.JPEG"))
 
 
 def _env(tmp_path, models_dir) -> dict:

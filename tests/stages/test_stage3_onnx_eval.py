@@ -8,19 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from deploykit.compare import parity
 from deploykit.errors import UsageError
 from deploykit.io import write_json
-from deploykit.layout import DEFAULT_DATA
 from deploykit.results import result_record, write_result
 
 from tests.helpers.stages import run_stage
 from tests.helpers.artifacts import _no_temporaries, _stage3
 from tests.helpers.run_all import _env
-
-
-
-SAMPLE = sorted(DEFAULT_DATA.glob("*.JPEG"))
 
 
 @pytest.mark.slow
@@ -111,7 +105,6 @@ def test_stage3_reference_mismatch_keeps_existing_row(stage_env, tmp_path):
 
 
 MODEL = "efficientnet_lite0"
-FAST = ["--iters", "2", "--warmup", "0", "--model", MODEL]
 
 
 # ------------------------------------------------------------------------------- stage 3

@@ -24,7 +24,6 @@ from tests.helpers.auto_models import _save
 from tests.helpers.quant_models import _ort_run, conv_model
 
 
-
 make_calib = load_stage("4_make_calib")
 
 

@@ -14,19 +14,14 @@ import numpy as np
 import onnx
 import pytest
 
-from deploykit.layout import DEFAULT_DATA, model_tag
+from deploykit.layout import model_tag
 from deploykit.quant.auto.search import anchored
-from deploykit.quant.cross_check import backend_cross_check
 
 from tests.helpers.stages import ROOT
 from tests.helpers.auto_models import _auto_env, _conv_chain, _run, _save
 from tests.helpers.qdq_models import _feed, qdq_conv
 from tests.helpers.quant_models import conv_model
 from tests.helpers.verdict_models import static_batch_model
-
-
-
-SAMPLE = sorted(DEFAULT_DATA.glob("*.JPEG"))
 
 
 # --------------------------------------------------------------------------------- stage 5
@@ -209,7 +204,8 @@ def test_stage5_modelopt_failure_leaves_no_temporaries(tmp_path):
     calibration check refuses it first); none of ModelOpt's intermediate files
     (fp32_opset19.onnx, fp32_reconciled.onnx) or work folders may stay behind."""
     pytest.importorskip("modelopt.onnx.quantization")
-    from tests.test_quant import _save, conv_model
+    from tests.helpers.auto_models import _save
+    from tests.helpers.quant_models import conv_model
 
     d = tmp_path / "a" / "tiny"
     (d / "onnx").mkdir(parents=True)

@@ -18,7 +18,6 @@ from tests.helpers.quant_models import _ort_run, gemm_model, matmul_model
 from tests.helpers.stages import load_stage
 
 
-
 int4 = load_stage("5b_quantize_int4")
 
 

@@ -14,15 +14,13 @@ import numpy as np
 import pytest
 
 from deploykit.errors import StageError
-from deploykit.trt.detect import Detected, find_trtexec, JETPACK_TRTEXEC
-from deploykit.trt.onnx_prep import calibration_scales
+from deploykit.trt.detect import Detected, JETPACK_TRTEXEC
 from deploykit.trt.parsers import parse_calibration_cache
 from deploykit.trt.rules import DEFAULT_VARIANTS
 
 from tests.helpers.stages import ROOT
 from tests.helpers.trt_captures import read
 from tests.helpers.trt_models import _env, conv_net, qdq_net, save, two_input_net
-
 
 
 DATA = ROOT / "tests" / "data" / "trt"

@@ -14,15 +14,12 @@ import pytest
 
 from deploykit.evaluate import EvalData
 from deploykit.io import write_json
-from deploykit.layout import DEFAULT_DATA
 from deploykit.results import result_record
 
 from tests.helpers.stages import ROOT, run_stage
 from tests.helpers.trt_models import _env, _linear_infer
 
 
-
-SAMPLE = sorted(DEFAULT_DATA.glob("*.JPEG"))
 MODEL = "efficientnet_lite0"
 
 

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from deploykit.evaluate import base_record, latency
+from deploykit.evaluate import base_record
 from deploykit.io import write_json
-from deploykit.layout import DEFAULT_DATA
 from deploykit.results import result_record
 
 from tests.helpers.stages import load_stage, run_stage
@@ -19,9 +18,7 @@ from tests.helpers.artifacts import _stage3
 from tests.helpers.run_all import _env, _good_row
 
 
-
 report = load_stage("8_report")
-SAMPLE = sorted(DEFAULT_DATA.glob("*.JPEG"))
 
 
 # --------------------------------------------------------------------------------- report
@@ -49,7 +46,6 @@ def test_report_shows_int8_macs_beside_agreement(tmp_path):
 
 
 MODEL = "efficientnet_lite0"
-FAST = ["--iters", "2", "--warmup", "0", "--model", MODEL]
 
 
 # ------------------------------------------------------------------------------- report
@@ -243,7 +239,7 @@ def test_report_refuses_a_valid_json_that_is_not_this_folders_row(tmp_path, case
     """Valid JSON that is no row of this folder was shown as one (another model's numbers, a
     row standing in for another tag, status 'weird') or, for a list, silently dropped with a
     'not run: no ort_fp32.json' that named a file which is there."""
-    from tests.helpers.stages import load_stage, run_stage
+    from tests.helpers.stages import run_stage
 
     env = _env(tmp_path)
     good = _good_row(env)

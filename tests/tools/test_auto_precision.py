@@ -16,12 +16,11 @@ from deploykit.errors import StageError
 from deploykit.layout import DEFAULT_DATA
 from deploykit.models import build_model, model_spec
 from deploykit.onnx.graph import attr, constants, consumers, load_onnx, producers
-from deploykit.quant.auto.search import anchored, search, SEMANTICS
+from deploykit.quant.auto.search import anchored, SEMANTICS
 from deploykit.quant.macs import mac_table
 from deploykit.variants import modelopt_args
 
 from tests.helpers.auto_models import _auto_env, _conv_chain, _run, _save
-
 
 
 @pytest.mark.slow

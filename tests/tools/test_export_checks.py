@@ -9,7 +9,6 @@ import pytest
 from tests.helpers.verdict_models import _ort_model, _tool, static_batch_model
 
 
-
 @pytest.mark.slow
 def test_fp16_command_feeds_a_static_batch(tmp_path):
     """``export_checks.py fp16`` (the printed FP16 remedy) on a file with a static batch of 4:

@@ -10,17 +10,14 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from onnx import helper, TensorProto
+from onnx import helper
 
-from deploykit.layout import DEFAULT_DATA
 from deploykit.tools import layerwise as layerwise_cli
 
 from tests.helpers.stages import ROOT
 from tests.helpers.export_models import _model, _vi
 
 
-
-SAMPLE = sorted(DEFAULT_DATA.glob("*.JPEG"))
 torch = pytest.importorskip("torch")
 nn = torch.nn
 
@@ -49,9 +46,6 @@ def test_tolerance_override_and_cli(token_model, tmp_path):
     res = layerwise_cli.main(args)
     assert res["tolerances"]["min_cosine"] == 0.5 and res["first_divergent"] is None
     assert (tmp_path / "out" / "layerwise.json").exists()
-
-
-MODEL = "efficientnet_lite0"
 
 
 # ------------------------------------------------------------------------------- layerwise

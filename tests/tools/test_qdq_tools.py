@@ -20,7 +20,6 @@ from tests.helpers.export_models import _static_b1
 from tests.helpers.quant_models import conv_model
 
 
-
 @pytest.mark.slow
 def test_act_stats_feeds_a_static_batch_one_sample_at_a_time_and_flags_fp16(tmp_path):
     path = _static_b1(tmp_path / "b1.onnx")

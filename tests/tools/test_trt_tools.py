@@ -12,7 +12,6 @@ import pytest
 from tests.helpers.stages import ROOT
 
 
-
 @pytest.mark.slow
 def test_trt_modules_import_no_tensorrt():
     code = ("import sys, trt_tools, deploykit.trt.rules, deploykit.trt.profiles, "

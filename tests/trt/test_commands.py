@@ -13,13 +13,10 @@ from deploykit.trt.profiles import input_profiles
 from deploykit.trt.rules import UnsupportedVariant
 from deploykit.variants import VARIANTS
 
-from tests.helpers.stages import ROOT
 from tests.helpers.trt_captures import read
 from tests.helpers.trt_models import flags
 
 
-
-DATA = ROOT / "tests" / "data" / "trt"
 F32 = np.dtype(np.float32)
 
 

@@ -12,7 +12,6 @@ from deploykit.trt.detect import Detected, find_trtexec, version_conflicts
 from deploykit.trt.parsers import parse_ldd
 
 
-
 # --------------------------------------------------------------------------------------------
 # Detection
 # --------------------------------------------------------------------------------------------

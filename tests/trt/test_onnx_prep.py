@@ -16,13 +16,8 @@ from deploykit.trt.onnx_prep import (
 from deploykit.trt.parsers import parse_calibration_cache
 from deploykit.trt.rules import encode_version_int
 
-from tests.helpers.stages import ROOT
 from tests.helpers.trt_captures import read
 from tests.helpers.trt_models import conv_net, qdq_net, save
-
-
-
-DATA = ROOT / "tests" / "data" / "trt"
 
 
 # --------------------------------------------------------------------------------------------

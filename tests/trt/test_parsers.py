@@ -19,12 +19,7 @@ from deploykit.trt.parsers import (
     plan_header_info,
 )
 
-from tests.helpers.stages import ROOT
 from tests.helpers.trt_captures import _header, read
-
-
-
-DATA = ROOT / "tests" / "data" / "trt"
 
 
 def strip_trailing(text: str) -> str:

@@ -12,13 +12,8 @@ from deploykit.errors import UsageError
 from deploykit.trt.parsers import classify_plan_load_error, PLAN_FILE_TAG
 from deploykit.trt.plans import batch_invariance, diagnose_plan_load, fit_batch
 
-from tests.helpers.stages import ROOT
 from tests.helpers.trt_captures import _header, read
 from tests.helpers.trt_models import _linear_infer, conv_net, save
-
-
-
-DATA = ROOT / "tests" / "data" / "trt"
 
 
 # --------------------------------------------------------------------------------------------

@@ -11,8 +11,7 @@ from deploykit.trt.profiles import (
     input_profiles, onnx_inputs, parse_shape_specs, shape_flags, trtexec_shape_name,
 )
 
-from tests.helpers.trt_models import conv_net, flags, two_input_net
-
+from tests.helpers.trt_models import conv_net, two_input_net
 
 
 F32 = np.dtype(np.float32)

@@ -13,7 +13,6 @@ from deploykit.quant.auto.inputs import tuning_data
 from tests.helpers.auto_models import _conv_chain, _save
 
 
-
 # ------------------------------------------------- faults found by trying it (review_auto)
 def test_tuning_npz_is_checked_like_calibration_data(tmp_path):
     """A tuning npz with other keys, another shape or dtype, NaN or no samples is refused with

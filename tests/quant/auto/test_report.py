@@ -17,7 +17,6 @@ from deploykit.quant.auto.space import QdqSpace
 from tests.helpers.auto_models import _chain_qdq
 
 
-
 def _record(tmp_path, res, **extra):
     return {**res, "model": "m", "budget": {"min_cosine": 0.99}, "budget_text": "b",
             "semantics": "s", "tuning": {"source": "t", "n": 8}, "base": {"command": "c"},

@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 import deploykit.quant.auto.search as auto_search
-import deploykit.tools.auto_precision as auto_precision_cli
 from deploykit.errors import UsageError
 from deploykit.evaluate import EvalData
 from deploykit.quant.auto.report import render_markdown
@@ -20,7 +19,6 @@ from deploykit.tools import auto_precision as auto_precision_cli
 from deploykit.tools.auto_precision import budget_from_args
 
 from tests.helpers.auto_models import _chain_qdq, _qdq
-
 
 
 def test_budget_and_its_flags():

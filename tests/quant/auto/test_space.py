@@ -12,7 +12,6 @@ from deploykit.quant.auto.space import prune_unused, QdqSpace
 from tests.helpers.auto_models import _qdq
 
 
-
 def _shared_input_model():
     """x -> Q/DQ (shared) -> Conv A and Conv B (both with Q/DQ weights) -> Add -> y."""
     from onnx import TensorProto, helper, numpy_helper
