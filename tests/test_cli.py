@@ -4,7 +4,6 @@ and --max-seconds checks, Ctrl-C and out-of-memory messages, --help of every too
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import pytest
 
 from deploykit.cli import add_shared_args, cli, stage_parser
 
-from tests.helpers.stages import ROOT
+from tests.helpers.stages import ROOT, load_stage
 
 
 def test_ctrl_c_exits_130_with_one_line_and_no_traceback(capsys, monkeypatch):
@@ -111,9 +110,8 @@ def test_help_of_every_tool_exits_0_and_prints_usage(cmd):
 def test_max_seconds_flag_exists_and_is_checked(stage):
     """--iters 1000 silently gave ~140 timed runs (an undocumented 5 s budget, no way to lift
     it); the budget is now a flag of every stage that times."""
-    import importlib
 
-    parser = importlib.import_module(stage).get_args_parser()
+    parser = load_stage(stage).get_args_parser()
     req = {"1_pytorch_baseline": [], "3_onnx_eval": ["--onnx", "f.onnx", "--tag", "t"],
            "7_trt_eval": ["--engine", "f.plan", "--tag", "t"]}[stage]
     assert parser.parse_args([*req, "--max-seconds", "0"]).max_seconds == 0
@@ -125,7 +123,7 @@ def test_max_seconds_flag_exists_and_is_checked(stage):
 @pytest.mark.parametrize("name", ["", "   "])
 def test_empty_model_name_is_a_usage_error(name, capsys):
     """``--model ""`` reached stage 8 as a folder named "" ("no results in ...")."""
-    report = importlib.import_module("8_report")
+    report = load_stage("8_report")
     with pytest.raises(SystemExit) as e:
         report.get_args_parser().parse_args(["--model", name])
     assert e.value.code == 2
@@ -138,7 +136,7 @@ STAGE_SCRIPTS = ["0_prepare_data", "1_pytorch_baseline", "2_export_onnx", "3_onn
 
 @pytest.mark.parametrize("name", STAGE_SCRIPTS)
 def test_every_flag_has_help_and_descriptions_are_whole(name):
-    parser = importlib.import_module(name).get_args_parser()
+    parser = load_stage(name).get_args_parser()
     desc = parser.description.strip()
     first_para = desc.split("\n\n")[0]
     assert first_para.rstrip().endswith((".", ":")), first_para  # not cut mid-sentence
@@ -158,7 +156,7 @@ def test_every_flag_has_help_and_descriptions_are_whole(name):
 def test_shared_flags_have_one_default_everywhere():
     seen: dict[str, set] = {}
     for name in STAGE_SCRIPTS:
-        for a in importlib.import_module(name).get_args_parser()._actions:
+        for a in load_stage(name).get_args_parser()._actions:
             for flag in ("--warmup", "--iters", "--batch-size", "--latency-batch", "--model"):
                 if flag in a.option_strings:
                     seen.setdefault(flag, set()).add(repr(a.default))

@@ -22,6 +22,7 @@ from deploykit.timing import MIN_ITERS
 
 from tests.helpers.runners import _export, _tiny_torch
 from tests.helpers.verdict_models import static_batch_model
+from tests.helpers.stages import load_stage
 
 
 # ----------------------------------------------------------------- latency: --iters honoured
@@ -88,11 +89,9 @@ def test_nan_outputs_are_named_in_the_row_the_report_and_the_summary(tmp_path):
     3's row said status ok with an empty cosine, and the report listed it as ok with a 3.7x
     speedup. The row now counts the non-finite values and the report says so."""
     import argparse
-    import importlib
     import time
 
-
-    report = importlib.import_module("8_report")
+    report = load_stage("8_report")
     g = helper.make_graph(
         [helper.make_node("QuantizeLinear", ["x", "s"], ["q"], name="q"),
          helper.make_node("DequantizeLinear", ["q", "s"], ["y"], name="dq")], "g",

@@ -1,5 +1,14 @@
-"""deploykit.layerwise.diff: the first divergent layer on small models with injected faults
-(weights, swapped ops, FP16, Q/DQ), static-batch feeds and FP16 inputs."""
+"""deploykit.layerwise.diff: fault injection into small ONNX models built here.
+
+Models (tests/helpers/layerwise_models.py, exported with the legacy TorchScript exporter,
+``dynamo=False``, whose node names ``/head1/fc3/Gemm`` carry the module path):
+- ``TokenHeads``: input ``[batch, 8, 256]``, three heads Linear-ReLU-Linear-ReLU-Linear(256->2)
+  over selected token rows (the model of the issue report).
+- ``SECNN``: Conv-BN-ReLU stem, SE blocks (GlobalAvgPool-Conv-ReLU-Conv-HardSigmoid-Mul).
+
+Faults are injected into a copy of the ONNX file (one initializer changed, one op swapped); the
+tool must name exactly that node as the first divergent one, with its inputs agreeing. Also:
+static-batch feeds and a candidate with FP16 inputs."""
 
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ from onnx import numpy_helper
 from deploykit.layerwise.torch_vs_onnx import torch_vs_onnx
 
 from tests.helpers.layerwise_models import _copy_with
+from tests.helpers.stages import load_stage
 
 
 torch = pytest.importorskip("torch")
@@ -89,7 +90,6 @@ def test_first_divergent_module_whose_input_already_differs(tmp_path):
     """The error sits in the parent's forward between two modules (here a Mul constant of the
     export changed from 2 to 3): the first module whose output differs is ``fc``, but its input
     already differs. The verdict blamed ``fc`` ("look at how this module is exported")."""
-    import importlib
     import warnings
 
 
@@ -123,7 +123,7 @@ def test_first_divergent_module_whose_input_already_differs(tmp_path):
     fd = res["first_divergent"]
     assert fd["module"] == "fc" and fd["inputs_agree"] is False, fd
     assert fd["input_node"] == mul.name, fd
-    stage2 = importlib.import_module("2_export_onnx")
+    stage2 = load_stage("2_export_onnx")
     (r,) = stage2._first_divergent_module(model, path, feed)
     assert r["node"] == mul.name and "input already differs" in r["detail"], r
     assert "look at how this module is exported" not in (r["fix"] or ""), r

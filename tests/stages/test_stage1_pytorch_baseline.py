@@ -1,8 +1,6 @@
 """Stage 1 (1_pytorch_baseline.py): bad model inputs, interruption during latency, custom models."""
 
 from __future__ import annotations
-
-import importlib
 import os
 from pathlib import Path
 
@@ -11,7 +9,7 @@ import pytest
 from deploykit.io import write_json
 from deploykit.runners import TorchRunner
 
-from tests.helpers.stages import ROOT, run_stage
+from tests.helpers.stages import ROOT, load_stage, run_stage
 from tests.helpers.artifacts import _no_temporaries
 from tests.helpers.images import _env
 
@@ -47,7 +45,7 @@ def test_stage1_interrupted_during_latency_leaves_reference_and_row_as_they_were
         raise KeyboardInterrupt
 
     monkeypatch.setattr(TorchRunner, "time", interrupted)
-    stage1 = importlib.import_module("1_pytorch_baseline")
+    stage1 = load_stage("1_pytorch_baseline")
     args = stage1.get_args_parser().parse_args(["--model", MODEL, "--iters", "3",
                                                  "--warmup", "0"])
     with pytest.raises(KeyboardInterrupt):

@@ -2,8 +2,6 @@
 (opset conversion, DLA, INT4), and the build path driven by a stand-in trtexec."""
 
 from __future__ import annotations
-
-import importlib
 import json
 import os
 import subprocess
@@ -18,7 +16,7 @@ from deploykit.trt.detect import Detected, JETPACK_TRTEXEC
 from deploykit.trt.parsers import parse_calibration_cache
 from deploykit.trt.rules import DEFAULT_VARIANTS
 
-from tests.helpers.stages import ROOT
+from tests.helpers.stages import ROOT, load_stage
 from tests.helpers.trt_captures import read
 from tests.helpers.trt_models import _env, conv_net, qdq_net, save, two_input_net
 
@@ -332,7 +330,7 @@ def fake_build(tmp_path, monkeypatch):
     exe.chmod(0o755)
     monkeypatch.setenv("ARTIFACTS", str(tmp_path / "a"))
     monkeypatch.setenv("RESULTS", str(tmp_path / "r"))
-    stage = importlib.import_module("6_build_engines")
+    stage = load_stage("6_build_engines")
     det = Detected(str(exe), (8, 6, 2), (8, 6, 2), "/usr/lib/libnvinfer.so.8", (8, 6, 2),
                       None, "no tensorrt here", dict(os.environ))
     monkeypatch.setattr(stage, "find_trtexec", lambda env=None: (exe, "TRTEXEC"))

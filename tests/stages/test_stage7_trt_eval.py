@@ -3,7 +3,6 @@ invariance check."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from deploykit.evaluate import EvalData
 from deploykit.io import write_json
 from deploykit.results import result_record
 
-from tests.helpers.stages import ROOT, run_stage
+from tests.helpers.stages import ROOT, load_stage, run_stage
 from tests.helpers.trt_models import _env, _linear_infer
 
 
@@ -95,7 +94,7 @@ class _FakeRunner:
 
 def test_stage7_batch_invariance_check_on_eval_data():
 
-    stage7 = importlib.import_module("7_trt_eval")
+    stage7 = load_stage("7_trt_eval")
     rng = np.random.default_rng(0)
     data = EvalData(x_u8=rng.integers(0, 255, (20, 3, 2, 2), dtype=np.uint8),
                              mean=(0.5,) * 3, std=(0.5,) * 3, input_name="input")

@@ -2,8 +2,6 @@
 the console summary, status texts and refused or wrongly typed rows."""
 
 from __future__ import annotations
-
-import importlib
 import json
 from pathlib import Path
 
@@ -71,7 +69,7 @@ def test_report_names_file_and_field_of_a_wrongly_typed_json_and_keeps_the_rest(
 
 
 def test_report_summary_takes_the_good_row_not_a_failed_rerun_beside_it():
-    report = importlib.import_module("8_report")
+    report = load_stage("8_report")
 
     def row(tag, backend, prec, top1, p50, agree=None, status="ok", file=None):
         r = result_record("x", backend, prec, MODEL, tag, status=status,

@@ -1,5 +1,9 @@
-"""deploykit.trt.parsers: every parser on real captured TensorRT tool output (tests/data/trt/,
-provenance in its SOURCES.md)."""
+"""deploykit.trt.parsers: every parser on real captured TensorRT tool output.
+
+The captures are in tests/data/trt/ (provenance and trimming in SOURCES.md there); the expected
+values below were read off those files by hand. Synthetic inputs are used only where they say so
+(an 11.x layer-info schema taken from the migration guide, a DLA log mapped to a constructed list
+of ONNX node names). Plan-file errors are in tests/trt/test_plans.py."""
 
 from __future__ import annotations
 
