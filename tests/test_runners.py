@@ -51,6 +51,7 @@ def test_no_second_copy_of_runner_or_graph_logic():
         assert "numpy_helper.to_array(i) for i in model.graph.initializer" not in text, f.name
 
 
+@pytest.mark.slow  # torch.compile starts the C++ compiler (inductor): about a minute on 2 cores
 def test_torch_compile_figure_on_cpu():
     """``compile=True`` adds a torch.compile figure (or the reason it could not be had), and a
     Sequential model is not truth-tested (its __len__ made the first version fail)."""
