@@ -30,6 +30,10 @@ from tests.helpers.qdq_models import depthwise_models
 from tests.helpers.quant_models import _modelopt_int4, gemm_model, matmul_model
 from tests.helpers.stages import ROOT, load_stage, run_stage  # noqa: F401 (re-exported)
 
+MODEL = "efficientnet_lite0"
+SAMPLE = sorted(DEFAULT_DATA.glob("*.JPEG"))
+torch = pytest.importorskip("torch")
+
 
 @pytest.fixture(scope="session")
 def stage_env(tmp_path_factory) -> dict:
@@ -41,10 +45,6 @@ def stage_env(tmp_path_factory) -> dict:
     env.pop("VAL_ROOT", None)
     run_stage(["0_prepare_data.py", "--model", "efficientnet_lite0"], env)
     return env
-
-
-SAMPLE = sorted(DEFAULT_DATA.glob("*.JPEG"))
-torch = pytest.importorskip("torch")
 
 
 @pytest.fixture(scope="module")
@@ -101,9 +101,6 @@ def modelopt_int4_models(tmp_path_factory):
     mm = _save(matmul_model(), d / "mm.onnx")
     return {"gemm_src": gemm, "gemm_q": _modelopt_int4(gemm, d / "gemm_int4.onnx", 128),
             "mm_src": mm, "mm_q": _modelopt_int4(mm, d / "mm_int4.onnx", 64, k=256), "dir": d}
-
-
-MODEL = "efficientnet_lite0"
 
 
 @pytest.fixture(scope="module")
