@@ -37,3 +37,14 @@ class NoBatchAxis(nn.Module):
 def no_batch_axis():
     torch.manual_seed(0)
     return NoBatchAxis()
+
+
+def raising_factory():
+    """A factory that fails, for the message that names it."""
+    raise RuntimeError("the factory broke on purpose")
+
+
+def tiny_net():
+    import torch
+
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU())

@@ -12,8 +12,8 @@ trailing comment:
   the test checks only that the script it calls exists and its flags parse (``--help`` + argparse);
 - ``# the test suite``: the test command itself (not run recursively).
 
-Everything else must exit 0.
-"""
+Everything else must exit 0."""
+
 from __future__ import annotations
 
 import os
@@ -25,7 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.helpers.stages import ROOT
+
 
 MARKERS = ("needs: GPU", "needs: TensorRT", "needs: internet", "the test suite")
 N_IMAGES = 48  # images in the scratch data folder: about 5 calibration and 43 evaluation
@@ -49,8 +50,6 @@ def readme_commands(text: str) -> list[tuple[str, str | None]]:
 
 
 COMMANDS = readme_commands((ROOT / "README.md").read_text())
-
-
 PLACEHOLDERS = (r"\[--", r"\bM/", r"--model M\b", r"\ba\.onnx\b", r"<\w+>")
 
 

@@ -1,0 +1,226 @@
+"""deploykit.layerwise.diff: fault injection into small ONNX models built here.
+
+Models (tests/helpers/layerwise_models.py, exported with the legacy TorchScript exporter,
+``dynamo=False``, whose node names ``/head1/fc3/Gemm`` carry the module path):
+- ``TokenHeads``: input ``[batch, 8, 256]``, three heads Linear-ReLU-Linear-ReLU-Linear(256->2)
+  over selected token rows (the model of the issue report).
+- ``SECNN``: Conv-BN-ReLU stem, SE blocks (GlobalAvgPool-Conv-ReLU-Conv-HardSigmoid-Mul).
+
+Faults are injected into a copy of the ONNX file (one initializer changed, one op swapped); the
+tool must name exactly that node as the first divergent one, with its inputs agreeing. Also:
+static-batch feeds and a candidate with FP16 inputs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+import deploykit.layerwise.diff as layerwise_diff
+from deploykit.errors import UsageError
+from deploykit.feeds import feed_plan, input_shape_batch, load_feed
+from deploykit.layerwise.diff import run_layer_diff
+from deploykit.onnx.activations import lookthrough_aliases, ort_activations
+
+from tests.helpers.stages import ROOT
+from tests.helpers.export_models import _static_b1
+from tests.helpers.layerwise_models import _copy_with
+
+
+torch = pytest.importorskip("torch")
+nn = torch.nn
+
+
+@pytest.mark.slow
+def test_layerwise_diff_static_batch_and_input_shape_batch(tmp_path):
+    a = _static_b1(tmp_path / "ref.onnx", batch="N")
+    b = _static_b1(tmp_path / "b1.onnx")
+    np.savez(tmp_path / "feed.npz", input=np.random.default_rng(0).standard_normal(
+        (5, 3, 8, 8)).astype(np.float32))
+    feed = load_feed(tmp_path / "feed.npz", None, 0, a)
+    res = run_layer_diff(a, b, feed, batch=8)
+    assert res["first_divergent"] is None and res["n_samples"] == 5
+    # --input-shape's first dimension is the batch per run; --n the number of samples.
+    feed, batch = feed_plan(load_feed(None, None, 8, a, ["input:2,3,8,8"]),
+                                      [a], input_shape_batch(["input:2,3,8,8"]))
+    assert batch == 2 and len(feed["input"]) == 8
+    with pytest.raises(UsageError):
+        feed_plan(feed, [b, _static_b1(tmp_path / "b2.onnx", batch=2)], None)
+    p = subprocess.run([sys.executable, "layerwise.py", "diff", str(a), str(b), "--inputs",
+                        str(tmp_path / "feed.npz")], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+
+
+def test_diff_accepts_a_candidate_with_fp16_inputs(tmp_path):
+    a = _static_b1(tmp_path / "ref.onnx", batch="N")
+    m = onnx.load(str(a))
+    for t in m.graph.initializer:
+        if t.name == "big":
+            t.CopyFrom(numpy_helper.from_array(np.array(2.0, np.float32), "big"))
+    onnx.save(m, str(a))
+    from onnxconverter_common import float16
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m16 = float16.convert_float_to_float16(onnx.load(str(a)), keep_io_types=False)
+    onnx.save(m16, str(tmp_path / "io16.onnx"))
+    feed = {"input": np.random.default_rng(0).standard_normal((4, 3, 8, 8)).astype(np.float32)}
+    res = run_layer_diff(a, tmp_path / "io16.onnx", feed)
+    assert res["status"] == "ok" and res["first_divergent"] is None
+
+
+def _row(res, node):
+    return [r for r in res["layers"] if r["node"] == node]
+
+
+# ------------------------------------------------------------------------------------------
+# diff: fault injection
+# ------------------------------------------------------------------------------------------
+def test_no_fault_passes(token_model, tmp_path):
+    _, path, feed = token_model
+    res = run_layer_diff(path, path, feed, out_dir=tmp_path)
+    assert res["status"] == "ok" and res["first_divergent"] is None
+    assert res["summary"]["fail"] == 0 and res["summary"]["pass"] > 10
+    assert all(v["status"] == "pass" for v in res["final_outputs"].values())
+    assert (tmp_path / "layerwise.png").stat().st_size > 1000
+    assert "No divergent layer" in (tmp_path / "layerwise.md").read_text()
+
+
+def test_weight_fault_names_final_linear(token_model, tmp_path):
+    """The issue's report: head1's second Linear agrees, its final Linear (256 -> 2) does not."""
+    _, path, feed = token_model
+
+    def edit(m):
+        for t in m.graph.initializer:
+            if t.name == "head1.fc3.weight":
+                w = numpy_helper.to_array(t)
+                t.CopyFrom(numpy_helper.from_array((w[::-1] * 0.5).copy(), t.name))
+
+    bad = _copy_with(path, tmp_path / "bad.onnx", edit)
+    res = run_layer_diff(path, bad, feed, out_dir=tmp_path)
+    fd = res["first_divergent"]
+    assert fd["node"] == "/head1/fc3/Gemm"
+    assert fd["inputs_agreed"] is True and "is wrong" in fd["verdict"]
+    assert "head1.fc3.weight" in fd["detail"]["weights_differ"]
+    for pred in ("/head1/fc1/Gemm", "/head1/act1/Relu", "/head1/fc2/Gemm", "/head1/act2/Relu"):
+        assert [r["status"] for r in _row(res, pred)] == ["pass"], pred
+    assert res["origins"] == ["/head1/fc3/Gemm"]
+    assert res["final_outputs"]["out1"]["status"] == "fail"
+    assert res["final_outputs"]["out0"]["status"] == "pass"
+    saved = json.loads((tmp_path / "layerwise.json").read_text())
+    assert saved["first_divergent"]["node"] == "/head1/fc3/Gemm"
+
+
+def test_op_swap_names_that_node(cnn_model, tmp_path):
+    _, path, feed = cnn_model
+
+    def edit(m):
+        for n in m.graph.node:
+            if n.name == "/se1/act/Relu":
+                n.op_type = "Sigmoid"
+
+    bad = _copy_with(path, tmp_path / "swap.onnx", edit)
+    res = run_layer_diff(path, bad, feed, out_dir=tmp_path)
+    fd = res["first_divergent"]
+    assert fd["node"] == "/se1/act/Relu" and fd["inputs_agreed"] is True
+    assert fd["detail"]["op_type_b"] == "Sigmoid"
+    idx = fd["index"]
+    assert all(r["status"] == "pass" for r in res["layers"][:idx])
+    # Downstream layers fail too, but their inputs already differed: not origins.
+    assert any(r["status"] == "fail" and r["inputs_agreed"] is False for r in res["layers"][idx:])
+    assert res["origins"][0] == "/se1/act/Relu"
+
+
+def test_fp16_no_false_alarm(cnn_model, token_model, tmp_path):
+    from onnxconverter_common import float16
+
+    for i, (_, path, feed) in enumerate((cnn_model, token_model)):
+        m16 = float16.convert_float_to_float16(onnx.load(str(path)), keep_io_types=True)
+        p16 = tmp_path / f"fp16_{i}.onnx"
+        onnx.save(m16, str(p16))
+        res = run_layer_diff(path, p16, feed)
+        assert res["precision"] == "fp16"
+        assert res["first_divergent"] is None, res["verdict"]
+        assert res["summary"]["pass"] >= 10
+
+
+# ------------------------------------------------------------------------------------------
+# Q/DQ look-through on a model ModelOpt really quantized (~3 s; deselect with -k 'not modelopt')
+# ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cnn_int8(cnn_model, tmp_path_factory):
+    """The SE CNN quantized once by ModelOpt INT8 (8 random calibration samples)."""
+    pytest.importorskip("modelopt.onnx.quantization")
+    from modelopt.onnx.quantization import quantize
+
+    _, path, _ = cnn_model
+    calib = np.random.default_rng(1).standard_normal((8, 3, 32, 32)).astype(np.float32)
+    q = tmp_path_factory.mktemp("int8") / "int8.onnx"
+    quantize(onnx_path=str(path), quantize_mode="int8", calibration_data={"input": calib},
+             output_path=str(q))
+    return q
+
+
+@pytest.mark.slow
+def test_qdq_lookthrough_modelopt(cnn_model, cnn_int8, tmp_path):
+    _, path, feed = cnn_model
+    q = cnn_int8
+    qm = onnx.load(str(q))
+    assert any(n.op_type == "DequantizeLinear" for n in qm.graph.node)
+    alias = lookthrough_aliases(qm)
+    assert alias["/se1/act/Relu_output_0_DequantizeLinear_Output"] == "/se1/act/Relu_output_0"
+    res = run_layer_diff(path, q, feed, out_dir=tmp_path)
+    assert res["precision"] == "int8" and res["status"] == "ok"
+    compared = [r for r in res["layers"] if r["status"] in ("pass", "fail")]
+    # Every compute node of the FP32 graph found its float tensor in the Q/DQ graph.
+    assert res["summary"]["unmatched"] == 0 and len(compared) >= 15
+    assert all(r["cosine_min"] > 0.9 for r in compared)
+    # The error enters at the first quantised Conv (visible, but within INT8 tolerance).
+    assert compared[0]["node"] == "/stem/stem.0/Conv" and compared[0]["cosine_min"] < 0.999999
+    assert (tmp_path / "layerwise.png").exists()
+
+    # A wrong activation scale in the Q/DQ pair feeding se1.fc2 is blamed on that layer.
+    def edit(mm):
+        for t in mm.graph.initializer:
+            if t.name == "/se1/act/Relu_output_0_scale_2":
+                t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t) * 8, t.name))
+
+    bad = _copy_with(q, tmp_path / "int8_bad.onnx", edit)
+    res = run_layer_diff(path, bad, feed)
+    assert res["first_divergent"]["node"] == "/se1/fc2/Conv"
+    assert res["first_divergent"]["inputs_agreed"] is True
+
+
+@pytest.mark.slow
+def test_qdq_divergence_blamed_on_ort_optimiser_when_unoptimised_run_agrees(cnn_model, cnn_int8,
+                                                                           monkeypatch):
+    """A Q/DQ divergence that only exists with ORT graph optimisations on (as ModelOpt fp16
+    scales + ORT's WeightBiasQuantization produce on EfficientNet-Lite0) is reported as a
+    backend effect, not a quantisation error. The optimiser fault is simulated: B's outputs
+    of one node are corrupted unless the level is 'disable'."""
+    _, path, feed = cnn_model
+    q = cnn_int8
+    real = ort_activations
+
+    def faulty(model_or_path, feed_, *, opt_level="all", **kw):
+        is_b = "DequantizeLinear" in str(getattr(model_or_path, "graph", "")) or \
+            str(model_or_path).endswith("int8.onnx")
+        for out, n in real(model_or_path, feed_, opt_level=opt_level, **kw):
+            if is_b and opt_level != "disable":
+                out = {k: (v * np.nan if k.startswith("/se1/fc2/") else v) for k, v in out.items()}
+            yield out, n
+
+    monkeypatch.setattr(layerwise_diff, "ort_activations", faulty)
+    res = run_layer_diff(path, q, feed)
+    assert res["first_divergent"]["node"] == "/se1/fc2/Conv"
+    assert res["backend_check"]["backend_caused"] is True
+    assert "ORT graph optimisations cause" in res["verdict"] and "NaN" in res["verdict"]
+    # Without the simulated optimiser fault the check does not run and blames nobody.
+    monkeypatch.setattr(layerwise_diff, "ort_activations", real)
+    assert run_layer_diff(path, q, feed).get("backend_check") is None

@@ -1,0 +1,53 @@
+"""deploykit.quant.modelopt: the ModelOpt wrapper's default calibration batch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from deploykit.quant.inspect import inspect_model
+from deploykit.quant.modelopt import modelopt_quantize
+
+
+@pytest.mark.slow
+def test_default_calibration_batch_makes_entropy_independent_of_order(tmp_path):
+    """ModelOpt entropy calibration through stage 5's driver: two sample orders give different
+    scales at batch 1 (ModelOpt's CLI default for a dynamic batch) and identical ones with the
+    default (one batch); the nodes ModelOpt quantizes do not depend on the batch (its GEMV rule
+    still sees batch 1: the classifier Gemm stays float, as with ModelOpt's CLI)."""
+    pytest.importorskip("modelopt.onnx.quantization")
+    import onnx
+    import torch
+    from onnx import numpy_helper
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU(),
+                              torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.ReLU(),
+                              torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+                              torch.nn.Linear(32, 32)).eval()
+    src = tmp_path / "fp32.onnx"
+    torch.onnx.export(net, (torch.zeros(1, 3, 8, 8),), str(src), input_names=["x"],
+                      output_names=["y"], opset_version=17, dynamo=False,
+                      dynamic_axes={"x": {0: "N"}, "y": {0: "N"}})
+    x = np.random.default_rng(0).standard_normal((64, 3, 8, 8)).astype(np.float32)
+    x[np.arange(0, 64, 7)] *= 4  # a few wide samples: where they fall decides the histogram
+
+    def quantize(xi, batch):
+        np.savez(tmp_path / "c.npz", x=xi)
+        out = tmp_path / "q.onnx"
+        modelopt_quantize(
+            ["--onnx_path", str(src), "--quantize_mode", "int8", "--high_precision_dtype",
+             "fp32", "--calibration_data_path", str(tmp_path / "c.npz"), "--calibration_eps",
+             "cpu", "--output_path", str(out), "--log_level", "ERROR"], batch)
+        q = onnx.load(str(out))
+        c = {i.name: numpy_helper.to_array(i) for i in q.graph.initializer}
+        acts = [float(c[n.input[1]]) for n in q.graph.node
+                if n.op_type == "QuantizeLinear" and n.input[0] not in c]
+        return acts, inspect_model(q)["quantized_nodes_by_op"]
+
+    orders = [x, x[np.random.default_rng(1).permutation(64)]]
+    (a0, nodes0), (a1, _) = (quantize(o, "all") for o in orders)
+    assert a0 and a0 == a1
+    (b0, nodes1), (b1, _) = (quantize(o, 1) for o in orders)
+    assert b0 != b1
+    assert nodes0 == nodes1 and "Gemm" not in nodes0 and nodes0.get("Conv") == 2

@@ -1,0 +1,350 @@
+"""run_all.sh and env.sh end to end: usage errors, full and smoke runs, one run per artifacts
+folder (locks, Ctrl-C, killed runs), unwritable folders, the console summary; stages 1, 2, 3, 8 in a row."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from deploykit.layout import DEFAULT_DATA
+
+from tests.helpers.stages import ROOT, run_stage
+from tests.helpers.auto_models import _auto_env
+from tests.helpers.run_all import _env, _good_row
+
+
+SAMPLE = sorted(DEFAULT_DATA.glob("*.JPEG"))
+
+
+@pytest.mark.slow
+def test_run_all_auto_precision_usage(tmp_path):
+    env = _auto_env(tmp_path, MODEL="efficientnet_lite0")
+    p = subprocess.run(["bash", "run_all.sh", "--auto-precision=1.5"], cwd=ROOT, env=env,
+                       capture_output=True, text=True)
+    assert p.returncode == 2 and "needs a fraction 0 < F < 1" in p.stderr
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "splits.json").write_text(json.dumps({"eval": [], "calib": []}))
+    p = subprocess.run(["bash", "run_all.sh", "--auto-precision", "--stage", "5"], cwd=ROOT,
+                       env=env, capture_output=True, text=True)
+    assert p.returncode == 2 and "has no tuning split" in p.stderr and "start from stage 0" \
+        in p.stderr
+
+
+# ----------------------------------------------------------------------------- stages
+@pytest.mark.slow
+def test_stages_1_2_3_8_on_real_subset(stage_env):
+    env = stage_env
+    lim = ["--limit", "48"]
+    run_stage(["1_pytorch_baseline.py", "--iters", "20", "--warmup", "3", *lim], env)
+    res = Path(env["RESULTS"]) / "efficientnet_lite0"
+    base = json.loads((res / "pytorch_fp32_cpu.json").read_text())
+    assert base["n_images"] == 48 and base["accuracy"]["top1"] > 70
+    prov = base["provenance"]
+    assert {"args", "command", "versions", "device", "git_sha", "time_utc", "input_sha256",
+            "wall_time_s"} <= set(prov)
+    run_stage(["2_export_onnx.py", "--check-images", "16"], env)
+    exp = json.loads((res / "export.json").read_text())
+    assert exp["files"]["fp32"]["outputs"]["logits"]["cosine_min"] > 0.99999
+    onnx_dir = Path(env["ARTIFACTS"]) / "efficientnet_lite0" / "onnx"
+    for v in ("fp32", "fp16"):
+        run_stage(["3_onnx_eval.py", "--onnx", str(onnx_dir / f"{v}.onnx"), "--tag", f"ort_{v}",
+                   "--iters", "20", "--warmup", "3", *lim], env)
+        r = json.loads((res / f"ort_{v}.json").read_text())
+        assert r["precision"] == v.upper() and r["ep_used"] == "CPUExecutionProvider"
+        assert r["parity"]["cosine_mean"] > (0.99999 if v == "fp32" else 0.999)
+        assert abs(r["accuracy"]["top1"] - base["accuracy"]["top1"]) <= 100 / 48 * 2
+        # the CPU EP computes the FP16 graph in FP32, and the row says so
+        assert (r.get("fp16_computed_in") or "").startswith("FP32") == (v == "fp16")
+    run_stage(["8_report.py"], env)
+    md = (res / "REPORT.md").read_text()
+    for row in ("| PyTorch | FP32 |", "| ORT | FP32 |", "| ORT | FP16 |"):
+        assert row in md
+    # the copy one folder up is the same report, its plot links going through the model folder
+    top = (Path(env["RESULTS"]) / "REPORT.md").read_text()
+    assert top == md.replace("](accuracy_latency.png)", "](efficientnet_lite0/accuracy_latency.png)"
+                             ).replace("](size.png)", "](efficientnet_lite0/size.png)")
+    assert (res / "accuracy_latency.png").exists()
+    csv = (res / "REPORT.csv").read_text().splitlines()
+    assert csv[0].startswith("backend,precision") and len(csv) >= 4
+
+
+# ----------------------------------------------------------------------------- shell
+@pytest.mark.slow
+def test_env_sh_refuses_to_be_executed():
+    p = subprocess.run(["bash", str(ROOT / "env.sh")], capture_output=True, text=True)
+    assert p.returncode == 2 and "must be sourced" in p.stderr
+
+
+@pytest.mark.slow
+def test_run_all_usage_errors():
+    p = subprocess.run(["bash", str(ROOT / "run_all.sh"), "--bogus"], capture_output=True,
+                       text=True)
+    assert p.returncode == 2 and "unknown option" in p.stderr
+    p = subprocess.run(["bash", str(ROOT / "run_all.sh"), "--stage", "12"], capture_output=True,
+                       text=True, env={**os.environ, "PIPELINE_ROOT": str(ROOT)})
+    assert p.returncode == 2 and "0..8" in p.stderr
+    import sys
+
+    env = {**os.environ, "PIPELINE_ROOT": str(ROOT),
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    for args, msg in ((["--stage", "5", "--stop-stage", "2"], "nothing to run"),
+                      (["--limit"], "needs a number"), (["--limit", "abc"], "positive integer")):
+        p = subprocess.run(["bash", str(ROOT / "run_all.sh"), *args], capture_output=True,
+                           text=True, env=env)
+        assert p.returncode == 2 and msg in p.stderr, (args, p.stderr)
+    p = subprocess.run(["bash", str(ROOT / "run_all.sh")], capture_output=True, text=True,
+                       env={**env, "MODEL": "nosuchmodel"})
+    assert p.returncode == 2 and "unknown model" in p.stderr
+
+
+@pytest.mark.slow
+def test_run_all_end_to_end(tmp_path):
+    """The whole pipeline as a user runs it (stages 0-8) on 64 real images of the embedded
+    sample: it must finish, and the report must have the FP rows and the TensorRT rows as not run
+    (no TensorRT here) or run."""
+    import sys
+
+    env = dict(os.environ, ARTIFACTS=str(tmp_path / "a"), RESULTS=str(tmp_path / "r"),
+               MODEL="efficientnet_lite0", PIPELINE_ROOT=str(ROOT),
+               PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    p = subprocess.run(["bash", "run_all.sh", "--limit", "64"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=3000)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    for n in range(9):
+        assert f"Stage {n}: finished" in p.stdout
+    md = (tmp_path / "r" / "smoke" / "efficientnet_lite0" / "REPORT.md").read_text()  # --limit
+    for row in ("| PyTorch | FP32 |", "| ORT | FP16 |", "| ORT | INT8 | ort_int8 |",
+                "| ORT | INT8 | ort_int8_hp32 |", "| ORT | INT4 | ort_int4 |"):
+        assert row in md, row
+    assert "| TensorRT |" in md  # run, or listed as skipped with the reason
+
+
+@pytest.mark.slow
+def test_run_all_full_run_moves_previous_results(tmp_path):
+    """A full run must not mix an earlier run's rows into its report: with a stale row present,
+    a partial run leaves it in place and a full run moves it to artifacts/previous_results/
+    (the full run is stopped right after, at stage 0, by a nonexistent VAL_ROOT)."""
+    import sys
+
+    res = tmp_path / "r" / "efficientnet_lite0"
+    res.mkdir(parents=True)
+    (res / "ort_stale.json").write_text("{}")
+    env = dict(os.environ, ARTIFACTS=str(tmp_path / "a"), RESULTS=str(tmp_path / "r"),
+               MODEL="efficientnet_lite0", PIPELINE_ROOT=str(ROOT),
+               PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    p = subprocess.run(["bash", "run_all.sh", "--stop-stage", "0"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    assert (res / "ort_stale.json").exists()  # partial run: rows stay in place
+    # A full run starts by moving them (stop it right after by making stage 0 fail).
+    env["VAL_ROOT"] = str(tmp_path / "nonexistent")
+    p = subprocess.run(["bash", "run_all.sh"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 1 and "previous results" in p.stdout
+    assert not (res / "ort_stale.json").exists()
+    moved = list((tmp_path / "a" / "previous_results").glob("efficientnet_lite0-*/ort_stale.json"))
+    assert len(moved) == 1
+
+
+MODEL = "efficientnet_lite0"
+
+
+def _run_all(env: dict, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "run_all.sh", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _tiny_data(tmp_path: Path, n: int = 4) -> Path:
+    data = tmp_path / "data"
+    for f in SAMPLE[:n]:
+        (data / f.name[:9]).mkdir(parents=True)
+        (data / f.name[:9] / f.name).symlink_to(f)
+    return data
+
+
+def _wait_for(path: Path, timeout: float = 120.0) -> None:
+    t0 = time.time()
+    while not path.exists():
+        assert time.time() - t0 < timeout, f"{path} did not appear"
+        time.sleep(0.2)
+
+
+# ------------------------------------------------------------------------------- lock + Ctrl-C
+@pytest.mark.slow
+def test_second_run_refuses_naming_the_first_and_ctrl_c_names_stage_and_resume(tmp_path):
+    env = _env(tmp_path)
+    first = subprocess.Popen(["bash", "run_all.sh", "--stop-stage", "1"], cwd=ROOT, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    try:
+        lock = tmp_path / "a" / ".run_all.lock"
+        _wait_for(lock / "owner")
+        _wait_for(tmp_path / "a" / "logs" / MODEL / "0_prepare_data.log")
+        t0 = time.time()
+        second = _run_all(env, "--stage", "8", "--stop-stage", "8")
+        assert time.time() - t0 < 30  # refused at once, not after waiting
+        assert second.returncode == 1
+        assert f"another run_all.sh is using {tmp_path / 'a'}: pid {first.pid}" in second.stderr
+        assert "--stage 0 --stop-stage 1" in second.stderr  # the holder's command
+        assert "started 20" in second.stderr                  # and its start time (UTC)
+        assert "Stage 8" not in second.stdout
+        time.sleep(1)
+        os.killpg(first.pid, signal.SIGINT)  # Ctrl-C reaches the whole foreground group
+        out, err = first.communicate(timeout=120)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    assert first.returncode == 130, err
+    # On a loaded machine stage 0 may have finished before the signal: the message must name
+    # whichever stage was running, and the resume command must start there.
+    m = re.search(r"interrupted during stage (\d) \((.+?)\)", err)
+    assert m, err
+    stage = int(m.group(1))
+    assert (stage, m.group(2)) in {(0, "prepare data"), (1, "PyTorch FP32 baseline")}, err
+    assert f"resume with: MODEL={MODEL} ARTIFACTS={tmp_path / 'a'} RESULTS={tmp_path / 'r'} " \
+           f"bash run_all.sh --stage {stage} --stop-stage 1" in err
+    assert not lock.exists()                              # released
+    if stage == 0:
+        assert not (tmp_path / "a" / "splits.json").exists()  # nothing half-written
+    else:
+        assert not (tmp_path / "a" / MODEL / "ref_logits.npz").exists()
+    assert not list((tmp_path / "a").rglob(".tmp-*"))
+
+
+@pytest.mark.slow
+def test_stale_lock_of_a_killed_run_is_cleared(tmp_path):
+    env = _env(tmp_path)
+    _good_row(env)
+    lock = tmp_path / "a" / ".run_all.lock"
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    for pid, pstart in ((dead.pid, ""), (os.getpid(), "1")):  # gone; pid reused since
+        lock.mkdir(parents=True)
+        (lock / "owner").write_text(f"pid={pid}\npstart={pstart}\nstarted=2020-01-01T00:00:00Z\n"
+                                    f"host={os.uname().nodename}\ncommand=MODEL=x bash run_all.sh\n")
+        p = _run_all(env, "--stage", "8", "--stop-stage", "8")
+        assert p.returncode == 0, p.stderr
+        assert f"clearing a stale lock of a run that is no longer running (pid {pid}" in p.stderr
+        assert "Stage 8: finished" in p.stdout
+        assert not lock.exists()
+
+
+# ------------------------------------------------------------------------------- smoke runs
+@pytest.mark.slow
+def test_smoke_run_never_moves_or_replaces_a_full_runs_results(tmp_path):
+    """A full-range smoke run (stopped at stage 0 by a missing data folder): the old script
+    moved results/<model>/ aside before stage 0; now the smoke run works in its own folders."""
+    env = _env(tmp_path, VAL_ROOT=str(tmp_path / "nonexistent"))
+    row = _good_row(env)
+    before = row.read_text()
+    p = _run_all(env, "--limit", "4")
+    assert p.returncode == 1
+    assert row.read_text() == before and "previous results" not in p.stdout
+    assert f"results: {tmp_path / 'r' / 'smoke'}; smoke run on 4 images" in p.stdout
+    assert f"resume with: MODEL={MODEL} ARTIFACTS={tmp_path / 'a'} RESULTS={tmp_path / 'r'} " \
+           "VAL_ROOT=" in p.stderr and "--stage 0 --limit 4" in p.stderr
+    assert (tmp_path / "a" / "smoke" / "logs" / MODEL / "0_prepare_data.log").exists()
+    assert not (tmp_path / "a" / "logs").exists()
+
+
+@pytest.mark.slow
+def test_smoke_stage0_writes_only_its_own_folders_and_logs_keep_progress(tmp_path):
+    env = _env(tmp_path, VAL_ROOT=str(_tiny_data(tmp_path)), ALLOW_CLASS_SUBSET="1")
+    p = _run_all(env, "--limit", "2", "--stop-stage", "0")
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "a" / "smoke" / "splits.json").exists()
+    assert not (tmp_path / "a" / "splits.json").exists()
+    assert (tmp_path / "r" / "smoke" / MODEL / "data.json").exists()
+    assert not (tmp_path / "r" / MODEL).exists()
+    log = (tmp_path / "a" / "smoke" / "logs" / MODEL / "0_prepare_data.log").read_text()
+    assert "preprocess eval" in log and "img" in log  # the tqdm bar is kept in the log
+    assert "%|" not in p.stdout                         # and not dumped on the console
+
+
+# ------------------------------------------------------------------------------- checks first
+@pytest.mark.slow
+def test_unwritable_results_folder_is_refused_before_any_stage(tmp_path):
+    p = _run_all(_env(tmp_path, RESULTS="/sys/no_results_here"), "--stop-stage", "0")
+    assert p.returncode == 1 and "cannot write to /sys/no_results_here" in p.stderr
+    assert "Stage 0" not in p.stdout
+
+
+@pytest.mark.slow
+def test_weights_folder_and_bad_input_shape_are_usage_errors(tmp_path):
+    p = _run_all(_env(tmp_path, WEIGHTS=str(tmp_path)))
+    assert p.returncode == 2 and f"WEIGHTS={tmp_path} is a folder" in p.stderr
+    p = _run_all(_env(tmp_path, MODEL="tests.custom_models:two_head",
+                      INPUT_SHAPE="image:1,3,-16,16 tokens:1,4,16"))
+    assert p.returncode == 2 and "INPUT_SHAPE: --input-shape 'image:1,3,-16,16'" in p.stderr
+    assert "every dimension must be >= 1" in p.stderr and "Stage" not in p.stdout
+    # a built-in classifier ignored INPUT_SHAPE without a word
+    p = _run_all(_env(tmp_path, INPUT_SHAPE="x:1,3,8,8"))
+    assert p.returncode == 2 and "INPUT_SHAPE is for custom models" in p.stderr
+    assert "unset INPUT_SHAPE" in p.stderr and "Stage" not in p.stdout
+
+
+# ------------------------------------------------------------------------------- console
+@pytest.mark.slow
+def test_console_shows_stage6_skip_reason_and_stage8_summary(tmp_path):
+    env = _env(tmp_path)
+    env.pop("TRTEXEC", None)
+    _good_row(env)
+    p = _run_all(env, "--stage", "6", "--stop-stage", "8")
+    assert p.returncode == 0, p.stderr
+    s6 = p.stdout.split("Stage 6:")[1].split("Stage 7:")[0]
+    if not (shutil.which("trtexec") or Path("/usr/src/tensorrt/bin/trtexec").exists()):
+        assert "SKIPPED: trtexec not found" in s6  # no TensorRT here: the reason is shown
+    s8 = p.stdout.split("Stage 8:")[1]
+    assert f"  report {MODEL}: " in s8 and " skipped" in s8
+
+
+# ----------------------------------------------------------------- run_all.sh: orphaned stage
+@pytest.mark.slow
+def test_rerun_refuses_while_a_stage_of_a_killed_run_still_writes(tmp_path):
+    """kill -9 of run_all.sh leaves its running stage alive (orphaned, still writing into the
+    artifacts folder); a rerun must not call that lock stale and run beside it."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    # Stage 0 of this run sleeps first, so it is surely running when the script is killed.
+    (hook / "sitecustomize.py").write_text(
+        "import os, time\n"
+        "if b'0_prepare_data.py' in open('/proc/self/cmdline', 'rb').read():\n"
+        "    time.sleep(float(os.environ.get('REVIEW_STAGE_SLEEP', '0')))\n")
+    env = _env(tmp_path, PYTHONPATH=f"{hook}:{ROOT}", REVIEW_STAGE_SLEEP="120")
+    _good_row(env)
+    first = subprocess.Popen(["bash", "run_all.sh", "--stop-stage", "0"], cwd=ROOT, env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+    try:
+        _wait_for(tmp_path / "a" / "logs" / MODEL / "0_prepare_data.log")
+        time.sleep(1)
+        os.kill(first.pid, signal.SIGKILL)  # the script only: its stage lives on
+        first.wait(timeout=30)
+        second = _run_all(dict(env, REVIEW_STAGE_SLEEP="0"), "--stage", "8", "--stop-stage", "8",
+                          timeout=120)
+        assert second.returncode == 1, second.stdout + second.stderr
+        assert "still running" in second.stderr and "0_prepare_data.py" in second.stderr, \
+            second.stderr
+        assert f"pid {first.pid}" in second.stderr  # the killed run, named
+        assert "Stage 8" not in second.stdout
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)  # the orphan keeps the killed script's group
+    # Once the orphan is gone the lock is stale and is cleared.
+    deadline = time.time() + 30
+    third = None
+    while time.time() < deadline:
+        third = _run_all(dict(env, REVIEW_STAGE_SLEEP="0"), "--stage", "8", "--stop-stage", "8",
+                         timeout=120)
+        if third.returncode == 0:
+            break
+        time.sleep(1)
+    assert third is not None and third.returncode == 0, third.stderr
+    assert "clearing a stale lock" in third.stderr

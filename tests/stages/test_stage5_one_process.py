@@ -1,0 +1,323 @@
+"""Stage 5 in Python (5_quantize.py, its 5_quantize.sh wrapper) and the ModelOpt child runner
+(deploykit.quant.modelopt_runner). ModelOpt itself is stubbed here (a fake runner or a fake
+interpreter); the end-to-end runs with ModelOpt are in tests/stages/test_stage5_quantize.py and tests/quant/.
+The tests that start the stage as a process are in the slow lane."""
+from __future__ import annotations
+
+import builtins
+import hashlib
+import io
+import json
+import os
+import shlex
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from deploykit.errors import StageError
+
+
+from deploykit.quant import modelopt_runner, quantize  # noqa: E402
+from tests.helpers.stages import ROOT, load_stage  # noqa: E402
+from tests.helpers.auto_models import _save  # noqa: E402
+from tests.helpers.quant_models import conv_model  # noqa: E402
+
+stage5 = load_stage("5_quantize")
+
+
+def _sha(b: bytes) -> str:
+    return hashlib.sha256(b).hexdigest()
+
+
+@pytest.fixture
+def tiny(tmp_path, monkeypatch):
+    """A small conv model (stem, depthwise, grouped conv) with its calibration npz in private
+    ARTIFACTS/RESULTS folders; the environment stage 5 reads is set as a user would."""
+    monkeypatch.setenv("ARTIFACTS", str(tmp_path / "a"))
+    monkeypatch.setenv("RESULTS", str(tmp_path / "r"))
+    for k in ("CALIB_BATCH", "AUTO_ARGS"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("EPS", "cpu")
+    monkeypatch.setenv("CALIB_STATS_CHECK", "0")
+    d = tmp_path / "a" / "tiny"
+    (d / "onnx").mkdir(parents=True)
+    _save(conv_model(size=16), d / "onnx" / "fp32.onnx")
+    np.savez(d / "calib.npz", input=np.random.default_rng(0).standard_normal(
+        (8, 3, 16, 16)).astype(np.float32))
+    return d
+
+
+class FakeModelOpt:
+    """Stands in for modelopt_runner.run_modelopt: records each call and the bytes of the
+    calibration file it was handed (what ModelOpt would read), "quantizes" by copying the
+    float model, and writes a log."""
+
+    def __init__(self, fail: bool = False, on_call=None):
+        self.calls: list[dict] = []
+        self.fail = fail
+        self.on_call = on_call
+
+    def __call__(self, onnx_path, output_path, flags, log, *, calib_batch="all", replace=None,
+                 **kw):
+        flags = list(flags)
+        calib = Path(flags[flags.index("--calibration_data_path") + 1])
+        if self.on_call:
+            self.on_call(calib)
+        self.calls.append({"flags": flags, "calib": calib, "calib_bytes": calib.read_bytes(),
+                           "calib_batch": calib_batch, "onnx_path": Path(onnx_path)})
+        Path(log).write_text("fake ModelOpt\nWARNING: a warning worth keeping\n")
+        if not self.fail:
+            Path(output_path).write_bytes(Path(onnx_path).read_bytes())
+        argv = modelopt_runner.modelopt_argv(onnx_path, output_path, flags, calib_batch)
+        return modelopt_runner.ModelOptRun(
+            status="failed" if self.fail else "ok", returncode=1 if self.fail else 0,
+            wall_s=0.25, argv=tuple(argv), shown=modelopt_runner.shown_command(argv, replace),
+            log=Path(log), output=Path(output_path))
+
+
+def _args(*argv: str):
+    return stage5.get_args_parser().parse_args(["--model", "tiny", *argv])
+
+
+def _count_opens(monkeypatch, path: Path) -> list[str]:
+    """Every open() of ``path`` in this process from now on (builtins.open and io.open: numpy,
+    hashlib readers and pathlib all go through one of them)."""
+    opened: list[str] = []
+    target = os.path.realpath(path)
+    real_open = builtins.open
+
+    def counting(file, *a, **kw):
+        if isinstance(file, (str, bytes, os.PathLike)) and \
+                os.path.realpath(os.fsdecode(file)) == target:
+            opened.append(str(file))
+        return real_open(file, *a, **kw)
+
+    monkeypatch.setattr(builtins, "open", counting)
+    monkeypatch.setattr(io, "open", counting)
+    return opened
+
+
+# --------------------------------------------------------------------------------------------
+# One process: the calibration file read, validated and planned once
+# --------------------------------------------------------------------------------------------
+def test_calibration_read_validated_and_planned_once_for_several_variants(tiny, monkeypatch):
+    fake = FakeModelOpt()
+    monkeypatch.setattr(modelopt_runner, "run_modelopt", fake)
+    counts = {"validate": 0, "plan": 0, "depthwise": 0}
+    for name, key in (("validate_calibration", "validate"), ("calibration_plan", "plan"),
+                      ("list_depthwise", "depthwise")):
+        where = stage5 if name == "list_depthwise" else quantize  # who calls it
+        real = getattr(where, name)
+
+        def wrapped(*a, _real=real, _key=key, **kw):
+            counts[_key] += 1
+            return _real(*a, **kw)
+        monkeypatch.setattr(where, name, wrapped)
+    opened = _count_opens(monkeypatch, tiny / "calib.npz")
+    recs = stage5.main(_args("int8_hp32", "excl_dw"))
+    assert [r["variant"] for r in recs] == ["int8_hp32", "excl_dw"]
+    assert len(fake.calls) == 2
+    assert len(opened) == 1, opened  # one read of calib.npz for everything the stage does
+    assert counts == {"validate": 1, "plan": 1, "depthwise": 1}
+    # Both ModelOpt runs got the planned batch (all 8 samples) and the depthwise exclusion.
+    assert [c["calib_batch"] for c in fake.calls] == [8, 8]
+    assert all("^dw$" in c["flags"] for c in fake.calls)
+
+
+def test_record_hashes_the_calibration_bytes_modelopt_was_given(tiny, monkeypatch):
+    """calib.npz replaced while the stage runs (stage 4 rerun): ModelOpt still gets the bytes
+    that were validated, and the record's hashes are those bytes', not the new file's."""
+    calib = tiny / "calib.npz"
+    before = calib.read_bytes()
+
+    def replace_calib(_):
+        np.savez(calib, input=np.zeros((8, 3, 16, 16), np.float32))
+    fake = FakeModelOpt(on_call=replace_calib)
+    monkeypatch.setattr(modelopt_runner, "run_modelopt", fake)
+    (rec,) = stage5.main(_args("int8_hp32"))
+    used = fake.calls[0]["calib_bytes"]
+    assert used == before and _sha(calib.read_bytes()) != _sha(before)
+    assert rec["calibration"]["sha256"] == _sha(used)
+    assert rec["provenance"]["input_sha256"][str(calib)] == _sha(used)
+    saved = json.loads((Path(os.environ["RESULTS"]) / "tiny" / "quant_int8_hp32.json")
+                       .read_text())
+    assert saved["calibration"]["sha256"] == _sha(used)
+    # ModelOpt's private copy is not named in the record: the shown command names calib.npz.
+    assert f"--calibration_data_path {calib}" in rec["command"]
+    assert ".tmp-5_quantize" not in rec["command"]
+    assert shlex.split(rec["command"])[1:3] == ["qdq_tools.py", "modelopt"]
+    assert rec["warnings"] == ["WARNING: a warning worth keeping"]
+    assert rec["status"] == "ok" and rec["check"]["summary"].startswith("check:")
+
+
+def test_modelopt_failure_keeps_the_earlier_file_and_removes_the_work_folder(tiny, monkeypatch):
+    out = tiny / "onnx" / "int8_hp32.onnx"
+    out.write_bytes(b"earlier good file")
+    monkeypatch.setattr(modelopt_runner, "run_modelopt", FakeModelOpt(fail=True))
+    with pytest.raises(StageError, match="(?s)ModelOpt failed on int8_hp32.*fake ModelOpt"):
+        stage5.main(_args("int8_hp32"))
+    assert out.read_bytes() == b"earlier good file"
+    assert not list((tiny / "onnx").glob(".tmp*"))
+    rec = json.loads((Path(os.environ["RESULTS"]) / "tiny" / "quant_int8_hp32.json").read_text())
+    assert rec["status"] == "failed" and "inspect" not in rec
+
+
+# --------------------------------------------------------------------------------------------
+# Refusals before any work
+# --------------------------------------------------------------------------------------------
+def test_unwritable_results_folder_is_refused_before_any_work(tiny, tmp_path, monkeypatch):
+    blocker = tmp_path / "not_a_folder"
+    blocker.write_text("a file where the results folder should be")
+    monkeypatch.setenv("RESULTS", str(blocker / "r"))  # mkdir fails, even for root
+    fake = FakeModelOpt()
+    monkeypatch.setattr(modelopt_runner, "run_modelopt", fake)
+    opened = _count_opens(monkeypatch, tiny / "calib.npz")
+    with pytest.raises(StageError, match="cannot create .*not_a_folder"):
+        stage5.main(_args("int8_hp32"))
+    assert fake.calls == [] and opened == []  # not even the calibration data was read
+    assert sorted(f.name for f in (tiny / "onnx").iterdir()) == ["fp32.onnx"]
+
+
+@pytest.mark.slow
+def test_unwritable_results_folder_exits_1_through_the_wrapper(tiny, tmp_path):
+    blocker = tmp_path / "not_a_folder"
+    blocker.write_text("")
+    env = dict(os.environ, RESULTS=str(blocker / "r"), MODEL="tiny", PYTHON=sys.executable)
+    p = subprocess.run(["bash", "5_quantize.sh", "int8_hp32"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and "FAILED: cannot create" in p.stderr, p.stderr
+    assert sorted(f.name for f in (tiny / "onnx").iterdir()) == ["fp32.onnx"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("argv,env,needle", [
+    (["--bogus"], {}, "unrecognized arguments: --bogus"),
+    (["no_such_variant"], {}, "unknown variant no_such_variant"),
+    ([], {}, "give one or more variants"),
+    (["--model", "", "int8"], {}, "empty model name"),
+    (["int8_hp32"], {"CALIB_BATCH": "0"}, "CALIB_BATCH='0'"),
+    (["int8_hp32"], {"CALIB_BATCH": "many"}, "CALIB_BATCH='many'"),
+])
+def test_usage_errors_exit_2_with_the_variant_list_and_do_nothing(tiny, argv, env, needle):
+    env = dict(os.environ, MODEL="tiny", PYTHON=sys.executable, **env)
+    p = subprocess.run(["bash", "5_quantize.sh", *argv], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert needle in p.stderr and "usage: " in p.stderr and "int4_cli_broken" in p.stderr
+    assert "Traceback" not in p.stderr
+    assert sorted(f.name for f in (tiny / "onnx").iterdir()) == ["fp32.onnx"]
+
+
+def test_variant_order_across_flags_and_duplicates():
+    p = stage5.get_args_parser()
+    assert p.parse_args(["int8_hp32", "--default", "excl_dw"]).selected == \
+        ["int8_hp32", "baseline", "int8", "int8_hp32", "excl_dw"]
+    assert p.parse_args(["--model=m", "calib_max"]).model == "m"
+    with pytest.raises(SystemExit) as e:
+        p.parse_args(["int8", "--default", "nope"])
+    assert e.value.code == 2
+    assert "int8_auto" not in p.parse_args(["--all-variants"]).selected
+
+
+def test_list_and_help(capsys):
+    with pytest.raises(SystemExit) as e:
+        stage5.get_args_parser().parse_args(["--list"])
+    assert e.value.code == 0
+    names = capsys.readouterr().out.split()
+    assert names[:3] == ["baseline", "int8", "int8_hp32"] and "int8_auto" in names
+    assert "int4" not in names
+    with pytest.raises(SystemExit) as e:
+        stage5.get_args_parser().parse_args(["--help"])
+    out = capsys.readouterr()
+    assert e.value.code == 0 and out.out == ""  # to stderr, as 5_quantize.sh printed it
+    assert "CALIB_STATS_CHECK" in out.err and "--all-variants" in out.err
+
+
+# --------------------------------------------------------------------------------------------
+# The wrapper
+# --------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_wrapper_passes_arguments_environment_and_exit_status_through(tmp_path):
+    fake = tmp_path / "fake python"
+    dump = tmp_path / "dump.json"
+    fake.write_text(f"#!{sys.executable}\nimport json, os, sys\n"
+                    f"json.dump({{'argv': sys.argv[1:], 'env': dict(os.environ)}}, "
+                    f"open({str(dump)!r}, 'w'))\nsys.exit(7)\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    env = dict(os.environ, PYTHON=str(fake), MODEL="m1", EPS="cpu", CALIB_BATCH="16",
+               CALIB_STATS_CHECK="0", AUTO_ARGS="--min-cosine 0.99")
+    argv = ["--model", "a b", "int8", "", "--default", "*"]
+    p = subprocess.run([str(ROOT / "5_quantize.sh"), *argv], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 7, p.stderr  # exec: the program's exit status is the wrapper's
+    got = json.loads(dump.read_text())
+    assert Path(got["argv"][0]).resolve() == ROOT / "5_quantize.py"
+    assert got["argv"][1:] == argv  # word for word, nothing split, globbed or dropped
+    for k in ("MODEL", "EPS", "CALIB_BATCH", "CALIB_STATS_CHECK", "AUTO_ARGS"):
+        assert got["env"][k] == env[k]
+
+
+def test_wrapper_is_one_exec_line_and_shellcheck_clean():
+    lines = [ln for ln in (ROOT / "5_quantize.sh").read_text().splitlines()
+             if ln.strip() and not ln.lstrip().startswith("#")]
+    assert lines == ["set -euo pipefail",
+                     'exec "${PYTHON:-python}" "$(dirname "$0")/5_quantize.py" "$@"']
+
+
+# --------------------------------------------------------------------------------------------
+# deploykit.quant.modelopt_runner
+# --------------------------------------------------------------------------------------------
+def _fake_interpreter(tmp_path: Path, rc: int, write_output: bool = True) -> Path:
+    """An executable that stands in for the interpreter: prints its arguments (the log), writes
+    the --output_path file unless told not to, exits ``rc``."""
+    exe = tmp_path / "fakepy"
+    exe.write_text(f"#!{sys.executable}\nimport sys\nprint('args:', sys.argv[1:])\n"
+                   "print('to stderr', file=sys.stderr)\n"
+                   f"if {write_output}:\n    out = sys.argv[sys.argv.index('--output_path') + 1]\n"
+                   "    open(out, 'w').write('q')\n"
+                   f"sys.exit({rc})\n")
+    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    return exe
+
+
+def test_runner_captures_the_log_and_shows_final_paths(tmp_path):
+    work = tmp_path / "w o r k"
+    work.mkdir()
+    final = tmp_path / "final"
+    final.mkdir()
+    log = final / "v.quant.log"
+    log.write_text("an earlier log")
+    run = modelopt_runner.run_modelopt(
+        work / "fp32.onnx", work / "v.onnx", ["--nodes_to_exclude", "^a$", "^b$"], log,
+        calib_batch=16, python=str(_fake_interpreter(tmp_path, 0)),
+        replace={work / "fp32.onnx": final / "fp32.onnx", work / "v.onnx": final / "v.onnx"})
+    assert run.ok and run.returncode == 0 and run.wall_s > 0
+    text = log.read_text()
+    assert "'--calib-batch', '16'" in text and "to stderr" in text  # stdout and stderr
+    assert oct(log.stat().st_mode & 0o777) == oct(0o666 & ~_umask())
+    assert not [f for f in final.iterdir() if f.name.startswith(".tmp")]
+    words = shlex.split(run.shown)
+    assert words[1:6] == ["qdq_tools.py", "modelopt", "--calib-batch", "16", "--"]
+    assert words[words.index("--onnx_path") + 1] == str(final / "fp32.onnx")
+    assert words[words.index("--output_path") + 1] == str(final / "v.onnx")
+    assert "^a$" in words and str(work) not in run.shown
+    assert run.argv[run.argv.index("--output_path") + 1] == str(work / "v.onnx")
+
+
+@pytest.mark.parametrize("rc,write_output", [(3, True), (0, False)])
+def test_runner_failure_is_a_status_not_an_exception(tmp_path, rc, write_output):
+    log = tmp_path / "v.quant.log"
+    run = modelopt_runner.run_modelopt(tmp_path / "in.onnx", tmp_path / "out.onnx", [], log,
+                                       python=str(_fake_interpreter(tmp_path, rc, write_output)))
+    assert run.status == "failed" and not run.ok and run.returncode == rc
+    assert "to stderr" in run.tail(5) and "args:" in log.read_text()
+    assert not [f for f in tmp_path.iterdir() if f.name.startswith(".tmp")]
+
+
+def _umask() -> int:
+    m = os.umask(0)
+    os.umask(m)
+    return m

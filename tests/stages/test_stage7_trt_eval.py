@@ -1,0 +1,107 @@
+"""Stage 7 (7_trt_eval.py): skips without TensorRT, missing engines, usage errors, the batch
+invariance check."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from deploykit.evaluate import EvalData
+from deploykit.io import write_json
+from deploykit.results import result_record
+
+from tests.helpers.stages import ROOT, load_stage, run_stage
+from tests.helpers.trt_models import _env, _linear_infer
+
+
+MODEL = "efficientnet_lite0"
+
+
+# ------------------------------------------------------------------------------- stage 7
+@pytest.mark.slow
+def test_stage7_missing_engine_is_named_before_the_tensorrt_check_and_writes_no_row(env,
+                                                                                    tmp_path):
+    p = run_stage(["7_trt_eval.py", "--model", MODEL, "--engine", str(tmp_path / "missing.plan"),
+                   "--tag", "trt_missing"], env, check=False)
+    assert p.returncode == 1 and "missing.plan: no such file" in p.stderr, p.stderr
+    assert "TensorRT Python package" not in p.stdout + p.stderr
+    assert not (Path(env["RESULTS"]) / MODEL / "trt_missing.json").exists()
+    p = run_stage(["7_trt_eval.py", "--model", MODEL, "--engine", str(tmp_path), "--tag",
+                   "trt_missing"], env, check=False)
+    assert p.returncode == 2 and "is a folder" in p.stderr
+
+
+@pytest.mark.slow
+def test_stage7_engine_that_stage6_did_not_build_is_still_a_skipped_row(env):
+    res = Path(env["RESULTS"]) / MODEL
+    write_json(res / "trt_build_fp16.json", result_record(
+        "6_build_engines", "TensorRT", "FP16", MODEL, "trt_build_fp16", status="skipped",
+        reason="trtexec not found"))
+    engine = Path(env["ARTIFACTS"]) / MODEL / "engines" / "fp16.plan"
+    p = run_stage(["7_trt_eval.py", "--model", MODEL, "--engine", str(engine), "--tag",
+                   "trt_fp16"], env)
+    assert "SKIPPED" in p.stdout and "trtexec not found" in p.stdout
+    assert json.loads((res / "trt_fp16.json").read_text())["status"] == "skipped"
+
+
+# --------------------------------------------------------------------------------------------
+# Stage 7 on this machine (no TensorRT): skip cleanly
+# --------------------------------------------------------------------------------------------
+def _no_trt():
+    import importlib.util
+    return importlib.util.find_spec("tensorrt") is None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _no_trt(), reason="TensorRT is importable here")
+def test_stage7_skips_without_tensorrt(tmp_path):
+    eng = tmp_path / "a" / "mobilenet_v3_small" / "engines" / "int8.plan"
+    eng.parent.mkdir(parents=True)
+    eng.write_bytes(b"a plan file")  # a missing plan is an error named before this check
+    p = subprocess.run([sys.executable, "7_trt_eval.py", "--engine", str(eng), "--tag", "trt_int8"],
+                       cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "SKIPPED" in p.stdout
+    rec = json.loads((tmp_path / "r/mobilenet_v3_small/trt_int8.json").read_text())
+    assert rec["status"] == "skipped" and "tensorrt" in rec["reason"].lower()
+    assert rec["backend"] == "TensorRT" and rec["precision"] == "INT8" and rec["variant"] == "int8"
+    assert all(rec[k] is None for k in ("latency", "accuracy", "parity"))  # no numbers without a run
+    assert rec["provenance"]["args"]["tag"] == "trt_int8"
+
+
+@pytest.mark.slow
+def test_stage7_usage_error_exit_2(tmp_path):
+    p = subprocess.run([sys.executable, "7_trt_eval.py", "--engine", "x.plan", "--tag", "t",
+                        "--iters", "0"], cwd=ROOT, env=_env(tmp_path), capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 2 and "usage:" in p.stderr
+
+
+class _FakeRunner:
+    """A runner stand-in with the runners.Runner surface stage 7's check uses (no TensorRT)."""
+
+    def __init__(self, w, batch_range=(1, 64), batch_dependent=0.0):
+        self.w, self.batch_range, self.bd = w, batch_range, batch_dependent
+
+    def infer(self, feed):
+        return _linear_infer(self.w, self.bd)(feed)
+
+
+def test_stage7_batch_invariance_check_on_eval_data():
+
+    stage7 = load_stage("7_trt_eval")
+    rng = np.random.default_rng(0)
+    data = EvalData(x_u8=rng.integers(0, 255, (20, 3, 2, 2), dtype=np.uint8),
+                             mean=(0.5,) * 3, std=(0.5,) * 3, input_name="input")
+    w = rng.standard_normal((12, 10))
+    ok = stage7.batch_invariance_check(_FakeRunner(w), data, 8)
+    assert ok["ok"] and ok["batch"] == 8 and ok["n"] == 16
+    bad = stage7.batch_invariance_check(_FakeRunner(w, batch_dependent=1.0), data, 8)
+    assert bad["ok"] is False and "NVIDIA/TensorRT#4796" in bad["note"]
+    static = stage7.batch_invariance_check(_FakeRunner(w, batch_range=(4, 4)), data, 8)
+    assert static["ok"] is None and "no batch-1 vs batch-N" in static["reason"]

@@ -1,0 +1,267 @@
+"""Stage 8 (8_report.py): rows in the shared schema become the table, speedups, GPU rows, plots,
+the console summary, status texts and refused or wrongly typed rows."""
+
+from __future__ import annotations
+import json
+from pathlib import Path
+
+import pytest
+
+from deploykit.report import gpu_table, row_sort_key
+from deploykit.evaluate import base_record
+from deploykit.io import write_json
+from deploykit.results import result_record
+
+from tests.helpers.stages import load_stage, run_stage
+from tests.helpers.artifacts import _stage3
+from tests.helpers.run_all import _env, _good_row
+
+
+report = load_stage("8_report")
+
+
+# --------------------------------------------------------------------------------- report
+def test_report_shows_int8_macs_beside_agreement(tmp_path):
+    rows = [base_record("t", "FP32", "m", "pytorch_fp32_cpu",
+                                 {"backend": "PyTorch", "device": "cpu"},
+                                 accuracy={"top1": 88.0, "top5": 97.0}, n_images=675),
+            base_record("t", "INT8", "m", "ort_int8_auto",
+                                 {"backend": "ORT", "device": "cpu"},
+                                 accuracy={"top1": 87.5, "top5": 97.0},
+                                 parity={"cosine_mean": 0.999, "top1_agreement": 99.6},
+                                 n_images=675)]
+    folder = tmp_path / "m"  # results/<model>/: rows name their model
+    for r in rows:
+        write_json(folder / f"{r['tag']}.json", r)
+    write_json(folder / "quant_int8_auto.json",
+                      {"macs": {"int8_fraction": 0.9123}, "check": {"summary": "check: clean"}})
+    t = {r["tag"]: r for r in report.table_rows(report.load_rows(folder))}
+    assert t["ort_int8_auto"]["INT8 MACs %"] == "91.2"
+    assert t["pytorch_fp32_cpu"]["INT8 MACs %"] == ""
+    cols = report.COLUMNS
+    assert cols.index("top-1 agree %") == cols.index("top-1 %") + 1
+    md = report.render_markdown("m", report.load_rows(folder), {"n_eval": 675, "n_tune": 225})
+    assert "225 more images" in md and "[auto_precision.md](auto_precision.md)" in md
+
+
+MODEL = "efficientnet_lite0"
+
+
+# ------------------------------------------------------------------------------- report
+@pytest.mark.slow
+def test_report_names_file_and_field_of_a_wrongly_typed_json_and_keeps_the_rest(env):
+    _stage3(env, "fp32.onnx", "ort_fp32")
+    res = Path(env["RESULTS"]) / MODEL
+    bad = json.loads((res / "ort_fp32.json").read_text())
+    bad["tag"] = "ort_fp16"
+    bad["accuracy"]["top1"] = "88.4"
+    (res / "ort_fp16.json").write_text(json.dumps(bad))
+    (res / "ort_int8.json").write_text('{"backend": "ORT", "tag": ')  # truncated JSON
+    p = run_stage(["8_report.py", "--model", MODEL], env)
+    assert "ort_fp16.json: field accuracy.top1 is str (\"88.4\"), expected" in p.stderr
+    assert "ort_int8.json: not valid JSON" in p.stderr
+    md = (res / "REPORT.md").read_text()
+    assert "| ORT | FP32 | ort_fp32 |" in md  # the good row is still reported
+    assert "invalid: ort_fp16.json: field accuracy.top1" in md
+    assert "invalid: ort_int8.json: not valid JSON" in md
+    last = p.stdout.strip().splitlines()[-1]
+    assert last.startswith(f"report {MODEL}: ") and "2 invalid" in last
+    assert "invalid (see the warnings): ort_fp16.json, ort_int8.json" in last
+
+
+def test_report_summary_takes_the_good_row_not_a_failed_rerun_beside_it():
+    report = load_stage("8_report")
+
+    def row(tag, backend, prec, top1, p50, agree=None, status="ok", file=None):
+        r = result_record("x", backend, prec, MODEL, tag, status=status,
+                                 reason=None if status == "ok" else "broke")
+        r.update(device="cpu", accuracy={"top1": top1, "top5": top1} if top1 else None,
+                 latency={"end_to_end_ms": {"p50_ms": p50, "mean_ms": p50, "fps": 1e3 / p50}}
+                 if p50 else None, parity={"cosine_mean": 0.99, "top1_agreement": agree}
+                 if agree else None, _file=file or f"{tag}.json")
+        return r
+
+    rows = [row("pytorch_fp32_cpu", "PyTorch", "FP32", 88.4, 20.0),
+            row("ort_int8", "ORT", "INT8", 11.8, 5.0, agree=12.3),
+            row("ort_int8_hp32", "ORT", "INT8", 88.3, 8.0, agree=98.6),
+            row("ort_int8_hp32", "ORT", "INT8", None, None, status="failed",
+                file="ort_int8_hp32.failed.json"),
+            row("ort_int4_cli_broken", "ORT", "INT4", None, None, status="failed")]
+    rows.sort(key=row_sort_key)
+    line = report.summary(MODEL, rows, Path("REPORT.md"))
+    assert "best quantized row ort_int8_hp32 (top-1 88.30%, agreement 98.6%, speedup 2.50x)" \
+        in line
+    assert "failed: ort_int8_hp32 (a rerun; its ok row is kept), ort_int4_cli_broken" in line
+
+
+def _lat(p50: float, **extra) -> dict:
+    block = {"batch": 1, "warmup": 1, "iters": 3,
+             "end_to_end_ms": {"p50_ms": p50, "mean_ms": p50, "fps": 1000 / p50},
+             "end_to_end_timer": "t", "gpu_compute_ms": None, "gpu_compute_timer": None}
+    block.update(extra)
+    return block
+
+
+def _row(tag, backend, precision, device, top1, p50, **kw):
+    desc = {"backend": backend, "device": device, "device_name": "X", "ep_used": kw.pop("ep", None)}
+    return base_record("t", precision, MODEL, tag, desc, accuracy={"top1": top1, "top5": 99.0},
+                                parity={"cosine_mean": 0.999, "top1_agreement": kw.pop("agree", 99.0)},
+                                latency=_lat(p50, **kw.pop("lat", {})), size_mb=kw.pop("size", 10.0),
+                                n_images=900, **kw)
+
+
+@pytest.fixture
+def rows():
+    gpu_lat = {"gpu_compute_ms": {"p50_ms": 1.5}, "cuda_graph_ms": {"p50_ms": 0.5},
+               "device_buffers_error": "Fail: not all nodes on CUDA EP"}
+    return [
+        _row("pytorch_fp32_cpu", "PyTorch", "FP32", "cpu", 88.44, 20.0, reference="x"),
+        _row("pytorch_fp32_cuda", "PyTorch", "FP32", "cuda", 88.44, 3.0, lat=gpu_lat,
+             runtime={"tf32": {"a": False, "b": True}}),
+        _row("ort_fp32", "ORT", "FP32", "cpu", 88.44, 10.0, ep="CPUExecutionProvider"),
+        _row("ort_int8", "ORT", "INT8", "cpu", 11.8, 30.0, agree=12.0, size=9.0,
+             diagnostics={"backend_cross_check": {"disagreement": True, "top1_unoptimized": 88.3,
+                                                  "n": 900}}),
+        _row("ort_int8_hp32", "ORT", "INT8", "cpu", 88.3, 8.0, agree=98.6),
+        base_record("t", "FP32", MODEL, "trt_fp32", {"backend": "TensorRT", "device": "cuda"},
+                             status="skipped", reason="TensorRT is not installed"),
+    ]
+
+
+def test_table_uses_p50_end_to_end_and_same_device_speedup(rows):
+    t = {r["tag"]: r for r in report.table_rows(rows)}
+    assert t["ort_fp32"]["p50 ms"] == "10.000" and t["ort_fp32"]["speedup"] == "2.00x"
+    assert t["pytorch_fp32_cuda"]["speedup"] == "1.00x"  # vs the CUDA PyTorch row, not CPU
+    assert t["pytorch_fp32_cuda"]["GPU compute p50 ms"] == "1.500"
+    assert "BACKEND DISAGREEMENT" in t["ort_int8"]["status"]
+    assert t["trt_fp32"]["status"].startswith("skipped: TensorRT") and t["trt_fp32"]["p50 ms"] == ""
+
+
+def test_speedup_divides_the_pytorch_fp32_row_of_the_device_not_a_variant(rows):
+    """An FP16 or no-TF32 PyTorch row of the same device listed after the FP32 one must not
+    become the reference (it rescaled every CUDA speedup: ORT CUDA EP 5.27x instead of 3.18x)."""
+    rows = rows + [
+        _row("pytorch_fp16_cuda", "PyTorch", "FP16", "cuda", 88.44, 6.0),
+        _row("pytorch_fp32_cuda_notf32", "PyTorch", "FP32", "cuda", 88.44, 4.0),
+        _row("ort_fp32_cuda", "ORT", "FP32", "cuda", 88.44, 1.5, ep="CUDAExecutionProvider"),
+    ]
+    t = {r["tag"]: r for r in report.table_rows(rows)}
+    assert t["pytorch_fp32_cuda"]["speedup"] == "1.00x"
+    assert t["pytorch_fp16_cuda"]["speedup"] == "0.50x"
+    assert t["pytorch_fp32_cuda_notf32"]["speedup"] == "0.75x"
+    assert t["ort_fp32_cuda"]["speedup"] == "2.00x"
+    assert t["ort_fp32"]["speedup"] == "2.00x"
+
+
+def test_gpu_table_shows_graph_replay_and_why_a_figure_is_missing(rows):
+    md = gpu_table(rows)
+    line = next(ln for ln in md.splitlines() if "pytorch_fp32_cuda" in ln)
+    assert "0.500" in line and "1.500" in line and "n/a: Fail: not all nodes" in line
+    assert line.rstrip(" |").endswith("on")  # TF32 state is shown
+    assert "ort_fp32" not in md  # CPU rows are not GPU rows
+
+
+def test_plots_are_written_and_linked(rows, tmp_path, monkeypatch):
+    monkeypatch.setenv("RESULTS", str(tmp_path))
+    folder = tmp_path / "efficientnet_lite0"
+    folder.mkdir()
+    for r in rows:
+        (folder / f"{r['tag']}.json").write_text(json.dumps(r))
+    report.main(report.get_args_parser().parse_args(["--model", "efficientnet_lite0"]))
+    assert (folder / "accuracy_latency.png").stat().st_size > 5000
+    assert (folder / "size.png").stat().st_size > 2000
+    md = (folder / "REPORT.md").read_text()
+    assert "![top-1 against batch-1 latency](accuracy_latency.png)" in md
+    top = (tmp_path / "REPORT.md").read_text()
+    assert "](efficientnet_lite0/accuracy_latency.png)" in top  # the copy one folder up still finds them
+
+
+def test_console_summary_names_best_recipe_and_failures(rows, tmp_path):
+    rows = rows + [base_record("t", "INT4", "m", "ort_int4_cli_broken",
+                                        {"backend": "ORT", "device": "cpu"}, status="failed",
+                                        reason="x")]
+    line = report.summary("m", rows, tmp_path / "REPORT.md")
+    assert "5 ok, 1 failed, 1 skipped" in line
+    assert "best quantized row ort_int8_hp32" in line and "speedup 2.50x" in line
+    assert "failed: ort_int4_cli_broken" in line
+
+
+def test_gpu_rows_from_results_gpu_join_the_report(rows, tmp_path, monkeypatch):
+    """Rows made on a GPU machine (results/gpu/<model>/) appear beside this machine's rows;
+    their CPU rows (the GPU machine's own reference run) do not mix into the CPU speedups."""
+    monkeypatch.setenv("RESULTS", str(tmp_path))
+    here, gpu = tmp_path / "efficientnet_lite0", tmp_path / "gpu" / "efficientnet_lite0"
+    here.mkdir()
+    gpu.mkdir(parents=True)
+    prov = {"device": {"cpu": "EPYC", "cpu_count": 2, "gpu": None}, "versions": {}}
+    gprov = {"device": {"cpu": "Xeon", "cpu_count": 16, "gpu": "NVIDIA H200", "driver": "580"},
+             "versions": {"onnxruntime-gpu": "1.31.1"}}
+    for r in rows[:1] + rows[2:5]:
+        (here / f"{r['tag']}.json").write_text(json.dumps(dict(r, provenance=prov)))
+    cpu_there = dict(rows[0], provenance=gprov)
+    cpu_there["latency"] = _lat(5.0)
+    (gpu / "pytorch_fp32_cpu.json").write_text(json.dumps(cpu_there))
+    (gpu / "pytorch_fp32_cuda.json").write_text(json.dumps(dict(rows[1], provenance=gprov)))
+    report.main(report.get_args_parser().parse_args(["--model", "efficientnet_lite0"]))
+    md = (here / "REPORT.md").read_text()
+    assert md.count("| PyTorch | FP32 | pytorch_fp32_cuda |") == 1
+    assert md.count("| PyTorch | FP32 | pytorch_fp32_cpu |") == 1
+    assert "rows from results/gpu/efficientnet_lite0: Xeon (16 cores), GPU: NVIDIA H200 " \
+           "(driver 580)" in md
+    t = {r["tag"]: r for r in report.table_rows(report.load_rows(here))}
+    assert t["ort_fp32"]["speedup"] == "2.00x"  # still vs this machine's CPU PyTorch row
+    report.main(report.get_args_parser().parse_args(["--model", "efficientnet_lite0",
+                                                     "--no-gpu-rows"]))
+    assert "pytorch_fp32_cuda" not in (here / "REPORT.md").read_text()
+
+
+def test_status_says_when_fp16_was_computed_in_fp32(rows):
+    r = dict(rows[2], precision="FP16", fp16_computed_in="FP32 (ORT CPU EP: Casts ...)")
+    assert "FP16 graph computed in FP32 here" in report.table_rows([rows[0], r])[1]["status"]
+
+
+def test_status_shows_batch_dependence_and_failed_diagnostics(rows):
+    r = dict(rows[2], diagnostics={
+        "batch_invariance": {"ok": False, "batch": 64, "rel_max_diff": 0.031,
+                             "top1_agreement": 0.97},
+        "layerwise": {"status": "error", "error": "NameError: name 'art' is not defined"}})
+    status = report.table_rows([rows[0], r])[1]["status"]
+    assert status.startswith("ok; BATCH-DEPENDENT OUTPUT: batch 1 vs batch 64")
+    assert "top-1 agreement 97.0%" in status
+    assert "diagnostic layerwise failed: NameError" in status
+
+
+# ----------------------------------------------------------------- report: rows that are not ours
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["list", "status", "tag", "model"])
+def test_report_refuses_a_valid_json_that_is_not_this_folders_row(tmp_path, case):
+    """Valid JSON that is no row of this folder was shown as one (another model's numbers, a
+    row standing in for another tag, status 'weird') or, for a list, silently dropped with a
+    'not run: no ort_fp32.json' that named a file which is there."""
+    from tests.helpers.stages import run_stage
+
+    env = _env(tmp_path)
+    good = _good_row(env)
+    res = good.parent
+    other = json.loads(good.read_text())
+    other.update(backend="ORT", tag="ort_fp32")
+    if case == "list":
+        other = [other]
+    elif case == "status":
+        other["status"] = "weird"
+    elif case == "tag":
+        other["tag"] = "ort_fp16"  # a copy of another row's file
+    else:
+        other["model"] = "resnet50"  # a row copied from results/resnet50/
+    (res / "ort_fp32.json").write_text(json.dumps(other))
+    p = run_stage(["8_report.py", "--model", MODEL], env)
+    want = {"list": "a JSON list, not a results row",
+            "status": "field status is 'weird', expected one of ok, failed, skipped",
+            "tag": "field tag is 'ort_fp16' but the file is ort_fp32.json",
+            "model": f"field model is 'resnet50' but the folder is {MODEL}/"}[case]
+    assert f"{res / 'ort_fp32.json'}: {want}" in p.stderr
+    md = (res / "REPORT.md").read_text()
+    assert f"| ort_fp32 | cpu |" in md and f"invalid: ort_fp32.json: {want}" in md
+    assert not [ln for ln in md.splitlines() if "| ort_fp16 |" in ln and "not run" not in ln]
+    assert "| PyTorch | FP32 | pytorch_fp32_cpu |" in md  # the good row is still reported
+    assert "1 invalid" in p.stdout and "invalid (see the warnings): ort_fp32.json" in p.stdout

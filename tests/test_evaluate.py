@@ -1,0 +1,181 @@
+"""deploykit.evaluate: the one evaluation path of stages 1, 3 and 7 (one row schema, static batches,
+the batch plan, diagnostics that never fail the row, NaN outputs, the latency budget)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper, numpy_helper
+
+from deploykit.errors import UsageError
+from deploykit.evaluate import (
+    base_record, batch_plan, diagnose, EvalData, evaluate, latency, run_outputs, summary_line,
+)
+from deploykit.results import write_result
+from deploykit.runners import OrtRunner, Runner, TorchRunner
+from deploykit.timing import MIN_ITERS
+
+from tests.helpers.runners import _export, _tiny_torch
+from tests.helpers.verdict_models import static_batch_model
+from tests.helpers.stages import load_stage
+
+
+# ----------------------------------------------------------------- latency: --iters honoured
+class _SlowRunner:
+    """A runner whose every call takes 20 ms (runners.Runner.time's default loop)."""
+
+    batch_range = (1, None)
+    max_seconds = Runner.max_seconds
+
+    def infer(self, feed):
+        time.sleep(0.02)
+        return {}
+
+    def time(self, feed, warmup, iters):
+        return Runner.time(self, feed, warmup, iters)
+
+
+def test_latency_loop_cut_by_the_budget_says_so_and_0_runs_every_iteration(monkeypatch, capsys):
+
+    data = EvalData(x_u8=np.zeros((2, 3, 4, 4), np.uint8), y=np.zeros(2, np.int64),
+                             files=["a", "b"], mean=(0.5,) * 3, std=(0.5,) * 3)
+    slow = _SlowRunner()
+    slow.max_seconds = 0.1  # what --max-seconds 0.1 sets on the runner evaluate() times
+    cut = latency(slow, data, 1, 0, 40)
+    assert MIN_ITERS <= cut["iters"] < 40 and cut["max_seconds"] == 0.1
+    err = capsys.readouterr().err
+    assert f"{cut['iters']} of --iters 40 timed runs" in err and "--max-seconds 0" in err
+    slow.max_seconds = float("inf")  # what --max-seconds 0 sets
+    full = latency(slow, data, 1, 0, 40)
+    assert full["iters"] == 40 and full["max_seconds"] is None
+    assert "note: latency" not in capsys.readouterr().err
+
+
+def test_evaluation_of_a_static_batch_file_without_latency_flag(tmp_path):
+    """Stage 3's evaluation path on a file with a static batch of 4: without any flag it
+    stopped with "--latency-batch 1: the model accepts batch 4..4" (a usage error about a
+    flag the user never gave); the batch-1 latency is measured at the smallest batch the model
+    takes, so the default needs no second measurement."""
+    import argparse
+    import time
+
+
+    src = tmp_path / "static4.onnx"
+    onnx.save(static_batch_model(4), str(src))
+    x = np.random.default_rng(0).standard_normal((6, 6)).astype(np.float32)
+    data = EvalData(feed={"x": x}, ref=None)
+    with OrtRunner(src) as r:
+        rec, out = evaluate(r, data, stage="3_onnx_eval", precision="FP32",
+                                     model="review:static4", tag="t", args=argparse.Namespace(),
+                                     started=time.time(), iters=3, warmup=1, write=False)
+        assert rec["latency"]["end_to_end_ms"]["batch"] == 4 and rec["latency_batch"] is None
+        assert out["y"].shape == (6, 3)
+        with pytest.raises(Exception, match="accepts batch 4"):  # an explicit other batch
+            evaluate(r, data, stage="3_onnx_eval", precision="FP32", model="m", tag="t",
+                              args=argparse.Namespace(), started=time.time(), iters=3,
+                              warmup=1, write=False, latency_batch=2)
+
+
+# --------------------------------------------------------------------------------------------
+# A row whose outputs are NaN is not an ordinary "ok" row
+# --------------------------------------------------------------------------------------------
+def test_nan_outputs_are_named_in_the_row_the_report_and_the_summary(tmp_path):
+    """A Q/DQ file whose activation scale was edited to NaN (a custom model, no labels): stage
+    3's row said status ok with an empty cosine, and the report listed it as ok with a 3.7x
+    speedup. The row now counts the non-finite values and the report says so."""
+    import argparse
+    import time
+
+    report = load_stage("8_report")
+    g = helper.make_graph(
+        [helper.make_node("QuantizeLinear", ["x", "s"], ["q"], name="q"),
+         helper.make_node("DequantizeLinear", ["q", "s"], ["y"], name="dq")], "g",
+        [helper.make_tensor_value_info("x", 1, ["N", 4])],
+        [helper.make_tensor_value_info("y", 1, ["N", 4])],
+        [numpy_helper.from_array(np.array(np.nan, np.float32), "s")])
+    src = tmp_path / "nan.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 19)], ir_version=9),
+              str(src))
+    x = np.random.default_rng(0).standard_normal((5, 4)).astype(np.float32)
+    data = EvalData(feed={"x": x}, ref={"y": x})
+    with OrtRunner(src) as r:
+        rec, _ = evaluate(r, data, stage="3_onnx_eval", precision="INT8",
+                                   model="review:nan", tag="ort_nan", args=argparse.Namespace(),
+                                   started=time.time(), iters=3, warmup=1, write=False)
+    assert rec["nonfinite_outputs"] == {"y": 20}, rec.get("nonfinite_outputs")
+    assert "20 NaN/Inf" in summary_line(rec)
+    (row,) = report.table_rows([{**rec, "_file": "ort_nan.json"}])
+    assert "NON-FINITE OUTPUTS" in row["status"], row["status"]
+
+
+def _data(n: int = 10) -> EvalData:
+    rng = np.random.default_rng(0)
+    return EvalData(x_u8=rng.integers(0, 256, (n, 3, 8, 8), dtype=np.uint8),
+                             y=rng.integers(0, 10, n), files=[f"f{i}" for i in range(n)],
+                             mean=(0.5,) * 3, std=(0.5,) * 3)
+
+
+def test_rows_of_every_backend_share_one_schema(tmp_path):
+    model = _tiny_torch()
+    onnx_path = _export(model, tmp_path / "m.onnx")
+    data = _data()
+    args = argparse.Namespace(x=1)
+    recs = []
+    for runner in (TorchRunner(model), OrtRunner(onnx_path)):
+        with runner:
+            rec, out = evaluate(runner, data, stage="t", precision="FP32", model="m",
+                                         tag="t", args=args, started=time.time(), warmup=1,
+                                         iters=3, latency_batch=4, write=False)
+        recs.append(rec)
+        assert out["logits"].shape == (10, 10)
+        assert rec["latency"]["batch"] == 1 and rec["latency_batch"]["batch"] == 4
+        assert rec["latency"]["end_to_end_ms"]["p50_ms"] > 0
+        assert rec["n_images"] == 10 and 0 <= rec["accuracy"]["top1"] <= 100
+    assert set(recs[0]) == set(recs[1])
+    assert recs[0]["device"] == recs[1]["device"] == "cpu"  # never "cuda:0" vs "cuda"
+
+
+def test_static_batch_model_is_fed_in_its_own_batch(tmp_path):
+    """A model exported with a static batch of 4 gets batches of 4 (last one padded), whatever
+    --batch-size asks for, and a latency batch it cannot take is a usage error."""
+    model = _tiny_torch()
+    with OrtRunner(_export(model, tmp_path / "s.onnx", batch=4)) as o:
+        assert o.batch_range == (4, 4)
+        data = _data(10)
+        out = run_outputs(o, data, batch=64)["logits"]
+        with TorchRunner(model) as t:
+            ref = run_outputs(t, data, batch=3)["logits"]
+        assert out.shape == (10, 10)
+        np.testing.assert_allclose(out, ref, atol=1e-5)
+        with pytest.raises(UsageError, match="accepts batch 4..4"):
+            latency(o, data, 1, 0, 1)
+        assert latency(o, data, 4, 0, 2)["batch"] == 4
+
+
+def test_batch_plan():
+    assert batch_plan(100, 64, (1, None)) == (64, 0)
+    assert batch_plan(100, 64, (1, 32)) == (32, 0)  # engine profile max
+    assert batch_plan(100, 64, (1, 1)) == (1, 1)
+    assert batch_plan(100, 2, (8, 8)) == (8, 8)
+
+
+def test_a_failing_diagnostic_never_fails_the_row(tmp_path, monkeypatch):
+    monkeypatch.setenv("RESULTS", str(tmp_path))
+    rec = base_record("t", "FP32", "m", "row", {"backend": "ORT", "device": "cpu"})
+    write_result("m", "row", rec)
+
+    def broken():
+        raise NameError("name 'art' is not defined")
+
+    assert diagnose(rec, "layerwise", broken) is None
+    saved = json.loads((tmp_path / "m" / "row.json").read_text())
+    assert saved["status"] == "ok"
+    assert saved["diagnostics"]["layerwise"]["status"] == "error"
+    assert "art" in saved["diagnostics"]["layerwise"]["error"]
+    assert diagnose(rec, "ok_one", lambda: {"x": 1}) == {"x": 1}
+    assert json.loads((tmp_path / "m" / "row.json").read_text())["diagnostics"]["ok_one"] == {"x": 1}

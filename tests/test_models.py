@@ -1,0 +1,159 @@
+"""deploykit.models: the model table, offline Lite0 weights, the torchvision download path on a
+file:// URL, --weights, user factories and --input-shape."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+
+import numpy as np
+import pytest
+
+import deploykit.models as models_mod
+from deploykit.compare import topk_accuracy
+from deploykit.data.images import list_images, load_image_rgb, normalize, preprocess_image
+from deploykit.errors import StageError, UsageError
+from deploykit.layout import DEFAULT_DATA
+from deploykit.models import (
+    build_model, IMAGENET_MEAN, model_spec, parse_input_shape, parse_input_shapes,
+)
+
+
+DATA = DEFAULT_DATA
+
+
+# ----------------------------------------------------------------------------- models
+def test_model_table_preprocessing():
+    lite = model_spec("efficientnet_lite0")
+    assert lite.mean == lite.std == (0.5, 0.5, 0.5)
+    mb = model_spec("mobilenet_v3_small")
+    assert mb.mean == IMAGENET_MEAN and (mb.resize, mb.crop) == (256, 224)
+    assert model_spec("resnet50").resize == 232  # from torchvision's weights metadata
+    with pytest.raises(UsageError):
+        model_spec("not_a_model")
+
+
+def test_efficientnet_lite0_offline_weights_are_real():
+    """The position-wise load must give the published model, not a shuffled one: on 64 real
+    images the top-1 is far above chance."""
+    model, spec = build_model("efficientnet_lite0")
+    import torch
+
+    files = sorted(DATA.glob("*.JPEG"))[::16][:64]
+    items = dict(list_images(DATA)[0])
+    x = np.stack([preprocess_image(load_image_rgb(f), spec.resize, spec.crop,
+                                          spec.interpolation) for f in files])
+    with torch.inference_mode():
+        logits = model(torch.from_numpy(normalize(x, spec.mean, spec.std))).numpy()
+    acc = topk_accuracy(logits, np.array([items[f.name] for f in files]))
+    assert acc["top1"] > 70.0
+
+
+def _fake_torchvision_weights(tmp_path, monkeypatch):
+    """A local file standing in for the download: a random-init mobilenet_v3_small state dict
+    named with its own sha256 prefix (torch.hub checks it)."""
+    import torch
+    import torchvision
+
+    sd = torchvision.models.mobilenet_v3_small().state_dict()
+    blob = tmp_path / "blob.pth"
+    torch.save(sd, blob)
+    sha = hashlib.sha256(blob.read_bytes()).hexdigest()
+    served = tmp_path / "srv" / f"mobilenet_v3_small-{sha[:8]}.pth"
+    served.parent.mkdir()
+    shutil.move(blob, served)
+    hub = tmp_path / "hub"
+    monkeypatch.setattr(torch.hub, "get_dir", lambda: str(hub))
+    monkeypatch.setattr(models_mod, "torchvision_weights_file",
+                        lambda name: (served.as_uri(), hub / "checkpoints" / served.name))
+    return sd, served, hub
+
+
+def test_torchvision_download_path_with_local_url(tmp_path, monkeypatch):
+    """The real download code (torch.hub.load_state_dict_from_url, hash check) on a file:// URL;
+    the second build reads the cache without the URL."""
+    import torch
+
+    sd, served, hub = _fake_torchvision_weights(tmp_path, monkeypatch)
+    model, _ = build_model("mobilenet_v3_small")
+    assert (hub / "checkpoints" / served.name).exists()
+    k = "features.0.0.weight"
+    assert torch.equal(model.state_dict()[k], sd[k])
+    served.unlink()  # now only the cache can provide it
+    model2, _ = build_model("mobilenet_v3_small")
+    assert torch.equal(model2.state_dict()[k], sd[k])
+
+
+def test_download_failure_says_how_to_proceed(tmp_path, monkeypatch):
+    import torch
+
+    hub = tmp_path / "hub"
+    monkeypatch.setattr(torch.hub, "get_dir", lambda: str(hub))
+    monkeypatch.setattr(models_mod, "torchvision_weights_file",
+                        lambda name: ((tmp_path / "missing-0123abcd.pth").as_uri(),
+                                      hub / "checkpoints" / "missing-0123abcd.pth"))
+    with pytest.raises(StageError) as e:
+        build_model("mobilenet_v3_small")
+    msg = str(e.value)
+    assert str(hub / "checkpoints") in msg and "--weights" in msg and "efficientnet_lite0" in msg
+
+
+def test_weights_flag_loads_local_checkpoint(tmp_path):
+    import torch
+    import torchvision
+
+    sd = torchvision.models.mobilenet_v3_small().state_dict()
+    torch.save({"state_dict": sd}, tmp_path / "ck.pth")
+    model, _ = build_model("mobilenet_v3_small", weights=tmp_path / "ck.pth")
+    assert torch.equal(model.state_dict()["classifier.3.bias"], sd["classifier.3.bias"])
+    with pytest.raises(UsageError):
+        build_model("mobilenet_v3_small", weights=tmp_path / "nope.pth")
+
+
+def other_net():
+    import torch
+
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 5), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+
+def test_factory_that_raises_is_named():
+    with pytest.raises(StageError, match=r"factory tests\.custom_models\."
+                                                r"raising_factory\(\) raised RuntimeError"):
+        build_model("tests.custom_models:raising_factory")
+
+
+def test_negative_or_zero_input_shape_is_a_usage_error():
+    for bad in ("x:1,-3,224,224", "x:0,3"):
+        with pytest.raises(UsageError, match="every dimension must be >= 1"):
+            parse_input_shapes([bad])
+
+
+def test_weights_folder_is_a_usage_error(tmp_path):
+    (tmp_path / "model.pth").write_bytes(b"")
+    with pytest.raises(UsageError, match=r"is a folder.*found there: model\.pth"):
+        build_model("tests.custom_models:tiny_net", weights=tmp_path)
+
+
+def test_state_dict_of_another_architecture_custom_and_torchvision(tmp_path):
+    import torch
+
+    ck = tmp_path / "other.pth"
+    torch.save(other_net().state_dict(), ck)
+    with pytest.raises(StageError, match=r"does not fit --model tests\.custom_models"
+                                                r":tiny_net: .*of another shape.*another architecture"):
+        build_model("tests.custom_models:tiny_net", weights=ck)
+    with pytest.raises(StageError, match=r"does not fit --model mobilenet_v3_small: "
+                                                r"\d+ tensors missing"):
+        build_model("mobilenet_v3_small", weights=ck)
+
+
+def test_one_input_shape_parser_for_every_stage():
+    """Stages 1-3 and 6 read --input-shape with one parser: quoted names holding ':', dtypes,
+    'x' or ',' between dims, and a clear error for dims < 1."""
+    assert parse_input_shapes(["x:2,3,8,8", "'ids:0':1x16:int64", "4,3"]) == [
+        ("x", (2, 3, 8, 8), "float32"), ("ids:0", (1, 16), "int64"), ("input_2", (4, 3), "float32")]
+    assert parse_input_shape("input:0:1x3x32x32") == ("input:0", (1, 3, 32, 32), None)
+    with pytest.raises(UsageError, match="every dimension must be >= 1"):
+        parse_input_shapes(["x:0,3,8,8"])
+    with pytest.raises(UsageError, match="unknown dtype"):
+        parse_input_shapes(["x:1,3:floaty"])
