@@ -1,4 +1,22 @@
-"""TODO docstring for runners
+"""Backend runners: one interface for PyTorch, ONNX Runtime, TensorRT and a null backend.
+
+Every stage and tool that runs a model goes through these classes (after Polygraphy's
+``BaseRunner`` and timm's ``benchmark.py``):
+
+- a context manager: ``with OrtRunner(path) as r: ...``;
+- ``infer(feed) -> {output name: np.ndarray}``: ``feed`` maps input names to host arrays with the
+  batch on axis 0; outputs come back on the host (floating outputs as float32);
+- ``time(feed, warmup, iters) -> Timing``: the runner's own timer (``time.perf_counter`` around
+  a host call on the CPU, plus CUDA events around the GPU work on a GPU); preprocessing is never
+  inside the timed region;
+- ``describe() -> dict``: backend, device, the EP or engine really used, versions, TF32 state;
+- ``input_names`` / ``output_names``; ``batch_range``: the batch sizes the model accepts.
+
+The timed loops themselves live in :mod:`deploykit.timing`.
+
+Terms (trtexec's): *end-to-end* latency is host wall-clock from host inputs to host outputs
+(H2D copy + compute + D2H copy + synchronisation); *GPU Compute Time* is the device time of the
+work alone, from CUDA events. Units: milliseconds (ms).
 """
 from __future__ import annotations
 
