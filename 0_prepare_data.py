@@ -20,7 +20,7 @@ crash mid-run.
 Tuning split (only with ``--tune-fraction F``, default 0: none). The mixed-precision search of
 ``int8_auto`` (``auto_precision.py``) chooses which layers stay in float on images that are
 neither evaluated nor used for calibration: a seeded fraction F of the evaluation images is moved
-to a ``tune`` split (``common.split_tuning``; the calibration split does not change). This
+to a ``tune`` split (``deploykit.data.splits.split_tuning``; the calibration split does not change). This
 shrinks the evaluation split, so every row of such a run is on fewer images:
 ``bash run_all.sh --auto-precision`` does it for the whole run (F = 0.25: 225 tuning, 675
 evaluation images of the embedded sample).

@@ -65,7 +65,7 @@ def main(args: argparse.Namespace) -> dict:
     """Evaluate PyTorch FP32, then write the reference and the row together.
 
     Returns:
-        the results row (:mod:`evaluate` schema).
+        the results row (:mod:`deploykit.evaluate` schema).
     Raises:
         UsageError: bad flags, or a custom model without (or with wrong) --input-shape.
         StageError: no CUDA for --device cuda, missing split, weights that cannot be had.

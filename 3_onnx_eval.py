@@ -15,7 +15,7 @@ DequantizeLinear + float ops, the graph's reference semantics): by default the f
 whole split as soon as any of them differs; and flags a backend disagreement when top-1 differs
 by more than ``--cross-check-tol`` points. A "collapse" that disappears there is an ORT optimiser
 effect, not a quantization failure. A model that is not a classifier gets the same cross-check
-on every output (cosine; ``qdq_tools.backend_cross_check``). When the backend disagrees (and
+on every output (cosine; ``deploykit.quant.cross_check.backend_cross_check``). When the backend disagrees (and
 with ``--layerwise``) the stage also writes the per-layer table that separates quantization error
 (float vs Q/DQ graph, both unoptimised) from backend error (the Q/DQ graph optimised vs not):
 ``results/<model>/quant_backend_<tag>/`` (``layerwise.py quant-backend``). These diagnostics run
@@ -111,7 +111,7 @@ def main(args: argparse.Namespace) -> dict:
     """Evaluate ``--onnx`` on ORT and write ``results/<model>/<tag>.json``.
 
     Returns:
-        the results row (:mod:`evaluate` schema).
+        the results row (:mod:`deploykit.evaluate` schema).
     Raises:
         UsageError: bad flags or EP name. StageError: missing inputs, a session that cannot be
             created or run (the failure is recorded in the row first).
@@ -202,7 +202,7 @@ def main(args: argparse.Namespace) -> dict:
 
 
 def _quant_backend(args, spec, data: EvalData, onnx_path: Path) -> dict:
-    """``layerwise.quant_backend_table`` of ``onnx_path`` against the model's FP32 ONNX on
+    """``deploykit.layerwise.quant_backend.quant_backend_table`` of ``onnx_path`` against the model's FP32 ONNX on
     ``--layerwise-images`` samples; writes ``results/<model>/quant_backend_<tag>/`` and returns
     a summary for the row."""
 

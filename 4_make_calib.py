@@ -3,15 +3,15 @@
 against the model and against the evaluation data before any quantizer sees it.
 
 Image classifiers: the calibration split (never an eval image), preprocessed exactly as
-evaluation (``common.load_split`` + ``common.normalize``). Any other model
+evaluation (``deploykit.data.splits.load_split`` + ``deploykit.data.images.normalize``). Any other model
 (``--model package.module:factory``): ``--inputs NPZ`` (your calibration samples, one array per
 input name, batch on axis 0) or ``--random N`` (N seeded samples from the generator stage 1 uses
 for its reference inputs: structure runs only, never an accuracy claim).
 
-Every input of the model gets an array (read from the ONNX graph with ``onnx_graph.inputs``).
+Every input of the model gets an array (read from the ONNX graph with ``deploykit.onnx.graph.graph_inputs``).
 The samples are shuffled with ``--seed`` (the order is recorded: it decides which samples share
 a calibration batch when stage 5 calibrates in several batches). Before writing, the data are
-validated (``qdq_tools.validate_calibration``): keys equal the model's input names, shapes and
+validated (``deploykit.quant.calibration.validate_calibration``): keys equal the model's input names, shapes and
 dtypes fit, no NaN/Inf, and per-input mean/std/range are close to the evaluation data's (the
 eval split through the same preprocessing; for other models stage 1's reference inputs), so
 swapped or unnormalised inputs are refused with the numbers.
@@ -168,7 +168,7 @@ def main(args: argparse.Namespace) -> dict:
     Raises:
         UsageError: bad flags (see :func:`classifier_data` / :func:`custom_data`).
         StageError: missing inputs, overlapping splits, or calibration data that fail
-            :func:`qdq_tools.validate_calibration` (nothing is written then).
+            :func:`deploykit.quant.calibration.validate_calibration` (nothing is written then).
     """
     started = time.time()
     check_positive(args, "limit")

@@ -16,7 +16,7 @@ Without the TensorRT Python package or without a CUDA GPU it prints why, writes 
 Rerun alone:
     python 7_trt_eval.py --engine artifacts/mobilenet_v3_small/engines/fp16.plan --tag trt_fp16
 
-Runtime: ``runners.TrtRunner`` (tensor-name API, ``execute_async_v3``; TensorRT 8.5+; device
+Runtime: ``deploykit.runners.TrtRunner`` (tensor-name API, ``execute_async_v3``; TensorRT 8.5+; device
 buffers are torch CUDA tensors, no pycuda), through the evaluation path shared with stages 1 and
 3 (``deploykit.evaluate``). Latency, as trtexec names it: ``end_to_end_ms`` is host arrays to host
 arrays (H2D + ``execute_async_v3`` + D2H + sync), ``gpu_compute_ms`` the CUDA-event time of
@@ -96,7 +96,7 @@ def _precision(args) -> str:
 
 def _row(args, status: str, reason: str | None, started: float, desc: dict | None = None,
          **fields) -> dict:
-    """A row without measurements (skipped / failed), :mod:`evaluate` schema."""
+    """A row without measurements (skipped / failed), :mod:`deploykit.evaluate` schema."""
     v = variant_of_file(args.engine)
     rec = base_record(STAGE, _precision(args), args.model, args.tag, desc,
                       backend="TensorRT", status=status, reason=reason,

@@ -1,7 +1,7 @@
 """One evaluation path for every backend (stages 1, 3 and 7): batched inference on the evaluation
 data, top-1/top-5, parity with the PyTorch reference, latency, and one results-row schema.
 
-A stage builds a runner (:mod:`runners`) and the data it is judged on (:func:`classifier_data`
+A stage builds a runner (:mod:`deploykit.runners`) and the data it is judged on (:func:`classifier_data`
 or :func:`custom_data`), then calls :func:`evaluate`, which writes the row. Diagnostics
 (backend cross-checks, layer-wise comparisons) run after the row is written, through
 :func:`diagnose`, and can never turn a good row into a failed one.
@@ -115,7 +115,7 @@ def custom_data(ref_path: Path) -> EvalData:
 
 
 def aligned_reference(ref_path: Path, files: list[str], limit: int | None) -> np.ndarray:
-    """Reference logits ``[N, C]`` for the eval ``files`` (:func:`common.align_reference`).
+    """Reference logits ``[N, C]`` for the eval ``files`` (:func:`deploykit.data.splits.align_reference`).
 
     Raises:
         StageError: the reference does not cover every file (stage 1 ran with a smaller
@@ -194,7 +194,7 @@ def run_outputs(runner: Runner, data: EvalData, batch: int,
 
 def latency(runner: Runner, data: EvalData, batch: int, warmup: int, iters: int
             ) -> dict:
-    """The ``latency`` block (:meth:`runners.Timing.stats`) at ``batch``, on the first
+    """The ``latency`` block (:meth:`deploykit.timing.Timing.stats`) at ``batch``, on the first
     ``batch`` samples of ``data`` (repeated when there are fewer).
 
     Raises:
@@ -267,7 +267,7 @@ def base_record(stage: str, precision: str, model: str, tag: str, runner_desc: d
                 backend: str | None = None, status: str = "ok", reason: str | None = None,
                 **fields) -> dict:
     """A row with every schema field (see the module docstring), filled from ``runner_desc``
-    (:meth:`runners.Runner.describe`) and ``fields``."""
+    (:meth:`deploykit.runners.Runner.describe`) and ``fields``."""
     d = dict(runner_desc or {})
     rec = result_record(stage, backend or d.get("backend", "?"), precision, model, tag,
                         status=status, reason=reason)

@@ -76,7 +76,7 @@ def export_fp32(model, example: dict[str, np.ndarray], path: Path, exporter: str
             :data:`EXAMPLE_BATCH`).
     Returns:
         ``(exporter warnings, declared dynamic axes {name: [axes]})``; the warnings are captured
-        (never silenced) for :func:`export_checks.check_exporter_warnings`.
+        (never silenced) for :func:`deploykit.checks.export.check_exporter_warnings`.
     Raises:
         StageError: the exporter fails (message: its first line and the user's source line).
     """

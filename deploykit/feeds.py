@@ -29,10 +29,10 @@ def load_feed(npz: Path | str | None, model: str | None, n: int, onnx_path: Path
         npz: ``.npz`` whose keys are the model's input names (arrays with batch on axis 0);
             all its samples are used (``n`` is ignored).
         model: ``--model`` name: for an image classifier the first ``n`` eval images,
-            preprocessed and normalised as every stage does (:func:`common.load_split`,
-            :func:`common.normalize`); a custom model gets random inputs.
+            preprocessed and normalised as every stage does (:func:`deploykit.data.splits.load_split`,
+            :func:`deploykit.data.images.normalize`); a custom model gets random inputs.
         onnx_path: the reference model (input names, and random inputs when neither is given).
-        input_shapes: ``--input-shape`` values for random inputs (:func:`common.parse_input_shapes`);
+        input_shapes: ``--input-shape`` values for random inputs (:func:`deploykit.models.parse_input_shapes`);
             their first dimension is the batch per run (:func:`input_shape_batch`), not the
             number of samples.
     Raises:
@@ -88,7 +88,7 @@ def input_shape_batch(input_shapes: Sequence[str] | None) -> int | None:
 def feed_plan(feed: dict[str, np.ndarray], models: Sequence[Any], requested: int | None
               ) -> tuple[dict[str, np.ndarray], int | None]:
     """How to feed ``feed`` to every model of ``models`` (ONNX paths or ModelProtos): the batch
-    rule of the evaluation path (:func:`evaluate.batch_plan`: a model whose inputs have a static
+    rule of the evaluation path (:func:`deploykit.evaluate.batch_plan`: a model whose inputs have a static
     batch is fed exactly that many samples per run, one at a time for a batch-1 export; a dynamic
     batch takes ``requested``, None = all at once). Unlike evaluation, which pads a last short
     run, a layer-wise comparison leaves those samples out (said on stderr): padded copies would

@@ -30,7 +30,7 @@ def _variant(r: dict) -> str:
 
 def _is_rerun(r: dict) -> bool:
     """True for a rerun's failure kept beside a good row (``<tag>.failed.json``,
-    :func:`common.write_result`)."""
+    :func:`deploykit.results.write_result`)."""
     return r.get("_file", f"{r['tag']}.json") != f"{r['tag']}.json"
 
 

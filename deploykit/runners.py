@@ -596,7 +596,7 @@ class TrtRunner(Runner):
                       gpu, "torch.cuda.Event pair around execute_async_v3 on bound buffers")
 
     def layer_info(self) -> dict:
-        """Engine inspector JSON summarised by :func:`trt_parsers.parse_layer_info`."""
+        """Engine inspector JSON summarised by :func:`deploykit.trt.parsers.parse_layer_info`."""
 
         insp = self.engine.create_engine_inspector()
         insp.execution_context = self.context

@@ -164,7 +164,7 @@ def check_batch_parity(ref_by_batch: dict[int, dict[str, np.ndarray]],
         lint_results: lint (and dynamic-axes, exporter-warning) findings; the ones that explain
             a failure are named in it.
     Returns:
-        one ``batch_parity`` row with ``parity`` (:func:`common.parity` per output at the
+        one ``batch_parity`` row with ``parity`` (:func:`deploykit.compare.parity` per output at the
         largest batch, outputs named by PyTorch) and ``output_shapes``.
     """
     problems, node, fix = [], None, None
@@ -354,7 +354,7 @@ def other_paths(feed: dict[str, np.ndarray], seed: int = 1) -> dict[str, np.ndar
 
 def torch_runner(model) -> Callable[[dict], dict]:
     """``feed -> {output_i: array}`` running the PyTorch ``model`` (CPU, inference mode,
-    :class:`runners.TorchRunner`); the inputs are passed positionally in the feed's order."""
+    :class:`deploykit.runners.TorchRunner`); the inputs are passed positionally in the feed's order."""
     def run(feed):
         return TorchRunner(model, "cpu", output_names=(),
                            input_names=list(feed)).infer(feed)

@@ -518,7 +518,7 @@ def fp16_backends(fp16_path: Path | str, feed: dict[str, np.ndarray],
     """Run the FP16 file where FP16 is computed in FP16: ONNX Runtime's CUDA EP and TensorRT
     (via Polygraphy), when present; parity with PyTorch. Without them a ``skip`` row says that
     ORT's CPU EP computed the FP16 graph in FP32. ``batch``: samples per run (a static batch
-    wins, :func:`layerwise.chunk_size`; None: all at once)."""
+    wins, :func:`deploykit.onnx.activations.chunk_size`; None: all at once)."""
     import onnxruntime as ort
 
 

@@ -289,7 +289,7 @@ def load_split(name: str, spec: ModelSpec, limit: int | None = None
 
 
 # --------------------------------------------------------------------------------------------
-# Reference logits (ONNX graph helpers live in onnx_graph.py)
+# Reference logits
 # --------------------------------------------------------------------------------------------
 def align_reference(ref_path: Path | str, files: Sequence[str]
                     ) -> tuple[np.ndarray | None, np.ndarray]:

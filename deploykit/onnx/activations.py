@@ -108,7 +108,7 @@ def ort_activations(model_or_path, feed: dict[str, np.ndarray], *, ep: str = "cp
     Args:
         model_or_path: ONNX path or ModelProto.
         feed: ``{input name: array}``, batch on axis 0.
-        ep: ``cpu``/``cuda``/``trt`` (:data:`runners.ORT_EPS`).
+        ep: ``cpu``/``cuda``/``trt`` (:data:`deploykit.runners.ORT_EPS`).
         batch: chunk size (default: the whole feed at once); see :func:`feed_plan` for a model
             with a static batch. Float32 inputs are cast to float16 where the model declares
             float16 inputs.
@@ -155,7 +155,7 @@ def trt_activations(onnx_path: Path | str, feed: dict[str, np.ndarray], *,
     output marked (``ModifyNetworkOutputs(outputs=MARK_ALL)``, the same as ``polygraphy run --trt
     --trt-outputs mark all``); tensor names are the ONNX tensor names the parser keeps.
     Without it, ``engine_path`` (a serialized plan) is run as deployed. Either engine runs on
-    :class:`runners.TrtRunner`, the runner of stage 7.
+    :class:`deploykit.runners.TrtRunner`, the runner of stage 7.
 
     Args:
         build: ``{"fp16": bool, "int8": bool, "tf32": bool, "strongly_typed": bool}`` for the

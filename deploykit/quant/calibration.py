@@ -63,7 +63,7 @@ def calibration_reference(model: str, onnx_path: Path | str, n: int = 64
     """The evaluation data the calibration statistics are compared with.
 
     Image classifiers: the first ``n`` eval images through the evaluation preprocessing
-    (:func:`common.load_split` + :func:`common.normalize`). Other models: the inputs stage 1 ran
+    (:func:`deploykit.data.splits.load_split` + :func:`deploykit.data.images.normalize`). Other models: the inputs stage 1 ran
     the PyTorch reference on (``artifacts/<model>/ref_outputs.npz``, keys ``in:<name>``).
 
     Returns:

@@ -87,7 +87,7 @@ def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarr
     (``cause``).
 
     Args:
-        data: ``evaluate.EvalData`` of the main run (classifier images with labels, or a feed).
+        data: ``deploykit.evaluate.EvalData`` of the main run (classifier images with labels, or a feed).
         outputs: ``{output name: array [N, ...]}`` of the main run (same order of samples).
         batch: samples per run (the model's static batch, if any, wins: evaluate.run_outputs).
         tol_points: classifiers: top-1 difference (points) that counts as a disagreement.

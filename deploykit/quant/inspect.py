@@ -197,9 +197,9 @@ def activation_stats(onnx_path: Path, calib: Path, batch: int = 10, sample: int 
                      limit: int | None = None, seed: int = 0) -> list[dict]:
     """Per-tensor activation statistics of a float ONNX model over the calibration data.
 
-    Every node output is marked as a graph output (``onnx_graph.mark_all_outputs`` through
-    ``layerwise.ort_activations``, graph optimisations off) and the npz samples are fed in runs
-    the model accepts (a static batch is fed exactly; ``layerwise.feed_plan``). ``max`` is the
+    Every node output is marked as a graph output (``deploykit.onnx.graph.mark_all_outputs`` through
+    ``deploykit.onnx.activations.ort_activations``, graph optimisations off) and the npz samples are fed in runs
+    the model accepts (a static batch is fed exactly; ``deploykit.feeds.feed_plan``). ``max`` is the
     exact max |x| over all samples; ``p99.9`` is the 99.9th percentile of |x| estimated from a
     seeded sample of up to ``sample`` values per run (exact for smaller tensors). For 4-D
     tensors ``channel_spread`` is max over channels of max |x| divided by the median over

@@ -227,7 +227,7 @@ def repair_axes(model) -> list[dict]:
     :func:`verify_blocks` to refuse.
 
     Returns:
-        the :func:`qdq_tools.check_blocked_dq` records of the repaired nodes (``new_axis``).
+        the :func:`deploykit.quant.int4.check_blocked_dq` records of the repaired nodes (``new_axis``).
     """
     from onnx import helper
 

@@ -2,10 +2,10 @@
 
 ModelOpt patches ONNX Runtime's calibrators when it is imported, so it never runs inside a
 stage's own process: the child is ``python qdq_tools.py modelopt --calib-batch B -- FLAGS``
-(:func:`qdq_tools.modelopt_quantize`: ModelOpt's own CLI parser and ``quantize()``, with the
+(:func:`deploykit.quant.modelopt.modelopt_quantize`: ModelOpt's own CLI parser and ``quantize()``, with the
 calibration batch set apart from the shapes its GEMV rule reads). Callers: stage 5
 (``5_quantize.py``, one run per variant) and the mixed-precision search's base quantization
-(``auto_precision.base_qdq``).
+(``deploykit.quant.auto.inputs.base_qdq``).
 
 What a run gives back (:class:`ModelOptRun`): the status (``ok`` only when the child exited 0
 *and* wrote its output), the exit status, the wall time, the argv that ran, and the command
@@ -92,8 +92,8 @@ def modelopt_argv(onnx_path: Path | str, output_path: Path | str, flags: Sequenc
     Args:
         onnx_path: ``--onnx_path`` (ModelOpt rewrites this file: give it a private copy).
         output_path: ``--output_path`` (ModelOpt also writes its intermediate files beside it).
-        flags: the other ModelOpt CLI flags (``variants.modelopt_args``).
-        calib_batch: the calibration batch (``qdq_tools.calibration_plan``'s ``batch_size``,
+        flags: the other ModelOpt CLI flags (``deploykit.variants.modelopt_args``).
+        calib_batch: the calibration batch (``deploykit.quant.calibration.calibration_plan``'s ``batch_size``,
             or ``"all"``).
         python: the interpreter (default: ``sys.executable``, the one running the caller).
     Returns:

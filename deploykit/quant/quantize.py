@@ -116,7 +116,7 @@ def calibration_record(model: str, onnx_path: Path, calib: Path, data: dict[str,
         data: its arrays. sha256: the hash of its bytes (:func:`read_calibration`).
         batch: ``CALIB_BATCH``. stats_check: compare the statistics with the evaluation data.
     Returns:
-        the record ``qdq_tools.calibration_summary`` reads: ``n_samples``, ``inputs``,
+        the record ``deploykit.quant.record.calibration_summary`` reads: ``n_samples``, ``inputs``,
         ``stats_check``, ``plan``, ``calib``, ``sha256``, ``order_seed``, ``made_by``.
     Raises:
         StageError: the data do not fit the model or the evaluation data.
@@ -322,5 +322,5 @@ def quantize_all(args, selected, env, eps, src, calib, onnx_dir, res_dir, work, 
 
 
 def _prog() -> str:
-    """The program name in messages (as :func:`common.cli` prints it)."""
+    """The program name in messages (as :func:`deploykit.cli.cli` prints it)."""
     return Path(sys.argv[0]).name

@@ -64,7 +64,7 @@ def print_check(rep: dict, limit: int | None = None) -> None:
 def record_quant(args: argparse.Namespace) -> dict:
     """Write ``results/<model>/quant_<variant>.json``: wall time, the exact command, ModelOpt's
     warnings, the calibration record (``--calib-report``: samples, batch, order seed), the
-    :func:`inspect_model` summary, the MACs in INT8 (``macs``: :func:`auto_precision.mac_summary`)
+    :func:`inspect_model` summary, the MACs in INT8 (``macs``: :func:`deploykit.quant.macs.mac_summary`)
     and the health check (:func:`run_check` with the float model and the calibration data) of
     the output."""
     onnx_path = Path(args.onnx)

@@ -8,7 +8,7 @@ budget. How it works:
 
 1. **Quantize once.** ModelOpt quantizes every candidate with the ``int8_auto`` recipe of
    ``variants.py`` and no exclusion (Conv+Gemm, fp32 scales; run through ``qdq_tools.py
-   modelopt``, the calibration batch of ``qdq_tools.calibration_plan``). The candidates are the
+   modelopt``, the calibration batch of ``deploykit.quant.calibration.calibration_plan``). The candidates are the
    Conv/ConvTranspose/Gemm/MatMul nodes it quantized.
 2. **Edit, do not re-quantize.** "Only node k in INT8" and "only node k in float" are made by
    editing that Q/DQ graph: a node kept in float reads its float weight and its float input

@@ -20,7 +20,7 @@ Four tools, one module (library + CLI):
   ``python export_checks.py check``, where the checks live.
 
 Reads: ONNX files (and optionally a TensorRT plan), an ``.npz`` of inputs or ``--model M --n N``
-eval images (``artifacts/splits.json`` via :func:`common.load_split`).
+eval images (``artifacts/splits.json`` via :func:`deploykit.data.splits.load_split`).
 Writes (``--out-dir``): ``layerwise.json``, ``layerwise.md`` (table), ``layerwise.png`` (cosine
 along the graph), all atomically.
 

@@ -313,7 +313,7 @@ def ort_parity(a, b, feed: Mapping[str, np.ndarray]) -> dict:
     """Run two ONNX models on ONNX Runtime's CPU EP on the same inputs and compare exactly.
 
     Both run with graph optimisations disabled and every tensor marked as an output
-    (:func:`onnx_graph.mark_all_outputs`), so each node is computed as written: ORT otherwise
+    (:func:`deploykit.onnx.graph.mark_all_outputs`), so each node is computed as written: ORT otherwise
     fuses Q/DQ pairs and removes Cast pairs it inserted around float16 nodes, which changes
     float16 rounding differently in the two files and would hide or invent differences.
 
@@ -435,7 +435,7 @@ def calibration_cache_text(scales: Mapping[str, float], nv_version: int,
     Args:
         scales: ``{tensor name: scale}`` (scale = dynamic range / 127, float32).
         nv_version: ``NV_TENSORRT_VERSION`` of the TensorRT that reads it (8601 for 8.6.1,
-            100300 for 10.3.0; ``trt_tools.encode_version_int``).
+            100300 for 10.3.0; ``deploykit.trt.rules.encode_version_int``).
         algorithm: the calibrator's algorithm name in the header.
     Returns:
         ``TRT-<nv_version>-<algorithm>\\n`` + ``<name>: <8 hex digits>\\n`` per tensor (the float32

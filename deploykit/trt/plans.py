@@ -15,7 +15,7 @@ from deploykit.trt.profiles import fmt_dims
 # Stage 7: plan-load diagnosis, profile fit, batch invariance
 # --------------------------------------------------------------------------------------------
 def diagnose_plan_load(plan: Path | str, log: str, runtime_version: Sequence[int] | None) -> dict:
-    """:func:`trt_parsers.classify_plan_load_error` for a plan file: reads its first bytes and
+    """:func:`deploykit.trt.parsers.classify_plan_load_error` for a plan file: reads its first bytes and
     size, then classifies ``log`` (what the runtime logged). Returns the classification with a
     one-line ``text`` ("<message>. Fix: <fix>")."""
     plan = Path(plan)

@@ -19,7 +19,7 @@ from deploykit.onnx.graph import graph_inputs, load_onnx
 # --------------------------------------------------------------------------------------------
 def onnx_inputs(path_or_model) -> list[tuple[str, list[int | None], np.dtype]]:
     """Every real graph input of an ONNX file (or model): ``[(name, dims, dtype)]``, dynamic
-    dims as None (``onnx_graph.inputs``); reads the graph only, not external weights.
+    dims as None (``deploykit.onnx.graph.graph_inputs``); reads the graph only, not external weights.
 
     Raises:
         StageError: the file is missing/unreadable or the graph has no input.
@@ -105,7 +105,7 @@ def input_profiles(inputs: Sequence[tuple[str, Sequence[int | None], Any]], *,
 
     Args:
         inputs: :func:`onnx_inputs` of the model.
-        input_shapes: ``--input-shape`` values (:func:`common.parse_input_shape`; an unnamed one is
+        input_shapes: ``--input-shape`` values (:func:`deploykit.models.parse_input_shape`; an unnamed one is
             the input at its position).
         min_shapes, opt_shapes, max_shapes: :func:`parse_shape_specs` results.
         min_batch, opt_batch, max_batch: batch range for a dynamic axis 0.

@@ -179,7 +179,7 @@ def dla_allowed(trt_version: Sequence[int], variant: Variant) -> str | None:
 
 # INT8 routes: "qdq" (the Q/DQ file as is), "qdq_opset17" (converted to opset 17 for the 8.x
 # parser when exact, trt_onnx.to_opset), "implicit" (FP32 ONNX + calibration cache from the
-# Q/DQ scales, --int8 --calib). Sources: trt_onnx.py docstring.
+# Q/DQ scales, --int8 --calib). Sources: deploykit.trt.onnx_prep docstring.
 INT8_ROUTES = ("qdq", "qdq_opset17", "implicit")
 
 

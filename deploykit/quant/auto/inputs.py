@@ -30,7 +30,7 @@ from deploykit.variants import modelopt_args
 # Inputs: tuning/evaluation data, the base Q/DQ model
 # --------------------------------------------------------------------------------------------
 def _subset(data, idx: np.ndarray):
-    """``evaluate.EvalData`` restricted to sample indices ``idx``."""
+    """``deploykit.evaluate.EvalData`` restricted to sample indices ``idx``."""
     if data.classifier:
         return dataclasses.replace(data, x_u8=data.x_u8[idx], y=data.y[idx],
                                    files=[data.files[i] for i in idx])

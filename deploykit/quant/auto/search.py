@@ -189,7 +189,7 @@ def cosine_error(m: dict) -> float:
 def run_model(model_or_path, data, batch: int = 64, desc: str = "auto-precision"
               ) -> dict[str, np.ndarray]:
     """Every output of ``model_or_path`` (``ModelProto``, bytes or path) over ``data``
-    (``evaluate.EvalData``) on ORT's CPU EP with graph optimisations disabled.
+    (``deploykit.evaluate.EvalData``) on ORT's CPU EP with graph optimisations disabled.
 
     Returns:
         ``{output name: float32 [N, ...]}`` in the graph's output order.
@@ -205,7 +205,7 @@ def run_model(model_or_path, data, batch: int = 64, desc: str = "auto-precision"
 
 
 def data_digest(data) -> str:
-    """SHA-256 of the samples of an ``evaluate.EvalData`` (images, labels and normalisation,
+    """SHA-256 of the samples of an ``deploykit.evaluate.EvalData`` (images, labels and normalisation,
     or the feed arrays)."""
     h = hashlib.sha256()
     if data.classifier:
@@ -293,7 +293,7 @@ def search(space: QdqSpace, data, ref: np.ndarray, budget: Budget, cache: Cache,
     in float (module docstring, step 4).
 
     Args:
-        space: the configurations (:class:`QdqSpace`). data: ``evaluate.EvalData`` of the tuning
+        space: the configurations (:class:`QdqSpace`). data: ``deploykit.evaluate.EvalData`` of the tuning
             split; ref: FP32 outputs on it (``{name: [N, ...]}``, :func:`run_model`); budget:
             what must hold there.
         cache: measured configurations (read and extended).
