@@ -203,8 +203,7 @@ def build_report(pipelines: list[dict], budget: Budget) -> dict:
         best[tname] = {}
         for ln in sorted(cands, key=lambda ln: ln["p50_ms"]):
             best[tname].setdefault(ln["model"], ln)
-        pts = [ln for ln in table if ln["target"] == tname and ln["role"] == "candidate"
-               and ln["status"] == "ok" and ln["p50_ms"] is not None]
+        pts = pareto_points(table, tname)
         metric = accuracy_metric(pts)
         pts = [ln for ln in pts if ln[metric] is not None]
         fronts[tname] = [pts[i] for i in pareto_front([(ln["p50_ms"], ln[metric]) for ln in pts])]
@@ -217,6 +216,20 @@ def build_report(pipelines: list[dict], budget: Budget) -> dict:
             "best_per_model": best, "pareto": fronts,
             "pipelines": [{"id": p["id"], "status": p.get("status"), "error": p.get("error"),
                            "rerun_command": p.get("rerun_command")} for p in pipelines]}
+
+
+def pareto_points(table: list[dict], target: str) -> list[dict]:
+    """The lines a target's plot and Pareto front use: candidates that ran (status ok), with a
+    latency and finite outputs.
+
+    Args:
+        table: :func:`build_report` lines. target: the target name.
+
+    Returns:
+        the lines.
+    """
+    return [ln for ln in table if ln["target"] == target and ln["role"] == "candidate"
+            and ln["status"] == "ok" and ln["p50_ms"] is not None and not ln.get("nonfinite")]
 
 
 def accuracy_metric(lines: list[dict]) -> str:
@@ -238,7 +251,7 @@ def _metrics(row: dict, ref: dict | None) -> dict:
             "tag": row.get("tag"), "status": row.get("status"), "top1": t,
             "delta_top1": (t - t_ref) if t is not None and t_ref is not None else None,
             "agreement": par["top1_agreement"], "cosine": par["cosine_mean"],
-            "p50_ms": p50_ms(row)}
+            "p50_ms": p50_ms(row), "nonfinite": bool(row.get("nonfinite_outputs"))}
 
 
 def _fmt(v, nd: int) -> str:
@@ -306,8 +319,7 @@ def plot_target(report: dict, target: str, path: Path) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    pts = [ln for ln in report["table"] if ln["target"] == target and ln["role"] == "candidate"
-           and ln["status"] == "ok" and ln["p50_ms"] is not None]
+    pts = pareto_points(report["table"], target)
     metric = accuracy_metric(pts)
     pts = [ln for ln in pts if ln[metric] is not None]
     if not pts:
