@@ -146,6 +146,10 @@ def main(args: argparse.Namespace) -> int:
     except (RuntimeError, OSError) as e:
         print(f"sweep.py: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("sweep.py: interrupted; finished pipelines are kept and skipped by a rerun: "
+              f"{shlex.join(['python', 'sweep.py', *sys.argv[1:]])}", file=sys.stderr)
+        return 130
     counts = ", ".join(f"{n} {s}" for s, n in sorted(res["counts"].items()))
     print(f"sweep: {len(res['pipelines'])} pipelines: {counts}")
     for t, v in res["report"]["verdicts"].items():

@@ -70,6 +70,37 @@ def _load_rows(rows_dir: Path) -> dict[str, dict]:
     return rows
 
 
+def _store(res: dict, p: plan_mod.Pipeline, keys: dict, out: Path) -> None:
+    """Keep a finished pipeline: its rows, its stamp and its task record."""
+    hashes = _store_rows(out / "rows" / p.id, res.get("rows") or {})
+    key, parts = keys[p.id]
+    stamp.write_stamp(out / "stamps" / f"{p.id}.json", key, parts, res["status"], hashes,
+                      {"time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    _write_json(out / "tasks" / f"{p.id}.json", {k: v for k, v in res.items() if k != "rows"})
+
+
+def _finish(ray, p: plan_mod.Pipeline, ref, records: dict, keys: dict, out: Path,
+            log: Callable[[str], None]) -> None:
+    """Collect one finished task (a Ray error becomes its failure), store it, log it."""
+    try:
+        res = ray.get(ref)
+    except Exception as e:  # noqa: BLE001  (a lost node, a killed worker: this task's failure)
+        res = {"id": p.id, "status": "failed", "rows": {},
+               "error": f"Ray task error: {type(e).__name__}: {str(e)[-800:]}"}
+    records[p.id] = res
+    _store(res, p, keys, out)
+    msg = f"sweep: {p.id}: {res['status']}"
+    if res.get("wall_s") is not None:
+        msg += f" in {res['wall_s']:.1f} s"
+    if res["status"] != "ok":
+        msg += f": {res.get('error')}"
+        if res.get("log"):
+            msg += f"; log: {res['log']}"
+        if res.get("rerun_command"):
+            msg += f"; rerun: {res['rerun_command']}"
+    log(msg)
+
+
 def start_ray(address: str | None, num_cpus: int | None):
     """Connect to a cluster, or start Ray on this machine with a bounded number of CPUs.
 
@@ -179,37 +210,21 @@ def run_sweep(spec: SweepSpec, out: Path, root: Path, *, address: str | None = N
                 log(f"sweep: {p.id}: submitted ({json.dumps(need)})")
                 refs[remote.options(**opts).remote(p.as_dict(), str(root), timeout_s)] = p
             pending = list(refs)
-            while pending:
-                done, pending = ray.wait(pending, num_returns=1)
-                p = refs[done[0]]
-                try:
-                    res = ray.get(done[0])
-                except Exception as e:  # noqa: BLE001  (a lost node, a killed worker: this task's)
-                    res = {"id": p.id, "status": "failed", "rows": {},
-                           "error": f"Ray task error: {type(e).__name__}: {str(e)[-800:]}"}
-                records[p.id] = res
-                msg = f"sweep: {p.id}: {res['status']}"
-                if res.get("wall_s") is not None:
-                    msg += f" in {res['wall_s']:.1f} s"
-                if res["status"] != "ok":
-                    msg += f": {res.get('error')}"
-                    if res.get("log"):
-                        msg += f"; log: {res['log']}"
-                    if res.get("rerun_command"):
-                        msg += f"; rerun: {res['rerun_command']}"
-                log(msg)
+            try:
+                while pending:
+                    done, pending = ray.wait(pending, num_returns=1)
+                    _finish(ray, refs[done[0]], done[0], records, keys, out, log)
+            except KeyboardInterrupt:
+                # Ctrl-C: cancel the running tasks (each ends its step's process group), keep
+                # what finished (its stamp is written), and let the caller say how to resume
+                log(f"sweep: interrupted: cancelling {len(pending)} pipeline(s)")
+                for ref in pending:
+                    ray.cancel(ref)
+                ray.wait(pending, num_returns=len(pending), timeout=60)
+                raise
         finally:
             if local:
                 ray.shutdown()
-        for p in to_run:
-            res = records[p.id]
-            hashes = _store_rows(out / "rows" / p.id, res.get("rows") or {})
-            key, parts = keys[p.id]
-            stamp.write_stamp(out / "stamps" / f"{p.id}.json", key, parts, res["status"],
-                              hashes, {"time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ",
-                                                                 time.gmtime())})
-            _write_json(out / "tasks" / f"{p.id}.json",
-                        {k: v for k, v in res.items() if k != "rows"})
 
     full = []
     for p in pipelines:
@@ -219,7 +234,9 @@ def run_sweep(spec: SweepSpec, out: Path, root: Path, *, address: str | None = N
                      "reason": rec.get("reason"), "failed_stage": rec.get("failed_stage"),
                      "rerun_command": rec.get("rerun_command"), "log": rec.get("log"),
                      "wall_s": rec.get("wall_s"),
-                     "rows": _load_rows(out / "rows" / p.id)})
+                     # an unavailable pipeline did not run: earlier rows are not this sweep's
+                     "rows": {} if rec["status"] == "unavailable" else
+                     _load_rows(out / "rows" / p.id)})
     rep = report_mod.build_report(full, spec.budget)
     files = report_mod.write_report(rep, out)
     counts: dict[str, int] = {}

@@ -76,17 +76,20 @@ def unavailable_reason(target: Target, need: dict[str, float], short: dict[str, 
         nodes: each node's total resources.
 
     Returns:
-        one line naming the resources and a ``ray start`` command that adds a fitting node.
+        one line naming the resources and the ``ray start`` command (HEAD_IP: the head node's
+        address) that joins a fitting node.
     """
     custom = {k: v for k, v in need.items() if k not in ("CPU", "GPU")}
     have = "; ".join(", ".join(f"{k}: {v:g}" for k, v in sorted(n.items())
                                if not k.startswith(("node:", "memory", "object_store")))
                      for n in nodes) or "no nodes"
-    start = ["ray", "start", "--address=HEAD:6379"]
+    start = ["ray", "start", "--address=HEAD_IP:6379"]
     if need.get("GPU"):
         start.append(f"--num-gpus={need['GPU']:g}")
     if custom:
-        start.append("--resources=" + json.dumps({k: v for k, v in custom.items()}))
+        start.append("--resources=" + json.dumps({k: int(v) if v == int(v) else v
+                                                  for k, v in custom.items()}))
     return (f"target {target.name} needs {json.dumps(need)} on one node; no node offers it "
-            f"(short: {json.dumps(short)}; nodes: {have}); add a node that does: "
+            f"(short: {json.dumps(short)}; nodes: {have}); join a node that does to a cluster "
+            f"and pass --address: "
             f"{shlex.join(start)}")

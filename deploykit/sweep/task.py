@@ -84,14 +84,24 @@ def _run_step(step: dict, root: Path, log: Path, deadline: float | None) -> tupl
         try:
             rc = proc.wait(timeout=None if deadline is None else max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGTERM)  # run_all.sh releases its lock on TERM
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            _terminate(proc)
             rc = None
+        except BaseException:  # ray.cancel (KeyboardInterrupt in this task): no orphans
+            _terminate(proc)
+            raise
     return rc, time.monotonic() - t0
+
+
+def _terminate(proc: subprocess.Popen) -> None:
+    """End a step's whole process group: TERM (run_all.sh releases its lock), then KILL."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass
 
 
 def execute_pipeline(plan: dict, root: str, timeout_s: float | None = None) -> dict:

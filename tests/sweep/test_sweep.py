@@ -278,7 +278,7 @@ def test_availability_is_per_node():
     msg = resources.unavailable_reason(BUILTIN_TARGETS["orin"], {"CPU": 2.0, "orin": 1.0},
                                        short, [{"CPU": 2.0}])
     assert "orin" in msg and "CPU: 2" in msg
-    cmd = shlex.split(msg.split("add a node that does: ")[1])  # pasteable
+    cmd = shlex.split(msg.split("and pass --address: ")[1])  # pasteable
     assert cmd[:2] == ["ray", "start"] and json.loads(cmd[-1].split("=", 1)[1]) == {"orin": 1.0}
 
 
@@ -331,6 +331,51 @@ def test_task_moves_an_earlier_runs_rows_aside(tmp_path, monkeypatch):
     r = task.execute_pipeline(_plan_dict(tmp_path, [("x", ["true"])]), str(ROOT))
     assert r["status"] == "ok" and r["rows"] == {}
     assert list((tmp_path / "p" / "previous_results").glob("*/m/ort_int8.json"))
+
+
+def test_an_interrupted_task_ends_its_steps_processes(tmp_path, monkeypatch):
+    """ray.cancel raises KeyboardInterrupt in the task: the step's process group must end."""
+    import signal
+    import time
+    monkeypatch.setenv("PIPELINE_ROOT", str(ROOT))
+    pidfile = tmp_path / "child.pid"
+    step = ["bash", "-c", f"sleep 60 & echo $! > {pidfile}; wait"]
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.alarm(2)
+        with pytest.raises(KeyboardInterrupt):
+            task.execute_pipeline(_plan_dict(tmp_path, [("long", step)]), str(ROOT))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    pid = int(pidfile.read_text())
+    for _ in range(50):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        pytest.fail(f"the step's child {pid} outlived the interrupted task")
+
+
+def test_a_sweep_where_nothing_applies_runs_nothing(tmp_path):
+    """A custom model on a TensorRT target: not applicable, no Ray started, report written."""
+    from deploykit.sweep import driver
+    s = build_spec(models=[TINY], input_shapes=[f"{TINY}=x:1,3,16,16"], variants=["fp16"],
+                   targets=["orin"])
+    logs = []
+    res = driver.run_sweep(s, tmp_path / "out", ROOT, log=logs.append)
+    assert res["counts"] == {"not_applicable": 1}
+    assert any("not applicable, nothing to run" in ln for ln in logs)
+    assert not (tmp_path / "out" / "pipelines").exists()  # nothing ran
+    assert res["report"]["verdicts"] == {"orin": None}
+    assert (tmp_path / "out" / "REPORT.md").is_file()
 
 
 # ----------------------------------------------------------------------------- report
