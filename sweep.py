@@ -100,8 +100,8 @@ def main(args: argparse.Namespace) -> int:
     if args.timeout is not None and args.timeout <= 0:
         _usage(parser, f"--timeout must be > 0 s, got {args.timeout}")
     if args.address and args.num_cpus:
-        _usage(parser, "--num-cpus sizes a local Ray; with --address the cluster's nodes say "
-                       "how many CPUs they have: drop one of them")
+        _usage(parser, "--num-cpus sizes a local Ray; with --address (or RAY_ADDRESS) the "
+                       "cluster's nodes say how many CPUs they have: drop one of them")
     try:
         table = load_toml(args.spec) if args.spec else None
         spec = build_spec(table, models=args.models, variants=args.variants,

@@ -25,8 +25,8 @@ from pathlib import Path
 
 from deploykit.sweep.spec import ModelEntry, SpecError, SweepSpec, Target
 
-# Variants whose ONNX comes from stage 2 (stage 3 evaluates them): `python variants.py list
-# --stage 3`. The others are made by stage 5 / 5b.
+# Which variants exist, which come straight from the export and which get engines is read from
+# variants.py (load_registry), never written here.
 REPRODUCTIONS = ("int4_cli_broken",)  # failure reproductions: never a candidate to ship
 
 

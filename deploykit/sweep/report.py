@@ -41,7 +41,14 @@ def p50_ms(row: dict) -> float | None:
 
 
 def top1(row: dict) -> float | None:
-    """Top-1 accuracy of a row (%), or None (custom models have no labels)."""
+    """Top-1 accuracy of a row.
+
+    Args:
+        row: a results row.
+
+    Returns:
+        top-1 in %, or None (custom models have no labels; accuracy stages do not apply).
+    """
     v = (row.get("accuracy") or {}).get("top1")
     return float(v) if isinstance(v, (int, float)) else None
 

@@ -22,6 +22,7 @@ A TOML spec (every key optional except ``models``; the command line overrides wh
 from __future__ import annotations
 
 import dataclasses
+import shlex
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -177,7 +178,8 @@ def _model_entry(item: Any) -> ModelEntry:
         raise SpecError("models: an empty model name; give a model name (README, Models)")
     if m.custom and not m.input_shape:
         raise SpecError(f"model {m.name} is a custom model: give its input shape "
-                        f"(--input-shape '{m.name}=x:1,3,224,224' or input_shape in the TOML)")
+                        f"(--input-shape {shlex.quote(m.name + '=x:1,3,224,224')} or "
+                        "input_shape in the TOML)")
     if not m.custom and m.input_shape:
         raise SpecError(f"model {m.name}: an input shape is for custom models "
                         "(package.module:factory) only; leave it out")
@@ -249,8 +251,6 @@ def build_spec(table: dict | None = None, *, models: list[str] | None = None,
     entries = []
     for item in raw_models:
         m = item if isinstance(item, dict) else {"name": item}
-        if not isinstance(m, dict):
-            raise SpecError(f"models: {item!r} is neither a model name nor a table")
         m = {**m, **overrides.get(m.get("name"), {})}
         entries.append(_model_entry(m))
     names = [e.name for e in entries]
