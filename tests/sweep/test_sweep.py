@@ -424,7 +424,13 @@ def test_judge_budget_bounds():
     ok, why = report.judge(_row("x", "ORT", "INT8", "int8", 1, 79.4, 99.9, 0.9), ref, b)
     assert not ok and "delta top-1 -0.60" in why
     ok, why = report.judge(_row("x", "ORT", "INT8", "int8", 1, 80.0, 98.9, 0.9), ref, b)
-    assert not ok and "agreement 98.90" in why
+    assert not ok and "agreement 98.90" in why and "one flip" not in why
+    ok, why = report.judge(_row("x", "ORT", "INT8", "int8", 1, 80.0, 98.4, 0.9, n_images=64),
+                           ref, b)
+    assert not ok and "on 64 images one flip is 1.56 %" in why
+    ok, why = report.judge(_row("x", "ORT", "INT8", "int8", 1, 80.0, 67.2, 0.9, n_images=64),
+                           ref, b)
+    assert not ok and "one flip" not in why  # a real miss, not one image
     assert not report.judge(_row("x", "ORT", "INT8", "int8", 1, 80, 100, 1, status="failed"),
                             ref, b)[0]
     # rows without accuracy: parity (agreement and cosine)
