@@ -4,14 +4,21 @@ A TOML spec (every key optional except ``models``; the command line overrides wh
 
     models = ["efficientnet_lite0",
               {name = "tests.sweep.tiny_models:tiny_cnn", input_shape = "x:1,3,16,16"}]
-    variants = ["fp16", "int8_hp32"]      # fp32 (and the PyTorch FP32 reference) always run
-    targets = ["cpu", "orin"]
+    variants = ["fp16", "int8_hp32"]      # the rows to compare (default ["fp32"]); the
+                                          # PyTorch FP32 reference and the export always run
+    targets = ["cpu", "orin", "h100"]
     limit = 64                            # run_all.sh --limit: smoke runs on N eval images
 
     [budget]                              # the verdict's accuracy budget
     min_agreement = 99.0                  # top-1 agreement with PyTorch FP32, %
     max_top1_drop = 0.5                   # top-1 points below PyTorch FP32 (labelled models)
     min_cosine = 0.999                    # mean logits cosine (models without labels)
+
+    [target.h100]                         # a GPU model: Ray labels GPU nodes by their model
+    resources = {"accelerator_type:H100" = 0.001}
+    num_gpus = 1
+    trt = true
+    rows = "trt"
 
     [target.orin]                         # a target of your own, or a built-in one redefined
     resources = {orin = 1}                # Ray custom resources a node must offer

@@ -43,6 +43,17 @@ def test_spec_from_command_line_defaults_and_overrides():
     assert d.variants == ("fp32",) and [t.name for t in d.targets] == ["cpu"]
 
 
+def test_the_spec_docstring_example_is_a_valid_spec(tmp_path):
+    import deploykit.sweep.spec as spec_mod
+    doc = spec_mod.__doc__.split("::", 1)[1].split('"""')[0]
+    f = tmp_path / "doc.toml"
+    f.write_text(textwrap.dedent(doc))
+    s = build_spec(load_toml(f))
+    assert [t.name for t in s.targets] == ["cpu", "orin", "h100"]
+    assert dict(s.targets[2].resources) == {"accelerator_type:H100": 0.001}
+    assert s.models[1].input_shape == "x:1,3,16,16" and s.limit == 64
+
+
 def test_spec_from_toml_with_own_target_and_cli_override(tmp_path):
     f = tmp_path / "sweep.toml"
     f.write_text(textwrap.dedent(f"""
