@@ -227,6 +227,7 @@ def load_registry(root: Path, python: str = "python") -> dict[str, list[str]]:
     import subprocess
 
     def listed(*flags: str) -> list[str]:
+        """The variant names ``variants.py list FLAGS`` prints, one a line."""
         p = subprocess.run([python, "variants.py", "list", *flags], cwd=root,
                            capture_output=True, text=True, timeout=120)
         if p.returncode != 0:

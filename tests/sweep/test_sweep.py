@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from deploykit.sweep import plan, report, resources, stamp, task
-from deploykit.sweep.spec import (BUILTIN_TARGETS, Budget, ModelEntry, SpecError, Target,
-                                  build_spec, load_toml)
+from deploykit.sweep.spec import (BUILTIN_TARGETS, Budget, SpecError, Target, build_spec,
+                                  load_toml)
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = "tests.sweep.tiny_models:tiny_cnn"
@@ -538,6 +538,25 @@ def test_dry_run_prints_pasteable_commands(capsys, monkeypatch, tmp_path):
     cmds = [ln.strip() for ln in out.splitlines() if "run_all.sh" in ln]
     assert len(cmds) == 2 and shlex.split(cmds[0])[-5:] == \
         ["run_all.sh", "--stop-stage", "3", "--limit", "4"]
+
+
+def test_the_sweep_imports_no_pipeline_library():
+    """deploykit.sweep and sweep.py import only the stdlib, deploykit.sweep, ray and matplotlib:
+    the stages run as commands, never as imported code."""
+    import ast
+    allowed = set(sys.stdlib_module_names) | {"ray", "numpy", "matplotlib"}
+    files = sorted((ROOT / "deploykit" / "sweep").glob("*.py")) + [ROOT / "sweep.py"]
+    for f in files:
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                mods = [node.module]
+            else:
+                continue
+            for m in mods:
+                assert m.split(".")[0] in allowed or m.startswith("deploykit.sweep"), \
+                    f"{f.name} imports {m}"
 
 
 def test_nothing_outside_the_sweep_imports_ray():
