@@ -126,7 +126,7 @@ def main(args: argparse.Namespace) -> int:
         out = args.out.resolve()
         for m in spec.models:
             for t in spec.targets:
-                pl = plan.build_pipeline(spec, m, t, out, registry)
+                pl = plan.build_pipeline(spec, m, t, out, registry, ROOT, sys.executable)
                 key, parts = stamp.pipeline_key(pl, git, stamp.model_inputs(pl, ROOT))
                 skip, why = stamp.up_to_date(stamp.read_stamp(out / "stamps" / f"{pl.id}.json"),
                                              key, parts, out / "rows" / pl.id,

@@ -161,7 +161,7 @@ def run_sweep(spec: SweepSpec, out: Path, root: Path, *, address: str | None = N
     out = out.resolve()
     registry = plan_mod.load_registry(root, sys.executable)
     plan_mod.check_variants(spec.variants, registry)
-    pipelines = [plan_mod.build_pipeline(spec, m, t, out, registry)
+    pipelines = [plan_mod.build_pipeline(spec, m, t, out, registry, root, sys.executable)
                  for m in spec.models for t in spec.targets]
     git = stamp.git_state(root)
     records: dict[str, dict] = {}

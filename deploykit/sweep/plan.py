@@ -13,8 +13,11 @@ A pipeline runs in its own folder ``<out>/pipelines/<id>/`` (``artifacts/``, ``r
 4. ``bash run_all.sh --stage 8 --stop-stage 8``: the pipeline's own REPORT.md.
 
 Steps 2-3 call the stage scripts directly only because run_all.sh runs a fixed variant list;
-their flags are run_all.sh's (the same ``--limit``/timing flags of a smoke run). A custom model
-(``package.module:factory``) gets steps 1 and 4 (run_all.sh says stages 0, 4-7 do not apply).
+their flags are run_all.sh's (the same ``--limit``/timing flags of a smoke run), and like
+run_all.sh they take paths from ``python -m deploykit.layout`` and row tags and ONNX file names
+from the variant registry (``python variants.py list --with ...``): the sweep holds no copy of
+either. A custom model (``package.module:factory``) gets steps 1 and 4 (run_all.sh says stages
+0, 4-7 do not apply).
 """
 from __future__ import annotations
 
@@ -30,19 +33,16 @@ from deploykit.sweep.spec import ModelEntry, SpecError, SweepSpec, Target
 REPRODUCTIONS = ("int4_cli_broken",)  # failure reproductions: never a candidate to ship
 
 
-def model_tag(model: str) -> str:
-    """File-system-safe name of a model spec, as the stages name its folders.
-
-    Must equal ``common.model_tag`` (``tests/sweep/test_sweep.py`` checks it); kept here because
-    the sweep imports no pipeline library.
+def safe_name(name: str) -> str:
+    """A name made safe as one folder-name component (the sweep's own pipeline folders).
 
     Args:
-        model: a model spec (``efficientnet_lite0``, ``pkg.mod:factory``).
+        name: a model spec or target name.
 
     Returns:
-        e.g. ``pkg.mod-factory``.
+        ``name`` with every run of other characters than ``A-Za-z0-9_.-`` replaced by ``-``.
     """
-    return re.sub(r"[^A-Za-z0-9_.-]+", "-", model).strip("-")
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-")
 
 
 def pipeline_id(model: str, target: str) -> str:
@@ -52,9 +52,9 @@ def pipeline_id(model: str, target: str) -> str:
         model: the model spec. target: the target name.
 
     Returns:
-        ``<model_tag>@<target_tag>``.
+        ``<model>@<target>``, each made safe by :func:`safe_name`.
     """
-    return f"{model_tag(model)}@{model_tag(target)}"
+    return f"{safe_name(model)}@{safe_name(target)}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +120,7 @@ def check_variants(variants: tuple[str, ...], registry: dict[str, list[str]]) ->
 
     Args:
         variants: the spec's variants.
-        registry: ``{"all": [...], "export": [...], "trt": [...]}`` from ``variants.py list``.
+        registry: :func:`load_registry`.
 
     Raises:
         SpecError: an unknown variant (the known ones listed) or a failure reproduction.
@@ -135,18 +135,47 @@ def check_variants(variants: tuple[str, ...], registry: dict[str, list[str]]) ->
                             " (python variants.py list)")
 
 
+def layout_path(kind: str, model: str, env: dict[str, str], root: Path,
+                python: str = "python") -> str:
+    """A path the stages use, from their owner: ``python -m deploykit.layout KIND MODEL``.
+
+    Args:
+        kind: ``results``, ``onnx-dir``, ``engines`` (see ``python -m deploykit.layout -h``).
+        model: the model spec. env: ARTIFACTS / RESULTS of the pipeline.
+        root: the repository root. python: the interpreter.
+
+    Returns:
+        the path, as the stages compute it.
+
+    Raises:
+        RuntimeError: the command failed (its error output in the message).
+    """
+    import os
+    import subprocess
+    cmd = [python, "-m", "deploykit.layout", kind, model]
+    p = subprocess.run(cmd, cwd=root, env={**os.environ, **env}, capture_output=True, text=True,
+                       timeout=120)
+    if p.returncode != 0 or not p.stdout.strip():
+        raise RuntimeError(f"{shlex.join(cmd)} exited {p.returncode}: {p.stderr.strip()[-500:]}")
+    return p.stdout.strip()
+
+
 def build_pipeline(spec: SweepSpec, model: ModelEntry, target: Target, out: Path,
-                   registry: dict[str, list[str]]) -> Pipeline:
+                   registry: dict, root: Path, python: str = "python") -> Pipeline:
     """The steps of one (model, target) pipeline (module docstring: which and why).
 
     Args:
         spec: the sweep (variants, limit).
         model: the model. target: the target.
         out: the sweep's output folder (absolute).
-        registry: ``{"all", "export", "trt"}`` variant lists of ``variants.py``.
+        registry: :func:`load_registry`.
+        root: the repository root (``deploykit.layout`` runs there). python: the interpreter.
 
     Returns:
         the :class:`Pipeline`.
+
+    Raises:
+        RuntimeError: ``deploykit.layout`` did not run.
     """
     pid = pipeline_id(model.name, target.name)
     folder = out / "pipelines" / pid
@@ -156,7 +185,6 @@ def build_pipeline(spec: SweepSpec, model: ModelEntry, target: Target, out: Path
     # stage commands must use the same folders.
     art = art_root / "smoke" if smoke else art_root
     res = res_root / "smoke" if smoke else res_root
-    tag = model_tag(model.name)
     env = [("MODEL", model.name)]
     if model.input_shape:
         env.append(("INPUT_SHAPE", model.input_shape))
@@ -164,6 +192,9 @@ def build_pipeline(spec: SweepSpec, model: ModelEntry, target: Target, out: Path
         env.append(("WEIGHTS", model.weights))
     run_env = tuple(env + [("ARTIFACTS", str(art_root)), ("RESULTS", str(res_root))])
     stage_env = tuple(env + [("ARTIFACTS", str(art)), ("RESULTS", str(res))])
+    paths = {k: Path(layout_path(k, model.name, dict(stage_env), root, python))
+             for k in ("results", "onnx-dir", "engines")}
+    fields = registry["fields"]
     lim = ["--limit", str(spec.limit)] if smoke else []
     timing = ["--warmup", "2", "--iters", "20"] if smoke else []  # as run_all.sh --limit
 
@@ -195,7 +226,8 @@ def build_pipeline(spec: SweepSpec, model: ModelEntry, target: Target, out: Path
         if not target.trt:
             steps.append(Step(f"3_onnx_eval_{v}", (
                 "python", "3_onnx_eval.py", "--model", model.name, "--onnx",
-                str(art / tag / "onnx" / f"{v}.onnx"), "--tag", f"ort_{v}", *lim, *timing),
+                str(paths["onnx-dir"] / fields[v]["onnx_file"]), "--tag", fields[v]["ort_tag"],
+                *lim, *timing),
                 stage_env))
     if target.trt and variants:
         steps.append(Step("6_build_engines", ("bash", "6_build_engines.sh", "--model",
@@ -203,23 +235,25 @@ def build_pipeline(spec: SweepSpec, model: ModelEntry, target: Target, out: Path
         for v in variants:
             steps.append(Step(f"7_trt_eval_{v}", (
                 "python", "7_trt_eval.py", "--model", model.name, "--engine",
-                str(art / tag / "engines" / f"{v}.plan"), "--tag", f"trt_{v}", *lim, *timing),
+                str(paths["engines"] / f"{v}.plan"), "--tag", fields[v]["trt_tag"], *lim,
+                *timing),
                 stage_env))
     steps.append(Step("run_all_8", ("bash", "run_all.sh", "--stage", "8", "--stop-stage", "8",
                                     *lim, *auto), run_env))
     return Pipeline(pid, model, target, tuple(variants), tuple(not_applicable.items()), folder,
-                    res / tag, tuple(steps))
+                    paths["results"], tuple(steps))
 
 
-def load_registry(root: Path, python: str = "python") -> dict[str, list[str]]:
+def load_registry(root: Path, python: str = "python") -> dict:
     """The variant lists of ``variants.py`` (its command line: the one registry of variants).
 
     Args:
         root: the repository root. python: the interpreter that runs the stages.
 
     Returns:
-        ``{"all": [...], "export": [...], "trt": [...]}``: every variant, those stage 3
-        evaluates straight from the export, those stage 6 builds engines for.
+        ``{"all": [...], "export": [...], "trt": [...], "fields": {variant: {"onnx_file",
+        "ort_tag", "trt_tag"}}}``: every variant, those stage 3 evaluates straight from the
+        export, those stage 6 builds engines for, and each one's file name and row tags.
 
     Raises:
         RuntimeError: ``variants.py`` did not run (the message holds its error output).
@@ -235,5 +269,9 @@ def load_registry(root: Path, python: str = "python") -> dict[str, list[str]]:
                                f"{p.returncode}: {p.stderr.strip()[-500:]}")
         return [line.strip() for line in p.stdout.splitlines() if line.strip()]
 
-    return {"all": listed(), "export": listed("--stage", "3"),
-            "trt": listed("--stage", "6", "--all", "--auto-precision")}
+    fields = {}
+    for line in listed("--with", "onnx_file", "--with", "ort_tag", "--with", "trt_tag"):
+        name, onnx_file, ort_tag, trt_tag = line.split("\t")
+        fields[name] = {"onnx_file": onnx_file, "ort_tag": ort_tag, "trt_tag": trt_tag}
+    return {"all": list(fields), "export": listed("--stage", "3"),
+            "trt": listed("--stage", "6", "--all", "--auto-precision"), "fields": fields}

@@ -23,6 +23,9 @@ REGISTRY = {"all": ["fp32", "fp16", "baseline", "int8", "int8_hp32", "int8_auto"
                     "int4_cli_broken"],
             "export": ["fp32", "fp16"],
             "trt": ["fp32", "fp16", "int8", "int8_hp32", "int8_auto", "int4", "int4_cli_broken"]}
+# file names and tags deliberately unlike the defaults: the plan must take them from here
+REGISTRY["fields"] = {v: {"onnx_file": f"{v}.x.onnx", "ort_tag": f"o_{v}", "trt_tag": f"t_{v}"}
+                      for v in REGISTRY["all"]}
 
 
 # ----------------------------------------------------------------------------- spec parsing
@@ -116,16 +119,16 @@ def test_missing_toml_is_named(tmp_path):
 
 # ----------------------------------------------------------------------------- plan
 
-def test_model_tag_matches_the_stages():
-    import common  # the stages' own rule; the sweep keeps a copy because it imports no library
-    for m in (TINY, "efficientnet_lite0", "a/b:c d", "pkg.mod:fn"):
-        assert plan.model_tag(m) == common.model_tag(m)
+def test_pipeline_ids_are_safe_folder_names():
+    assert plan.pipeline_id(TINY, "cpu") == "tests.sweep.tiny_models-tiny_cnn@cpu"
+    assert plan.pipeline_id("../a b:c", "x/y") == "..-a-b-c@x-y"
+    assert "/" not in plan.pipeline_id("a/../../b", "t")
 
 
 def test_plan_cpu_classifier_runs_run_all_then_the_variant_stages(tmp_path):
     s = build_spec(models=["efficientnet_lite0"], variants=["fp16", "int8_hp32", "int4"],
                    limit=8)
-    p = plan.build_pipeline(s, s.models[0], s.targets[0], tmp_path, REGISTRY)
+    p = plan.build_pipeline(s, s.models[0], s.targets[0], tmp_path, REGISTRY, ROOT, sys.executable)
     labels = [st.label for st in p.steps]
     assert labels == ["run_all_0-4", "5_quantize_int8_hp32", "3_onnx_eval_int8_hp32",
                       "5b_quantize_int4", "3_onnx_eval_int4", "run_all_8"]
@@ -136,8 +139,10 @@ def test_plan_cpu_classifier_runs_run_all_then_the_variant_stages(tmp_path):
     # direct stage commands use the smoke folders run_all.sh --limit uses
     ev = p.steps[2]
     assert dict(ev.env)["ARTIFACTS"].endswith("artifacts/smoke")
+    # the ONNX path from deploykit.layout, its file name and the row tag from the registry
     assert str(tmp_path / "pipelines" / p.id / "artifacts" / "smoke" / "efficientnet_lite0" /
-               "onnx" / "int8_hp32.onnx") in ev.argv
+               "onnx" / "int8_hp32.x.onnx") in ev.argv
+    assert ev.argv[ev.argv.index("--tag") + 1] == "o_int8_hp32"
     assert ev.argv[-4:] == ("--warmup", "2", "--iters", "20")
     assert p.results_dir == tmp_path / "pipelines" / p.id / "results" / "smoke" / \
         "efficientnet_lite0"
@@ -147,21 +152,23 @@ def test_plan_cpu_classifier_runs_run_all_then_the_variant_stages(tmp_path):
 def test_plan_trt_target_and_custom_model(tmp_path):
     s = build_spec(models=["efficientnet_lite0", TINY], variants=["fp16", "baseline"],
                    targets=["orin", "cpu"], input_shapes=[f"{TINY}=x:1,3,16,16 y:1,4:int64"])
-    orin = plan.build_pipeline(s, s.models[0], s.targets[0], tmp_path, REGISTRY)
+    orin = plan.build_pipeline(s, s.models[0], s.targets[0], tmp_path, REGISTRY, ROOT, sys.executable)
     labels = [st.label for st in orin.steps]
     # baseline has no engine: not applicable on TensorRT, so not even quantized there
     assert labels == ["run_all_0-3", "6_build_engines", "7_trt_eval_fp16", "run_all_8"]
     assert dict(orin.not_applicable) == {
         "baseline": "no TensorRT engine for this variant (variants.py list --stage 6)"}
-    assert orin.steps[1].argv[-1] == "fp16" and orin.steps[2].argv[-1] == "trt_fp16"
-    custom_cpu = plan.build_pipeline(s, s.models[1], s.targets[1], tmp_path, REGISTRY)
+    assert orin.steps[1].argv[-1] == "fp16" and orin.steps[2].argv[-1] == "t_fp16"
+    assert orin.steps[2].argv[orin.steps[2].argv.index("--engine") + 1].endswith(
+        "/artifacts/efficientnet_lite0/engines/fp16.plan")
+    custom_cpu = plan.build_pipeline(s, s.models[1], s.targets[1], tmp_path, REGISTRY, ROOT, sys.executable)
     assert [st.label for st in custom_cpu.steps] == ["run_all_0-3", "run_all_8"]
     assert "baseline" in dict(custom_cpu.not_applicable)
     # the printed command is shell-quoted: pasting it gives back the same argv and env
     words = shlex.split(custom_cpu.steps[0].shell())
     assert "INPUT_SHAPE=x:1,3,16,16 y:1,4:int64" in words
     assert words[-4:] == ["bash", "run_all.sh", "--stop-stage", "3"]
-    custom_orin = plan.build_pipeline(s, s.models[1], s.targets[0], tmp_path, REGISTRY)
+    custom_orin = plan.build_pipeline(s, s.models[1], s.targets[0], tmp_path, REGISTRY, ROOT, sys.executable)
     assert custom_orin.variants == ()
 
 
@@ -177,13 +184,15 @@ def test_registry_comes_from_variants_py():
     reg = plan.load_registry(ROOT, sys.executable)
     assert reg["export"] == ["fp32", "fp16"]
     assert "int8_hp32" in reg["all"] and "baseline" not in reg["trt"]
+    assert reg["fields"]["int8_hp32"] == {"onnx_file": "int8_hp32.onnx",
+                                          "ort_tag": "ort_int8_hp32", "trt_tag": "trt_int8_hp32"}
 
 
 # ----------------------------------------------------------------------------- up-to-date rule
 
 def _pipeline(tmp_path, **kw) -> plan.Pipeline:
     s = build_spec(models=[TINY], input_shapes=[f"{TINY}=x:1,3,16,16"], **kw)
-    return plan.build_pipeline(s, s.models[0], s.targets[0], tmp_path, REGISTRY)
+    return plan.build_pipeline(s, s.models[0], s.targets[0], tmp_path, REGISTRY, ROOT, sys.executable)
 
 
 def _stamped(tmp_path, git_sha="a" * 40):
@@ -252,7 +261,7 @@ def test_model_inputs_hash_the_factory_source_and_weights(tmp_path):
     w = tmp_path / "w.pth"
     w.write_bytes(b"1")
     s = build_spec(models=["resnet50"], weights=[f"resnet50={w}"])
-    pw = plan.build_pipeline(s, s.models[0], s.targets[0], tmp_path, REGISTRY)
+    pw = plan.build_pipeline(s, s.models[0], s.targets[0], tmp_path, REGISTRY, ROOT, sys.executable)
     git = {"commit": None, "diff_sha256": None}
     k1, _ = stamp.pipeline_key(pw, git, stamp.model_inputs(pw, ROOT))
     w.write_bytes(b"2")
