@@ -25,6 +25,7 @@ import dataclasses
 import re
 import shlex
 from pathlib import Path
+from typing import Callable
 
 from deploykit.sweep.spec import ModelEntry, SpecError, SweepSpec, Target
 
@@ -161,7 +162,8 @@ def layout_path(kind: str, model: str, env: dict[str, str], root: Path,
 
 
 def build_pipeline(spec: SweepSpec, model: ModelEntry, target: Target, out: Path,
-                   registry: dict, root: Path, python: str = "python") -> Pipeline:
+                   registry: dict, root: Path, python: str = "python",
+                   layout: Callable[[str, str, dict[str, str]], str] | None = None) -> Pipeline:
     """The steps of one (model, target) pipeline (module docstring: which and why).
 
     Args:
@@ -170,6 +172,7 @@ def build_pipeline(spec: SweepSpec, model: ModelEntry, target: Target, out: Path
         out: the sweep's output folder (absolute).
         registry: :func:`load_registry`.
         root: the repository root (``deploykit.layout`` runs there). python: the interpreter.
+        layout: ``(kind, model, env) -> path``; default :func:`layout_path` (the command).
 
     Returns:
         the :class:`Pipeline`.
@@ -192,7 +195,10 @@ def build_pipeline(spec: SweepSpec, model: ModelEntry, target: Target, out: Path
         env.append(("WEIGHTS", model.weights))
     run_env = tuple(env + [("ARTIFACTS", str(art_root)), ("RESULTS", str(res_root))])
     stage_env = tuple(env + [("ARTIFACTS", str(art)), ("RESULTS", str(res))])
-    paths = {k: Path(layout_path(k, model.name, dict(stage_env), root, python))
+    if layout is None:
+        def layout(kind: str, name: str, env_: dict[str, str]) -> str:
+            return layout_path(kind, name, env_, root, python)
+    paths = {k: Path(layout(k, model.name, dict(stage_env)))
              for k in ("results", "onnx-dir", "engines")}
     fields = registry["fields"]
     lim = ["--limit", str(spec.limit)] if smoke else []

@@ -28,6 +28,33 @@ REGISTRY["fields"] = {v: {"onnx_file": f"{v}.x.onnx", "ort_tag": f"o_{v}", "trt_
                       for v in REGISTRY["all"]}
 
 
+def inproc_layout(kind: str, model: str, env: dict) -> str:
+    """``python -m deploykit.layout KIND MODEL`` run in this process (the fast lane starts no
+    process): the stages' own path rules, with the pipeline's ARTIFACTS/RESULTS."""
+    import contextlib
+    import io
+
+    from deploykit import layout
+    saved = {k: os.environ.get(k) for k in ("ARTIFACTS", "RESULTS")}
+    buf = io.StringIO()
+    try:
+        os.environ.update({k: env[k] for k in ("ARTIFACTS", "RESULTS") if k in env})
+        with contextlib.redirect_stdout(buf):
+            assert layout.main([kind, model]) == 0
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return buf.getvalue().strip()
+
+
+def build(spec, model, target, out):
+    return plan.build_pipeline(spec, model, target, out, REGISTRY, ROOT, sys.executable,
+                               layout=inproc_layout)
+
+
 # ----------------------------------------------------------------------------- spec parsing
 
 def test_spec_from_command_line_defaults_and_overrides():
@@ -128,7 +155,7 @@ def test_pipeline_ids_are_safe_folder_names():
 def test_plan_cpu_classifier_runs_run_all_then_the_variant_stages(tmp_path):
     s = build_spec(models=["efficientnet_lite0"], variants=["fp16", "int8_hp32", "int4"],
                    limit=8)
-    p = plan.build_pipeline(s, s.models[0], s.targets[0], tmp_path, REGISTRY, ROOT, sys.executable)
+    p = build(s, s.models[0], s.targets[0], tmp_path)
     labels = [st.label for st in p.steps]
     assert labels == ["run_all_0-4", "5_quantize_int8_hp32", "3_onnx_eval_int8_hp32",
                       "5b_quantize_int4", "3_onnx_eval_int4", "run_all_8"]
@@ -152,7 +179,7 @@ def test_plan_cpu_classifier_runs_run_all_then_the_variant_stages(tmp_path):
 def test_plan_trt_target_and_custom_model(tmp_path):
     s = build_spec(models=["efficientnet_lite0", TINY], variants=["fp16", "baseline"],
                    targets=["orin", "cpu"], input_shapes=[f"{TINY}=x:1,3,16,16 y:1,4:int64"])
-    orin = plan.build_pipeline(s, s.models[0], s.targets[0], tmp_path, REGISTRY, ROOT, sys.executable)
+    orin = build(s, s.models[0], s.targets[0], tmp_path)
     labels = [st.label for st in orin.steps]
     # baseline has no engine: not applicable on TensorRT, so not even quantized there
     assert labels == ["run_all_0-3", "6_build_engines", "7_trt_eval_fp16", "run_all_8"]
@@ -161,14 +188,14 @@ def test_plan_trt_target_and_custom_model(tmp_path):
     assert orin.steps[1].argv[-1] == "fp16" and orin.steps[2].argv[-1] == "t_fp16"
     assert orin.steps[2].argv[orin.steps[2].argv.index("--engine") + 1].endswith(
         "/artifacts/efficientnet_lite0/engines/fp16.plan")
-    custom_cpu = plan.build_pipeline(s, s.models[1], s.targets[1], tmp_path, REGISTRY, ROOT, sys.executable)
+    custom_cpu = build(s, s.models[1], s.targets[1], tmp_path)
     assert [st.label for st in custom_cpu.steps] == ["run_all_0-3", "run_all_8"]
     assert "baseline" in dict(custom_cpu.not_applicable)
     # the printed command is shell-quoted: pasting it gives back the same argv and env
     words = shlex.split(custom_cpu.steps[0].shell())
     assert "INPUT_SHAPE=x:1,3,16,16 y:1,4:int64" in words
     assert words[-4:] == ["bash", "run_all.sh", "--stop-stage", "3"]
-    custom_orin = plan.build_pipeline(s, s.models[1], s.targets[0], tmp_path, REGISTRY, ROOT, sys.executable)
+    custom_orin = build(s, s.models[1], s.targets[0], tmp_path)
     assert custom_orin.variants == ()
 
 
@@ -180,6 +207,7 @@ def test_check_variants():
         plan.check_variants(("int4_cli_broken",), REGISTRY)
 
 
+@pytest.mark.slow  # starts a process
 def test_registry_comes_from_variants_py():
     reg = plan.load_registry(ROOT, sys.executable)
     assert reg["export"] == ["fp32", "fp16"]
@@ -192,7 +220,7 @@ def test_registry_comes_from_variants_py():
 
 def _pipeline(tmp_path, **kw) -> plan.Pipeline:
     s = build_spec(models=[TINY], input_shapes=[f"{TINY}=x:1,3,16,16"], **kw)
-    return plan.build_pipeline(s, s.models[0], s.targets[0], tmp_path, REGISTRY, ROOT, sys.executable)
+    return build(s, s.models[0], s.targets[0], tmp_path)
 
 
 def _stamped(tmp_path, git_sha="a" * 40):
@@ -261,7 +289,7 @@ def test_model_inputs_hash_the_factory_source_and_weights(tmp_path):
     w = tmp_path / "w.pth"
     w.write_bytes(b"1")
     s = build_spec(models=["resnet50"], weights=[f"resnet50={w}"])
-    pw = plan.build_pipeline(s, s.models[0], s.targets[0], tmp_path, REGISTRY, ROOT, sys.executable)
+    pw = build(s, s.models[0], s.targets[0], tmp_path)
     git = {"commit": None, "diff_sha256": None}
     k1, _ = stamp.pipeline_key(pw, git, stamp.model_inputs(pw, ROOT))
     w.write_bytes(b"2")
@@ -269,6 +297,7 @@ def test_model_inputs_hash_the_factory_source_and_weights(tmp_path):
     assert k1 != k2
 
 
+@pytest.mark.slow  # starts a process
 def test_git_state_is_the_checkout():
     g = stamp.git_state(ROOT)
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
@@ -312,6 +341,7 @@ def _plan_dict(tmp_path, steps, model="m"):
                        "shell": shlex.join(argv)} for lab, argv in steps]}
 
 
+@pytest.mark.slow  # starts a process
 def test_task_stops_at_the_failing_step_and_names_it(tmp_path, monkeypatch):
     monkeypatch.setenv("PIPELINE_ROOT", str(ROOT))
     res_dir = tmp_path / "p" / "results" / "m"
@@ -330,6 +360,7 @@ def test_task_stops_at_the_failing_step_and_names_it(tmp_path, monkeypatch):
     assert Path(r["log"]).is_file() and not (ROOT / "never").exists()
 
 
+@pytest.mark.slow  # starts a process
 def test_task_timeout_and_environment_errors_are_its_own(tmp_path, monkeypatch):
     monkeypatch.setenv("PIPELINE_ROOT", str(ROOT))
     r = task.execute_pipeline(_plan_dict(tmp_path, [("slow", ["sleep", "30"])]), str(ROOT),
@@ -343,6 +374,7 @@ def test_task_timeout_and_environment_errors_are_its_own(tmp_path, monkeypatch):
     assert r["status"] == "failed" and "no checkout" in r["error"]
 
 
+@pytest.mark.slow  # starts a process
 def test_task_moves_an_earlier_runs_rows_aside(tmp_path, monkeypatch):
     monkeypatch.setenv("PIPELINE_ROOT", str(ROOT))
     old = tmp_path / "p" / "results" / "m"
@@ -353,6 +385,7 @@ def test_task_moves_an_earlier_runs_rows_aside(tmp_path, monkeypatch):
     assert list((tmp_path / "p" / "previous_results").glob("*/m/ort_int8.json"))
 
 
+@pytest.mark.slow  # starts a process
 def test_an_interrupted_task_ends_its_steps_processes(tmp_path, monkeypatch):
     """ray.cancel raises KeyboardInterrupt in the task: the step's process group must end."""
     import signal
@@ -384,6 +417,7 @@ def test_an_interrupted_task_ends_its_steps_processes(tmp_path, monkeypatch):
         pytest.fail(f"the step's child {pid} outlived the interrupted task")
 
 
+@pytest.mark.slow  # starts a process
 def test_a_sweep_where_nothing_applies_runs_nothing(tmp_path):
     """A custom model on a TensorRT target: not applicable, no Ray started, report written."""
     from deploykit.sweep import driver
@@ -528,7 +562,8 @@ def _main(argv):
     (["--models", TINY], "give its input shape"),
     (["--models", "m", "--limit", "0"], "--limit must be >= 1"),
     (["--models", "m", "--address", "ray://h:10001", "--num-cpus", "2"], "drop one"),
-    (["--models", "m", "--variants", "int9", "--dry-run"], "variant 'int9' is not known"),
+    pytest.param(["--models", "m", "--variants", "int9", "--dry-run"],
+                 "variant 'int9' is not known", marks=pytest.mark.slow),  # runs variants.py
 ])
 def test_usage_errors_exit_2(argv, needle, capsys, monkeypatch):
     monkeypatch.setenv("PIPELINE_ROOT", str(ROOT))
@@ -538,6 +573,7 @@ def test_usage_errors_exit_2(argv, needle, capsys, monkeypatch):
     assert needle in capsys.readouterr().err
 
 
+@pytest.mark.slow  # starts a process
 def test_dry_run_prints_pasteable_commands(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("PIPELINE_ROOT", str(ROOT))
     assert _main(["--models", TINY, "--input-shape", f"{TINY}=x:1,3,16,16", "--variants",
@@ -569,9 +605,17 @@ def test_the_sweep_imports_no_pipeline_library():
 
 
 def test_nothing_outside_the_sweep_imports_ray():
-    hits = subprocess.run(["git", "grep", "-l", "-E", r"^\s*(import ray|from ray)", "--",
-                           "*.py", "*.sh"], cwd=ROOT, capture_output=True, text=True).stdout
-    assert [h for h in hits.split() if not h.startswith("deploykit/sweep/")] == []
+    import re
+    pat = re.compile(r"^\s*(import ray|from ray\b)", re.M)
+    hits = []
+    for dirpath, dirnames, filenames in os.walk(ROOT):  # symlinks (.venv) not followed
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")
+                       and d not in ("artifacts", "results", "__pycache__")]
+        for f in filenames:
+            p = Path(dirpath) / f
+            if f.endswith((".py", ".sh")) and pat.search(p.read_text(errors="replace")):
+                hits.append(p.relative_to(ROOT).as_posix())
+    assert hits and all(h.startswith("deploykit/sweep/") for h in hits), hits
 
 
 # ----------------------------------------------------------------------------- end to end
