@@ -34,13 +34,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import common  # noqa: E402
-from deploykit.quant import act_calibration, bias_correction, graph, metrics, ort_static  # noqa: E402
+from deploykit.quant import (act_calibration, bias_correction, equalization, graph,  # noqa: E402
+                             metrics, mixed_precision, ort_static)
 
 MODEL = os.environ.get("INT8Q_MODEL", "efficientnet_lite0")  # real Lite0 weights only
 ART = Path(common.model_artifacts(MODEL))
 FP32 = ART / "onnx" / "fp32.onnx"
-OUTDIR = ROOT / "results" / "int8_quality"
-QDIR = ART / "int8q"
+OUTDIR = Path(os.environ.get("INT8Q_OUT", ROOT / "results" / "int8_quality"))
+QDIR = Path(os.environ.get("INT8Q_FILES", ART / "int8q"))
 SEED = 0
 TUNE_N = 450
 SHAPE = (1, 3, 224, 224)
@@ -59,8 +60,16 @@ def data() -> dict:
     spec = common.model_spec(MODEL)
     xc, _, _ = common.load_split("calib", spec)
     xe, ye, fe = common.load_split("eval", spec)
-    ref, mask = common.align_reference(ART / "ref_logits.npz", fe)
-    assert mask.all(), "reference logits do not cover the eval split (rerun stage 1)"
+    # INT8Q_REF: a reference npz covering only some files (e.g. the tuning split, to fit a
+    # transfer); the other rows are NaN and must not be evaluated (--no-held)
+    ref_path = Path(os.environ.get("INT8Q_REF", ART / "ref_logits.npz"))
+    part, mask = common.align_reference(ref_path, fe)
+    if "INT8Q_REF" in os.environ:
+        ref = np.full((len(fe), part.shape[1]), np.nan, np.float32)
+        ref[mask] = part
+    else:
+        assert mask.all(), "reference logits do not cover the eval split (rerun stage 1)"
+        ref = part
     xc = common.normalize(xc, spec.mean, spec.std)
     xe = common.normalize(xe, spec.mean, spec.std)
     perm = np.random.default_rng(SEED).permutation(len(xe))
@@ -108,28 +117,52 @@ def base_ort(out: Path, **kw) -> dict:
     return {"quantize_static": {k: (list(v) if isinstance(v, tuple) else v) for k, v in kw.items()}}
 
 
-def cached_base(name: str, **kw) -> Path:
-    """A base quantize_static file shared by the recipes that edit it."""
-    p = QDIR / f"_base_{name}.onnx"
+BASES = {"cg": {}, "cle": {"cle": True}, "s8": {"activation_type": "s8"}}
+
+
+def cle_fp32() -> Path:
+    """The float model after cross-layer equalization (same function)."""
+    p = QDIR / "_fp32_cle.onnx"
     if not p.exists():
-        base_ort(p, **kw)
+        onnx = _onnx()
+        m, log = equalization.equalize(onnx.load(str(FP32)))
+        onnx.save(m, str(p))
+        (QDIR / "_fp32_cle.json").write_text(json.dumps(log, indent=1))
     return p
 
 
+def cached_base(name: str) -> Path:
+    """A base quantize_static file shared by the recipes that edit it."""
+    p = QDIR / f"_base_{name}.onnx"
+    if not p.exists():
+        kw = dict(BASES[name])
+        src = cle_fp32() if kw.pop("cle", False) else FP32
+        d = data()
+        ort_static.quantize(src, p, d["calib"], batch=25,
+                            op_types=("Conv", "Gemm", "Clip", "Relu"), **kw)
+    return p
+
+
+def base_fp(name: str) -> Path:
+    return cle_fp32() if BASES[name].get("cle") else FP32
+
+
 def with_levers(out: Path, base: Path, calib: str | None = None, bc_passes: int = 0,
-                float_nodes=()) -> dict:
+                float_nodes=(), fp_path: Path = FP32) -> dict:
     onnx = _onnx()
-    fp = onnx.load(str(FP32))
+    fp = onnx.load(str(fp_path))
     q = onnx.load(str(base))
     info: dict = {"base": base.name}
     if float_nodes:
-        raise NotImplementedError
+        q = mixed_precision.make_float(q, fp, float_nodes)
+        info["float_nodes"] = list(float_nodes)
     if calib:
         q, rec = act_calibration.calibrate(fp, q, data()["calib"], calib)
         info["act_calibration"] = calib
     if bc_passes:
-        q, hist = bias_correction.bias_correct(fp, q, data()["calib"], passes=bc_passes)
-        info["bias_correction"] = {"passes": bc_passes, "mean_abs_shift_per_pass": hist}
+        q, log = bias_correction.bias_correct(fp, q, data()["calib"])
+        info["bias_correction"] = {"mode": "sequential", "layers": len(log),
+                                   "mean_abs_shift": float(np.mean([r["mean_abs_shift"] for r in log]))}
     onnx.save(q, str(out))
     return info
 
@@ -174,24 +207,187 @@ def _(out):
     return {"quantize_static": {"op_types": ["Conv", "Gemm", "Clip", "Relu"]}}
 
 
-@recipe("ort_cg_bc", "ort_cg + empirical bias correction (2 passes, calibration split)")
+def _lever(base, calib=None, bc=False, float_from=None):
+    def f(out):
+        fl = ()
+        if float_from:
+            fl = json.loads((OUTDIR / f"search_{float_from}.json").read_text())["float_nodes"]
+        return with_levers(out, cached_base(base), calib=calib, bc_passes=int(bc),
+                           float_nodes=fl, fp_path=base_fp(base))
+    return f
+
+
+def _tag(m):
+    return m.replace(":", "").replace(".", "_")
+
+
+for _b, _bd in (("cg", "ort_cg"), ("cle", "CLE + ort_cg"), ("s8", "ort_cg with S8 symmetric activations (TensorRT-style)")):
+    for _m in (None, "mse", "percentile:99.99", "percentile:99.999", "entropy"):
+        for _bc in (False, True):
+            name = "ort_" + _b + (f"_{_tag(_m)}" if _m else "") + ("_bc" if _bc else "")
+            if name == "ort_cg":
+                continue
+            desc = _bd + (f", activation ranges by {_m} (our histograms)" if _m else "") + (
+                ", + bias correction (layer by layer)" if _bc else "")
+            RECIPES[name] = (desc, _lever(_b, _m, _bc))
+
+
+# ORT's own Entropy calibrator (issue: it returned the MinMax ranges unchanged)
+@recipe("ort_cg_ortentropy", "ort_cg calibrated by ORT's CalibrationMethod.Entropy")
 def _(out):
-    return with_levers(out, cached_base("cg"), bc_passes=2)
+    return base_ort(out, method="entropy")
 
 
-for _m in ("mse", "percentile:99.99", "percentile:99.999", "entropy"):
-    def _mk(m):
-        def f(out):
-            return with_levers(out, cached_base("cg"), calib=m)
-        return f
-    RECIPES[f"ort_cg_{_m.replace(':', '').replace('.', '_')}"] = (
-        f"ort_cg with every activation range by {_m} (our histograms)", _mk(_m))
-    def _mk2(m):
-        def f(out):
-            return with_levers(out, cached_base("cg"), calib=m, bc_passes=2)
-        return f
-    RECIPES[f"ort_cg_{_m.replace(':', '').replace('.', '_')}_bc"] = (
-        f"ort_cg, ranges by {_m}, + bias correction", _mk2(_m))
+# ------------------------------------------------------------------------------------------
+# NNCF anchors (benchmark-only dependency: benchmarks/requirements.txt)
+# ------------------------------------------------------------------------------------------
+def _nncf_quantize(out, fast_bc=True, disable_bc=False, ignore_dw=False):
+    import nncf
+    from nncf.quantization.advanced_parameters import AdvancedQuantizationParameters
+    onnx = _onnx()
+    m = onnx.load(str(FP32))
+    name = m.graph.input[0].name
+    xc = data()["calib"]
+    ds = nncf.Dataset([xc[i:i + 1] for i in range(len(xc))], lambda b: {name: b})
+    kw = {}
+    if ignore_dw:
+        kw["ignored_scope"] = nncf.IgnoredScope(names=depthwise_nodes(m))
+    q = nncf.quantize(m, ds, subset_size=len(xc), fast_bias_correction=fast_bc,
+                      advanced_parameters=AdvancedQuantizationParameters(
+                          disable_bias_correction=disable_bc), **kw)
+    onnx.save(q, str(out))
+    return {"nncf": {"version": nncf.__version__, "fast_bias_correction": fast_bc,
+                     "disable_bias_correction": disable_bc, "depthwise_ignored": ignore_dw,
+                     "subset_size": len(xc)}}
+
+
+RECIPES["anchor_nncf_default"] = ("anchor: NNCF default (fast bias correction, all quantized)",
+                                  lambda o: _nncf_quantize(o))
+RECIPES["anchor_nncf_nobc"] = ("anchor: NNCF, bias correction disabled",
+                               lambda o: _nncf_quantize(o, disable_bc=True))
+RECIPES["anchor_nncf_fullbc"] = ("anchor: NNCF, full bias correction",
+                                 lambda o: _nncf_quantize(o, fast_bc=False))
+RECIPES["anchor_nncf_fullbc_dw_ignored"] = ("anchor: NNCF, full bias correction, depthwise ignored",
+                                            lambda o: _nncf_quantize(o, fast_bc=False, ignore_dw=True))
+
+
+@recipe("anchor_nncf_ac", "anchor: NNCF quantize_with_accuracy_control, metric = top-1 agreement "
+        "on the tuning split, max_drop 0.005 absolute")
+def _(out):
+    import nncf
+    onnx = _onnx()
+    m = onnx.load(str(FP32))
+    name = m.graph.input[0].name
+    d = data()
+    xc = d["calib"]
+    cal = nncf.Dataset([xc[i:i + 1] for i in range(len(xc))], lambda b: {name: b})
+    tune = d["tune"]
+    vd = nncf.Dataset([(d["x"][i:i + 1], int(d["ref"][i].argmax())) for i in tune])
+
+    def vfn(model, items):
+        s = ort_static.session(model.SerializeToString(), optimize=False)
+        return float(np.mean([s.run(None, {name: x})[0].argmax() == y for x, y in items]))
+
+    q = nncf.quantize_with_accuracy_control(m, cal, vd, validation_fn=vfn, max_drop=0.005,
+                                            drop_type=nncf.DropType.ABSOLUTE,
+                                            subset_size=len(xc))
+    onnx.save(q, str(out))
+    return {"nncf": {"version": nncf.__version__, "accuracy_control": {"max_drop": 0.005,
+                     "metric": "top-1 agreement on the tuning split", "n": int(len(tune))}}}
+
+
+# ------------------------------------------------------------------------------------------
+# mixed precision: rank nodes (float-one) on the tuning split, then keep a prefix float
+# ------------------------------------------------------------------------------------------
+def _rank_model(base: str):
+    """(float model, Q/DQ model) of a base name, or of ``file:<recipe>`` (a built recipe)."""
+    onnx = _onnx()
+    if base.startswith("file:"):
+        return onnx.load(str(FP32)), onnx.load(str(QDIR / f"{base[5:]}.onnx"))
+    return onnx.load(str(base_fp(base))), onnx.load(str(cached_base(base)))
+
+
+def _rank_tag(base: str) -> str:
+    return base.replace("file:", "f_")
+
+
+def rank_shard(base: str, shard: int, nshards: int, n_img: int) -> None:
+    fp, q = _rank_model(base)
+    mc = graph.macs(q, SHAPE)
+    cands = sorted(mc)[shard::nshards]
+    d = data()
+    idx = d["tune"][:n_img]
+
+    def err(model):
+        s = ort_static.session(model.SerializeToString(), optimize=False)
+        out = np.concatenate([o[0] for _, o in graph.run_batches(s, d["x"][idx], None, 25)])
+        r = metrics.compare(out, d["ref"][idx])
+        return {"one_minus_cos": 1 - r["cos_mean"], "flips": r["flips"]}
+
+    rows = []
+    for c in cands:
+        r = err(mixed_precision.make_float(q, fp, [c]))
+        rows.append({"node": c, "macs": mc[c], **r})
+    (OUTDIR / "rank").mkdir(parents=True, exist_ok=True)
+    (OUTDIR / "rank" / f"{_rank_tag(base)}_{shard}.json").write_text(json.dumps(
+        {"n_img": int(len(idx)), "rows": rows}, indent=1))
+
+
+def rank_join(base: str, n_img: int) -> dict:
+    """Join the shards; the all-INT8 error comes from the ort_<base> row measured on the
+    same images when present (else from the search's own evaluation)."""
+    rows = []
+    for f in sorted((OUTDIR / "rank").glob(f"{_rank_tag(base)}_*.json")):
+        rows += json.loads(f.read_text())["rows"]
+    return {"rows": rows}
+
+
+def search(base: str, n_img: int, budget_float_mac_pct: float = 10.0) -> dict:
+    """Prefixes of the ranking (error removed per MAC) within the MAC budget; writes
+    ``search_<base>.json`` with every prefix measured on the tuning split (all images)."""
+    fp, q = _rank_model(base)
+    mc = graph.macs(q, SHAPE)
+    tot = sum(mc.values())
+    d = data()
+    idx = d["tune"][:n_img]
+    s = ort_static.session(q.SerializeToString(), optimize=False)
+    out = np.concatenate([o[0] for _, o in graph.run_batches(s, d["x"][idx], None, 25)])
+    e0 = 1 - metrics.compare(out, d["ref"][idx])["cos_mean"]
+    rows = rank_join(base, n_img)["rows"]
+    for r in rows:
+        r["removed"] = e0 - r["one_minus_cos"]
+        r["per_mac"] = r["removed"] / r["macs"]
+    rows.sort(key=lambda r: -r["per_mac"])
+    chosen, used = [], 0
+    for r in rows:
+        if r["removed"] <= 0:
+            continue
+        if 100 * (used + r["macs"]) / tot > budget_float_mac_pct:
+            continue
+        chosen.append(r["node"])
+        used += r["macs"]
+    res = {"base": base, "rank_images": n_img, "all_int8_one_minus_cos": e0, "ranking": rows,
+           "float_nodes": chosen, "float_mac_pct": 100 * used / tot,
+           "budget_float_mac_pct": budget_float_mac_pct}
+    (OUTDIR / f"search_{_rank_tag(base)}.json").write_text(json.dumps(res, indent=1))
+    return res
+
+
+# float nodes ranked on the corrected all-INT8 file (ort_cg_mse_bc), then BC redone on top
+for _m in ("mse", "percentile:99.999"):
+    RECIPES[f"mp2_cg_{_tag(_m)}_bc"] = (
+        f"ort_cg + {_m} ranges + bias correction, the nodes of search_f_ort_cg_mse_bc.json "
+        "(ranked on ort_cg_mse_bc itself) kept float (<= 10 % MACs)",
+        _lever("cg", _m, True, float_from="f_ort_cg_mse_bc"))
+
+for _b in BASES:
+    for _m in (None, "mse", "percentile:99.999"):
+        for _bc in (False, True):
+            name = "mp_" + _b + (f"_{_tag(_m)}" if _m else "") + ("_bc" if _bc else "")
+            RECIPES[name] = (f"ort_{_b}" + (f" + {_m} ranges" if _m else "") +
+                             (" + bias correction" if _bc else "") +
+                             ", + the nodes of search_" + _b + ".json kept float (<= 10 % MACs)",
+                             _lever(_b, _m, _bc, float_from=_b))
 
 
 # ------------------------------------------------------------------------------------------
@@ -225,7 +421,9 @@ def run_recipe(name: str, force: bool = False, held: bool = True) -> dict:
     share, nq, nall = graph.int8_mac_share(m, SHAPE)
     row = {"recipe": name, "description": desc, "file": str(out.relative_to(ROOT)),
            "sha256_16": sha(out), "int8_mac_pct": 100 * share, "int8_nodes": nq,
-           "conv_gemm_nodes": nall, "build_s": round(build_s, 1), **extra}
+           "conv_gemm_nodes": nall, "build_s": round(build_s, 1),
+           "machine": {k: v for k, v in machine().items() if k != "versions"},
+           "onnxruntime": common.versions().get("onnxruntime"), **extra}
     t = time.time()
     row["tune"] = evaluate(out, "tune")
     if held:
@@ -238,21 +436,117 @@ def run_recipe(name: str, force: bool = False, held: bool = True) -> dict:
     return row
 
 
+def _run_one(args):
+    name, force, held = args
+    try:
+        return run_recipe(name, force=force, held=held)
+    except Exception as e:  # a failed recipe is a row too
+        import traceback
+        row = {"recipe": name, "description": RECIPES[name][0], "status": "failed",
+               "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-2000:]}
+        (OUTDIR / "rows").mkdir(parents=True, exist_ok=True)
+        (OUTDIR / "rows" / f"{name}.json").write_text(json.dumps(row, indent=1))
+        print(f"{name}: FAILED {row['error']}", flush=True)
+        return row
+
+
+def _pool(fn, items, jobs):
+    if jobs <= 1:
+        return [fn(i) for i in items]
+    import multiprocessing as mp
+    with mp.get_context("fork").Pool(jobs, maxtasksperchild=1) as pool:
+        return pool.map(fn, items, chunksize=1)
+
+
+def _rank_job(a):
+    rank_shard(*a)
+
+
+def _base_job(b):
+    cached_base(b)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipes", default="", help="comma-separated recipe names (--list)")
     p.add_argument("--list", action="store_true")
     p.add_argument("--force", action="store_true", help="rebuild the recipes' files")
     p.add_argument("--no-held", action="store_true", help="tuning split only")
-    p.add_argument("--table", action="store_true", help="join results/int8_quality/rows")
+    p.add_argument("--jobs", type=int, default=1, help="parallel processes (1 thread each)")
+    p.add_argument("--bases", default="", help="build these base files first (cg,cle,s8)")
+    p.add_argument("--rank", default="", help="base: float-one ranking of every node")
+    p.add_argument("--rank-images", type=int, default=TUNE_N,
+                   help="tuning images the ranking and search use (the first N of the split)")
+    p.add_argument("--search", default="", help="base: choose the float nodes from --rank")
+    p.add_argument("--float-mac-budget", type=float, default=10.0)
+    p.add_argument("--table", action="store_true", help="join the rows into levers.{json,md}")
     a = p.parse_args(argv)
     if a.list:
         for k, (d, _) in RECIPES.items():
             print(f"{k:32s} {d}")
         return 0
-    for r in [r for r in a.recipes.split(",") if r]:
-        run_recipe(r, force=a.force, held=not a.no_held)
+    QDIR.mkdir(parents=True, exist_ok=True)
+    OUTDIR.mkdir(parents=True, exist_ok=True)
+    data()
+    bases = [b for b in a.bases.split(",") if b]
+    if bases:
+        if "cle" in bases:
+            cle_fp32()
+        _pool(_base_job, bases, min(a.jobs, len(bases)))
+    if a.rank:
+        if not a.rank.startswith("file:"):
+            cached_base(a.rank)
+        n = max(1, a.jobs)
+        _pool(_rank_job, [(a.rank, i, n, a.rank_images) for i in range(n)], n)
+    if a.search:
+        r = search(a.search, a.rank_images, a.float_mac_budget)
+        print(f"search {a.search}: {len(r['float_nodes'])} float nodes, "
+              f"{r['float_mac_pct']:.2f} % MACs float", flush=True)
+    names = [r for r in a.recipes.split(",") if r]
+    if names:
+        _pool(_run_one, [(n, a.force, not a.no_held) for n in names], a.jobs)
+    if a.table:
+        write_table()
     return 0
+
+
+def _fmt(m: dict | None) -> str:
+    if not m:
+        return " | "
+    return f"{m['agree_pct']:.2f} ({m['flips']}) | {m['cos_mean']:.5f} ({m['cos_min']:.3f})"
+
+
+def write_table() -> None:
+    """Join ``rows/`` (this machine: tuning and held-out) and ``rows_device/`` (a second CPU
+    machine, tuning split only: the held-out reference was not sent there) into
+    ``levers.{json,md}``."""
+    rows = []
+    for sub in ("rows", "rows_device"):
+        for f in sorted((OUTDIR / sub).glob("*.json")):
+            r = json.loads(f.read_text())
+            r["rows_dir"] = sub
+            rows.append(r)
+    (OUTDIR / "levers.json").write_text(json.dumps({"machine_here": machine(), "tune_n": TUNE_N,
+                                                    "held_n": 900 - TUNE_N, "seed": SEED,
+                                                    "rows": rows}, indent=1))
+    lines = ["| recipe | INT8 MACs % | tune agree % (flips) | tune cos mean (min) | "
+             "held agree % (flips) | held cos mean (min) | held top-1 % | held disagree 95 % UB | "
+             "machine (ORT) | description |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.get("status") == "failed":
+            lines.append(f"| {r['recipe']} | | failed | | | | | | | {r['error'][:120]} |")
+            continue
+        h = r.get("held")
+        mach = r.get("machine", {})
+        where = (f"{mach.get('cpu', '')}{' VNNI' if mach.get('vnni') else ' no VNNI'} "
+                 f"({r.get('onnxruntime', '')})")
+        desc = r["description"] + (f" **INVALID: {r['invalid']}**" if r.get("invalid") else "")
+        lines.append(
+            f"| {r['recipe']} | {r['int8_mac_pct']:.1f} | {_fmt(r['tune'])} | {_fmt(h)} | "
+            + (f"{h['top1_pct']:.2f} | {h['disagree_ub95_pct']:.2f} |" if h else " | |")
+            + f" {where} | {desc} |")
+    (OUTDIR / "levers.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -133,18 +133,21 @@ def choose_range(h: dict, method: str, levels: int = 255) -> tuple[float, float]
         nb = len(counts)
         best, arg = np.inf, hi
         p_all = counts
-        for i in range(max(levels + 1, nb // 8), nb + 1, max(1, nb // 128)):
+        start = max(128, nb // 16)
+        for i in range(start, nb + 1, max(1, nb // 256)):
             p = p_all[:i].copy()
-            p[-1] += p_all[i:].sum()
+            p[-1] += p_all[i:].sum()  # reference: the outliers clipped into the last bin
             if p.sum() == 0:
                 continue
-            # merge into `levels+1` bins and expand back (TensorRT's rule)
-            idx = np.linspace(0, i, levels + 2).astype(int)
+            # candidate: the first i bins (without the outliers) merged into 128 levels and
+            # expanded back over their non-empty bins (TensorRT's rule, Migacz 2017)
+            head = p_all[:i]
+            idx = np.linspace(0, i, 129).astype(int)
             qd = np.zeros(i)
-            for a, b in zip(idx[:-1], idx[1:]):
-                nz = (p[a:b] > 0)
+            for a_, b_ in zip(idx[:-1], idx[1:]):
+                nz = head[a_:b_] > 0
                 if nz.any():
-                    qd[a:b][nz] = p[a:b].sum() / nz.sum()
+                    qd[a_:b_][nz] = head[a_:b_].sum() / nz.sum()
             pn, qn = p / p.sum(), qd / max(qd.sum(), 1e-12)
             m = pn > 0
             kl = float(np.sum(pn[m] * np.log(pn[m] / np.maximum(qn[m], 1e-12))))

@@ -7,8 +7,8 @@ Conv/Gemm the per-output-channel mean of ``y_q - y_fp`` over calibration data (a
 spatial positions) is subtracted from its float bias, so the quantized layer is unbiased on that
 data. ``y_q`` is the layer's output in the Q/DQ graph (upstream quantization error included) and
 ``y_fp`` the same tensor in the float graph, so the correction also absorbs the mean shift that
-arrives from upstream layers. Corrections are applied for all layers at once and the
-measurement is repeated ``passes`` times, each pass seeing the corrections of the previous ones.
+arrives from upstream layers, where it starts: the
+layers are corrected one at a time in graph order, each measured after the corrections before it.
 """
 from __future__ import annotations
 
@@ -102,24 +102,49 @@ def apply_bias_shift(qmodel: onnx.ModelProto, shifts: dict[str, np.ndarray]) -> 
     return m
 
 
+def _channel_means(model: onnx.ModelProto, outs: Sequence[str], x: np.ndarray, batch: int,
+                   exact: bool) -> list[np.ndarray]:
+    sess = session(graph.with_outputs(model, outs).SerializeToString(), optimize=not exact,
+                   qdq_as_float=not exact)
+    acc = [0.0] * len(outs)
+    cnt = [0] * len(outs)
+    for _, ys in graph.run_batches(sess, x, list(outs), batch):
+        for i, y in enumerate(ys):
+            s_, c = _channel_mean(y)
+            acc[i] = acc[i] + s_
+            cnt[i] += c
+    return [a / c for a, c in zip(acc, cnt)]
+
+
 def bias_correct(fp32: onnx.ModelProto, qmodel: onnx.ModelProto, x: np.ndarray,
-                 passes: int = 2, batch: int = 10) -> tuple[onnx.ModelProto, list[float]]:
-    """Empirical bias correction (Nagel et al. 2019, sec. 4.2) of every quantized Conv/Gemm.
+                 batch: int = 25, exact: bool = False, layers: Sequence[str] | None = None,
+                 ) -> tuple[onnx.ModelProto, list[dict]]:
+    """Empirical bias correction (Nagel et al. 2019, sec. 4.2; AIMET's empirical variant),
+    layer by layer in graph order: each layer's shift is measured with every layer before it
+    already corrected, so a shift that arrives from upstream is removed once, where it starts.
+    (Correcting all layers from one measurement over-corrects: each layer would also remove
+    the upstream shift its predecessors remove; measured: 1.3 % agreement on Lite0.)
 
     Args:
-        fp32, qmodel: float model and its Q/DQ model (same names).
+        fp32, qmodel: float model and its Q/DQ model (same node names).
         x: calibration inputs, float32 ``[N, C, H, W]``.
-        passes: measurement/correction rounds (each sees the previous corrections).
         batch: images per ORT run.
+        exact: measure with optimisations off (slow); default: Q/DQ run as float ops with ORT's
+            graph optimisations (``session.disable_quant_qdq``), enough for a mean.
+        layers: node names (default: every quantized Conv/Gemm).
     Returns:
-        ``(corrected model, [mean |shift| over channels and layers before each pass])``;
-        the last entry is measured after the last correction only if ``passes`` > 1 (it
-        shrinks when the correction converges).
+        ``(corrected model, [{"node", "mean_abs_shift"}])``.
     """
-    history = []
+    fnodes = {n.name: n for n in fp32.graph.node}
+    names = list(layers) if layers is not None else [n.name for n in _quantized_layers(qmodel)]
+    ref = dict(zip(names, _channel_means(fp32, [fnodes[k].output[0] for k in names], x, batch,
+                                         True)))
     m = qmodel
-    for _ in range(passes):
-        shifts = measure_bias_error(fp32, m, x, batch=batch)
-        history.append(float(np.mean([np.abs(v).mean() for v in shifts.values()])))
-        m = apply_bias_shift(m, shifts)
-    return m, history
+    log = []
+    for k in names:
+        out = next(n for n in m.graph.node if n.name == k).output[0]
+        (mq,) = _channel_means(m, [out], x, batch, exact)
+        d = mq - ref[k]
+        log.append({"node": k, "mean_abs_shift": float(np.abs(d).mean())})
+        m = apply_bias_shift(m, {k: d})
+    return m, log

@@ -73,6 +73,11 @@ def find_pairs(model: onnx.ModelProto) -> list[tuple[str, str | None, str]]:
     return pairs
 
 
+def _precision(r: np.ndarray) -> float:
+    """DFQ's per-tensor precision of per-tensor weight quantization: mean_i r_i / max_j r_j."""
+    return float(np.mean(r / max(r.max(), 1e-30)))
+
+
 def channel_ranges(w: np.ndarray, axis: int) -> np.ndarray:
     """max |w| per index of ``axis`` (float64)."""
     axes = tuple(i for i in range(w.ndim) if i != axis)
@@ -86,9 +91,10 @@ def equalize(model: onnx.ModelProto, s_min: float = 1e-3, s_max: float = 1e3) ->
         model: float ONNX model (Conv weights/biases as initializers).
         s_min, s_max: clamp of the per-channel scale (channels with all-zero weights).
     Returns:
-        ``(model, [{"conv1", "conv2", "depthwise", "spread_before", "spread_after"}])``;
-        spread = max/min of the per-channel weight ranges of conv1's output channels (1 =
-        equal). Pairs are processed once, in graph order (a depthwise conv is conv2 of one pair
+        ``(model, [{"conv1", "conv2", "depthwise", "precision_before", "precision_after",
+        "max_range_ratio_after"}])``; precision = ``mean_i r_i / max_j r_j`` of conv1's output
+        channels and conv2's input channels (the quantity DFQ maximises, 1 = equal ranges);
+        after CLE ``r1_i == r2_i`` (ratio 1 up to the scale clamp). Pairs are processed once, in graph order (a depthwise conv is conv2 of one pair
         and conv1 of the next: the second pair sees the first one's scaling).
     """
     m = onnx.ModelProto()
@@ -122,10 +128,12 @@ def equalize(model: onnx.ModelProto, s_min: float = 1e-3, s_max: float = 1e3) ->
             if np.isfinite(hi):
                 _clip_to_relu_min(m, an, hi / s)
         r1n = channel_ranges(w1n, 0)
-        nz, nzn = r1[r1 > 0], r1n[r1n > 0]
+        r2n = channel_ranges(w2n, 0 if dw else 1)
         log.append({"conv1": c1, "conv2": c2, "depthwise": bool(dw),
-                    "spread_before": float(nz.max() / nz.min()) if nz.size else 1.0,
-                    "spread_after": float(nzn.max() / nzn.min()) if nzn.size else 1.0})
+                    "precision_before": [_precision(r1), _precision(r2)],
+                    "precision_after": [_precision(r1n), _precision(r2n)],
+                    "max_range_ratio_after": float(np.max(np.maximum(r1n, 1e-30) /
+                                                          np.maximum(r2n, 1e-30)))})
     return m, log
 
 

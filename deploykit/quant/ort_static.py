@@ -112,7 +112,7 @@ def quantize(fp32: str | Path, out: str | Path, calib_x: np.ndarray, *,
 
 
 def session(path: str | Path | bytes, *, optimize: bool = True, x64_precision: bool = False,
-            threads: int = 1):
+            threads: int = 1, qdq_as_float: bool = False):
     """CPU EP session for a Q/DQ model with ORT's pitfalls handled.
 
     Args:
@@ -124,6 +124,8 @@ def session(path: str | Path | bytes, *, optimize: bool = True, x64_precision: b
         x64_precision: ``session.x64quantprecision=1`` (u8s8 without int16 saturation on
             x86-64 without VNNI; onnxruntime PR #12088).
         threads: ``intra_op_num_threads`` (and inter-op 1).
+        qdq_as_float: ``session.disable_quant_qdq=1``: Q/DQ run as float ops, no int8 kernels
+            (with ``optimize``: fast, close to the Q/DQ semantics but not bit-exact).
     Returns:
         ``onnxruntime.InferenceSession``.
     """
@@ -135,6 +137,8 @@ def session(path: str | Path | bytes, *, optimize: bool = True, x64_precision: b
     so.log_severity_level = 3
     so.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize
                                    else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+    if qdq_as_float:
+        so.add_session_config_entry("session.disable_quant_qdq", "1")
     if x64_precision:
         so.add_session_config_entry("session.x64quantprecision", "1")
     return ort.InferenceSession(path if isinstance(path, bytes) else str(path), so,
