@@ -513,7 +513,7 @@ def main(argv=None) -> int:
 def _fmt(m: dict | None) -> str:
     if not m:
         return " | "
-    return f"{m['agree_pct']:.2f} ({m['flips']}) | {m['cos_mean']:.5f} ({m['cos_min']:.3f})"
+    return f"{m['agree_pct']:.2f} ({m['flips']}) | {m['cos_mean']:.6f} ({m['cos_min']:.4f})"
 
 
 def write_table() -> None:
