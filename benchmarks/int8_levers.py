@@ -517,11 +517,11 @@ def _fmt(m: dict | None) -> str:
 
 
 def write_table() -> None:
-    """Join ``rows/`` (this machine: tuning and held-out) and ``rows_device/`` (a second CPU
-    machine, tuning split only: the held-out reference was not sent there) into
-    ``levers.{json,md}``."""
+    """Join ``rows/`` (this machine: tuning and held-out), ``tuneonly/rows`` (this machine,
+    tuning split only) and ``rows_device/`` (a second CPU machine, tuning split only: the
+    held-out reference was not sent there) into ``levers.{json,md}``."""
     rows = []
-    for sub in ("rows", "rows_device"):
+    for sub in ("rows", "tuneonly/rows", "rows_device"):
         for f in sorted((OUTDIR / sub).glob("*.json")):
             r = json.loads(f.read_text())
             r["rows_dir"] = sub
