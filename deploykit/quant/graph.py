@@ -1,5 +1,6 @@
-"""Small ONNX graph helpers shared by the quantization levers (Q/DQ introspection, MACs,
-intermediate tensors)."""
+"""ONNX helpers of the quantization levers beyond :mod:`deploykit.onnx.graph` (whose producers,
+consumers and attributes they use): initializers, weight sources, Q/DQ introspection, MACs at a
+given input shape, intermediate tensors."""
 from __future__ import annotations
 
 from typing import Iterable, Sequence
@@ -8,32 +9,13 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+# Graph queries are deploykit.onnx.graph's; re-exported for the levers' ``graph.X`` calls.
+from deploykit.onnx.graph import attr, consumers, producers  # noqa: F401
+
 
 def initializers(model: onnx.ModelProto) -> dict[str, onnx.TensorProto]:
     """Initializers by name."""
     return {t.name: t for t in model.graph.initializer}
-
-
-def producers(model: onnx.ModelProto) -> dict[str, onnx.NodeProto]:
-    """Node producing each tensor, by tensor name."""
-    return {o: n for n in model.graph.node for o in n.output}
-
-
-def consumers(model: onnx.ModelProto) -> dict[str, list[onnx.NodeProto]]:
-    """Nodes consuming each tensor, by tensor name."""
-    out: dict[str, list[onnx.NodeProto]] = {}
-    for n in model.graph.node:
-        for i in n.input:
-            out.setdefault(i, []).append(n)
-    return out
-
-
-def attr(node: onnx.NodeProto, name: str, default=None):
-    """Attribute value of ``node`` (ints/floats/int lists decoded) or ``default``."""
-    for a in node.attribute:
-        if a.name == name:
-            return onnx.helper.get_attribute_value(a)
-    return default
 
 
 def set_initializer(model: onnx.ModelProto, name: str, value: np.ndarray) -> None:

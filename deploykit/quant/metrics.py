@@ -6,6 +6,8 @@ import math
 
 import numpy as np
 
+from deploykit.compare import cosine_rows
+
 
 def compare(logits: np.ndarray, ref: np.ndarray, labels: np.ndarray | None = None) -> dict:
     """Top-1 agreement, cosine and top-1 accuracy of ``logits`` vs ``ref``.
@@ -20,8 +22,7 @@ def compare(logits: np.ndarray, ref: np.ndarray, labels: np.ndarray | None = Non
     ref = np.asarray(ref, np.float64)
     finite = np.isfinite(logits).all(axis=1)
     a = np.where(finite[:, None], logits, 0.0)
-    cos = (a * ref).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(ref, axis=1) + 1e-30)
-    cos = np.where(finite, cos, -1.0)
+    cos = np.where(finite, cosine_rows(a, ref), -1.0)  # deploykit.compare's cosine
     agree = (a.argmax(1) == ref.argmax(1)) & finite
     out = {"n": int(len(ref)), "agree_pct": float(100 * agree.mean()),
            "flips": int((~agree).sum()), "cos_mean": float(cos.mean()),
