@@ -25,6 +25,7 @@ import os
 import time
 
 import numpy as np
+from deploykit.layout import ref_outputs_path
 from deploykit.layout import ref_logits_path
 from deploykit.cli import add_shared_args, check_positive, cli, require, stage_parser
 from deploykit.errors import UsageError
@@ -99,7 +100,7 @@ def main(args: argparse.Namespace) -> dict:
         if not shapes:
             raise UsageError(f"--model {args.model}: give --input-shape for a custom "
                              "model (e.g. --input-shape x:1,3,224,224)")
-        data = (custom_data(art / "ref_outputs.npz") if fp16 else
+        data = (custom_data(ref_outputs_path(args.model)) if fp16 else
                 EvalData(feed=example_inputs(spec, shapes, batch=4, seed=0)))
         runner = TorchRunner(model, args.device, input_names=[n for n, _, _ in shapes],
                              **opts)
@@ -130,7 +131,7 @@ def main(args: argparse.Namespace) -> dict:
                 np.savez(tmp, logits=next(iter(outputs.values())), y=data.y,
                          files=np.array(data.files))
         else:
-            ref = art / "ref_outputs.npz"
+            ref = ref_outputs_path(args.model)
             with atomic_path(ref) as tmp:
                 np.savez(tmp, **{f"in:{k}": v for k, v in data.feed.items()},
                          **{f"out:{k}": v for k, v in outputs.items()})

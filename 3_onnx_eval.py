@@ -30,6 +30,7 @@ import sys
 import time
 from pathlib import Path
 
+from deploykit.layout import ref_outputs_path
 from deploykit.layout import fp32_onnx_path, ref_logits_path
 from deploykit.cli import add_shared_args, check_positive, cli, require, stage_parser
 from deploykit.errors import StageError, UsageError
@@ -133,7 +134,7 @@ def main(args: argparse.Namespace) -> dict:
         ref_path = require(ref_logits_path(args.model), "1_pytorch_baseline.py")
         data = classifier_data(spec, args.limit, ref_path)
     else:
-        ref_path = art / "ref_outputs.npz"
+        ref_path = ref_outputs_path(args.model)
         data = custom_data(ref_path)
 
     def fail(reason: str, desc: dict | None = None) -> None:

@@ -158,7 +158,7 @@ def custom_data(args, inputs) -> tuple[dict[str, np.ndarray], dict]:
         shapes.append((name, tuple([1] + list(dims[1:])), str(dtype)))
     spec = ModelSpec(args.model, "custom", classifier=False)
     data = example_inputs(spec, shapes, batch=args.random, seed=args.seed)
-    return data, {"source": f"--random {args.random} (common.example_inputs, seed {args.seed}): "
+    return data, {"source": f"--random {args.random} (deploykit.models.example_inputs, seed {args.seed}): "
                             "structure runs only"}
 
 

@@ -20,8 +20,8 @@ Writes also results/<model>/auto_precision.{json,md,png}.
 
 Env:    MODEL (default mobilenet_v3_small; package.module:factory works too), EPS (calibration
         EP: cpu, cuda:0, trt; default cuda:0 when onnxruntime has the CUDA EP, else cpu),
-        CALIB_BATCH (calibration batch: all (default: one batch, see qdq_tools.py
-        calibration_plan for why) or a number), CALIB_STATS_CHECK (1; 0 skips the comparison
+        CALIB_BATCH (calibration batch: all (default: one batch, see
+        deploykit.quant.calibration.calibration_plan for why) or a number), CALIB_STATS_CHECK (1; 0 skips the comparison
         of the calibration data with the evaluation data, recorded), PYTHON (5_quantize.sh
         only: the interpreter, default python), AUTO_ARGS (int8_auto only: extra flags of
         auto_precision.py search, e.g. the budget).
@@ -36,7 +36,7 @@ not fatal). The work folder sits beside the outputs (the final rename is atomic)
 removed on any exit; a file is installed only when its run succeeded, so a failure leaves an
 earlier good <variant>.onnx as it was.
 
-The depthwise list comes from the graph (qdq_tools.list_depthwise, as ^name$ regexes, because
+The depthwise list comes from the graph (deploykit.quant.nodes.list_depthwise, as ^name$ regexes, because
 ModelOpt matches --nodes_to_exclude with re.match, a prefix match).
 
 Exit status: 0; 1 on a runtime failure (a missing input, refused calibration data, ModelOpt

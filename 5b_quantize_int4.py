@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -178,7 +179,7 @@ def main(args: argparse.Namespace) -> dict:
                "--tag", "ort_int4", "--model", args.model, "--ep", args.eval_ep]
         if args.limit:
             cmd += ["--limit", str(args.limit)]
-        print("int4: " + " ".join(cmd[1:]))
+        print("int4: " + shlex.join(["python", *cmd[1:]]))  # pastes back as the same run
         rc = subprocess.run(cmd, cwd=ROOT).returncode
         if rc:
             raise StageError(f"3_onnx_eval.py failed on {out} (exit {rc})")

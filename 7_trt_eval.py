@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from deploykit.layout import ref_outputs_path
 from deploykit.layout import fp32_onnx_path, ref_logits_path
 from deploykit.cli import add_shared_args, check_positive, cli, require, stage_parser
 from deploykit.errors import StageError, UsageError
@@ -141,7 +142,7 @@ def trtexec_cross_check(model: str, variant, in_name: str, rec: dict) -> dict | 
 
 
 def batch_invariance_check(runner, data, batch: int) -> dict:
-    """The same images at batch 1 and at the accuracy pass's batch (trt_tools.batch_invariance):
+    """The same images at batch 1 and at the accuracy pass's batch (deploykit.trt.plans.batch_invariance):
     max |difference| and top-1 agreement, with the known-issue note when they differ. Not
     applicable (``ok`` None) when the engine cannot run batch 1 or batch >= 2."""
     lo, hi = runner.batch_range
@@ -213,7 +214,7 @@ def main(args) -> dict | None:
         ref_path = require(ref_logits_path(args.model), REF_PRODUCER)
         data = classifier_data(spec, args.limit, ref_path)
     else:
-        ref_path = art / "ref_outputs.npz"
+        ref_path = ref_outputs_path(args.model)
         data = custom_data(ref_path)
 
     with TrtRunner(args.engine, args.device, dla_core=dla_core) as r:

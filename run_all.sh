@@ -337,15 +337,22 @@ take_lock
 # A log without progress-bar updates (tqdm's \r lines) and exporter chatter.
 log_text() { tr '\r' '\n' < "$1" | grep -v -E '^[[:space:]]*$|^\[torch\.onnx\]| [0-9]+/[0-9]+ \[' || true; }
 
+# A command line as a user can paste it back: every argument shell-quoted (printf %q).
+quote_args() {
+  local out="" a
+  for a in "$@"; do out+="${out:+ }$(printf '%q' "$a")"; done
+  printf '%s' "$out"
+}
+
 # Run one command of a stage; on failure print its log tail and stop the pipeline. On success
 # print skip reasons and warnings (first 3), then the last 3 lines.
 run() {
   local name="$1" log="$LOG_DIR/$1.log"; shift
-  cur_cmd="$*"
+  cur_cmd="$(quote_args "$@")"
   start_ticker "$log" "$name"
   if ! "$@" >"$log" 2>&1; then
     stop_ticker
-    echo "  FAILED: $*" >&2
+    echo "  FAILED: $cur_cmd" >&2
     log_text "$log" | tail -n 25 | sed 's/^/  | /' >&2
     echo "  full log: $log" >&2
     echo "  after fixing it, resume with: $(resume_cmd "$cur_stage")" >&2
@@ -361,7 +368,7 @@ run() {
 run_expect_failure() {
   local log="$LOG_DIR/$1.log"; shift
   if "$@" >"$log" 2>&1; then
-    echo "  NOTE: expected failure did not reproduce (fixed upstream?): $*"
+    echo "  NOTE: expected failure did not reproduce (fixed upstream?): $(quote_args "$@")"
   else
     echo "  expected failure reproduced: $(grep -m1 -E 'FAILED|Error' "$log" | cut -c1-160)"
   fi

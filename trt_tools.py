@@ -9,8 +9,8 @@
 - Detection: trtexec, the libnvinfer it really loads, the Python runtime, Jetson facts.
 - Stage 7 helpers: the batch-invariance check and plan-load diagnosis.
 
-Log, layer-info and header parsers live in ``trt_parsers.py``; ONNX preparation for a build
-(opset-17 Q/DQ for 8.x, calibration cache) in ``trt_onnx.py``; the stage-6 driver in
+Log, layer-info and header parsers live in ``deploykit.trt.parsers``; ONNX preparation for a build
+(opset-17 Q/DQ for 8.x, calibration cache) in ``deploykit.trt.onnx_prep``; the stage-6 driver in
 ``6_build_engines.py``. Nothing here imports TensorRT at module level, so everything runs (and is
 tested) on machines without TensorRT or a GPU. ``python trt_tools.py detect`` prints what
 detection finds.

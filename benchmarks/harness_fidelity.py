@@ -39,7 +39,7 @@ pass  # noqa: E402
 
 
 def plain_loop(fn, warmup: int, iters: int, sync=None) -> list[float]:
-    """Per-call ms of ``fn`` with ``timeit`` (independent of runners.wall_loop)."""
+    """Per-call ms of ``fn`` with ``timeit`` (independent of deploykit.timing.wall_loop)."""
     def call():
         fn()
         if sync:

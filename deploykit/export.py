@@ -182,14 +182,14 @@ def print_export_summary(name: str, path: Path, par: dict | None, results: list[
 
 
 def export_parity(results: list[dict]) -> dict | None:
-    """``{output: common.parity}`` at the largest batch, from the ``batch_parity`` row (None when
+    """``{output: deploykit.compare.parity}`` at the largest batch, from the ``batch_parity`` row (None when
     the file did not run)."""
     row = next((r for r in results if r["check"] == "batch_parity" and "parity" in r), None)
     return (row or {}).get("parity") or None
 
 
 def first_divergent_module(model, onnx_path: Path, feed: dict) -> list[dict]:
-    """Name the first PyTorch module whose ONNX output differs (layerwise.torch_vs_onnx), for a
+    """Name the first PyTorch module whose ONNX output differs (deploykit.layerwise.torch_vs_onnx.torch_vs_onnx), for a
     parity failure that no graph check explains. Best effort: errors give a ``skip`` row."""
 
     try:

@@ -35,8 +35,17 @@ def results_dir() -> Path:
 
 
 def model_tag(model: str) -> str:
-    """File-system-safe name of a model spec (``pkg.mod:factory`` -> ``pkg.mod-factory``)."""
-    return re.sub(r"[^A-Za-z0-9_.-]+", "-", model).strip("-")
+    """File-system-safe name of a model spec (``pkg.mod:factory`` -> ``pkg.mod-factory``).
+
+    Raises:
+        UsageError: the name maps to no plain folder name (``..``, ``.``, only punctuation):
+            it would point at or above the artifacts folder.
+    """
+    tag = re.sub(r"[^A-Za-z0-9_.-]+", "-", model).strip("-")
+    if not _SAFE_NAME.match(tag) or ".." in tag:
+        raise UsageError(f"--model {model!r}: not a model name (its folder would be {tag!r}); "
+                         "use a torchvision/timm name or package.module:factory")
+    return tag
 
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}$")
@@ -153,6 +162,13 @@ def ref_logits_path(model: str) -> Path:
     return model_artifacts(model) / "ref_logits.npz"
 
 
+def ref_outputs_path(model: str) -> Path:
+    """``artifacts/<model>/ref_outputs.npz`` (stage 1, models that are not ImageNet classifiers):
+    the inputs (``in:<name>``) and PyTorch outputs (``out:<name>``) every later stage compares
+    against."""
+    return model_artifacts(model) / "ref_outputs.npz"
+
+
 def variant_onnx_path(model: str, variant: str) -> Path:
     """``artifacts/<model>/onnx/<file>`` of ``variant``."""
     return onnx_dir(model) / VARIANTS[variant].onnx_file
@@ -161,29 +177,48 @@ def variant_onnx_path(model: str, variant: str) -> Path:
 #: ``python -m deploykit.layout NAME MODEL [VARIANT]``: the shell asks for paths here.
 PATHS = {"tag": lambda m: model_tag(m), "artifacts": model_artifacts, "results": model_results,
          "onnx-dir": onnx_dir, "fp32-onnx": fp32_onnx_path, "calib": calib_path,
-         "ref-logits": ref_logits_path, "engines": engines_dir}
+         "ref-logits": ref_logits_path, "ref-outputs": ref_outputs_path, "engines": engines_dir}
+
+
+def get_args_parser():
+    """``python -m deploykit.layout NAME MODEL [VARIANT]``."""
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="python -m deploykit.layout",
+        description="Print one artifact or result path of a model (or its folder tag) for the "
+                    "shell; ARTIFACTS and RESULTS are read from the environment as every stage "
+                    "reads them.",
+        epilog="example: python -m deploykit.layout fp32-onnx efficientnet_lite0; "
+               "python -m deploykit.layout variant-onnx efficientnet_lite0 int8")
+    p.add_argument("name", choices=sorted([*PATHS, "variant-onnx"]), help="which path")
+    p.add_argument("model", help="the --model value (a name or package.module:factory)")
+    p.add_argument("variant", nargs="?", default=None,
+                   help=f"with variant-onnx: one of {', '.join(VARIANTS)}")
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Print one path (or the model's folder tag) for the shell; exit 2 on a bad name.
+    """Print the path; a bad name, model or variant is a usage error (exit 2, as argparse).
 
-    ``python -m deploykit.layout fp32-onnx efficientnet_lite0`` prints
-    ``<ARTIFACTS>/efficientnet_lite0/onnx/fp32.onnx``; ``variant-onnx MODEL VARIANT`` prints
-    that variant's file. ARTIFACTS/RESULTS are read from the environment as by every stage.
+    Raises:
+        SystemExit: 2 on a usage error (argparse's message names the argument).
     """
-    import sys
-
-    argv = sys.argv[1:] if argv is None else argv
-    names = sorted([*PATHS, "variant-onnx"])
-    if len(argv) == 3 and argv[0] == "variant-onnx" and argv[2] in VARIANTS:
-        print(variant_onnx_path(argv[1], argv[2]))
+    p = get_args_parser()
+    args = p.parse_args(argv)
+    if args.name == "variant-onnx":
+        if args.variant not in VARIANTS:
+            p.error(f"variant-onnx needs a VARIANT, one of {', '.join(VARIANTS)} "
+                    f"(got {args.variant!r})")
+        print(variant_onnx_path(args.model, args.variant))
         return 0
-    if len(argv) == 2 and argv[0] in PATHS:
-        print(PATHS[argv[0]](argv[1]))
-        return 0
-    print(f"usage: python -m deploykit.layout {{{','.join(names)}}} MODEL [VARIANT]"
-          f" (VARIANT with variant-onnx: one of {', '.join(VARIANTS)})", file=sys.stderr)
-    return 2
+    if args.variant is not None:
+        p.error(f"{args.name} takes no VARIANT (got {args.variant!r})")
+    try:
+        print(PATHS[args.name](args.model))
+    except UsageError as e:
+        p.error(str(e))
+    return 0
 
 
 if __name__ == "__main__":

@@ -92,7 +92,7 @@ def row_problem(rec: dict) -> str | None:
     return None
 
 
-ROW_STATUSES = ("ok", "failed", "skipped")  # what the stages write (common.write_result)
+ROW_STATUSES = ("ok", "failed", "skipped")  # what the stages write (deploykit.results.write_result)
 
 
 def row_identity_problem(rec: dict, f: Path) -> str | None:

@@ -514,7 +514,7 @@ class TrtRunner(Runner):
         self.engine = self.runtime.deserialize_cuda_engine(blob)
         if self.engine is None:
             # Classified with its fix (not a plan / truncated / another TensorRT / another GPU /
-            # library path), trt_parsers.classify_plan_load_error.
+            # library path), deploykit.trt.parsers.classify_plan_load_error.
             why = classify_plan_load_error(
                 "\n".join(self.logger.messages), blob[:PLAN_HEADER_BYTES],
                 runtime_version=tuple(int(p) for p in re.findall(r"\d+", trt.__version__)[:4]),

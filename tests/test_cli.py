@@ -27,7 +27,7 @@ def test_ctrl_c_exits_130_with_one_line_and_no_traceback(capsys, monkeypatch):
         try:
             cli(lambda: argparse.ArgumentParser(prog="x.py"), main)
         except KeyboardInterrupt:
-            pytest.fail("Ctrl-C escaped common.cli (a traceback)")
+            pytest.fail("Ctrl-C escaped deploykit.cli.cli (a traceback)")
     err = capsys.readouterr().err
     assert e.value.code == 130 and "x.py: interrupted" in err and "Traceback" not in err
 
@@ -44,7 +44,7 @@ def _cli(main, argv: list[str], monkeypatch) -> SystemExit:
         with pytest.raises(SystemExit) as e:
             cli(parser, main)
     except KeyboardInterrupt:
-        pytest.fail("Ctrl-C escaped common.cli as a traceback")
+        pytest.fail("Ctrl-C escaped deploykit.cli.cli as a traceback")
     return e.value
 
 

@@ -27,7 +27,7 @@ from tests.helpers.stages import load_stage
 
 # ----------------------------------------------------------------- latency: --iters honoured
 class _SlowRunner:
-    """A runner whose every call takes 20 ms (runners.Runner.time's default loop)."""
+    """A runner whose every call takes 20 ms (deploykit.runners.Runner.time's default loop)."""
 
     batch_range = (1, None)
     max_seconds = Runner.max_seconds

@@ -193,7 +193,7 @@ def trt_activations(onnx_path: Path | str, feed: dict[str, np.ndarray], *,
                              f"{type(e).__name__}: {e}") from e
     else:
         plan = Path(engine_path)
-    # The same runner as stage 7 (runners.TrtRunner) runs the engine.
+    # The same runner as stage 7 (deploykit.runners.TrtRunner) runs the engine.
     try:
         with TrtRunner(plan) as runner:
             for chunk in iter_chunks(feed, batch):

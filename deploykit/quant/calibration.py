@@ -9,11 +9,12 @@ import sys
 from pathlib import Path
 import numpy as np
 
+from deploykit.layout import ref_outputs_path
 from deploykit.data.images import normalize
 from deploykit.data.splits import load_split
 from deploykit.errors import StageError, UsageError
 from deploykit.io import load_npz, sha256_file, write_json
-from deploykit.layout import model_artifacts, model_results, splits_path
+from deploykit.layout import model_results, splits_path
 from deploykit.models import model_spec
 from deploykit.onnx.graph import graph_inputs, load_onnx
 
@@ -83,7 +84,7 @@ def calibration_reference(model: str, onnx_path: Path | str, n: int = 64
             return None, f"none: {e}"
         return {names[0]: normalize(x, spec.mean, spec.std)}, \
             f"first {len(x)} eval images, evaluation preprocessing"
-    ref = model_artifacts(model) / "ref_outputs.npz"
+    ref = ref_outputs_path(model)
     if not ref.exists():
         return None, f"none: {ref} missing (1_pytorch_baseline.py writes it)"
     data = {k[3:]: v for k, v in load_npz(ref, None, "1_pytorch_baseline.py").items()

@@ -89,7 +89,7 @@ def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarr
     Args:
         data: ``deploykit.evaluate.EvalData`` of the main run (classifier images with labels, or a feed).
         outputs: ``{output name: array [N, ...]}`` of the main run (same order of samples).
-        batch: samples per run (the model's static batch, if any, wins: evaluate.run_outputs).
+        batch: samples per run (the model's static batch, if any, wins: deploykit.evaluate.run_outputs).
         tol_points: classifiers: top-1 difference (points) that counts as a disagreement.
         min_cosine: other models: an output whose cosine (min over samples) falls below this
             counts as a disagreement.

@@ -86,9 +86,9 @@ def inspect_model(model) -> dict:
     smallest = sorted(scales, key=lambda t: (not np.isnan(t[0]), abs(t[0]) if not np.isnan(t[0])
                                              else 0.0))[:10]
     # Bias: a DQ-fed bias is quantized already; a float bias of a node ORT's
-    # WeightBiasQuantization selects (qdq_check.wbq_candidates, its own rules) becomes int32
+    # WeightBiasQuantization selects (deploykit.quant.bias.wbq_candidates, its own rules) becomes int32
     # with scale act_scale * weight_scale, computed in the scale dtype: in fp16 tiny products
-    # become 0. Whether that changes the output is qdq_check.check_bias_requant's question.
+    # become 0. Whether that changes the output is deploykit.quant.bias.check_bias_requant's question.
 
     bias = {"quantized_bias": 0, "float_bias_wbq_candidates": 0,
             "min_product_fp32": None, "n_products_zero_in_fp16": 0,

@@ -7,6 +7,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -50,7 +51,8 @@ def env_settings(environ=None) -> dict:
     Returns:
         ``{"eps" (None: choose), "calib_batch", "stats_check", "auto_args", "auto_text"}``.
     Raises:
-        UsageError: ``CALIB_BATCH`` is neither ``all`` nor a positive integer.
+        UsageError: ``CALIB_BATCH`` is neither ``all`` nor a positive integer, ``EPS`` is no
+            calibration EP ModelOpt takes, or ``CALIB_STATS_CHECK`` is neither 0 nor 1.
     """
     env = os.environ if environ is None else environ
     batch = env.get("CALIB_BATCH") or "all"
@@ -62,11 +64,20 @@ def env_settings(environ=None) -> dict:
         if not ok:
             raise UsageError(f"CALIB_BATCH={batch!r}: 'all' (one batch) or a positive "
                                     "integer")
+    eps = env.get("EPS") or None
+    # ModelOpt's --calibration_eps values (modelopt.onnx.quantization: cpu, cuda:<i>, trt, dml)
+    if eps is not None and not re.fullmatch(r"cpu|cuda:\d+|trt|dml", eps):
+        raise UsageError(f"EPS={eps!r}: the calibration EP is one of cpu, cuda:0 (cuda:<i>), "
+                         "trt, dml (lower case; unset: cuda:0 when onnxruntime has the CUDA EP, "
+                         "else cpu)")
+    stats = env.get("CALIB_STATS_CHECK") or "1"
+    if stats not in ("0", "1"):
+        raise UsageError(f"CALIB_STATS_CHECK={stats!r}: 1 (compare the calibration data with "
+                         "the evaluation data, the default) or 0 (skip it, recorded)")
     text = env.get("AUTO_ARGS") or ""
     # As bash's `read -r -a` did: the first line, split on blanks, no quote processing.
     first = text.splitlines()[0] if text else ""
-    return {"eps": env.get("EPS") or None, "calib_batch": batch,
-            "stats_check": (env.get("CALIB_STATS_CHECK") or "1") != "0",
+    return {"eps": eps, "calib_batch": batch, "stats_check": stats != "0",
             "auto_args": first.split(), "auto_text": text}
 
 
@@ -221,8 +232,26 @@ def quant_record(args: argparse.Namespace, inputs: dict, variant: str, status: s
                             **prov["input_sha256"]}
     prov["wall_time_s"] = wall_s
     rec["provenance"] = prov
-    write_json(model_results(args.model) / f"quant_{variant}.json", rec)
+    path = model_results(args.model) / f"quant_{variant}.json"
+    side = path.with_name(f"quant_{variant}.failed.json")
+    if status != "ok" and _record_ok(path):
+        write_json(side, rec)
+        print(f"note: {path} describes the good {out.name} still installed: kept; this failed "
+              f"run is recorded in {side.name}", file=sys.stderr)
+    else:
+        write_json(path, rec)
+        if status == "ok":
+            side.unlink(missing_ok=True)
+            Path(log).with_name(f"{variant}.quant.failed.log").unlink(missing_ok=True)
     return rec
+
+
+def _record_ok(path: Path) -> bool:
+    """True when ``path`` holds a quant record whose status is ``ok``."""
+    try:
+        return json.loads(path.read_text()).get("status") == "ok"
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 # --------------------------------------------------------------------------------------------
@@ -282,7 +311,7 @@ def quantize_all(args, selected, env, eps, src, calib, onnx_dir, res_dir, work, 
             not_made.append(variant)
             continue
         out = onnx_dir / f"{variant}.onnx"
-        log = onnx_dir / f"{variant}.quant.log"
+        log = work / f"{variant}.quant.log"  # installed beside the file once the status is known
         tmp = work / f"{variant}.onnx"
         print(f"Stage 5: quantize {variant}: {src} + {calib} -> {out}")
         run = modelopt_runner.run_modelopt(
@@ -290,6 +319,7 @@ def quantize_all(args, selected, env, eps, src, calib, onnx_dir, res_dir, work, 
             replace={tmp: out, work_src: src, work_calib: calib})
         status = run.status
         wall = round(run.wall_s, 1)
+        log_tail = run.tail(20)  # read before the log moves to its final name
         # int8_auto: measured on the tuning split (it must meet the budget) and the evaluation
         # split before it replaces anything.
         verify_failed = False
@@ -302,6 +332,14 @@ def quantize_all(args, selected, env, eps, src, calib, onnx_dir, res_dir, work, 
             os.replace(tmp, out)
         else:
             tmp.unlink(missing_ok=True)
+        # a failed rerun never replaces the record and log of the good file still installed:
+        # they go beside them (quant_<variant>.failed.json, <variant>.quant.failed.log)
+        keep_good = status != "ok" and _record_ok(res_dir / f"quant_{variant}.json")
+        final_log = onnx_dir / (f"{variant}.quant.failed.log" if keep_good
+                                else f"{variant}.quant.log")
+        if log.exists():
+            os.replace(log, final_log)
+        log = final_log
         if v.needs_tuning and (auto_dir / "auto_precision.json").exists():
             # results/<model>/auto_precision.* always describe the installed file; a run that
             # was not installed is published beside them as auto_precision.failed.*
@@ -313,7 +351,7 @@ def quantize_all(args, selected, env, eps, src, calib, onnx_dir, res_dir, work, 
                                     f"{out} left as it was")
         if status != "ok":
             raise StageError(f"ModelOpt failed on {variant} (exit {run.returncode}); "
-                                    f"last lines of {log}:\n" + "\n".join(run.tail(20)))
+                                    f"last lines of {log}:\n" + "\n".join(log_tail))
         print(f"  finished {variant} [elapsed={wall}s] -> {out}")
     if not_made:
         raise StageError(f"{' '.join(not_made)} not made (reason above); the other "

@@ -263,7 +263,7 @@ def check_dla_version(args, version: Sequence[int]) -> None:
     """``--dla-core`` on a TensorRT without DLA is refused, by the build and its dry run alike.
 
     Raises:
-        UsageError: the reason (trt_tools.dla_unavailable, with its sources).
+        UsageError: the reason (deploykit.trt.rules.dla_unavailable, with its sources).
     """
     why = dla_unavailable(version) if args.dla_core is not None else None
     if why:
@@ -312,14 +312,14 @@ def build_record(args, variant: str, status: str, reason: str | None, started: f
 def write_build_record(args, variant: str, rec: dict) -> Path:
     # A failed build that produced no plan keeps an earlier good row (and its plan); a row
     # that describes a plan now on disk (``plan`` set: a check failed after it was written)
-    # replaces it (common.write_result).
+    # replaces it (deploykit.results.write_result).
     return write_result(args.model, VARIANTS[variant].build_tag, rec,
                         keep_good=rec.get("plan") is None)
 
 
 def _python_plan_check(plan: Path, env: Mapping[str, str], runtime) -> tuple[bool | None, str]:
     """Deserialise ``plan`` with the Python runtime in a child process (8.x plan check); a
-    refusal is classified (trt_parsers.classify_plan_load_error)."""
+    refusal is classified (deploykit.trt.parsers.classify_plan_load_error)."""
     code = (
         "import sys, tensorrt as trt\n"
         "class L(trt.ILogger):\n"

@@ -83,7 +83,7 @@ class UnsupportedVariant(StageError):
     """The variant cannot be built with this TensorRT version or device (recorded as skipped)."""
 
 
-# Oldest TensorRT the toolkit runs: stage 7 (runners.TrtRunner) uses the tensor-name API
+# Oldest TensorRT the toolkit runs: stage 7 (deploykit.runners.TrtRunner) uses the tensor-name API
 # (enqueueV3 / execute_async_v3, setInputShape, getProfileShape by name), which NvInferRuntime.h
 # has from tag 8.5.1 and lacks at 8.4.3 (NVIDIA/TensorRT); trtexec 8.2 also has no --memPoolSize
 # (sampleOptions.cpp, tag 8.2.1).
@@ -178,7 +178,7 @@ def dla_allowed(trt_version: Sequence[int], variant: Variant) -> str | None:
 
 
 # INT8 routes: "qdq" (the Q/DQ file as is), "qdq_opset17" (converted to opset 17 for the 8.x
-# parser when exact, trt_onnx.to_opset), "implicit" (FP32 ONNX + calibration cache from the
+# parser when exact, deploykit.trt.onnx_prep.to_opset), "implicit" (FP32 ONNX + calibration cache from the
 # Q/DQ scales, --int8 --calib). Sources: deploykit.trt.onnx_prep docstring.
 INT8_ROUTES = ("qdq", "qdq_opset17", "implicit")
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from deploykit.errors import StageError
+from deploykit.errors import StageError, UsageError
 
 
 from deploykit.quant import modelopt_runner, quantize  # noqa: E402
@@ -163,6 +163,38 @@ def test_modelopt_failure_keeps_the_earlier_file_and_removes_the_work_folder(tin
     assert not list((tiny / "onnx").glob(".tmp*"))
     rec = json.loads((Path(os.environ["RESULTS"]) / "tiny" / "quant_int8_hp32.json").read_text())
     assert rec["status"] == "failed" and "inspect" not in rec
+
+
+def test_failed_rerun_keeps_the_good_record_and_log_beside_the_installed_file(tiny, monkeypatch):
+    """A good int8_hp32 is installed with its record and log; a failed rerun (ModelOpt error)
+    leaves all three as they were and writes quant_int8_hp32.failed.json and
+    int8_hp32.quant.failed.log beside them; the next good run removes both leftovers."""
+    res = Path(os.environ["RESULTS"]) / "tiny"
+    monkeypatch.setattr(modelopt_runner, "run_modelopt", FakeModelOpt())
+    stage5.main(_args("int8_hp32"))
+    good = (res / "quant_int8_hp32.json").read_text()
+    good_log = (tiny / "onnx" / "int8_hp32.quant.log").read_text()
+    good_file = (tiny / "onnx" / "int8_hp32.onnx").read_bytes()
+    assert json.loads(good)["status"] == "ok"
+
+    class Fails(FakeModelOpt):
+        def __call__(self, onnx_path, output_path, flags, log, **kw):
+            r = super().__call__(onnx_path, output_path, flags, log, **kw)
+            Path(log).write_text("the failed run's log\n")
+            return r
+    monkeypatch.setattr(modelopt_runner, "run_modelopt", Fails(fail=True))
+    with pytest.raises(StageError, match="ModelOpt failed on int8_hp32"):
+        stage5.main(_args("int8_hp32"))
+    assert (res / "quant_int8_hp32.json").read_text() == good
+    assert (tiny / "onnx" / "int8_hp32.quant.log").read_text() == good_log
+    assert (tiny / "onnx" / "int8_hp32.onnx").read_bytes() == good_file
+    failed = json.loads((res / "quant_int8_hp32.failed.json").read_text())
+    assert failed["status"] == "failed" and failed["log"].endswith("int8_hp32.quant.failed.log")
+    assert (tiny / "onnx" / "int8_hp32.quant.failed.log").read_text() == "the failed run's log\n"
+    monkeypatch.setattr(modelopt_runner, "run_modelopt", FakeModelOpt())
+    stage5.main(_args("int8_hp32"))
+    assert not (res / "quant_int8_hp32.failed.json").exists()
+    assert not (tiny / "onnx" / "int8_hp32.quant.failed.log").exists()
 
 
 # --------------------------------------------------------------------------------------------
@@ -321,3 +353,18 @@ def _umask() -> int:
     m = os.umask(0)
     os.umask(m)
     return m
+
+
+@pytest.mark.parametrize("name,value,accepted", [
+    ("EPS", "bogus", False), ("EPS", "CUDA", False), ("EPS", "cuda", False),
+    ("EPS", "cuda:1", True), ("EPS", "cpu", True), ("EPS", "trt", True),
+    ("CALIB_STATS_CHECK", "no", False), ("CALIB_STATS_CHECK", "0", True),
+    ("CALIB_BATCH", "abc", False), ("CALIB_BATCH", "64", True)])
+def test_environment_settings_are_checked_before_any_work(name, value, accepted):
+    """A bad EPS reached ModelOpt (its NotImplementedError after the run started); every
+    variable the stage reads is a usage error naming the accepted values."""
+    if accepted:
+        assert quantize.env_settings({name: value})
+    else:
+        with pytest.raises(UsageError, match=rf"{name}='{value}': .*(one of|or 0|positive)"):
+            quantize.env_settings({name: value})

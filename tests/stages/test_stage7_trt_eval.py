@@ -83,7 +83,7 @@ def test_stage7_usage_error_exit_2(tmp_path):
 
 
 class _FakeRunner:
-    """A runner stand-in with the runners.Runner surface stage 7's check uses (no TensorRT)."""
+    """A runner stand-in with the deploykit.runners.Runner surface stage 7's check uses (no TensorRT)."""
 
     def __init__(self, w, batch_range=(1, 64), batch_dependent=0.0):
         self.w, self.batch_range, self.bd = w, batch_range, batch_dependent

@@ -47,7 +47,7 @@ def tuning_data(model: str, onnx_path: Path, tune_npz: Path | None = None,
     keyed by input name, batch on axis 0). ``images``: a seeded subset of that many samples.
 
     Returns:
-        ``(evaluate.EvalData, {"source", "n", "sha256", "images", "seed"})``.
+        ``(deploykit.evaluate.EvalData, {"source", "n", "sha256", "images", "seed"})``.
     Raises:
         StageError: no tuning split / npz (the message names ``--tune-fraction`` /
             ``run_all.sh --auto-precision`` / ``--tune-npz``), or the splits overlap.
