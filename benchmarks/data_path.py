@@ -18,16 +18,15 @@ import time
 from pathlib import Path
 
 import numpy as np
-from deploykit.cli import HelpFormatter, add_shared_args, int_at_least
-from deploykit.data.images import list_images
-from deploykit.data.splits import preprocess_items
-from deploykit.envinfo import device_info
-from deploykit.io import write_json
-from deploykit.layout import DEFAULT_DATA
-from deploykit.models import model_spec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-pass  # noqa: E402
+from deploykit.cli import HelpFormatter, add_shared_args, int_at_least  # noqa: E402
+from deploykit.data.images import list_images  # noqa: E402
+from deploykit.data.splits import preprocess_items  # noqa: E402
+from deploykit.envinfo import device_info  # noqa: E402
+from deploykit.io import write_json  # noqa: E402
+from deploykit.layout import DEFAULT_DATA  # noqa: E402
+from deploykit.models import model_spec  # noqa: E402
 
 
 def main() -> None:

@@ -26,16 +26,14 @@ import timeit
 from pathlib import Path
 
 import numpy as np
-from deploykit.layout import fp32_onnx_path
-from deploykit.cli import HelpFormatter, add_shared_args, int_at_least
-from deploykit.envinfo import device_info, versions
-from deploykit.io import write_json
-from deploykit.models import build_model
-from deploykit.runners import OrtRunner, TorchRunner, harness_overhead_ms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-pass  # noqa: E402
-pass  # noqa: E402
+from deploykit.layout import fp32_onnx_path  # noqa: E402
+from deploykit.cli import HelpFormatter, add_shared_args, int_at_least  # noqa: E402
+from deploykit.envinfo import device_info, versions  # noqa: E402
+from deploykit.io import write_json  # noqa: E402
+from deploykit.models import build_model  # noqa: E402
+from deploykit.runners import OrtRunner, TorchRunner, harness_overhead_ms  # noqa: E402
 
 
 def plain_loop(fn, warmup: int, iters: int, sync=None) -> list[float]:

@@ -23,13 +23,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from deploykit.cli import HelpFormatter, env_assignment
-from deploykit.envinfo import device_info
-from deploykit.io import write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-pass  # noqa: E402
+from deploykit.cli import HelpFormatter, env_assignment  # noqa: E402
+from deploykit.envinfo import device_info  # noqa: E402
+from deploykit.io import write_json  # noqa: E402
 
 
 def main() -> None:
