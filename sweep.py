@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -114,7 +115,24 @@ def main(args: argparse.Namespace) -> int:
         _usage(parser, str(e))
     if not os.environ.get("PIPELINE_ROOT"):
         _usage(parser, "environment not set up: run  source env.sh  first")
+    if args.out.exists() and not args.out.is_dir():
+        _usage(parser, f"--out {args.out} is a file: give a folder (it is created if missing)")
     from deploykit.sweep import driver, plan, stamp
+
+    ids: dict[str, str] = {}
+    for m in spec.models:
+        # the forms the stages take (a torchvision/timm name, package.module:factory): any other
+        # name is a usage error here, not a failed Ray task later (the sweep imports no stage
+        # code, so this is the shape of the name; the stages judge the rest)
+        if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*|[A-Za-z0-9_]+", m.name):
+            _usage(parser, f"model {m.name!r}: not a model name: a torchvision or timm name "
+                           "(letters, digits, _) or package.module:factory")
+        for t in spec.targets:
+            pid = plan.pipeline_id(m.name, t.name)
+            if pid in ids and ids[pid] != m.name:
+                _usage(parser, f"models {ids[pid]!r} and {m.name!r} share the pipeline folder "
+                               f"{pid!r}: rename one (or wrap it in another factory name)")
+            ids[pid] = m.name
 
     if args.dry_run:
         try:

@@ -101,6 +101,37 @@ def _finish(ray, p: plan_mod.Pipeline, ref, records: dict, keys: dict, out: Path
     log(msg)
 
 
+#: Seconds to reach a cluster address before Ray is asked to connect (Ray itself retries for
+#: minutes against an address where nothing listens).
+ADDRESS_PROBE_S = 5.0
+
+
+def probe_address(address: str, timeout_s: float = ADDRESS_PROBE_S) -> None:
+    """Refuse a cluster address where nothing answers, before Ray retries it for minutes.
+
+    Args:
+        address: ``host:port`` or ``ray://host:port``; ``auto`` (Ray finds the local head) and
+            addresses without a port are left to Ray.
+
+    Raises:
+        RuntimeError: nothing accepts a TCP connection there within ``timeout_s`` (names the
+            address and the fix).
+    """
+    import socket
+
+    hostport = address.split("://", 1)[-1]
+    host, sep, port = hostport.rpartition(":")
+    if address == "auto" or not sep or not port.isdigit():
+        return
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            pass
+    except OSError as e:
+        raise RuntimeError(f"no Ray cluster answers at {address} ({e}): start one there "
+                           "(ray start --head on that host) or leave --address / RAY_ADDRESS "
+                           "out to run on this machine") from None
+
+
 def start_ray(address: str | None, num_cpus: int | None):
     """Connect to a cluster, or start Ray on this machine with a bounded number of CPUs.
 
@@ -113,6 +144,7 @@ def start_ray(address: str | None, num_cpus: int | None):
 
     Raises:
         RayMissing: ray is not importable.
+        RuntimeError: nothing answers at ``address`` (:func:`probe_address`).
     """
     try:
         import ray
@@ -123,6 +155,7 @@ def start_ray(address: str | None, num_cpus: int | None):
     env_vars = {"PYTHONPATH": os.pathsep.join(
         [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
     if address:
+        probe_address(address)
         ray.init(address=address, runtime_env={"env_vars": env_vars}, log_to_driver=False)
         return ray, False
     os.environ.pop("RAY_ADDRESS", None)  # local: never attach to another user's cluster

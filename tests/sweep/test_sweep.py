@@ -687,3 +687,37 @@ def test_sweep_on_local_ray_two_models_one_failing(tmp_path):
     assert f"{broken}: submitted" in p2.stdout
     rep2 = json.loads((out / "report.json").read_text())
     assert rep2["verdicts"]["cpu"]["tag"] == fastest["tag"]  # report rebuilt from stored rows
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--models", "my model"], "not a model name"),
+    (["--models", "mypk.a-net"], "not a model name"),
+    (["--models", "m", "--out", "__FILE__"], "is a file: give a folder"),
+])
+def test_names_and_folders_refused_before_ray_starts(argv, needle, capsys, monkeypatch,
+                                                      tmp_path):
+    """A model name no stage takes failed inside the Ray task (exit 1, after Ray started); an
+    --out that is a file failed after the pipelines ran."""
+    monkeypatch.setenv("PIPELINE_ROOT", str(ROOT))
+    f = tmp_path / "a_file"
+    f.write_text("not a folder")
+    with pytest.raises(SystemExit) as e:
+        _main([str(f) if a == "__FILE__" else a for a in argv])
+    assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_an_address_where_nothing_listens_fails_at_once():
+    """Ray retried 127.0.0.1:1 for over ten minutes; the probe answers in well under a second."""
+    import socket
+    import time
+
+    from deploykit.sweep.driver import probe_address
+
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.time()
+    with pytest.raises(RuntimeError, match=rf"no Ray cluster answers at 127.0.0.1:{port}"):
+        probe_address(f"127.0.0.1:{port}", timeout_s=2)
+    assert time.time() - t0 < 2.5
+    probe_address("auto")  # left to Ray
