@@ -20,6 +20,7 @@ Pitfalls (measured on EfficientNet-Lite0, onnxruntime 1.32):
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -101,6 +102,9 @@ def quantize(fp32: str | Path, out: str | Path, calib_x: np.ndarray, *,
              "OpTypesToExcludeOutputQuantization": list(no_output_quantization)}
     if symmetric_activation is not None:
         extra["ActivationSymmetric"] = symmetric_activation
+    if "modelopt" in sys.modules:  # it patched ORT's calibrators: our ranges would be wrong
+        raise RuntimeError("ModelOpt is imported in this process and patches ONNX Runtime's "
+                           "calibrators: run ORT's quantize_static in a process of its own")
     quantize_static(str(fp32), str(out), NpzReader(name, calib_x, batch),
                     quant_format=QuantFormat.QDQ,
                     op_types_to_quantize=list(op_types) if op_types else None,
