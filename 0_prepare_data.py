@@ -98,8 +98,11 @@ def main(args: argparse.Namespace) -> dict:
     root = Path(args.data_root) if args.data_root else DEFAULT_DATA
     spec = model_spec(args.model)
     if not spec.classifier:
-        raise UsageError(f"--model {args.model} is not an ImageNet classifier: the data "
-                         "stage does not apply (export and parity use --input-shape)")
+        raise UsageError(f"--model {args.model} is not an ImageNet classifier "
+                         f"({spec.preprocessing_from}): the image data stage does not apply; "
+                         "its data are --inputs NPZ (stage 1) and --calib-inputs NPZ (stage 4), "
+                         "or, for an ImageNet classifier, state its preprocessing with "
+                         "--preprocess mean=..,std=..,crop=..")
     # Check the output folders before the long preprocessing, not after it.
     check_writable(artifacts_dir(), model_results(args.model))
     items, layout = list_images(root, args.labels_csv, args.allow_class_subset)

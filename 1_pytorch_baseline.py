@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 import numpy as np
@@ -32,7 +33,9 @@ from deploykit.errors import UsageError
 from deploykit.evaluate import EvalData, classifier_data, custom_data, evaluate, summary_line
 from deploykit.io import atomic_path, check_writable
 from deploykit.layout import check_row_tag, model_artifacts, model_results, splits_path
-from deploykit.models import build_model, example_inputs, parse_input_shapes
+from deploykit.data.user import (LABELS_KEY, SYNTHETIC_KEY, SYNTHETIC_NOTE, input_names,
+                                 load_inputs, load_labels)
+from deploykit.models import build_model, example_inputs, model_spec, parse_input_shapes
 from deploykit.results import write_result
 from deploykit.runners import TorchRunner
 
@@ -40,7 +43,8 @@ from deploykit.runners import TorchRunner
 
 def get_args_parser() -> argparse.ArgumentParser:
     p = stage_parser(__doc__)
-    add_shared_args(p, "model", "weights", "random_init", "input_shape")
+    add_shared_args(p, "model", "weights", "random_init", "input_shape", "inputs",
+                    "labels")
     p.add_argument("--device", default=os.environ.get("TORCH_DEVICE", "cpu"),
                    help="cpu or cuda[:i] (default from $TORCH_DEVICE)")
     add_shared_args(p, "batch_size", "limit", "latency_batch", "warmup", "iters",
@@ -60,6 +64,44 @@ def get_args_parser() -> argparse.ArgumentParser:
                    help="CUDA: strict FP32 (torch.backends.cuda.matmul/cudnn.allow_tf32 = False) "
                         "for a parity pass without TF32; the row records the TF32 state")
     return p
+
+
+def own_data(args: argparse.Namespace, model, shapes) -> tuple[EvalData, list[str]]:
+    """The evaluation samples of a model with its own inputs: ``--inputs`` (and ``--labels``),
+    else seeded N(0,1) samples of ``--input-shape`` (synthetic: said on stderr and in the
+    reference, so every later data-dependent check warns instead of judging).
+
+    Returns:
+        ``(data, input names in forward() order)``.
+    Raises:
+        UsageError: neither --inputs nor --input-shape, --labels without --inputs, keys that
+            are not forward()'s arguments, labels that do not fit.
+    """
+    if args.precision == "fp16":
+        data = custom_data(ref_outputs_path(args.model), args.limit)
+        return data, list(data.feed)
+    if args.inputs:
+        feed = load_inputs(args.inputs, limit=args.limit)
+        names = input_names(model, shapes, list(feed))
+        feed = {n: feed[n] for n in names} if set(names) <= set(feed) else \
+            {names[0]: next(iter(feed.values()))}
+        n = len(next(iter(feed.values())))
+        y = load_labels(args.labels, n) if args.labels else None
+        return EvalData(feed=feed, y=y), names
+    if args.labels:
+        raise UsageError("--labels needs --inputs: the labels of which samples?")
+    if not shapes:
+        raise UsageError(f"--model {args.model} is not an ImageNet classifier "
+                         f"({model_spec(args.model).preprocessing_from}): give your evaluation "
+                         "samples with --inputs NPZ (one array per forward() argument), state "
+                         "the preprocessing with --preprocess if it is an ImageNet classifier, "
+                         "or give --input-shape NAME:DIMS for synthetic samples (structure and "
+                         "latency only)")
+    print(f"WARNING: {SYNTHETIC_NOTE}: parity and every data-dependent check downstream are "
+          "measured on them and only warn; give --inputs NPZ for a verdict on real data",
+          file=sys.stderr)
+    feed = example_inputs(model_spec(args.model), shapes, batch=4, seed=0)
+    return EvalData(feed=feed, synthetic=True), [n for n, _, _ in shapes]
 
 
 def main(args: argparse.Namespace) -> dict:
@@ -90,6 +132,10 @@ def main(args: argparse.Namespace) -> dict:
     opts = dict(dtype=args.precision, compile=args.compile,
                 tf32=False if args.no_tf32 else None)
     if spec.classifier:
+        if args.inputs or args.labels:
+            raise UsageError(f"--model {args.model} is an ImageNet classifier: its data is the "
+                             "eval split of 0_prepare_data.py (--data-root / $VAL_ROOT for your "
+                             "own images); --inputs/--labels are for models with their own data")
         ref = ref_logits_path(args.model)
         if fp16:
             require(ref, "1_pytorch_baseline.py (FP32) first; FP16 is judged against it")
@@ -97,20 +143,19 @@ def main(args: argparse.Namespace) -> dict:
         inputs.append(splits_path())
         runner = TorchRunner(model, args.device, **opts)
     else:
-        if not shapes:
-            raise UsageError(f"--model {args.model}: give --input-shape for a custom "
-                             "model (e.g. --input-shape x:1,3,224,224)")
-        data = (custom_data(ref_outputs_path(args.model)) if fp16 else
-                EvalData(feed=example_inputs(spec, shapes, batch=4, seed=0)))
-        runner = TorchRunner(model, args.device, input_names=[n for n, _, _ in shapes],
-                             **opts)
+        data, names = own_data(args, model, shapes)
+        runner = TorchRunner(model, args.device, input_names=names, **opts)
+        if args.inputs:
+            inputs.append(args.inputs)
         try:
-            runner.infer(data.feed)
-        except (TypeError, RuntimeError) as e:
+            runner.infer(data.subset(0, min(len(data), 2)).feed)
+        except (TypeError, RuntimeError, ValueError) as e:
+            what = (f"the samples of --inputs {args.inputs}" if args.inputs else
+                    f"--input-shape {[f'{n}:{s}' for n, s, _ in shapes]}")
             raise UsageError(
-                f"--model {args.model} does not run on --input-shape "
-                f"{[f'{n}:{s}' for n, s, _ in shapes]}: {str(e).splitlines()[0]}; give one "
-                "--input-shape per forward() argument, in order, with the right shapes") from e
+                f"--model {args.model} does not run on {what} (fed as {names}): "
+                f"{type(e).__name__}: {str(e).splitlines()[0][:300]}; give one input per "
+                "forward() argument, in order, with the shapes and dtypes it takes") from e
     dev_tag = "cuda" if args.device.startswith("cuda") else "cpu"
     with runner:
         rec, outputs = evaluate(
@@ -132,9 +177,11 @@ def main(args: argparse.Namespace) -> dict:
                          files=np.array(data.files))
         else:
             ref = ref_outputs_path(args.model)
+            extra = {} if data.y is None else {LABELS_KEY: data.y}
             with atomic_path(ref) as tmp:
                 np.savez(tmp, **{f"in:{k}": v for k, v in data.feed.items()},
-                         **{f"out:{k}": v for k, v in outputs.items()})
+                         **{f"out:{k}": v for k, v in outputs.items()},
+                         **{SYNTHETIC_KEY: np.array(data.synthetic)}, **extra)
         rec["reference"] = str(ref)
     path = write_result(args.model, rec["tag"], rec)
     print(f"{summary_line(rec)} -> {path}")

@@ -112,7 +112,7 @@ def main(args: argparse.Namespace) -> dict:
     model, spec = build_model(args.model, args.weights, pretrained=not args.random_init)
     opset = args.opset or (18 if args.exporter == "dynamo" else 17)
     shapes = parse_input_shapes(args.input_shape)
-    feed, second, real = export_inputs(args, spec, shapes)
+    feed, second, real = export_inputs(args, spec, shapes, model)
     output_names = ["logits"] if spec.classifier else None
     with TorchRunner(model, "cpu") as tr:
         ref = tr.infer(feed)

@@ -24,6 +24,7 @@ after the row is written and never change its status.
 from __future__ import annotations
 
 import argparse
+import shlex
 import os
 import re
 import sys
@@ -32,6 +33,7 @@ from pathlib import Path
 
 from deploykit.layout import ref_outputs_path
 from deploykit.layout import fp32_onnx_path, ref_logits_path
+from deploykit.data.user import SYNTHETIC_NOTE, check_same_inputs
 from deploykit.cli import add_shared_args, check_positive, cli, require, stage_parser
 from deploykit.errors import StageError, UsageError
 from deploykit.evaluate import (
@@ -65,7 +67,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--onnx", type=Path, required=True, help="ONNX file to evaluate")
     p.add_argument("--tag", required=True,
                    help="row id, e.g. ort_fp32 (results/<model>/<tag>.json)")
-    add_shared_args(p, "model")
+    add_shared_args(p, "model", "inputs")
     p.add_argument("--precision", default="auto",
                    help="FP32/FP16/INT8/INT4 label for the report (auto: read from the file)")
     p.add_argument("--ep", default=os.environ.get("ORT_EP", "cpu"), choices=sorted(ORT_EPS),
@@ -131,11 +133,21 @@ def main(args: argparse.Namespace) -> dict:
     base = dict(onnx=str(onnx_path), variant=variant.name if variant else None)
     # Inputs are checked before any session exists, so a mismatch never overwrites a good row.
     if spec.classifier:
+        if args.inputs:
+            raise UsageError(f"--model {args.model} is an ImageNet classifier, judged on the "
+                             "eval split; --inputs is for models with their own data")
         ref_path = require(ref_logits_path(args.model), "1_pytorch_baseline.py")
         data = classifier_data(spec, args.limit, ref_path)
     else:
         ref_path = ref_outputs_path(args.model)
-        data = custom_data(ref_path)
+        data = custom_data(ref_path, args.limit)
+        if args.inputs:
+            check_same_inputs(args.inputs, data.feed, "--inputs",
+                              f"python 1_pytorch_baseline.py --model {shlex.quote(args.model)} "
+                              f"--inputs {shlex.quote(str(args.inputs))}")
+        elif data.synthetic:
+            print(f"WARNING: {SYNTHETIC_NOTE}: this row's parity is measured on them",
+                  file=sys.stderr)
 
     def fail(reason: str, desc: dict | None = None) -> None:
         rec = base_record(STAGE, precision, args.model, args.tag, desc, backend="ORT",

@@ -31,11 +31,13 @@ quantized model is never calibrated on the images it is scored on.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
-from deploykit.layout import calib_path, fp32_onnx_path
+from deploykit.layout import calib_path, fp32_onnx_path, ref_outputs_path
+from deploykit.data.user import load_inputs, reference_inputs
 from deploykit.io import load_npz
 from deploykit.cli import add_shared_args, check_positive, cli, require, stage_parser
 from deploykit.data.images import normalize
@@ -60,9 +62,10 @@ def get_args_parser() -> argparse.ArgumentParser:
                    help="output npz (default: artifacts/<model>/calib.npz)")
     p.add_argument("--limit", type=int, default=None,
                    help="use the first N calibration samples only (default: all)")
-    p.add_argument("--inputs", type=Path, default=None,
-                   help="custom models: npz of calibration samples keyed by input name "
-                        "(batch on axis 0)")
+    p.add_argument("--calib-inputs", "--inputs", dest="inputs", type=Path, default=None,
+                   metavar="NPZ",
+                   help="models with their own data: npz of calibration samples keyed by input "
+                        "name (batch on axis 0; never the evaluation samples)")
     p.add_argument("--random", type=int, default=None, metavar="N",
                    help="custom models: N seeded random samples (stage 1's generator; structure "
                         "runs only)")
@@ -111,8 +114,8 @@ def classifier_data(args, spec, inputs) -> tuple[dict[str, np.ndarray], dict]:
     """
     if args.inputs or args.random:
         raise UsageError(f"--model {args.model} is an image classifier: its calibration "
-                         "data is the calibration split; --inputs/--random are for "
-                         "custom models")
+                         "data is the calibration split; --calib-inputs/--random are for "
+                         "models with their own data")
     if len(inputs) != 1:
         raise UsageError(f"--model {args.model}: the ONNX has {len(inputs)} inputs "
                          f"({[i[0] for i in inputs]}); an image classifier takes one")
@@ -141,13 +144,20 @@ def custom_data(args, inputs) -> tuple[dict[str, np.ndarray], dict]:
     """
     if bool(args.inputs) == bool(args.random):
         raise UsageError(
-            f"--model {args.model} is not an image classifier: give --inputs NPZ (calibration "
+            f"--model {args.model} is not an image classifier: give --calib-inputs NPZ (calibration "
             "samples keyed by input name "
             f"{[i[0] for i in inputs]}) or --random N (seeded structure-run data)")
     if args.random is not None and args.random < 1:
         raise UsageError(f"--random must be >= 1 (got {args.random})")
     if args.inputs:
-        data = load_npz(args.inputs, None, "your calibration samples (np.savez)")
+        data = load_inputs(args.inputs, flag="--calib-inputs")
+        ref = ref_outputs_path(args.model)
+        if ref.exists():
+            ev, _, _ = reference_inputs(ref)
+            if all(k in data and np.array_equal(data[k][:len(v)], v) for k, v in ev.items()):
+                raise UsageError(f"--calib-inputs {args.inputs} holds the samples stage 1 "
+                                 "evaluates on: calibrate on other samples, or every later "
+                                 "row is scored on its own calibration data")
         return data, {"source": f"--inputs {args.inputs}",
                       "input_sha256": sha256_file(args.inputs)}
     shapes = []
@@ -158,8 +168,11 @@ def custom_data(args, inputs) -> tuple[dict[str, np.ndarray], dict]:
         shapes.append((name, tuple([1] + list(dims[1:])), str(dtype)))
     spec = ModelSpec(args.model, "custom", classifier=False)
     data = example_inputs(spec, shapes, batch=args.random, seed=args.seed)
+    print(f"WARNING: --random {args.random}: synthetic calibration samples (seeded N(0,1)): "
+          "the INT8 rows of this model are structure and latency runs, their accuracy says "
+          "nothing; give --calib-inputs NPZ", file=sys.stderr)
     return data, {"source": f"--random {args.random} (deploykit.models.example_inputs, seed {args.seed}): "
-                            "structure runs only"}
+                            "structure runs only", "synthetic": True}
 
 
 def main(args: argparse.Namespace) -> dict:

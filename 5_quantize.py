@@ -157,7 +157,7 @@ def get_args_parser() -> argparse.ArgumentParser:
                      usage="%(prog)s [--model M] VARIANT [VARIANT ...] | --default | "
                            "--all-variants | --list",
                      epilog=variants_help())
-    add_shared_args(p, "model")
+    add_shared_args(p, "model", "calib_inputs")
     p.add_argument("--default", action=_Select, nargs=0, dest="selected",
                    const=tuple(cli_variants()), help="the variants of a default run")
     p.add_argument("--all-variants", action=_Select, nargs=0, dest="selected",
@@ -200,11 +200,12 @@ def main(args: argparse.Namespace) -> list[dict]:
     onnx_dir = layout.onnx_dir(model)
     res_dir = model_results(model)
     src = fp32_onnx_path(model)
-    calib = calib_path(model)
+    calib = Path(args.calib_inputs) if args.calib_inputs else calib_path(model)
     if not src.is_file():
         raise StageError(f"{src} missing: run 2_export_onnx.py --model {model}")
     if not calib.is_file():
-        raise StageError(f"{calib} missing: run 4_make_calib.py --model {model}")
+        raise StageError(f"{calib} missing: run 4_make_calib.py --model {model}"
+                         if not args.calib_inputs else f"--calib-inputs {calib}: no such file")
     tuning = any(get_variant(v).needs_tuning for v in selected)
     check_writable(onnx_dir, res_dir, *([art / "auto_precision"] if tuning else []))
     eps = env["eps"] or default_eps()

@@ -67,8 +67,10 @@ def get_args_parser() -> argparse.ArgumentParser:
                    help="float model (default: artifacts/<model>/onnx/fp32.onnx)")
     p.add_argument("--output", type=Path, default=None,
                    help="output (default: artifacts/<model>/onnx/int4.onnx)")
-    p.add_argument("--calib", type=Path, default=None,
-                   help="calibration npz (default: artifacts/<model>/calib.npz)")
+    p.add_argument("--calib-inputs", "--calib", dest="calib", type=Path, default=None,
+                   metavar="NPZ",
+                   help="calibration npz keyed by input name (default: "
+                        "artifacts/<model>/calib.npz, stage 4's)")
     p.add_argument("--block-size", type=int, default=None,
                    help="override the automatic choice (must divide every quantized K)")
     p.add_argument("--block-candidates", type=int, nargs="+", default=list(DEFAULT_CANDIDATES),
@@ -107,7 +109,20 @@ def main(args: argparse.Namespace) -> dict:
     calib, calib_rec = None, None
     src_model = load_onnx(src)
     ks = quantized_k_dims(src_model)
-    block = choose_block_size([k["k"] for k in ks], args.block_size, args.block_candidates)
+    try:
+        block = choose_block_size([k["k"] for k in ks], args.block_size, args.block_candidates)
+    except StageError as e:
+        if args.block_size is not None:
+            raise
+        # INT4 weight-only quantization does not apply to this model's shapes: a skip, not a
+        # failure of the pipeline (a record says why; stage 3 is not run on a file not made)
+        record = {"stage": "5b_quantize_int4", "model": args.model, "variant": "int4",
+                  "status": "skipped", "reason": f"int4 does not apply: {e}",
+                  "output": str(out), "k_dims": sorted({k["k"] for k in ks}),
+                  "provenance": provenance(args, [src], started)}
+        write_json(model_results(args.model) / "quant_int4.json", record)
+        print(f"SKIPPED: {record['reason']} (a block size of your own: --block-size N)")
+        return record
     if args.calibration_method == "awq_clip":
         calib = require(Path(args.calib or calib_path(args.model)), "4_make_calib.py")
         data = load_npz(calib, None, "4_make_calib.py")

@@ -27,6 +27,7 @@ region.
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -34,6 +35,7 @@ from pathlib import Path
 import numpy as np
 from deploykit.layout import ref_outputs_path
 from deploykit.layout import fp32_onnx_path, ref_logits_path
+from deploykit.data.user import SYNTHETIC_NOTE, check_same_inputs
 from deploykit.cli import add_shared_args, check_positive, cli, require, stage_parser
 from deploykit.errors import StageError, UsageError
 from deploykit.evaluate import (
@@ -70,7 +72,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     p = stage_parser(__doc__, prog="7_trt_eval.py")
     p.add_argument("--engine", required=True, type=Path, help="TensorRT plan file")
     p.add_argument("--tag", required=True, help="results row id (results/<model>/<tag>.json)")
-    add_shared_args(p, "model")
+    add_shared_args(p, "model", "inputs")
     p.add_argument("--precision", default=None,
                    help="label for the row (default: the precision of the engine's variant, "
                         "from its file name)")
@@ -211,11 +213,21 @@ def main(args) -> dict | None:
     dla_core = build.get("dla_core") if build.get("status") == "ok" else None
     art = model_artifacts(args.model)
     if spec.classifier:
+        if args.inputs:
+            raise UsageError(f"--model {args.model} is an ImageNet classifier, judged on the "
+                             "eval split; --inputs is for models with their own data")
         ref_path = require(ref_logits_path(args.model), REF_PRODUCER)
         data = classifier_data(spec, args.limit, ref_path)
     else:
         ref_path = ref_outputs_path(args.model)
-        data = custom_data(ref_path)
+        data = custom_data(ref_path, args.limit)
+        if args.inputs:
+            check_same_inputs(args.inputs, data.feed, "--inputs",
+                              f"python 1_pytorch_baseline.py --model {shlex.quote(args.model)} "
+                              f"--inputs {shlex.quote(str(args.inputs))}")
+        elif data.synthetic:
+            print(f"WARNING: {SYNTHETIC_NOTE}: this row's parity is measured on them",
+                  file=sys.stderr)
 
     with TrtRunner(args.engine, args.device, dla_core=dla_core) as r:
         if data.classifier:

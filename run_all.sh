@@ -8,6 +8,11 @@
 #   WEIGHTS=ckpt.pth bash run_all.sh         # a local state dict instead of the default weights
 #   bash run_all.sh --limit 64               # smoke run: artifacts/smoke/, results/smoke/
 #   bash run_all.sh --auto-precision         # + int8_auto (layers kept in float for a budget)
+#   bash run_all.sh --model resnet10t --weights r10t.pth   # a timm (or torchvision) name
+#   MODEL=mypkg.mod:build bash run_all.sh    # your factory; ImageNet classifier if it carries
+#                                            # its preprocessing, or give --preprocess SPEC
+#   bash run_all.sh --model mypkg.mod:build --inputs eval.npz --calib-inputs calib.npz \
+#       [--labels labels.npy]                # a model with its own data, every stage
 #
 # Stages: 0 data, 1 PyTorch baseline, 2 ONNX export, 3 ORT eval (FP32/FP16), 4 calibration data,
 # 5 INT8/INT4 quantization + ORT eval, 6 TensorRT engines, 7 TensorRT eval, 8 report.
@@ -17,13 +22,18 @@
 set -euo pipefail
 
 usage() {
-  sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'
   echo "options: --stage N --stop-stage M --all-variants --limit N (first N eval images; smoke"
   echo "         runs, written to \$ARTIFACTS/smoke and \$RESULTS/smoke, never over a full run)"
   echo "         --auto-precision[=F] (stage 0 moves a fraction F, default 0.25, of the eval"
   echo "         images to a tuning split, so every row of the run is on the smaller eval split;"
   echo "         stage 5 adds int8_auto: auto_precision.py search + ModelOpt + verify; budget via"
   echo "         AUTO_ARGS, see 5_quantize.sh)"
+  echo "         --model M (= MODEL=M), --weights F (= WEIGHTS), --preprocess SPEC (= PREPROCESS:"
+  echo "         mean=..,std=..[,resize=..,crop=..,interpolation=..] for a factory's ImageNet"
+  echo "         classifier), --inputs NPZ --calib-inputs NPZ --labels FILE (= INPUTS,"
+  echo "         CALIB_INPUTS, LABELS: a model with its own data), INPUT_SHAPE=\"name:dims ...\""
+  echo "         (synthetic samples when there is no --inputs: latency and structure only)"
 }
 
 stage=0
@@ -39,6 +49,17 @@ while [ $# -gt 0 ]; do
         --stage) stage="$2" ;;
         --stop-stage) stop_stage="$2" ;;
         --limit) limit="$2" ;;
+      esac
+      shift 2 ;;
+    --model|--weights|--preprocess|--inputs|--calib-inputs|--labels)
+      [ $# -ge 2 ] && [ -n "$2" ] || { echo "run_all.sh: $1 needs a value" >&2; exit 2; }
+      case "$1" in  # a flag is its environment variable (the stages read the same)
+        --model) MODEL="$2" ;;
+        --weights) WEIGHTS="$2" ;;
+        --preprocess) PREPROCESS="$2" ;;
+        --inputs) INPUTS="$2" ;;
+        --calib-inputs) CALIB_INPUTS="$2" ;;
+        --labels) LABELS="$2" ;;
       esac
       shift 2 ;;
     --all-variants) all_variants=1; shift ;;
@@ -62,6 +83,20 @@ if [ -n "$tune_fraction" ] && ! [[ "$tune_fraction" =~ ^0?\.[0-9]*[1-9][0-9]*$ ]
     "'$tune_fraction'" >&2; exit 2
 fi
 
+# Files named relative to where the user stands, before the cd below; a factory's module is
+# importable from there too (PYTHONPATH).
+user_dir="$PWD"
+for var in WEIGHTS INPUTS CALIB_INPUTS LABELS; do
+  val="${!var:-}"
+  if [ -n "$val" ]; then
+    case "$val" in /*) ;; *) val="$user_dir/$val" ;; esac
+    [ -e "$val" ] || { echo "run_all.sh: $var=${!var}: no such file" >&2; exit 2; }
+    printf -v "$var" '%s' "$val"
+    export "${var?}"
+  fi
+done
+if [[ "${MODEL:-}" == *:* ]]; then export PYTHONPATH="$user_dir${PYTHONPATH:+:$PYTHONPATH}"; fi
+[ -z "${PREPROCESS:-}" ] || export PREPROCESS
 cd "$(dirname "$0")"
 if [ -z "${PIPELINE_ROOT:-}" ] || ! python -c 'import torch, onnxruntime' 2>/dev/null; then
   echo "run_all.sh: environment not set up: run  source env.sh  first" >&2
@@ -71,11 +106,18 @@ MODEL="${MODEL:-mobilenet_v3_small}"
 export MODEL
 # Check the model name before any stage runs (a typo is a usage error, exit 2).
 MODEL_TAG="$(python -m deploykit.layout tag "$MODEL")"
-if ! python -c 'import sys; from deploykit.models import model_spec; model_spec(sys.argv[1])' "$MODEL" 2>/dev/null; then
-  echo "run_all.sh: MODEL=$MODEL: unknown model; use mobilenet_v3_small, efficientnet_lite0," \
-    "a torchvision classifier name or package.module:factory (README, Models)" >&2
-  exit 2
+# What kind of model: an ImageNet classifier (the real images are its data in every stage) or a
+# model with its own data (--inputs / INPUT_SHAPE); a bad name or factory stops here (its line).
+kind_rc=0
+kind_out="$(python -m deploykit.models kind "$MODEL" 2>&1)" || kind_rc=$?
+if [ "$kind_rc" != 0 ]; then
+  echo "run_all.sh: $kind_out" | head -n 3 >&2
+  [ "$kind_rc" != 2 ] || echo "  use mobilenet_v3_small, efficientnet_lite0, a torchvision or" \
+    "timm classifier name or package.module:factory (README, Models)" >&2
+  exit "$kind_rc"
 fi
+model_kind="${kind_out%%$'\t'*}"
+kind_note="${kind_out#*$'\t'}"
 # Artifacts and results roots, absolute and exported so every stage uses the same ones. A smoke
 # run (--limit) gets folders of its own: it never replaces or moves a full run's files.
 ART_ROOT="${ARTIFACTS:-artifacts}"
@@ -119,29 +161,52 @@ if [ -n "${WEIGHTS:-}" ]; then
   [ -f "$WEIGHTS" ] || { echo "run_all.sh: WEIGHTS=$WEIGHTS: no such file" >&2; exit 2; }
   weights=(--weights "$WEIGHTS")
 fi
-# A user's own model (MODEL=package.module:factory) is not an ImageNet classifier: it needs
-# INPUT_SHAPE="name:1,3,224,224 other:1,16:int64" and only stages 1-3 and 8 apply to it.
+# A model with its own data: --inputs (its evaluation samples; --labels for accuracy) and
+# --calib-inputs, or INPUT_SHAPE="name:1,3,224,224 other:1,16:int64" for synthetic samples.
 custom=0
 shape_args=()
-if [[ "$MODEL" == *:* ]]; then
+data_args=()
+calib_args=()
+if [ "$model_kind" = own-data ]; then
   custom=1
-  [ -n "${INPUT_SHAPE:-}" ] || { echo "run_all.sh: MODEL=$MODEL is a custom model: set INPUT_SHAPE=\"name:d0,d1,...[:dtype] ...\"" >&2; exit 2; }
-  # shellcheck disable=SC2086  # INPUT_SHAPE is a space-separated list on purpose
-  for s in $INPUT_SHAPE; do shape_args+=(--input-shape "$s"); done
-  # shellcheck disable=SC2086
-  python - $INPUT_SHAPE <<'EOF' || exit 2
+  if [ -z "${INPUT_SHAPE:-}" ] && [ -z "${INPUTS:-}" ]; then
+    echo "run_all.sh: MODEL=$MODEL has its own data ($kind_note): give --inputs eval.npz (one" \
+      "array per forward() argument; --calib-inputs calib.npz, --labels labels.npy) or" \
+      "INPUT_SHAPE=\"name:d0,d1,...[:dtype] ...\" for synthetic samples (latency only); an" \
+      "ImageNet classifier states its preprocessing with --preprocess" >&2
+    exit 2
+  fi
+  if [ -n "${INPUT_SHAPE:-}" ]; then
+    # shellcheck disable=SC2086  # INPUT_SHAPE is a space-separated list on purpose
+    for s in $INPUT_SHAPE; do shape_args+=(--input-shape "$s"); done
+    # shellcheck disable=SC2086
+    python - $INPUT_SHAPE <<'EOF' || exit 2
 import sys, common
 try:
     common.parse_input_shapes(sys.argv[1:])
 except common.UsageError as e:
     sys.exit(f"run_all.sh: INPUT_SHAPE: {e}")
 EOF
-elif [ -n "${INPUT_SHAPE:-}" ]; then
-  # a built-in classifier takes its input size from its preprocessing (data cache), not from
-  # INPUT_SHAPE: say so instead of dropping it without a word
-  echo "run_all.sh: INPUT_SHAPE is for custom models (MODEL=package.module:factory); $MODEL" \
-    "takes its input size from its preprocessing: unset INPUT_SHAPE" >&2
-  exit 2
+  fi
+  [ -z "${INPUTS:-}" ] || data_args+=(--inputs "$INPUTS")
+  [ -z "${LABELS:-}" ] || data_args+=(--labels "$LABELS")
+  if [ -n "${CALIB_INPUTS:-}" ]; then
+    calib_args=(--calib-inputs "$CALIB_INPUTS")
+  else  # synthetic calibration: stage 4 warns that the INT8 rows are latency-only
+    n_random="${limit:-64}"
+    [ "$n_random" -le 64 ] || n_random=64
+    calib_args=(--random "$n_random")
+  fi
+else
+  for var in INPUT_SHAPE INPUTS CALIB_INPUTS LABELS; do
+    if [ -n "${!var:-}" ]; then
+      # a classifier's data are the images (VAL_ROOT), its input size its preprocessing: say so
+      # instead of dropping the setting without a word
+      echo "run_all.sh: $var is for models with their own data; $MODEL is an ImageNet" \
+        "classifier ($kind_note) whose data are the images (VAL_ROOT): unset $var" >&2
+      exit 2
+    fi
+  done
 fi
 
 # --auto-precision: stage 0 makes the tuning split (all later stages then use the smaller eval
@@ -192,7 +257,10 @@ resume_cmd() {
   envs="MODEL=$(printf '%q' "$MODEL")$user_roots"
   [ -z "${WEIGHTS:-}" ] || envs+=" WEIGHTS=$(printf '%q' "$WEIGHTS")"
   [ -z "${VAL_ROOT:-}" ] || envs+=" VAL_ROOT=$(printf '%q' "$VAL_ROOT")"
-  [ -z "${INPUT_SHAPE:-}" ] || envs+=" INPUT_SHAPE=$(printf '%q' "$INPUT_SHAPE")"
+  local var
+  for var in INPUT_SHAPE PREPROCESS INPUTS CALIB_INPUTS LABELS; do
+    [ -z "${!var:-}" ] || envs+=" $var=$(printf '%q' "${!var}")"
+  done
   echo "$envs $c"
 }
 
@@ -381,9 +449,12 @@ have() {
   exit 1
 }
 
-# Stages that need ImageNet images do not apply to a custom model.
+# Stage 0 prepares ImageNet images: a model with its own data has its npz files instead.
 classifier_only() {
-  if [ "$custom" = 1 ]; then echo "  not applicable: $MODEL is a custom (non-classifier) model"; return 1; fi
+  if [ "$custom" = 1 ]; then
+    echo "  not applicable: $MODEL has its own data (${INPUTS:-synthetic samples of INPUT_SHAPE})"
+    return 1
+  fi
   return 0
 }
 
@@ -396,7 +467,7 @@ begin() { # begin N "what: inputs -> outputs"
 end() { echo "Stage $1: finished [elapsed=$((SECONDS - stage_start))s]"; }
 want() { [ "$stage" -le "$1" ] && [ "$stop_stage" -ge "$1" ]; }
 
-echo "run_all.sh: model=$MODEL stages $stage..$stop_stage $(date -u +%FT%TZ)" \
+echo "run_all.sh: model=$MODEL ($model_kind: $kind_note) stages $stage..$stop_stage $(date -u +%FT%TZ)" \
   "(artifacts: $ART_ROOT, results: $RES_ROOT${limit:+; smoke run on $limit images})"
 
 # A full run replaces the model's results: rows of an earlier run (other variants, another
@@ -420,7 +491,7 @@ fi
 if want 1; then
   begin 1 "PyTorch FP32 baseline: eval split -> $ART/ref_{logits,outputs}.npz, $RES_DIR/pytorch_fp32_cpu.json"
   run 1_pytorch_baseline python 1_pytorch_baseline.py --model "$MODEL" "${lim[@]}" "${timing[@]}" \
-    "${shape_args[@]}" "${weights[@]}"
+    "${shape_args[@]}" "${data_args[@]}" "${weights[@]}"
   end 1
 fi
 
@@ -443,15 +514,19 @@ fi
 
 if want 4; then
   begin 4 "calibration data: calib split -> $ART/calib.npz"
-  if classifier_only && have 4_make_calib.py; then
-    run 4_make_calib python 4_make_calib.py --model "$MODEL"
+  if have 4_make_calib.py; then
+    if [ "$custom" = 1 ]; then
+      run 4_make_calib python 4_make_calib.py --model "$MODEL" "${calib_args[@]}" "${lim[@]}"
+    else
+      run 4_make_calib python 4_make_calib.py --model "$MODEL"
+    fi
   fi
   end 4
 fi
 
 if want 5; then
   begin 5 "quantization: $ONNX_DIR/fp32.onnx -> $(python variants.py list --stage 5 "${auto[@]}" | tr '\n' ' ')(+ ORT eval of each)"
-  if classifier_only && have 5_quantize.sh; then
+  if have 5_quantize.sh; then
     # Stage-5 variants from the registry (variants.py); int4 is made by 5b below.
     all_flag=()
     if [ "$all_variants" = 1 ]; then all_flag=(--all); fi
@@ -470,17 +545,21 @@ if want 5; then
       fi
     done
   fi
-  if [ "$custom" = 0 ] && have 5b_quantize_int4.py; then
+  if have 5b_quantize_int4.py; then
     run 5b_quantize_int4 python 5b_quantize_int4.py --model "$MODEL" --no-eval
-    run 3_onnx_eval_int4 python 3_onnx_eval.py --model "$MODEL" \
-      --onnx "$ONNX_DIR/${ONNX_FILE[int4]}" --tag "${ORT_TAG[int4]}" "${lim[@]}" "${timing[@]}"
+    # a model INT4 does not apply to (no block size fits its shapes): 5b recorded the skip
+    if python -c 'import json, sys; sys.exit(json.load(open(sys.argv[1])).get("status") != "ok")' \
+        "$RES_DIR/quant_int4.json" 2>/dev/null; then
+      run 3_onnx_eval_int4 python 3_onnx_eval.py --model "$MODEL" \
+        --onnx "$ONNX_DIR/${ONNX_FILE[int4]}" --tag "${ORT_TAG[int4]}" "${lim[@]}" "${timing[@]}"
+    fi
   fi
   end 5
 fi
 
 if want 6; then
   begin 6 "TensorRT engines: $ONNX_DIR/*.onnx -> $ART/engines/*.plan (skips without TensorRT)"
-  if classifier_only && have 6_build_engines.sh; then
+  if have 6_build_engines.sh; then
     run 6_build_engines bash 6_build_engines.sh
     if [ -n "$tune_fraction" ]; then  # variants made only by this option (int8_auto)
       opt_out="$(comm -13 <(python variants.py list --stage 6 | sort) \
@@ -496,7 +575,7 @@ fi
 
 if want 7; then
   begin 7 "TensorRT eval: $ART/engines/*.plan -> $RES_DIR/trt_*.json (skips without TensorRT)"
-  if classifier_only && have 7_trt_eval.py; then
+  if have 7_trt_eval.py; then
     trt_out="$(python variants.py list --stage 7 "${auto[@]}")"
     mapfile -t trt_variants <<<"$trt_out"
     for v in "${trt_variants[@]}"; do

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from deploykit.errors import StageError, UsageError
+from deploykit.models import PREPROCESS_ENV, preprocess_arg
 
 
 def cli(get_args_parser: Callable[[], Any], main: Callable[[Any], Any]) -> None:
@@ -26,6 +27,10 @@ def cli(get_args_parser: Callable[[], Any], main: Callable[[Any], Any]) -> None:
     """
     parser = get_args_parser()
     args = parser.parse_args()
+    if getattr(args, "preprocess", None):
+        # --preprocess is $PREPROCESS for this process and the tools it starts: every reader of
+        # a package.module:factory model's spec (deploykit.models.custom_spec) sees the same one
+        os.environ[PREPROCESS_ENV] = args.preprocess
     try:
         main(args)
     except UsageError as e:
@@ -104,6 +109,26 @@ _SHARED_FLAGS: dict[str, tuple[tuple[str, ...], Callable[[], dict]]] = {
         action="append", default=None, metavar="NAME:D0,D1,...[:DTYPE]",
         help="custom models: one per forward() argument, in order; the first axis is the batch "
              "(repeatable)")),
+    "preprocess": (("--preprocess",), lambda: dict(
+        type=preprocess_arg, default=os.environ.get(PREPROCESS_ENV) or None,
+        metavar="mean=..,std=..[,resize=..][,crop=..][,interpolation=..]",
+        help="package.module:factory models returning ImageNet's 1000 logits: their "
+             "preprocessing (of x/255, RGB), so the ImageNet images are their data in every "
+             "stage (default from $PREPROCESS; a model carrying timm's pretrained_cfg or "
+             "torchvision's transforms needs none)")),
+    "inputs": (("--inputs",), lambda: dict(
+        type=Path, default=None, metavar="NPZ",
+        help="models with their own data: evaluation samples, one array per input name "
+             "(np.savez(path, name=array); batch on axis 0); stage 1 makes them the reference "
+             "every later stage is judged on")),
+    "labels": (("--labels",), lambda: dict(
+        type=Path, default=None, metavar="FILE",
+        help="with --inputs: the class id of each sample (.npy, .npz with one array, or text "
+             "with one integer per line): top-1/top-5 of the first output")),
+    "calib_inputs": (("--calib-inputs",), lambda: dict(
+        type=Path, default=None, metavar="NPZ",
+        help="models with their own data: calibration samples keyed like --inputs (never the "
+             "evaluation samples)")),
     "limit": (("--limit",), lambda: dict(
         type=int, default=None, help="use the first N evaluation images only (smoke runs)")),
     "batch_size": (("--batch-size",), lambda: dict(
@@ -198,7 +223,9 @@ def _threads_arg(text: str) -> int:
 def add_shared_args(parser: argparse.ArgumentParser, *names: str) -> argparse.ArgumentParser:
     """Add the shared flags ``names`` (keys of ``_SHARED_FLAGS``: ``model``, ``weights``,
     ``random_init``, ``input_shape``, ``limit``, ``batch_size``, ``latency_batch``, ``warmup``,
-    ``iters``, ``max_seconds``, ``threads``) to ``parser`` and return it.
+    ``iters``, ``max_seconds``, ``threads``, ``preprocess``, ``inputs``, ``labels``,
+    ``calib_inputs``) to ``parser`` and return it. ``model`` brings ``--preprocess`` with it: a
+    ``package.module:factory`` model's spec depends on it in every stage.
 
     Raises:
         KeyError: an unknown flag name (a programming error).
@@ -206,6 +233,9 @@ def add_shared_args(parser: argparse.ArgumentParser, *names: str) -> argparse.Ar
     for n in names:
         flags, kwargs = _SHARED_FLAGS[n]
         parser.add_argument(*flags, **kwargs())
+        if n == "model" and "preprocess" not in names:
+            flags, kwargs = _SHARED_FLAGS["preprocess"]
+            parser.add_argument(*flags, **kwargs())
     return parser
 
 

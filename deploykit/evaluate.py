@@ -36,6 +36,7 @@ from deploykit.compare import parity, topk_accuracy
 from deploykit.data.images import normalize
 from deploykit.data.splits import align_reference, load_split
 from deploykit.errors import StageError, UsageError
+from deploykit.data.user import LABELS_KEY, SYNTHETIC_KEY
 from deploykit.io import load_npz
 from deploykit.models import ModelSpec
 from deploykit.results import provenance, result_record, write_result
@@ -50,8 +51,9 @@ class EvalData:
     their ``files``, normalisation ``mean``/``std``, fed as ``input_name``; ``ref`` holds the
     reference logits float32 ``[N, C]`` (None for the reference run itself); ``preprocessing``
     the resize/crop/interpolation/mean/std recorded in the row.
-    Feed data (``feed`` set, custom models): ``{input name: array}`` with the batch on axis 0;
-    ``ref`` is ``{output name: array}`` or None.
+    Feed data (``feed`` set, models with their own inputs): ``{input name: array}`` with the
+    batch on axis 0; ``ref`` is ``{output name: array}`` or None; ``y`` the ``--labels`` (int64
+    ``[N]``) or None; ``synthetic`` True for seeded N(0,1) samples (no ``--inputs``).
     """
 
     x_u8: np.ndarray | None = None
@@ -63,6 +65,7 @@ class EvalData:
     feed: dict[str, np.ndarray] | None = None
     ref: Any = None
     preprocessing: dict | None = None
+    synthetic: bool = False
 
     @property
     def classifier(self) -> bool:
@@ -79,6 +82,7 @@ class EvalData:
                                        ref=None if self.ref is None else self.ref[lo:hi])
         return dataclasses.replace(
             self, feed={k: v[lo:hi] for k, v in self.feed.items()},
+            y=None if self.y is None else self.y[lo:hi],
             ref=None if self.ref is None else {k: v[lo:hi] for k, v in self.ref.items()})
 
     def batch(self, idx: np.ndarray) -> dict[str, np.ndarray]:
@@ -105,13 +109,22 @@ def classifier_data(spec: ModelSpec, limit: int | None = None,
                     preprocessing=spec.preprocessing() | {"mean": spec.mean, "std": spec.std})
 
 
-def custom_data(ref_path: Path) -> EvalData:
-    """Inputs and reference outputs of a custom model from ``ref_outputs.npz`` (stage 1):
-    keys ``in:<input name>`` and ``out:<output name>``."""
-    z = load_npz(ref_path, None, "1_pytorch_baseline.py --input-shape ...")
-    feed = {k[3:]: v for k, v in z.items() if k.startswith("in:")}
-    ref = {k[4:]: v for k, v in z.items() if k.startswith("out:")}
-    return EvalData(feed=feed, ref=ref)
+def custom_data(ref_path: Path, limit: int | None = None) -> EvalData:
+    """Inputs and reference outputs of a model with its own inputs from ``ref_outputs.npz``
+    (stage 1; :mod:`deploykit.data.user`): keys ``in:<input name>``, ``out:<output name>``,
+    ``labels`` and ``meta:synthetic``.
+
+    Args:
+        limit: the first ``limit`` samples only.
+    Raises:
+        StageError: missing or unreadable reference (names stage 1).
+    """
+    z = load_npz(ref_path, None, "1_pytorch_baseline.py (--inputs NPZ or --input-shape ...)")
+    feed = {k[3:]: v[:limit] for k, v in z.items() if k.startswith("in:")}
+    ref = {k[4:]: v[:limit] for k, v in z.items() if k.startswith("out:")}
+    y = z.get(LABELS_KEY)
+    return EvalData(feed=feed, ref=ref, y=None if y is None else y[:limit],
+                    synthetic=bool(z[SYNTHETIC_KEY]) if SYNTHETIC_KEY in z else y is None)
 
 
 def aligned_reference(ref_path: Path, files: list[str], limit: int | None) -> np.ndarray:
@@ -255,7 +268,12 @@ def score(data: EvalData, outputs: dict[str, np.ndarray]) -> dict:
         if data.ref is not None:
             out["parity"] = parity(data.ref, first)
     else:
-        out["reason_accuracy"] = "not an ImageNet classifier"
+        if data.y is not None:
+            width = first.shape[1] if first.ndim == 2 else 0
+            out["accuracy"] = topk_accuracy(first, data.y, ks=(1, 5) if width >= 5 else (1,))
+        else:
+            out["reason_accuracy"] = ("synthetic inputs, no labels" if data.synthetic else
+                                      "no --labels for these inputs")
         if data.ref is not None:
             out["parity_outputs"] = {name: parity(ref, o) for (name, ref), o
                                      in zip(data.ref.items(), outputs.values())}

@@ -19,6 +19,8 @@ from deploykit.checks.lint import DEFAULT_EXAMPLE_BATCH
 from deploykit.cli import require
 from deploykit.data.images import normalize
 from deploykit.data.splits import load_split
+from deploykit.data.user import input_names, load_inputs, reference_inputs
+from deploykit.layout import ref_outputs_path
 from deploykit.errors import StageError, UsageError
 from deploykit.layerwise.torch_vs_onnx import torch_vs_onnx
 from deploykit.models import example_inputs
@@ -120,31 +122,43 @@ def repeat_rows(feed: dict[str, np.ndarray], n: int) -> dict[str, np.ndarray]:
     return {k: v[np.arange(n) % len(v)] for k, v in feed.items()}
 
 
-def export_inputs(args, spec, shapes) -> tuple[dict[str, np.ndarray], dict | None, bool]:
-    """``(feed, second feed or None, real)`` for the checks."""
+def export_inputs(args, spec, shapes, model=None
+                  ) -> tuple[dict[str, np.ndarray], dict | None, bool]:
+    """``(feed, second feed or None, real)`` for the checks.
+
+    The samples are ``--inputs``, else for an ImageNet classifier the first eval images, else
+    the inputs stage 1's reference ran on (``ref_outputs.npz``: real when stage 1 had
+    ``--inputs``), else seeded N(0,1) samples of ``--input-shape`` (``real`` False: every
+    data-dependent check then warns instead of judging).
+
+    Raises:
+        UsageError: keys that are not the model's inputs, too few samples, or a model with its
+            own inputs and neither ``--inputs``, a reference nor ``--input-shape``.
+    """
     if args.inputs is not None:
-        path = require(args.inputs, "np.savez of your samples")
-        with np.load(path) as z:
-            feed = {k: z[k] for k in z.files}
-        if shapes:
-            names = [n for n, _, _ in shapes]
-            missing = [n for n in names if n not in feed]
-            if missing:
-                raise UsageError(f"--inputs {args.inputs}: keys {sorted(feed)} lack "
-                                 f"{missing} (names of --input-shape)")
-            feed = {n: feed[n] for n in names}
-        if not feed or len({len(v) for v in feed.values()}) != 1:
-            raise UsageError(f"--inputs {args.inputs}: every array needs the same number "
-                             "of samples on axis 0")
+        feed = load_inputs(args.inputs)
+        names = input_names(model, shapes, list(feed)) if model is not None else list(feed)
+        feed = load_inputs(args.inputs, names)
         return {k: v[:args.check_images] for k, v in feed.items()}, None, True
     if spec.classifier:
         x, _, _ = load_split("eval", spec, args.check_images)
         if len(x) < 2:
             raise UsageError("--check-images must be >= 2 (batch-N check)")
         return {"input": normalize(x, spec.mean, spec.std)}, None, True
+    ref = ref_outputs_path(args.model)
+    if ref.exists():
+        feed, synthetic, _ = reference_inputs(ref)
+        if not synthetic:
+            if shapes and [n for n, _, _ in shapes] != list(feed):
+                raise UsageError(f"--input-shape names {[n for n, _, _ in shapes]} are not the "
+                                 f"inputs of stage 1's reference {list(feed)} ({ref}): give "
+                                 "the same names, or rerun stage 1")
+            if len(next(iter(feed.values()))) >= 2:
+                return {k: v[:args.check_images] for k, v in feed.items()}, None, True
     if not shapes:
-        raise UsageError(f"--model {args.model}: give --input-shape for a custom model "
-                         "(and --inputs with real samples for the FP16 audit)")
+        raise UsageError(f"--model {args.model}: give --inputs NPZ (your samples; stage 1's "
+                         "reference inputs are used when it had them) or --input-shape for a "
+                         "model with its own inputs")
     n = max(EXAMPLE_BATCH, min(args.check_images, 8))
     feed = example_inputs(spec, shapes, batch=n, seed=0)
     return feed, other_paths(feed, seed=1), False

@@ -4,8 +4,11 @@ EfficientNet-Lite0's offline weights, ``pkg.module:factory``, local checkpoints)
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import importlib
+import os
 import math
 import importlib.metadata
 import re
@@ -37,6 +40,9 @@ class ModelSpec:
         resize: short side after resize (px); crop: center-crop side (px).
         interpolation: ``bilinear`` or ``bicubic`` (PIL, antialiased).
         classifier: True if the model maps one image to ImageNet logits (accuracy applies).
+        preprocessing_from: where a ``package.module:factory`` model's preprocessing came from
+            (``--preprocess``, timm's ``pretrained_cfg``, torchvision's ``transforms``), or why
+            it is not an ImageNet classifier; None for the named models.
     """
 
     name: str
@@ -47,6 +53,7 @@ class ModelSpec:
     crop: int = 224
     interpolation: str = "bilinear"
     classifier: bool = True
+    preprocessing_from: str | None = None
 
     def preprocessing(self) -> dict:
         """The constants that decide the uint8 cache (resize, crop, interpolation)."""
@@ -72,14 +79,16 @@ def model_spec(name: str) -> ModelSpec:
     Args:
         name: a key of :data:`MODEL_TABLE`, any torchvision classification model name, a timm
             model name (``timm.list_models()``; a torchvision name wins when both have it), or
-            ``package.module:factory`` for a user's own model (``classifier=False``).
+            ``package.module:factory`` for a user's own model (:func:`custom_spec`: an
+            ImageNet classifier when its preprocessing is known, from ``$PREPROCESS`` or the
+            model itself).
     Raises:
         UsageError: unknown model name.
     """
     if name in MODEL_TABLE:
         return MODEL_TABLE[name]
     if ":" in name:
-        return ModelSpec(name, "custom", classifier=False)
+        return custom_spec(name, os.environ.get(PREPROCESS_ENV) or None)
     import torchvision
 
     if name not in torchvision.models.list_models(module=torchvision.models):
@@ -130,6 +139,239 @@ def timm_spec(name: str) -> ModelSpec | None:
     return ModelSpec(name, "timm", tuple(cfg.mean), tuple(cfg.std),
                      int(math.floor(h / crop_pct)), int(h), interp,
                      classifier=(cfg.num_classes or 1000) == 1000)
+
+
+# --------------------------------------------------------------------------------------------
+# A user's own model (package.module:factory)
+# --------------------------------------------------------------------------------------------
+PREPROCESS_ENV = "PREPROCESS"  # what --preprocess sets (deploykit.cli), read by custom_spec
+
+IMAGENET_CLASSES = 1000
+
+_PREPROCESS_KEYS = ("mean", "std", "resize", "crop", "interpolation")
+
+INTERPOLATIONS = ("bilinear", "bicubic", "nearest")
+
+
+def parse_preprocess(text: str, what: str = "--preprocess") -> dict:
+    """Parse a preprocessing statement: ``mean=M[,M,M],std=S[,S,S][,resize=R][,crop=C]
+    [,interpolation=bilinear|bicubic|nearest]`` (commas or blanks between items; a key's values
+    run until the next ``key=``). ``mean``/``std`` apply to ``x / 255`` per RGB channel (one value
+    is used for all three); ``resize`` is the short side in px (default ``crop / 0.875``, timm's
+    default crop_pct), ``crop`` the center-crop side (default 224), ``interpolation`` PIL's
+    antialiased filter (default bilinear).
+
+    Returns:
+        ``{"mean": (3 floats), "std": (3 floats), "resize": int, "crop": int,
+        "interpolation": str}``.
+    Raises:
+        UsageError: unknown key, missing mean/std, bad number, std <= 0, crop > resize.
+    """
+    items: dict[str, list[str]] = {}
+    key = None
+    for tok in re.split(r"[,\s;]+", text.strip()):
+        if not tok:
+            continue
+        if "=" in tok:
+            key, _, tok = tok.partition("=")
+            key = key.strip().lower()
+            if key not in _PREPROCESS_KEYS:
+                raise UsageError(f"{what} {text!r}: unknown key {key!r}; the keys are "
+                                 f"{', '.join(_PREPROCESS_KEYS)}")
+            if key in items:
+                raise UsageError(f"{what} {text!r}: {key} is given twice")
+            items[key] = []
+        if key is None:
+            raise UsageError(f"{what} {text!r}: expected key=value items, e.g. "
+                             "mean=0.485,0.456,0.406,std=0.229,0.224,0.225,crop=224")
+        if tok:
+            items[key].append(tok)
+    missing = [k for k in ("mean", "std") if not items.get(k)]
+    if missing:
+        raise UsageError(f"{what} {text!r}: {' and '.join(missing)} missing: the per-channel "
+                         "normalisation of x/255 must be stated (e.g. mean=0.5,std=0.5)")
+
+    def floats(k: str) -> tuple[float, float, float]:
+        try:
+            v = [float(t) for t in items[k]]
+        except ValueError:
+            raise UsageError(f"{what}: {k}={','.join(items[k])} is not a list of numbers"
+                             ) from None
+        if len(v) == 1:
+            v = v * 3
+        if len(v) != 3 or not all(math.isfinite(x) for x in v):
+            raise UsageError(f"{what}: {k} needs 1 or 3 finite values (R,G,B), got "
+                             f"{','.join(items[k])}")
+        return tuple(v)
+
+    def integer(k: str, default: int) -> int:
+        if not items.get(k):
+            return default
+        try:
+            (v,) = [int(t) for t in items[k]]
+        except ValueError:
+            raise UsageError(f"{what}: {k}={','.join(items[k])} must be one integer (px)"
+                             ) from None
+        if v < 1:
+            raise UsageError(f"{what}: {k}={v} must be >= 1 px")
+        return v
+
+    mean, std = floats("mean"), floats("std")
+    if min(std) <= 0:
+        raise UsageError(f"{what}: std {std} must be > 0")
+    crop = integer("crop", 224)
+    resize = integer("resize", int(math.floor(crop / 0.875)))
+    if crop > resize:
+        raise UsageError(f"{what}: crop {crop} > resize {resize}: the center crop must fit in "
+                         "the resized image")
+    interp = (items.get("interpolation") or ["bilinear"])
+    if len(interp) != 1 or interp[0].lower() not in INTERPOLATIONS:
+        raise UsageError(f"{what}: interpolation {','.join(interp)}: use one of "
+                         f"{', '.join(INTERPOLATIONS)}")
+    return {"mean": mean, "std": std, "resize": resize, "crop": crop,
+            "interpolation": interp[0].lower()}
+
+
+def preprocess_arg(text: str) -> str:
+    """argparse ``type`` of ``--preprocess``: the text, checked by :func:`parse_preprocess`
+    (exit 2 with its message)."""
+    import argparse
+
+    try:
+        parse_preprocess(text)
+    except UsageError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--preprocess ")) from None
+    return text
+
+
+@functools.lru_cache(maxsize=8)
+def _factory_model(name: str):
+    """The model ``package.module:factory`` returns (called once per process; callers copy it).
+
+    Raises:
+        UsageError: the module or factory cannot be imported, or it returned no nn.Module.
+        StageError: the factory raised (named, with the fix).
+    """
+    import torch
+
+    mod_name, _, fn_name = name.partition(":")
+    if not mod_name or not fn_name:
+        raise UsageError(f"--model {name}: expected package.module:factory (both parts)")
+    try:
+        factory = getattr(importlib.import_module(mod_name), fn_name)
+    except (ImportError, AttributeError) as e:
+        raise UsageError(f"--model {name}: cannot import {fn_name} from {mod_name} ({e}); "
+                         "the module must be importable (PYTHONPATH)") from e
+    try:
+        model = factory()
+    except Exception as e:  # noqa: BLE001 - user code may raise anything
+        raise StageError(f"--model {name}: the factory {mod_name}.{fn_name}() raised "
+                         f"{type(e).__name__}: {e} (fix the factory; it must return an "
+                         "nn.Module without arguments)") from e
+    if not isinstance(model, torch.nn.Module):
+        raise UsageError(f"--model {name}: factory returned {type(model).__name__}, "
+                         "expected torch.nn.Module")
+    return model.eval()
+
+
+def carried_preprocessing(model) -> tuple[dict | None, str]:
+    """The preprocessing a model object carries, in :func:`parse_preprocess`'s form.
+
+    Read from timm's ``pretrained_cfg`` (``timm.data.resolve_model_data_config``: resize =
+    floor(input_size / crop_pct), the rule of timm's eval transform, center crop only) or from a
+    ``transforms`` attribute with torchvision's ``ImageClassification`` fields (``mean``, ``std``,
+    ``resize_size``, ``crop_size``, ``interpolation``: what ``Weights.transforms()`` returns).
+
+    Returns:
+        ``(preprocessing or None, where it came from / why there is none)``.
+    Raises:
+        UsageError: the carried config asks for what this pipeline's preprocessing does not do
+            (non-square input, another crop mode or interpolation).
+    """
+    cfg = getattr(model, "pretrained_cfg", None)
+    if isinstance(cfg, dict) and cfg.get("input_size"):
+        import timm.data
+
+        dc = timm.data.resolve_model_data_config(model)
+        _, h, w = dc["input_size"]
+        interp = dc.get("interpolation") or "bilinear"
+        if h != w or interp not in INTERPOLATIONS or dc.get("crop_mode", "center") != "center":
+            raise UsageError(f"the model's timm pretrained_cfg asks for input {h}x{w}, "
+                             f"{interp!r} interpolation, crop_mode {dc.get('crop_mode')!r}; "
+                             "this pipeline's preprocessing is a square center crop with "
+                             f"{'/'.join(INTERPOLATIONS)}: state yours with --preprocess or give "
+                             "your data with --inputs")
+        crop_pct = dc.get("crop_pct") or 0.875
+        return ({"mean": tuple(float(v) for v in dc["mean"]),
+                 "std": tuple(float(v) for v in dc["std"]),
+                 "resize": int(math.floor(h / crop_pct)), "crop": int(h),
+                 "interpolation": interp}, "timm pretrained_cfg")
+    t = getattr(model, "transforms", None)
+    if t is not None and all(hasattr(t, a) for a in ("mean", "std", "resize_size", "crop_size")):
+        one = (lambda v: int(v[0]) if isinstance(v, (list, tuple)) else int(v))
+        interp = str(getattr(t, "interpolation", "bilinear")).split(".")[-1].lower()
+        if interp not in INTERPOLATIONS:
+            raise UsageError(f"the model's transforms use {interp!r} interpolation; this "
+                             f"pipeline has {'/'.join(INTERPOLATIONS)}: state yours with "
+                             "--preprocess")
+        return ({"mean": tuple(float(v) for v in t.mean), "std": tuple(float(v) for v in t.std),
+                 "resize": one(t.resize_size), "crop": one(t.crop_size),
+                 "interpolation": interp}, "torchvision transforms")
+    return None, ("no preprocessing carried (no timm pretrained_cfg, no torchvision "
+                  "transforms attribute) and none given (--preprocess / $PREPROCESS)")
+
+
+def _n_outputs(model, crop: int) -> int | None:
+    """Width of the model's output on one ``[1, 3, crop, crop]`` image (None when it does not
+    run on one image or returns no single ``[1, C]`` tensor)."""
+    import torch
+
+    try:
+        with torch.inference_mode():
+            out = model(torch.zeros(1, 3, crop, crop))
+    except Exception:  # noqa: BLE001 - not an image model: decided by the caller
+        return None
+    if isinstance(out, torch.Tensor) and out.ndim == 2 and out.shape[0] == 1:
+        return int(out.shape[1])
+    return None
+
+
+@functools.lru_cache(maxsize=16)
+def custom_spec(name: str, preprocess: str | None = None) -> ModelSpec:
+    """The spec of a user's ``package.module:factory`` model.
+
+    It is an ImageNet classifier (real images, accuracy, calibration from the calibration split,
+    exactly as the named models) when its preprocessing is known - ``preprocess`` (the
+    ``--preprocess`` text, :func:`parse_preprocess`), else what the model carries
+    (:func:`carried_preprocessing`) - and one ``[1, 3, crop, crop]`` image gives ``[1, 1000]``
+    outputs. Otherwise it is a model with its own inputs (``classifier=False``): ``--inputs`` /
+    ``--input-shape``.
+
+    Raises:
+        UsageError: ``preprocess`` given but the model does not map one image to 1000 ImageNet
+            logits; bad ``preprocess``; import/factory problems (:func:`_factory_model`).
+        StageError: the factory raised.
+    """
+    model = _factory_model(name)
+    if preprocess:
+        pp, origin = parse_preprocess(preprocess), "--preprocess"
+    else:
+        pp, origin = carried_preprocessing(model)
+    if pp is None:
+        return ModelSpec(name, "custom", classifier=False, preprocessing_from=origin)
+    width = _n_outputs(model, pp["crop"])
+    if width != IMAGENET_CLASSES:
+        why = (f"one [1, 3, {pp['crop']}, {pp['crop']}] image gives "
+               + (f"{width} outputs" if width else "no single [1, C] output"))
+        if preprocess:
+            raise UsageError(f"--preprocess makes the ImageNet images this model's data, but "
+                             f"{why}, not ImageNet's {IMAGENET_CLASSES} logits: give your own "
+                             "samples with --inputs (and --labels) instead")
+        return ModelSpec(name, "custom", classifier=False,
+                         preprocessing_from=f"{origin} found, but {why}: not an ImageNet "
+                                            "classifier")
+    return ModelSpec(name, "custom", pp["mean"], pp["std"], pp["resize"], pp["crop"],
+                     pp["interpolation"], classifier=True, preprocessing_from=origin)
 
 
 def torchvision_weights_file(name: str) -> tuple[str, Path]:
@@ -266,21 +508,12 @@ def build_model(name: str, weights: Path | str | None = None, pretrained: bool =
     if spec.source == "timm-offline":
         return build_efficientnet_lite0(weights, pretrained), spec
     if spec.source == "custom":
-        mod_name, _, fn_name = name.partition(":")
         try:
-            factory = getattr(importlib.import_module(mod_name), fn_name)
-        except (ImportError, AttributeError) as e:
-            raise UsageError(f"--model {name}: cannot import {fn_name} from {mod_name} ({e}); "
-                             "the module must be importable (PYTHONPATH)") from e
-        try:
-            model = factory()
-        except Exception as e:  # noqa: BLE001 - user code may raise anything
-            raise StageError(f"--model {name}: the factory {mod_name}.{fn_name}() raised "
-                             f"{type(e).__name__}: {e} (fix the factory; it must return an "
-                             "nn.Module without arguments)") from e
-        if not isinstance(model, torch.nn.Module):
-            raise UsageError(f"--model {name}: factory returned {type(model).__name__}, "
-                             "expected torch.nn.Module")
+            model = copy.deepcopy(_factory_model(name))
+        except Exception:  # noqa: BLE001 - a model deepcopy cannot copy: a fresh factory call
+            _factory_model.cache_clear()
+            model = _factory_model(name)
+            _factory_model.cache_clear()
         if weights is not None:
             load_state_dict_checked(model, _load_checkpoint(weights), weights, name)
         return model.eval(), spec
@@ -416,3 +649,32 @@ def example_inputs(spec: ModelSpec, input_shapes, batch: int = 1, seed: int = 0
         else:
             out[name] = rng.standard_normal(shape).astype(dtype)
     return out
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
+    """``python -m deploykit.models kind MODEL``: print ``classifier`` (an ImageNet classifier:
+    the real images are its data) or ``own-data`` (a model with its own inputs), a tab, and where
+    its preprocessing came from (or why there is none); for run_all.sh. Errors: one line on
+    stderr, exit 2 (unknown name, bad factory or ``$PREPROCESS``) or 1 (the factory raised)."""
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m deploykit.models")
+    p.add_argument("what", choices=("kind",))
+    p.add_argument("model")
+    args = p.parse_args(argv)
+    try:
+        spec = model_spec(args.model)
+    except UsageError as e:
+        print(f"MODEL={args.model}: {e}", file=sys.stderr)
+        return 2
+    except StageError as e:
+        print(f"MODEL={args.model}: {e}", file=sys.stderr)
+        return 1
+    kind = "classifier" if spec.classifier else "own-data"
+    print(f"{kind}\t{spec.preprocessing_from or spec.source}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

@@ -570,7 +570,8 @@ def fp16_checks(fp32_model, fp16_path: Path | str, feed: dict[str, np.ndarray],
         true_fp16_budget_s: seconds for :func:`fp16_true_arithmetic` (0 skips it).
         trained: False for random weights (``--random-init``): value ranges are not the trained
             model's, so range verdicts (``fp16_range``, ``fp16_constants``,
-            ``fp16_true_arithmetic``) become warnings.
+            ``fp16_true_arithmetic``) become warnings. ``real_inputs`` False (synthetic samples)
+            does the same: a check on synthetic inputs warns and says so, never refuses.
     """
     m16 = load_onnx(fp16_path)
     out = [r for r in lint(m16) if r["status"] != "skip"]
@@ -585,7 +586,10 @@ def fp16_checks(fp32_model, fp16_path: Path | str, feed: dict[str, np.ndarray],
                 r["keep_fp32"] = [k for k in r.get("keep_fp32", []) if k in names]
                 out.append(r)
         out += fp16_backends(fp16_path, feed, ref, min_cosine, batch)
-    if not trained:  # one warning per range check instead of a verdict per tensor
+    if not trained or not real_inputs:  # one warning per range check, not a verdict per tensor
+        why = ("random weights (--random-init): value ranges are not the trained model's"
+               if not trained else "synthetic N(0,1) inputs: value ranges are not those of "
+               "the model's real inputs (give them with --inputs NPZ, or to stage 1)")
         kept, seen = [], {}
         for r in out:
             if r["status"] != "fail" or r["check"] not in RANGE_CHECKS:
@@ -595,9 +599,8 @@ def fp16_checks(fp32_model, fp16_path: Path | str, feed: dict[str, np.ndarray],
         for check, rows in seen.items():
             named = [r["node"] for r in rows if r.get("node")][:3]
             kept.append(check_result(check, "warn",
-                                     f"random weights (--random-init): value ranges are not the "
-                                     f"trained model's, not judged; {len(rows)} finding(s) on these "
-                                     f"weights, e.g. {rows[0]['detail'][:160]}",
+                                     f"{why}, not judged; {len(rows)} finding(s) on these "
+                                     f"inputs and weights, e.g. {rows[0]['detail'][:160]}",
                                      node=", ".join(named) or None, findings=rows))
         out = kept
     return out
