@@ -8,7 +8,8 @@ or :func:`custom_data`), then calls :func:`evaluate`, which writes the row. Diag
 
 Row schema (``results/<model>/<tag>.json``; every field present, None when it does not apply)::
 
-    stage, backend, precision, model, tag, variant, status ("ok"/"skipped"/"failed"), reason,
+    stage, backend, precision, model, tag, variant, status ("ok"/"warn"/"failed"/"skipped"),
+    reason, status_reason, next_step, tolerance,
     device ("cpu"/"cuda"), device_name, device_index, ep_requested, ep_used, cpu_fallback,
     runtime (runner.describe(): versions, TF32 state, provider options, engine profile),
     n_images, batch_size, preprocessing {resize, crop, interpolation, mean, std},
@@ -21,6 +22,14 @@ Row schema (``results/<model>/<tag>.json``; every field present, None when it do
     size_mb, diagnostics {name: result}, timings_s {inference, latency, diagnostic:<name>},
     provenance.
 
+Status of a measured row (:func:`judge`): its parity with the PyTorch reference under the
+precision's band of :data:`deploykit.compare.ROW_TOLERANCES`: ``failed`` (non-finite outputs, or
+a metric below the band's ``failed`` bound), ``warn`` (below the ``ok`` bound) or ``ok``;
+``status_reason`` names the metric, its value and the bound, ``next_step`` the first diagnostic
+to run (a shell-quoted command). The row is written whatever its status (it is a measurement)
+and the stage exits 0: ``run_all.sh`` measures the known INT8 collapses on purpose. A row that
+could not be measured at all (no session, a run that raised) is ``failed`` with ``reason``.
+
 """
 from __future__ import annotations
 
@@ -32,7 +41,7 @@ from typing import Any, Callable
 import numpy as np
 
 from deploykit.cli import progress_bar
-from deploykit.compare import parity, topk_accuracy
+from deploykit.compare import parity, row_verdict, topk_accuracy
 from deploykit.data.images import normalize
 from deploykit.data.splits import align_reference, load_split
 from deploykit.errors import StageError, UsageError
@@ -263,6 +272,46 @@ def score(data: EvalData, outputs: dict[str, np.ndarray]) -> dict:
     return out
 
 
+def judge(rec: dict, next_step: str | None = None) -> dict:
+    """Set ``status``, ``status_reason``, ``reason``, ``next_step`` and ``tolerance`` of a
+    measured row from its parity (:func:`deploykit.compare.row_verdict`); a row without
+    parity and with finite outputs (a reference run) stays as it is.
+
+    Args:
+        rec: a row with ``precision``, ``parity``, ``parity_outputs``, ``nonfinite_outputs`` and
+            ``output_used`` (the output compared with the reference logits).
+        next_step: the first diagnostic to run when the row is not ok (a shell-quoted command).
+    Returns:
+        ``rec``, updated in place.
+    """
+    if rec.get("parity_outputs"):
+        pars = rec["parity_outputs"]
+    elif rec.get("parity"):
+        pars = {rec.get("output_used") or "output": rec["parity"]}
+    else:
+        pars = None
+    if not pars and not rec.get("nonfinite_outputs"):
+        return rec
+    v = row_verdict(rec["precision"], pars, rec.get("nonfinite_outputs"))
+    rec.update(status=v["status"], status_reason=v["status_reason"], reason=v["status_reason"],
+               tolerance=v["tolerance"],
+               next_step=next_step if v["status"] != "ok" else None)
+    return rec
+
+
+def verdict_warning(rec: dict) -> str | None:
+    """The ``WARNING:`` line a stage prints for a row that is not ok (None when it is)."""
+    if rec.get("status") not in ("warn", "failed") or not rec.get("status_reason"):
+        return None
+    what = ("does not reproduce the reference" if rec["status"] == "failed"
+            else "is outside the ok band")
+    line = (f"WARNING: row {rec['tag']} is {rec['status'].upper()}: {rec['precision']} "
+            f"{what}: {rec['status_reason']}")
+    if rec.get("next_step"):
+        line += f". First diagnostic: {rec['next_step']}"
+    return line
+
+
 def base_record(stage: str, precision: str, model: str, tag: str, runner_desc: dict | None = None,
                 backend: str | None = None, status: str = "ok", reason: str | None = None,
                 **fields) -> dict:
@@ -278,7 +327,8 @@ def base_record(stage: str, precision: str, model: str, tag: str, runner_desc: d
                 "preprocessing": None, "accuracy": None, "reason_accuracy": None,
                 "parity": None, "parity_outputs": None, "nonfinite_outputs": None,
                 "latency": None, "latency_batch": None,
-                "harness_overhead_ms": None, "size_mb": None, "diagnostics": {},
+                "harness_overhead_ms": None, "size_mb": None, "status_reason": None,
+                "next_step": None, "tolerance": None, "diagnostics": {},
                 "timings_s": {}})
     rec.update(fields)
     return rec
@@ -287,7 +337,8 @@ def base_record(stage: str, precision: str, model: str, tag: str, runner_desc: d
 def evaluate(runner: Runner, data: EvalData, *, stage: str, precision: str, model: str,
              tag: str, args: Any, started: float, inputs: list = (), batch_size: int = 64,
              latency_batch: int = 1, warmup: int = 20, iters: int = 200,
-             write: bool = True, **fields) -> tuple[dict, dict[str, np.ndarray]]:
+             write: bool = True, next_step: str | None = None,
+             **fields) -> tuple[dict, dict[str, np.ndarray]]:
     """Run ``data`` through ``runner``, score it, time it, and write the row.
 
     Args:
@@ -296,7 +347,9 @@ def evaluate(runner: Runner, data: EvalData, *, stage: str, precision: str, mode
             input files to hash).
         batch_size: largest batch of the accuracy pass. latency_batch: batch of the second
             latency measurement (batch 1 is always measured).
-        write: write ``results/<model>/<tag>.json`` (False: the caller writes it).
+        write: write ``results/<model>/<tag>.json`` (False: the caller writes it, with
+            ``keep_good=rec["status"] == "ok"``: a measured row replaces an earlier ok row).
+        next_step: the first diagnostic to run, recorded when the row is not ok (:func:`judge`).
         fields: extra row fields (``variant``, ``size_mb``, ``preprocessing``, ...).
     Returns:
         ``(record, outputs)`` with ``outputs`` every model output over all samples.
@@ -321,11 +374,14 @@ def evaluate(runner: Runner, data: EvalData, *, stage: str, precision: str, mode
     rec["timings_s"] = {"inference": round(t1 - t0, 3),
                         "latency": round(time.perf_counter() - t1, 3)}
     rec.update(fields)
+    judge(rec, next_step)
     rec["provenance"] = provenance(args, inputs, started,
                                    f"cuda:{desc.get('device_index') or 0}"
                                    if desc.get("device") == "cuda" else None)
     if write:
-        write_result(model, tag, rec)
+        # A measured row describes the file on disk: a warn/failed verdict replaces an earlier
+        # ok row (which measured another file, or was judged by no verdict).
+        write_result(model, tag, rec, keep_good=rec["status"] == "ok")
     return rec, outputs
 
 

@@ -179,3 +179,61 @@ def test_a_failing_diagnostic_never_fails_the_row(tmp_path, monkeypatch):
     assert "art" in saved["diagnostics"]["layerwise"]["error"]
     assert diagnose(rec, "ok_one", lambda: {"x": 1}) == {"x": 1}
     assert json.loads((tmp_path / "m" / "row.json").read_text())["diagnostics"]["ok_one"] == {"x": 1}
+
+
+# --------------------------------------------------------------------------------------------
+# A row's status follows its parity (deploykit.evaluate.judge)
+# --------------------------------------------------------------------------------------------
+def _flipped(src, dst):
+    """A copy of ``src`` whose classifier (last Gemm/MatMul) weights have their sign bit
+    flipped: the file loads and runs, its logits are wrong."""
+    m = onnx.load(str(src))
+    node = [n for n in m.graph.node if n.op_type in ("Gemm", "MatMul")][-1]
+    init = next(t for t in m.graph.initializer if t.name in node.input)
+    init.CopyFrom(numpy_helper.from_array(-numpy_helper.to_array(init), init.name))
+    onnx.save(m, str(dst))
+    return dst
+
+
+def test_a_wrong_file_is_a_failed_row_written_over_an_ok_one(tmp_path, monkeypatch):
+    """The user's report: an ONNX with bit-flipped classifier weights got ``status: ok``. The
+    row is now failed, names the metric, value and bound, carries the next step, is still
+    written (a measurement) and replaces an earlier ok row of the tag."""
+    from deploykit.evaluate import verdict_warning
+
+    monkeypatch.setenv("RESULTS", str(tmp_path / "r"))
+    good = _export(_tiny_torch(), tmp_path / "good.onnx")
+    data = _data(16)
+    with OrtRunner(good) as r:
+        data.ref = run_outputs(r, data, 8)["logits"]
+        ok, _ = evaluate(r, data, stage="3_onnx_eval", precision="FP32", model="m", tag="t",
+                         args=argparse.Namespace(), started=time.time(), iters=2, warmup=0,
+                         next_step="python layerwise.py diff a b")
+    assert ok["status"] == "ok" and ok["status_reason"] is None and ok["next_step"] is None
+    assert ok["tolerance"]["band"] == "fp32" and verdict_warning(ok) is None
+    with OrtRunner(_flipped(good, tmp_path / "bad.onnx")) as r:
+        bad, _ = evaluate(r, data, stage="3_onnx_eval", precision="FP32", model="m", tag="t",
+                          args=argparse.Namespace(), started=time.time(), iters=2, warmup=0,
+                          next_step="python layerwise.py diff a b")
+    assert bad["status"] == "failed", bad["status_reason"]
+    assert "cosine_min" in bad["status_reason"] and "(FP32 failed bound)" in bad["reason"]
+    assert bad["next_step"] == "python layerwise.py diff a b"
+    saved = json.loads((tmp_path / "r" / "m" / "t.json").read_text())
+    assert saved["status"] == "failed" and saved["parity"] == bad["parity"]
+    assert not (tmp_path / "r" / "m" / "t.failed.json").exists()
+    line = verdict_warning(bad)
+    assert line.startswith("WARNING: row t is FAILED: FP32") and "layerwise.py diff" in line
+    # the report shows the status with the metric that failed
+    (row,) = load_stage("8_report").table_rows([{**saved, "_file": "t.json"}])
+    assert row["status"].startswith("failed: ") and "cosine" in row["status"]
+
+
+def test_judge_leaves_a_reference_row_alone_and_fails_nonfinite_rows():
+    from deploykit.evaluate import judge
+
+    ref = base_record("1_pytorch_baseline", "FP32", "m", "pytorch_fp32_cpu")
+    assert judge(ref, "x")["status"] == "ok" and ref["next_step"] is None
+    nan = base_record("3_onnx_eval", "INT8", "m", "t", nonfinite_outputs={"y": 3})
+    judge(nan, "cmd")
+    assert nan["status"] == "failed" and "y: 3 NaN/Inf" in nan["status_reason"]
+    assert nan["next_step"] == "cmd"
