@@ -16,6 +16,8 @@ Row schema (``results/<model>/<tag>.json``; every field present, None when it do
     accuracy {top1, top5} (%), reason_accuracy, parity {cosine_mean, cosine_min,
     top1_agreement (%), max_abs_err, mean_abs_err}, parity_outputs {output: parity},
     nonfinite_outputs {output: NaN/Inf values where the reference is finite} or None,
+    outputs [every output name], output_used (the output compared with the reference logits,
+    or {reference output: output} for other models: matched by name, else by index),
     latency {batch, warmup, iters, end_to_end_ms {p50_ms, p90_ms, p99_ms, mean_ms, min_ms,
     max_ms, fps}, end_to_end_timer, gpu_compute_ms {...} or None, gpu_compute_timer},
     latency_batch (same block at --latency-batch when it is not 1), harness_overhead_ms,
@@ -41,7 +43,7 @@ from typing import Any, Callable
 import numpy as np
 
 from deploykit.cli import progress_bar
-from deploykit.compare import parity, row_verdict, topk_accuracy
+from deploykit.compare import match_outputs, parity, row_verdict, topk_accuracy
 from deploykit.data.images import normalize
 from deploykit.data.splits import align_reference, load_split
 from deploykit.errors import StageError, UsageError
@@ -224,16 +226,56 @@ def latency(runner: Runner, data: EvalData, batch: int, warmup: int, iters: int
     return block
 
 
+#: The name of a classifier's reference output (``ref_logits.npz``, stage 1).
+LOGITS = "logits"
+
+
+def output_pairs(data: EvalData, outputs: dict[str, np.ndarray]
+                 ) -> list[tuple[str, str | None, str | None]]:
+    """Which output of a run is compared with which reference output
+    (:func:`deploykit.compare.match_outputs`: by name, then by index).
+
+    Returns:
+        ``[(reference name, output name or None, "name" | "index" | None)]``; a classifier's
+        one reference is :data:`LOGITS`.
+    """
+    ref_names = [LOGITS] if data.classifier else list(data.ref or {})
+    return match_outputs(ref_names, list(outputs))
+
+
+def output_warning(data: EvalData, outputs: dict[str, np.ndarray]) -> str | None:
+    """The ``WARNING:`` line for a model with several outputs whose compared output was taken
+    by index (no name matches the reference's), naming both; None otherwise."""
+    if len(outputs) < 2:
+        return None
+    taken = [(rn, on) for rn, on, how in output_pairs(data, outputs) if how == "index"]
+    if not taken:
+        return None
+    return ("WARNING: the model has " f"{len(outputs)} outputs ({', '.join(outputs)}) and none "
+            "is named like the reference's: " + ", ".join(
+                f"output {on!r} (index {list(outputs).index(on)}) is compared with the "
+                f"reference's {rn!r}" for rn, on in taken)
+            + "; name the output in the export (output_names) if that is not the one")
+
+
+def logits_first(data: EvalData, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``outputs`` with the one compared with a classifier's reference logits first (the
+    accuracy, the parity and the cross-checks read the first output)."""
+    if not data.classifier or len(outputs) < 2:
+        return outputs
+    (_, on, _), = output_pairs(data, outputs)
+    return {on: outputs[on], **{k: v for k, v in outputs.items() if k != on}}
+
+
 def nonfinite_outputs(data: EvalData, outputs: dict[str, np.ndarray]) -> dict[str, int] | None:
     """``{output name: number of NaN/Inf values where the reference is finite}`` for the outputs
     that have any (all of them counted where there is no reference), or None when every output
     is finite: a row whose outputs are NaN is no result, whatever else it measured."""
     refs: dict[str, Any] = {}
     if data.ref is not None:
-        if data.classifier:
-            refs[next(iter(outputs))] = data.ref
-        else:
-            refs = dict(zip(outputs, data.ref.values()))
+        for rn, on, _ in output_pairs(data, outputs):
+            if on is not None:
+                refs[on] = data.ref if data.classifier else data.ref[rn]
     bad = {}
     for name, o in outputs.items():
         o = np.asarray(o)
@@ -251,14 +293,31 @@ def nonfinite_outputs(data: EvalData, outputs: dict[str, np.ndarray]) -> dict[st
 def score(data: EvalData, outputs: dict[str, np.ndarray]) -> dict:
     """Accuracy and parity fields of a row (pure function of saved outputs).
 
+    The compared outputs are matched to the reference by name, else by index
+    (:func:`output_pairs`): a classifier's logits are its output named ``logits``, else its
+    first output.
+
     Returns:
         ``{"n_images", "accuracy", "reason_accuracy", "parity", "parity_outputs",
-        "nonfinite_outputs"}`` (the last: :func:`nonfinite_outputs`).
+        "nonfinite_outputs", "outputs", "output_used"}``: ``outputs`` every output name in
+        graph order, ``output_used`` the one compared with the reference logits (a
+        classifier) or ``{reference name: output name}`` (other models);
+        ``nonfinite_outputs``: :func:`nonfinite_outputs`.
+    Raises:
+        StageError: a reference output has no output to compare with.
     """
-    first = next(iter(outputs.values()))
+    pairs = output_pairs(data, outputs) if data.classifier or data.ref is not None else []
+    missing = [rn for rn, on, _ in pairs if on is None]
+    if missing:
+        raise StageError(f"the model's outputs {list(outputs)} have no match (by name or "
+                         f"index) for the reference's {missing}: export them, or rerun stage 1")
+    first = outputs[pairs[0][1]] if data.classifier else next(iter(outputs.values()))
     out: dict[str, Any] = {"n_images": len(data), "accuracy": None, "reason_accuracy": None,
                            "parity": None, "parity_outputs": None,
-                           "nonfinite_outputs": nonfinite_outputs(data, outputs)}
+                           "nonfinite_outputs": nonfinite_outputs(data, outputs),
+                           "outputs": list(outputs),
+                           "output_used": pairs[0][1] if data.classifier else
+                           ({rn: on for rn, on, _ in pairs} or None)}
     if data.classifier:
         out["accuracy"] = topk_accuracy(first, data.y)
         if data.ref is not None:
@@ -266,8 +325,8 @@ def score(data: EvalData, outputs: dict[str, np.ndarray]) -> dict:
     else:
         out["reason_accuracy"] = "not an ImageNet classifier"
         if data.ref is not None:
-            out["parity_outputs"] = {name: parity(ref, o) for (name, ref), o
-                                     in zip(data.ref.items(), outputs.values())}
+            out["parity_outputs"] = {rn: parity(data.ref[rn], outputs[on])
+                                     for rn, on, _ in pairs}
             out["parity"] = next(iter(out["parity_outputs"].values()))
     return out
 
@@ -326,7 +385,7 @@ def base_record(stage: str, precision: str, model: str, tag: str, runner_desc: d
                 "runtime": d or None, "n_images": None, "batch_size": None,
                 "preprocessing": None, "accuracy": None, "reason_accuracy": None,
                 "parity": None, "parity_outputs": None, "nonfinite_outputs": None,
-                "latency": None, "latency_batch": None,
+                "outputs": None, "output_used": None, "latency": None, "latency_batch": None,
                 "harness_overhead_ms": None, "size_mb": None, "status_reason": None,
                 "next_step": None, "tolerance": None, "diagnostics": {},
                 "timings_s": {}})
@@ -352,17 +411,22 @@ def evaluate(runner: Runner, data: EvalData, *, stage: str, precision: str, mode
         next_step: the first diagnostic to run, recorded when the row is not ok (:func:`judge`).
         fields: extra row fields (``variant``, ``size_mb``, ``preprocessing``, ...).
     Returns:
-        ``(record, outputs)`` with ``outputs`` every model output over all samples.
+        ``(record, outputs)`` with ``outputs`` every model output over all samples (a
+        classifier's compared output first, :func:`logits_first`).
     """
     desc = runner.describe()
     if getattr(args, "max_seconds", None) is not None:  # the stage's --max-seconds (0: none)
         runner.max_seconds = args.max_seconds or float("inf")
     t0 = time.perf_counter()
-    outputs = run_outputs(runner, data, batch_size, progress=f"{tag}")
+    raw = run_outputs(runner, data, batch_size, progress=f"{tag}")
     t1 = time.perf_counter()
+    if output_warning(data, raw):
+        print(output_warning(data, raw), file=sys.stderr)
+    outputs = logits_first(data, raw)
     b, _ = batch_plan(len(data), batch_size, runner.batch_range)
     rec = base_record(stage, precision, model, tag, desc, batch_size=b,
                       preprocessing=data.preprocessing, **score(data, outputs))
+    rec["outputs"] = list(raw)  # graph order
     lat1 = 1 if runner.batch_range[0] <= 1 else runner.batch_range[0]
     rec["latency"] = latency(runner, data, lat1, warmup, iters)
     # latency_batch 1 (the default) is the batch-1 block above, measured at the smallest batch
@@ -424,6 +488,8 @@ def summary_line(rec: dict) -> str:
     if acc:
         bits.append(f"top-1 {acc['top1']:.2f}% top-5 {acc['top5']:.2f}% on {rec['n_images']} "
                     "images")
+    if len(rec.get("outputs") or ()) > 1 and isinstance(rec.get("output_used"), str):
+        bits.append(f"output {rec['output_used']!r} of {len(rec['outputs'])}")
     if par:
         bits.append(f"cosine {par['cosine_mean']:.5f}" + (
             f" top-1 agreement {par['top1_agreement']:.1f}%" if "top1_agreement" in par else ""))
