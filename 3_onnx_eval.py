@@ -130,7 +130,7 @@ def main(args: argparse.Namespace) -> dict:
             created or run (the failure is recorded in the row first).
     """
     started = time.time()
-    check_row_tag(args.model, args.tag)
+    check_row_tag(args.model, args.tag, stage=STAGE)
     check_writable(model_results(args.model))
     check_positive(args, "limit", "batch_size", "latency_batch", "iters")
     check_positive(args, "warmup", "threads", allow_zero=("warmup", "threads"))

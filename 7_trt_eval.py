@@ -173,7 +173,7 @@ def main(args) -> dict | None:
         UsageError: bad flags. StageError: missing inputs, a plan the runtime refuses.
     """
     started = time.time()
-    check_row_tag(args.model, args.tag)
+    check_row_tag(args.model, args.tag, stage=STAGE)
     check_writable(model_results(args.model))
     check_positive(args, "iters", "batch_size", "latency_batch", "limit")
     check_positive(args, "warmup", allow_zero=("warmup",))

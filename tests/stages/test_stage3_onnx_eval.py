@@ -246,3 +246,19 @@ def test_stage3_wrong_file_is_failed_with_its_reason_and_exits_0(env):
     md = (Path(env["RESULTS"]) / MODEL / "REPORT.md").read_text()
     (line,) = [ln for ln in md.splitlines() if "| ort_flipped |" in ln]
     assert "| failed: " in line and "FP32 failed bound" in line
+
+
+def test_stage3_refuses_a_tag_of_another_stages_row(tmp_path, monkeypatch):
+    """Checked before any input is read: a usage error (exit 2) naming the file and its stage."""
+    from tests.helpers.stages import load_stage
+
+    monkeypatch.setenv("RESULTS", str(tmp_path))
+    ref = result_record("1_pytorch_baseline", "PyTorch", "FP32", MODEL, "pytorch_fp32_cpu")
+    path = write_result(MODEL, "pytorch_fp32_cpu", ref)
+    before = path.read_text()
+    stage = load_stage("3_onnx_eval")
+    args = stage.get_args_parser().parse_args(
+        ["--onnx", str(tmp_path / "none.onnx"), "--tag", "pytorch_fp32_cpu", "--model", MODEL])
+    with pytest.raises(UsageError, match="written by stage 1_pytorch_baseline"):
+        stage.main(args)
+    assert path.read_text() == before
