@@ -121,15 +121,14 @@ def unquantized_warning(macs: dict | None) -> str | None:
 
 def flag_unquantized(rec: dict, onnx_path: Path | str) -> str | None:
     """Record and print :func:`unquantized_warning` for a quant record with ``macs``: it goes
-    first in ``rec["warnings"]`` (as ``WARNING: ...``), into ``rec["unquantized"]`` and into
-    the check's ``summary`` (the report's Q/DQ note: a clean check is no longer shown as
-    clean), and a ``WARNING:`` line is printed. Returns the warning (None when there is none).
+    into ``rec["unquantized"]`` and into the check's ``summary`` (the report's Q/DQ note: a
+    clean check is no longer shown as clean; ``rec["warnings"]`` stays ModelOpt's log), and a
+    ``WARNING:`` line is printed. Returns the warning (None when there is none).
     """
     msg = unquantized_warning(rec.get("macs"))
     if msg is None:
         return None
     rec["unquantized"] = msg
-    rec["warnings"] = [f"WARNING: {msg}", *(rec.get("warnings") or [])]
     check = rec.get("check")
     if isinstance(check, dict):
         check["summary"] = f"{check.get('summary') or 'check: not run'}; WARNING: {msg}"
