@@ -120,7 +120,7 @@ def main(args: argparse.Namespace) -> dict:
     check_writable(model_artifacts(args.model), model_results(args.model))
     check_positive(args, "warmup", "threads", allow_zero=("warmup", "threads"))
     if args.tag is not None:  # checked now, not after the evaluation
-        check_row_tag(args.model, args.tag)
+        check_row_tag(args.model, args.tag, stage="1_pytorch_baseline")
     if args.threads:
         torch.set_num_threads(args.threads)
     model, spec = build_model(args.model, args.weights, pretrained=not args.random_init)

@@ -10,6 +10,11 @@ Writes results/<model>/<tag>.json (backend "TensorRT"), with the diagnostic batc
        reported with its class and fix (not a plan, truncated, another TensorRT, another GPU,
        library path).
 
+Status: as stage 3's (``deploykit.evaluate.judge``): the engine's parity with the PyTorch
+reference under its precision's band of ``deploykit.compare.ROW_TOLERANCES`` makes the row ok,
+warn or failed (``status_reason``, ``next_step``: the ``layerwise.py diff --engine-b`` command);
+the row is written, a ``WARNING:`` line printed, and the exit status stays 0.
+
 Without the TensorRT Python package or without a CUDA GPU it prints why, writes a row with
 ``status: skipped`` and exits 0.
 
@@ -45,10 +50,11 @@ from deploykit.evaluate import (
     diagnose,
     evaluate,
     summary_line,
+    verdict_warning,
 )
 from deploykit.feeds import load_feed
 from deploykit.io import check_writable, file_size_mb, load_json
-from deploykit.layerwise.diff import run_layer_diff
+from deploykit.layerwise.diff import diff_command, run_layer_diff
 from deploykit.layerwise.report import render_table
 from deploykit.layout import check_row_tag, engine_paths, model_artifacts, model_results
 from deploykit.models import model_spec
@@ -169,7 +175,7 @@ def main(args) -> dict | None:
         UsageError: bad flags. StageError: missing inputs, a plan the runtime refuses.
     """
     started = time.time()
-    check_row_tag(args.model, args.tag)
+    check_row_tag(args.model, args.tag, stage=STAGE)
     check_writable(model_results(args.model))
     check_positive(args, "iters", "batch_size", "latency_batch", "limit")
     check_positive(args, "warmup", allow_zero=("warmup",))
@@ -229,6 +235,10 @@ def main(args) -> dict | None:
             print(f"WARNING: {SYNTHETIC_NOTE}: this row's parity is measured on them",
                   file=sys.stderr)
 
+    onnx_b = args.onnx or (art / "onnx" / variant.onnx_file if variant else args.engine)
+    next_step = diff_command(args.model, fp32_onnx_path(args.model), onnx_b, _precision(args),
+                             model_results(args.model) / f"layerwise_{args.tag}",
+                             classifier=spec.classifier, engine=args.engine)
     with TrtRunner(args.engine, args.device, dla_core=dla_core) as r:
         if data.classifier:
             data.input_name = r.input_names[0]
@@ -239,7 +249,7 @@ def main(args) -> dict | None:
             r, data, stage=STAGE, precision=_precision(args), model=args.model, tag=args.tag,
             args=args, started=started, inputs=[args.engine, ref_path],
             batch_size=args.batch_size, latency_batch=args.latency_batch, warmup=args.warmup,
-            iters=args.iters, write=False, engine=str(args.engine),
+            iters=args.iters, write=False, next_step=next_step, engine=str(args.engine),
             variant=variant.name if variant else None,
             size_mb=file_size_mb(args.engine))
         layers = r.layer_info()
@@ -249,9 +259,11 @@ def main(args) -> dict | None:
                                                          rec)
         rec["build_profile"] = build.get("profile")
         rec["dla_core"] = dla_core
-        path = write_result(args.model, args.tag, rec)
+        path = write_result(args.model, args.tag, rec, keep_good=rec["status"] == "ok")
         print(f"{summary_line(rec)}, reformat layers {layers['reformat_layers']} -> "
               f"{path}")
+        if verdict_warning(rec):
+            print(verdict_warning(rec), file=sys.stderr)
         diagnose(rec, "batch_invariance",
                  lambda: batch_invariance_check(r, data, rec["batch_size"] or 1))
     if args.layerwise:

@@ -4,7 +4,7 @@ The command users type; its subcommands, flags and code live in
 :mod:`deploykit.tools.layerwise` (``python layerwise.py --help``).
 """
 from deploykit.cli import cli
-from deploykit.tools.layerwise import get_args_parser, main
+from deploykit.tools.layerwise import cli_main, get_args_parser
 
 if __name__ == "__main__":
-    cli(get_args_parser, main)
+    cli(get_args_parser, cli_main)

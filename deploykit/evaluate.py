@@ -8,18 +8,29 @@ or :func:`custom_data`), then calls :func:`evaluate`, which writes the row. Diag
 
 Row schema (``results/<model>/<tag>.json``; every field present, None when it does not apply)::
 
-    stage, backend, precision, model, tag, variant, status ("ok"/"skipped"/"failed"), reason,
+    stage, backend, precision, model, tag, variant, status ("ok"/"warn"/"failed"/"skipped"),
+    reason, status_reason, next_step, tolerance,
     device ("cpu"/"cuda"), device_name, device_index, ep_requested, ep_used, cpu_fallback,
     runtime (runner.describe(): versions, TF32 state, provider options, engine profile),
     n_images, batch_size, preprocessing {resize, crop, interpolation, mean, std},
     accuracy {top1, top5} (%), reason_accuracy, parity {cosine_mean, cosine_min,
     top1_agreement (%), max_abs_err, mean_abs_err}, parity_outputs {output: parity},
     nonfinite_outputs {output: NaN/Inf values where the reference is finite} or None,
+    outputs [every output name], output_used (the output compared with the reference logits,
+    or {reference output: output} for other models: matched by name, else by index),
     latency {batch, warmup, iters, end_to_end_ms {p50_ms, p90_ms, p99_ms, mean_ms, min_ms,
     max_ms, fps}, end_to_end_timer, gpu_compute_ms {...} or None, gpu_compute_timer},
     latency_batch (same block at --latency-batch when it is not 1), harness_overhead_ms,
     size_mb, diagnostics {name: result}, timings_s {inference, latency, diagnostic:<name>},
     provenance.
+
+Status of a measured row (:func:`judge`): its parity with the PyTorch reference under the
+precision's band of :data:`deploykit.compare.ROW_TOLERANCES`: ``failed`` (non-finite outputs, or
+a metric below the band's ``failed`` bound), ``warn`` (below the ``ok`` bound) or ``ok``;
+``status_reason`` names the metric, its value and the bound, ``next_step`` the first diagnostic
+to run (a shell-quoted command). The row is written whatever its status (it is a measurement)
+and the stage exits 0: ``run_all.sh`` measures the known INT8 collapses on purpose. A row that
+could not be measured at all (no session, a run that raised) is ``failed`` with ``reason``.
 
 """
 from __future__ import annotations
@@ -32,7 +43,7 @@ from typing import Any, Callable
 import numpy as np
 
 from deploykit.cli import progress_bar
-from deploykit.compare import parity, topk_accuracy
+from deploykit.compare import match_outputs, parity, row_verdict, topk_accuracy
 from deploykit.data.images import normalize
 from deploykit.data.splits import align_reference, load_split
 from deploykit.errors import StageError, UsageError
@@ -228,16 +239,56 @@ def latency(runner: Runner, data: EvalData, batch: int, warmup: int, iters: int
     return block
 
 
+#: The name of a classifier's reference output (``ref_logits.npz``, stage 1).
+LOGITS = "logits"
+
+
+def output_pairs(data: EvalData, outputs: dict[str, np.ndarray]
+                 ) -> list[tuple[str, str | None, str | None]]:
+    """Which output of a run is compared with which reference output
+    (:func:`deploykit.compare.match_outputs`: by name, then by index).
+
+    Returns:
+        ``[(reference name, output name or None, "name" | "index" | None)]``; a classifier's
+        one reference is :data:`LOGITS`.
+    """
+    ref_names = [LOGITS] if data.classifier else list(data.ref or {})
+    return match_outputs(ref_names, list(outputs))
+
+
+def output_warning(data: EvalData, outputs: dict[str, np.ndarray]) -> str | None:
+    """The ``WARNING:`` line for a model with several outputs whose compared output was taken
+    by index (no name matches the reference's), naming both; None otherwise."""
+    if len(outputs) < 2:
+        return None
+    taken = [(rn, on) for rn, on, how in output_pairs(data, outputs) if how == "index"]
+    if not taken:
+        return None
+    return ("WARNING: the model has " f"{len(outputs)} outputs ({', '.join(outputs)}) and none "
+            "is named like the reference's: " + ", ".join(
+                f"output {on!r} (index {list(outputs).index(on)}) is compared with the "
+                f"reference's {rn!r}" for rn, on in taken)
+            + "; name the output in the export (output_names) if that is not the one")
+
+
+def logits_first(data: EvalData, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``outputs`` with the one compared with a classifier's reference logits first (the
+    accuracy, the parity and the cross-checks read the first output)."""
+    if not data.classifier or len(outputs) < 2:
+        return outputs
+    (_, on, _), = output_pairs(data, outputs)
+    return {on: outputs[on], **{k: v for k, v in outputs.items() if k != on}}
+
+
 def nonfinite_outputs(data: EvalData, outputs: dict[str, np.ndarray]) -> dict[str, int] | None:
     """``{output name: number of NaN/Inf values where the reference is finite}`` for the outputs
     that have any (all of them counted where there is no reference), or None when every output
     is finite: a row whose outputs are NaN is no result, whatever else it measured."""
     refs: dict[str, Any] = {}
     if data.ref is not None:
-        if data.classifier:
-            refs[next(iter(outputs))] = data.ref
-        else:
-            refs = dict(zip(outputs, data.ref.values()))
+        for rn, on, _ in output_pairs(data, outputs):
+            if on is not None:
+                refs[on] = data.ref if data.classifier else data.ref[rn]
     bad = {}
     for name, o in outputs.items():
         o = np.asarray(o)
@@ -255,14 +306,31 @@ def nonfinite_outputs(data: EvalData, outputs: dict[str, np.ndarray]) -> dict[st
 def score(data: EvalData, outputs: dict[str, np.ndarray]) -> dict:
     """Accuracy and parity fields of a row (pure function of saved outputs).
 
+    The compared outputs are matched to the reference by name, else by index
+    (:func:`output_pairs`): a classifier's logits are its output named ``logits``, else its
+    first output.
+
     Returns:
         ``{"n_images", "accuracy", "reason_accuracy", "parity", "parity_outputs",
-        "nonfinite_outputs"}`` (the last: :func:`nonfinite_outputs`).
+        "nonfinite_outputs", "outputs", "output_used"}``: ``outputs`` every output name in
+        graph order, ``output_used`` the one compared with the reference logits (a
+        classifier) or ``{reference name: output name}`` (other models);
+        ``nonfinite_outputs``: :func:`nonfinite_outputs`.
+    Raises:
+        StageError: a reference output has no output to compare with.
     """
-    first = next(iter(outputs.values()))
+    pairs = output_pairs(data, outputs) if data.classifier or data.ref is not None else []
+    missing = [rn for rn, on, _ in pairs if on is None]
+    if missing:
+        raise StageError(f"the model's outputs {list(outputs)} have no match (by name or "
+                         f"index) for the reference's {missing}: export them, or rerun stage 1")
+    first = outputs[pairs[0][1]] if data.classifier else next(iter(outputs.values()))
     out: dict[str, Any] = {"n_images": len(data), "accuracy": None, "reason_accuracy": None,
                            "parity": None, "parity_outputs": None,
-                           "nonfinite_outputs": nonfinite_outputs(data, outputs)}
+                           "nonfinite_outputs": nonfinite_outputs(data, outputs),
+                           "outputs": list(outputs),
+                           "output_used": pairs[0][1] if data.classifier else
+                           ({rn: on for rn, on, _ in pairs} or None)}
     if data.classifier:
         out["accuracy"] = topk_accuracy(first, data.y)
         if data.ref is not None:
@@ -275,10 +343,50 @@ def score(data: EvalData, outputs: dict[str, np.ndarray]) -> dict:
             out["reason_accuracy"] = ("synthetic inputs, no labels" if data.synthetic else
                                       "no --labels for these inputs")
         if data.ref is not None:
-            out["parity_outputs"] = {name: parity(ref, o) for (name, ref), o
-                                     in zip(data.ref.items(), outputs.values())}
+            out["parity_outputs"] = {rn: parity(data.ref[rn], outputs[on])
+                                     for rn, on, _ in pairs}
             out["parity"] = next(iter(out["parity_outputs"].values()))
     return out
+
+
+def judge(rec: dict, next_step: str | None = None) -> dict:
+    """Set ``status``, ``status_reason``, ``reason``, ``next_step`` and ``tolerance`` of a
+    measured row from its parity (:func:`deploykit.compare.row_verdict`); a row without
+    parity and with finite outputs (a reference run) stays as it is.
+
+    Args:
+        rec: a row with ``precision``, ``parity``, ``parity_outputs``, ``nonfinite_outputs`` and
+            ``output_used`` (the output compared with the reference logits).
+        next_step: the first diagnostic to run when the row is not ok (a shell-quoted command).
+    Returns:
+        ``rec``, updated in place.
+    """
+    if rec.get("parity_outputs"):
+        pars = rec["parity_outputs"]
+    elif rec.get("parity"):
+        pars = {rec.get("output_used") or "output": rec["parity"]}
+    else:
+        pars = None
+    if not pars and not rec.get("nonfinite_outputs"):
+        return rec
+    v = row_verdict(rec["precision"], pars, rec.get("nonfinite_outputs"))
+    rec.update(status=v["status"], status_reason=v["status_reason"], reason=v["status_reason"],
+               tolerance=v["tolerance"],
+               next_step=next_step if v["status"] != "ok" else None)
+    return rec
+
+
+def verdict_warning(rec: dict) -> str | None:
+    """The ``WARNING:`` line a stage prints for a row that is not ok (None when it is)."""
+    if rec.get("status") not in ("warn", "failed") or not rec.get("status_reason"):
+        return None
+    what = ("does not reproduce the reference" if rec["status"] == "failed"
+            else "is outside the ok band")
+    line = (f"WARNING: row {rec['tag']} is {rec['status'].upper()}: {rec['precision']} "
+            f"{what}: {rec['status_reason']}")
+    if rec.get("next_step"):
+        line += f". First diagnostic: {rec['next_step']}"
+    return line
 
 
 def base_record(stage: str, precision: str, model: str, tag: str, runner_desc: dict | None = None,
@@ -295,8 +403,9 @@ def base_record(stage: str, precision: str, model: str, tag: str, runner_desc: d
                 "runtime": d or None, "n_images": None, "batch_size": None,
                 "preprocessing": None, "accuracy": None, "reason_accuracy": None,
                 "parity": None, "parity_outputs": None, "nonfinite_outputs": None,
-                "latency": None, "latency_batch": None,
-                "harness_overhead_ms": None, "size_mb": None, "diagnostics": {},
+                "outputs": None, "output_used": None, "latency": None, "latency_batch": None,
+                "harness_overhead_ms": None, "size_mb": None, "status_reason": None,
+                "next_step": None, "tolerance": None, "diagnostics": {},
                 "timings_s": {}})
     rec.update(fields)
     return rec
@@ -305,7 +414,8 @@ def base_record(stage: str, precision: str, model: str, tag: str, runner_desc: d
 def evaluate(runner: Runner, data: EvalData, *, stage: str, precision: str, model: str,
              tag: str, args: Any, started: float, inputs: list = (), batch_size: int = 64,
              latency_batch: int = 1, warmup: int = 20, iters: int = 200,
-             write: bool = True, **fields) -> tuple[dict, dict[str, np.ndarray]]:
+             write: bool = True, next_step: str | None = None,
+             **fields) -> tuple[dict, dict[str, np.ndarray]]:
     """Run ``data`` through ``runner``, score it, time it, and write the row.
 
     Args:
@@ -314,20 +424,27 @@ def evaluate(runner: Runner, data: EvalData, *, stage: str, precision: str, mode
             input files to hash).
         batch_size: largest batch of the accuracy pass. latency_batch: batch of the second
             latency measurement (batch 1 is always measured).
-        write: write ``results/<model>/<tag>.json`` (False: the caller writes it).
+        write: write ``results/<model>/<tag>.json`` (False: the caller writes it, with
+            ``keep_good=rec["status"] == "ok"``: a measured row replaces an earlier ok row).
+        next_step: the first diagnostic to run, recorded when the row is not ok (:func:`judge`).
         fields: extra row fields (``variant``, ``size_mb``, ``preprocessing``, ...).
     Returns:
-        ``(record, outputs)`` with ``outputs`` every model output over all samples.
+        ``(record, outputs)`` with ``outputs`` every model output over all samples (a
+        classifier's compared output first, :func:`logits_first`).
     """
     desc = runner.describe()
     if getattr(args, "max_seconds", None) is not None:  # the stage's --max-seconds (0: none)
         runner.max_seconds = args.max_seconds or float("inf")
     t0 = time.perf_counter()
-    outputs = run_outputs(runner, data, batch_size, progress=f"{tag}")
+    raw = run_outputs(runner, data, batch_size, progress=f"{tag}")
     t1 = time.perf_counter()
+    if output_warning(data, raw):
+        print(output_warning(data, raw), file=sys.stderr)
+    outputs = logits_first(data, raw)
     b, _ = batch_plan(len(data), batch_size, runner.batch_range)
     rec = base_record(stage, precision, model, tag, desc, batch_size=b,
                       preprocessing=data.preprocessing, **score(data, outputs))
+    rec["outputs"] = list(raw)  # graph order
     lat1 = 1 if runner.batch_range[0] <= 1 else runner.batch_range[0]
     rec["latency"] = latency(runner, data, lat1, warmup, iters)
     # latency_batch 1 (the default) is the batch-1 block above, measured at the smallest batch
@@ -339,11 +456,14 @@ def evaluate(runner: Runner, data: EvalData, *, stage: str, precision: str, mode
     rec["timings_s"] = {"inference": round(t1 - t0, 3),
                         "latency": round(time.perf_counter() - t1, 3)}
     rec.update(fields)
+    judge(rec, next_step)
     rec["provenance"] = provenance(args, inputs, started,
                                    f"cuda:{desc.get('device_index') or 0}"
                                    if desc.get("device") == "cuda" else None)
     if write:
-        write_result(model, tag, rec)
+        # A measured row describes the file on disk: a warn/failed verdict replaces an earlier
+        # ok row (which measured another file, or was judged by no verdict).
+        write_result(model, tag, rec, keep_good=rec["status"] == "ok")
     return rec, outputs
 
 
@@ -386,6 +506,8 @@ def summary_line(rec: dict) -> str:
     if acc:
         bits.append(f"top-1 {acc['top1']:.2f}% top-5 {acc['top5']:.2f}% on {rec['n_images']} "
                     "images")
+    if len(rec.get("outputs") or ()) > 1 and isinstance(rec.get("output_used"), str):
+        bits.append(f"output {rec['output_used']!r} of {len(rec['outputs'])}")
     if par:
         bits.append(f"cosine {par['cosine_mean']:.5f}" + (
             f" top-1 agreement {par['top1_agreement']:.1f}%" if "top1_agreement" in par else ""))

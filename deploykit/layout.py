@@ -74,16 +74,21 @@ def safe_name(value: str, flag: str = "--tag") -> str:
 _SIDECAR_SUFFIXES = (".failed", ".skipped")
 
 
-def check_row_tag(model: str, tag: str, flag: str = "--tag") -> str:
+def check_row_tag(model: str, tag: str, flag: str = "--tag", stage: str | None = None) -> str:
     """Return ``tag`` if ``results/<model>/<tag>.json`` may hold a results row, else raise.
 
     Besides :func:`safe_name`: a tag ending in ``.failed``/``.skipped`` would be taken for the
     failure kept beside the row ``<tag without it>`` (and deleted by that row's next good run),
-    and a tag naming a results file that is no row (``data``, ``export``, ``calib``,
-    ``quant_<variant>``, a benchmark's output) would replace that file.
+    a tag naming a results file that is no row (``data``, ``export``, ``calib``,
+    ``quant_<variant>``, a benchmark's output) would replace that file, and, with ``stage``, a
+    tag naming a row another stage wrote (its ``stage`` field; e.g. ``3_onnx_eval.py --tag
+    pytorch_fp32_cpu`` over the PyTorch reference) would replace that row.
 
+    Args:
+        stage: the writing stage's name (``3_onnx_eval``), as its rows' ``stage`` field.
     Raises:
-        UsageError: naming the flag, the value and the file it would clash with.
+        UsageError: naming the flag, the value, the file it would clash with (and its stage)
+            and the fix.
     """
     safe_name(tag, flag)
     for suf in _SIDECAR_SUFFIXES:
@@ -100,6 +105,13 @@ def check_row_tag(model: str, tag: str, flag: str = "--tag") -> str:
         owner = existing.get("stage") if isinstance(existing, dict) else None
         raise UsageError(f"{flag} {tag!r}: {path} is {owner or 'another tool'}'s output, not a "
                          "results row, and would be replaced; choose another tag")
+    owner = existing.get("stage")
+    if stage is not None and isinstance(owner, str) and owner != stage:
+        raise UsageError(
+            f"{flag} {tag!r}: {path} is a row written by stage {owner} ({existing.get('backend')} "
+            f"{existing.get('precision')}), not by {stage}, and would be replaced; choose "
+            f"another tag (e.g. {tag}_{stage.split('_', 1)[-1]}), or delete that file first if "
+            "it is to go")
     return tag
 
 

@@ -92,7 +92,9 @@ def row_problem(rec: dict) -> str | None:
     return None
 
 
-ROW_STATUSES = ("ok", "failed", "skipped")  # what the stages write (deploykit.results.write_result)
+# what the stages write (deploykit.results.write_result; warn/failed of a measured row:
+# deploykit.evaluate.judge)
+ROW_STATUSES = ("ok", "warn", "failed", "skipped")
 
 
 def row_identity_problem(rec: dict, f: Path) -> str | None:
@@ -215,7 +217,9 @@ def table_rows(rows: list[dict]) -> list[dict]:
         status = r["status"]
         if _is_rerun(r):
             status = f"latest rerun {status} ({r['_file']}; the ok row above is kept)"
-        if r.get("reason"):
+        if r.get("status_reason"):  # a measured row's verdict: the metrics out of bounds
+            status += ": " + verdict_summary(r["status_reason"])
+        elif r.get("reason"):
             status += f": {r['reason'].splitlines()[0][:320]}"
         if r.get("nonfinite_outputs"):
             status += "; NON-FINITE OUTPUTS: " + ", ".join(
@@ -265,6 +269,14 @@ def table_rows(rows: list[dict]) -> list[dict]:
             ("reference" if r.get("reference") else ""),
             "top-1 agree %": _fmt(par.get("top1_agreement"), 1), "status": status})
     return out
+
+
+def verdict_summary(reason: str, n: int = 2) -> str:
+    """The first ``n`` metrics of a row's ``status_reason`` (its cross-check part is left to
+    the BACKEND DISAGREEMENT note), ``+k more`` for the rest."""
+    parts = [p for p in reason.split("; ") if not p.startswith("the backend cross-check")]
+    more = f" (+{len(parts) - n} more)" if len(parts) > n else ""
+    return "; ".join(parts[:n])[:240] + more
 
 
 def split_builds(rows: list[dict]) -> tuple[list[dict], list[dict]]:
@@ -440,7 +452,7 @@ def summary(model: str, runs: list[dict], path: Path) -> str:
     """One console line: rows ok/failed/skipped, the best quantized recipe by top-1 agreement
     with FP32 and its speedup, and where the report is."""
     st = {k: sum(r["status"] == k for r in runs)
-          for k in ("ok", "failed", "skipped", "not run", "invalid")}
+          for k in ("ok", "warn", "failed", "skipped", "not run", "invalid")}
     # A rerun's failure kept beside a good row has the same tag: look the good row up.
     trs = {t["tag"]: t for r, t in zip(runs, table_rows(runs)) if not _is_rerun(r)}
     q = [r for r in runs if r["status"] == "ok" and r["precision"][:3] == "INT"
@@ -448,7 +460,8 @@ def summary(model: str, runs: list[dict], path: Path) -> str:
          and (r.get("parity") or {}).get("top1_agreement") is not None
          and (r.get("accuracy") or {}).get("top1") is not None]  # custom models: no top-1
     best = max(q, key=lambda r: r["parity"]["top1_agreement"], default=None)
-    bits = [f"report {model}: {st['ok']} ok, {st['failed']} failed, {st['skipped']} skipped"
+    bits = [f"report {model}: {st['ok']} ok, " + (f"{st['warn']} warn, " if st["warn"] else "")
+            + f"{st['failed']} failed, {st['skipped']} skipped"
             + (f", {st['not run']} not run" if st["not run"] else "")
             + (f", {st['invalid']} invalid" if st["invalid"] else "")]
     if best:
@@ -459,6 +472,9 @@ def summary(model: str, runs: list[dict], path: Path) -> str:
               for r in runs if r["status"] == "failed"]
     if failed:
         bits.append("failed: " + ", ".join(failed))
+    warned = [r["tag"] for r in runs if r["status"] == "warn"]
+    if warned:
+        bits.append("warn: " + ", ".join(warned))
     invalid = [r["_file"] for r in runs if r["status"] == "invalid"]
     if invalid:
         bits.append("invalid (see the warnings): " + ", ".join(invalid))

@@ -102,3 +102,77 @@ def test_cli_defaults_and_backend_checks_read_the_tables():
 
     check = get_args_parser().parse_args(["check", "--onnx", "x.onnx"])
     assert check.min_cosine == OUTPUT_MIN_COSINE["fp32"]
+
+
+# --------------------------------------------------------------------------------------------
+# The verdict of a results row (ROW_TOLERANCES)
+# --------------------------------------------------------------------------------------------
+def test_row_tolerances_keep_the_existing_gates_and_order_the_bands():
+    from deploykit.compare import OUTPUT_MIN_COSINE, ROW_TOLERANCES, TOLERANCES
+
+    assert ROW_TOLERANCES["fp32"]["cosine_min"]["ok"] == OUTPUT_MIN_COSINE["fp32"]
+    assert ROW_TOLERANCES["fp16"]["cosine_min"]["ok"] == OUTPUT_MIN_COSINE["fp16"]
+    assert ROW_TOLERANCES["int8"]["cosine_mean"]["ok"] == TOLERANCES["int8"]["min_cosine"]
+    assert ROW_TOLERANCES["int4"]["cosine_min"]["ok"] == TOLERANCES["int4"]["min_cosine"]
+    for band in ROW_TOLERANCES.values():
+        for b in band.values():
+            if b["ok"] is not None and b["failed"] is not None:
+                assert b["failed"] < b["ok"]
+    # FP32 tightest, then FP16, then the quantized bands
+    order = ["fp32", "fp16", "int8"]
+    for m in ("top1_agreement",):
+        oks = [ROW_TOLERANCES[p][m]["ok"] for p in order]
+        assert oks == sorted(oks, reverse=True)
+    assert ROW_TOLERANCES["fp32"]["cosine_min"]["ok"] > ROW_TOLERANCES["fp16"]["cosine_min"]["ok"] \
+        > ROW_TOLERANCES["int8"]["cosine_min"]["ok"] - 1e-12
+
+
+@pytest.mark.parametrize("precision, par, status, named", [
+    # the user's reports: BGR fed RGB, bit-flipped classifier weights, an extra first output
+    ("FP32", {"cosine_min": 0.42, "cosine_mean": 0.93, "top1_agreement": 79.7}, "failed",
+     "cosine_min 0.42 < 0.99 (FP32 failed bound)"),
+    ("FP32", {"cosine_min": 0.18, "cosine_mean": 0.3, "top1_agreement": 0.0,
+              "max_abs_err": 2e38}, "failed", "top1_agreement 0.0 % < 95.0 %"),
+    ("FP32", {"cosine_min": -1.0, "cosine_mean": -1.0}, "failed", "cosine_mean -1"),
+    # measured healthy rows of efficientnet_lite0 (results/gpu, results/auto_precision)
+    ("FP32", {"cosine_min": 0.999996, "cosine_mean": 0.999999, "top1_agreement": 100.0}, "ok",
+     None),
+    ("FP16", {"cosine_min": 0.999931, "cosine_mean": 0.999988, "top1_agreement": 99.56}, "ok",
+     None),
+    ("INT8", {"cosine_min": 0.968502, "cosine_mean": 0.996319, "top1_agreement": 98.56}, "ok",
+     None),
+    ("INT4", {"cosine_min": 0.994279, "cosine_mean": 0.996209, "top1_agreement": 98.56}, "ok",
+     None),
+    # the committed collapses
+    ("INT8", {"cosine_min": -0.145, "cosine_mean": 0.069, "top1_agreement": 0.89}, "failed",
+     "top1_agreement 0.9 % < 90.0 % (INT8 failed bound)"),
+    ("INT8", {"cosine_min": 0.146, "cosine_mean": 0.704, "top1_agreement": 66.2}, "failed",
+     "cosine_mean 0.704 < 0.9"),
+    # the warn band: one outlier image, a few flips
+    ("INT8", {"cosine_min": 0.93, "cosine_mean": 0.995, "top1_agreement": 97.0}, "warn",
+     "cosine_min 0.93 < 0.95 (INT8 ok bound)"),
+    ("FP16", {"cosine_min": 0.9995, "cosine_mean": 0.9999, "top1_agreement": 93.0}, "warn",
+     "top1_agreement 93.0 % < 98.0 % (FP16 ok bound)"),
+    ("unknown", {"cosine_min": 0.5, "cosine_mean": 0.6, "top1_agreement": 50.0}, "failed",
+     "(INT4 failed bound)"),
+])
+def test_row_verdict(precision, par, status, named):
+    from deploykit.compare import row_verdict
+
+    v = row_verdict(precision, {"logits": par})
+    assert v["status"] == status, v
+    if named is None:
+        assert v["status_reason"] is None
+    else:
+        assert named in v["status_reason"] and v["status_reason"].startswith("logits ")
+
+
+def test_row_verdict_fails_on_nonfinite_outputs_and_judges_every_output():
+    from deploykit.compare import row_verdict
+
+    good = {"cosine_min": 1.0, "cosine_mean": 1.0}
+    v = row_verdict("FP16", {"y": good}, {"y": 20})
+    assert v["status"] == "failed" and "y: 20 NaN/Inf" in v["status_reason"]
+    v = row_verdict("FP32", {"a": good, "b": {"cosine_min": float("nan"), "cosine_mean": 1.0}})
+    assert v["status"] == "failed" and "b cosine_min nan (not finite)" in v["status_reason"]
+    assert row_verdict("FP32", None)["status"] == "ok"

@@ -179,3 +179,150 @@ def test_a_failing_diagnostic_never_fails_the_row(tmp_path, monkeypatch):
     assert "art" in saved["diagnostics"]["layerwise"]["error"]
     assert diagnose(rec, "ok_one", lambda: {"x": 1}) == {"x": 1}
     assert json.loads((tmp_path / "m" / "row.json").read_text())["diagnostics"]["ok_one"] == {"x": 1}
+
+
+# --------------------------------------------------------------------------------------------
+# A row's status follows its parity (deploykit.evaluate.judge)
+# --------------------------------------------------------------------------------------------
+def _flipped(src, dst):
+    """A copy of ``src`` whose classifier (last Gemm/MatMul) weights have their sign bit
+    flipped: the file loads and runs, its logits are wrong."""
+    m = onnx.load(str(src))
+    node = [n for n in m.graph.node if n.op_type in ("Gemm", "MatMul")][-1]
+    init = next(t for t in m.graph.initializer if t.name in node.input)
+    init.CopyFrom(numpy_helper.from_array(-numpy_helper.to_array(init), init.name))
+    onnx.save(m, str(dst))
+    return dst
+
+
+def test_a_wrong_file_is_a_failed_row_written_over_an_ok_one(tmp_path, monkeypatch):
+    """The user's report: an ONNX with bit-flipped classifier weights got ``status: ok``. The
+    row is now failed, names the metric, value and bound, carries the next step, is still
+    written (a measurement) and replaces an earlier ok row of the tag."""
+    from deploykit.evaluate import verdict_warning
+
+    monkeypatch.setenv("RESULTS", str(tmp_path / "r"))
+    good = _export(_tiny_torch(), tmp_path / "good.onnx")
+    data = _data(16)
+    with OrtRunner(good) as r:
+        data.ref = run_outputs(r, data, 8)["logits"]
+        ok, _ = evaluate(r, data, stage="3_onnx_eval", precision="FP32", model="m", tag="t",
+                         args=argparse.Namespace(), started=time.time(), iters=2, warmup=0,
+                         next_step="python layerwise.py diff a b")
+    assert ok["status"] == "ok" and ok["status_reason"] is None and ok["next_step"] is None
+    assert ok["tolerance"]["band"] == "fp32" and verdict_warning(ok) is None
+    with OrtRunner(_flipped(good, tmp_path / "bad.onnx")) as r:
+        bad, _ = evaluate(r, data, stage="3_onnx_eval", precision="FP32", model="m", tag="t",
+                          args=argparse.Namespace(), started=time.time(), iters=2, warmup=0,
+                          next_step="python layerwise.py diff a b")
+    assert bad["status"] == "failed", bad["status_reason"]
+    assert "cosine_min" in bad["status_reason"] and "(FP32 failed bound)" in bad["reason"]
+    assert bad["next_step"] == "python layerwise.py diff a b"
+    saved = json.loads((tmp_path / "r" / "m" / "t.json").read_text())
+    assert saved["status"] == "failed" and saved["parity"] == bad["parity"]
+    assert not (tmp_path / "r" / "m" / "t.failed.json").exists()
+    line = verdict_warning(bad)
+    assert line.startswith("WARNING: row t is FAILED: FP32") and "layerwise.py diff" in line
+    # the report shows the status with the metric that failed
+    (row,) = load_stage("8_report").table_rows([{**saved, "_file": "t.json"}])
+    assert row["status"].startswith("failed: ") and "cosine" in row["status"]
+
+
+def test_judge_leaves_a_reference_row_alone_and_fails_nonfinite_rows():
+    from deploykit.evaluate import judge
+
+    ref = base_record("1_pytorch_baseline", "FP32", "m", "pytorch_fp32_cpu")
+    assert judge(ref, "x")["status"] == "ok" and ref["next_step"] is None
+    nan = base_record("3_onnx_eval", "INT8", "m", "t", nonfinite_outputs={"y": 3})
+    judge(nan, "cmd")
+    assert nan["status"] == "failed" and "y: 3 NaN/Inf" in nan["status_reason"]
+    assert nan["next_step"] == "cmd"
+
+
+# --------------------------------------------------------------------------------------------
+# Several outputs: the one compared with the reference is named
+# --------------------------------------------------------------------------------------------
+def _two_outputs(path, names):
+    """``input [N,3,8,8] -> GlobalAveragePool -> Flatten`` (``feat`` [N, 3]) ``-> Gemm`` (10
+    logits); the graph's outputs are ``names[0]`` = the features, ``names[1]`` = the logits."""
+    rng = np.random.default_rng(0)
+    g = helper.make_graph(
+        [helper.make_node("GlobalAveragePool", ["input"], ["p"]),
+         helper.make_node("Flatten", ["p"], [names[0]]),
+         helper.make_node("Gemm", [names[0], "w", "b"], [names[1]])], "two",
+        [helper.make_tensor_value_info("input", 1, ["N", 3, 8, 8])],
+        [helper.make_tensor_value_info(names[0], 1, ["N", 3]),
+         helper.make_tensor_value_info(names[1], 1, ["N", 10])],
+        [numpy_helper.from_array(rng.standard_normal((3, 10)).astype(np.float32), "w"),
+         numpy_helper.from_array(rng.standard_normal(10).astype(np.float32), "b")])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8),
+              str(path))
+    return path
+
+
+def _eval(path, data):
+    with OrtRunner(path) as r:
+        return evaluate(r, data, stage="3_onnx_eval", precision="FP32", model="m", tag="t",
+                        args=argparse.Namespace(), started=time.time(), iters=2, warmup=0,
+                        write=False)
+
+
+def test_an_extra_first_output_is_not_taken_for_the_logits(tmp_path, capsys):
+    """The user's report: the real file with an extra first output scored cosine -1 (the first
+    output was taken as the logits, nothing said there were two). The output named logits is
+    compared, and the row records which one and all of them."""
+    data = _data(12)
+    path = _two_outputs(tmp_path / "extra.onnx", ["feat", "logits"])
+    with OrtRunner(path) as r:
+        data.ref = run_outputs(r, data, 4)["logits"]
+    rec, out = _eval(path, data)
+    assert rec["output_used"] == "logits" and rec["outputs"] == ["feat", "logits"]
+    assert rec["parity"]["cosine_min"] > 0.99999 and rec["status"] == "ok"
+    assert list(out)[0] == "logits"  # the cross-checks read the first output
+    assert "WARNING" not in capsys.readouterr().err
+    assert "output 'logits' of 2" in summary_line(rec)
+
+
+def test_no_output_named_logits_takes_the_first_and_warns_naming_both(tmp_path, capsys):
+    """Two [N, 10] outputs, neither named logits, the reference is the second: the first is
+    compared (by index), a WARNING names both, and the row fails (cosine -1) instead of
+    saying ok."""
+    rng = np.random.default_rng(0)
+    g = helper.make_graph(
+        [helper.make_node("GlobalAveragePool", ["input"], ["p"]),
+         helper.make_node("Flatten", ["p"], ["f"]),
+         helper.make_node("Gemm", ["f", "w", "b"], ["out1"]),
+         helper.make_node("Neg", ["out1"], ["out0"])], "anon",
+        [helper.make_tensor_value_info("input", 1, ["N", 3, 8, 8])],
+        [helper.make_tensor_value_info("out0", 1, ["N", 10]),
+         helper.make_tensor_value_info("out1", 1, ["N", 10])],
+        [numpy_helper.from_array(rng.standard_normal((3, 10)).astype(np.float32), "w"),
+         numpy_helper.from_array(rng.standard_normal(10).astype(np.float32), "b")])
+    path = tmp_path / "anon.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8),
+              str(path))
+    data = _data(12)
+    with OrtRunner(path) as r:
+        data.ref = run_outputs(r, data, 4)["out1"]
+    rec, _ = _eval(path, data)
+    err = capsys.readouterr().err
+    assert "WARNING: the model has 2 outputs (out0, out1)" in err
+    assert "output 'out0' (index 0) is compared with the reference's 'logits'" in err
+    assert rec["output_used"] == "out0" and rec["outputs"] == ["out0", "out1"]
+    assert rec["status"] == "failed" and "out0 cosine_min -1" in rec["status_reason"]
+
+
+def test_custom_model_outputs_are_matched_by_name(tmp_path):
+    """A custom model's reference outputs are paired with its outputs by name, not position."""
+    x = np.random.default_rng(0).standard_normal((5, 4)).astype(np.float32)
+    g = helper.make_graph([helper.make_node("Neg", ["x"], ["a"]),
+                           helper.make_node("Identity", ["x"], ["b"])], "g",
+                          [helper.make_tensor_value_info("x", 1, ["N", 4])],
+                          [helper.make_tensor_value_info("a", 1, ["N", 4]),
+                           helper.make_tensor_value_info("b", 1, ["N", 4])])
+    path = tmp_path / "ab.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8),
+              str(path))
+    rec, _ = _eval(path, EvalData(feed={"x": x}, ref={"b": x, "a": -x}))
+    assert rec["output_used"] == {"b": "b", "a": "a"} and rec["status"] == "ok"
+    assert rec["parity_outputs"]["b"]["cosine_min"] > 0.99999

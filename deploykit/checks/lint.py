@@ -1,5 +1,6 @@
-"""Graph-only checks of any ONNX file: Softmax axis semantics, HardSigmoid attributes,
-Squeeze without axes, batch frozen into shape constants, blocked-Q/DQ opset, FP16 initializers.
+"""Checks of any ONNX file: Softmax axis semantics, HardSigmoid attributes, Squeeze without
+axes, batch frozen into shape constants, blocked-Q/DQ opset, FP16 initializers (graph only), and
+whether it loads at all: ``onnx.checker`` (full check) and an ONNX Runtime session on the CPU EP.
 """
 from __future__ import annotations
 
@@ -285,9 +286,63 @@ def lint_fp16_initializers(model) -> list[dict]:
     return out or [check_result("fp16_initializers", "pass", "every FP16 constant is finite")]
 
 
+def lint_onnx_checker(model, path: Path | str | None = None) -> list[dict]:
+    """``onnx.checker.check_model(full_check=True)``: the ONNX spec's structural checks plus
+    strict shape and type inference. A failure is an error (``fail``) with the checker's
+    message; the node, when the message names one.
+
+    Args:
+        path: the file (checked from disk: external data and files over 2 GB), else ``model``.
+    """
+    import re
+
+    import onnx
+
+    try:
+        onnx.checker.check_model(str(path) if path is not None else model, full_check=True)
+    except Exception as e:  # noqa: BLE001 - onnx raises ValidationError, InferenceError, ...
+        msg = " ".join(str(e).split())
+        node = re.search(r"node name: ([^)]+)\)", msg)
+        return [check_result("onnx_checker", "fail", f"onnx.checker (full_check): {msg[:400]}",
+                             node=node.group(1) if node else None,
+                             fix="fix the node the message names (opset, attribute, input "
+                                 "types) in the exporter or the tool that wrote the file")]
+    return [check_result("onnx_checker", "pass", "onnx.checker.check_model(full_check=True)")]
+
+
+def lint_ort_load(model, path: Path | str | None = None) -> list[dict]:
+    """Create an ONNX Runtime ``InferenceSession`` on the CPU EP: a file the checker accepts can
+    still be refused (an op/type without a kernel, a graph ORT's own resolve rejects). A refusal
+    is an error (``fail``) naming the node when ORT's message does. Skipped without
+    onnxruntime, or for an in-memory model over 2 GB."""
+    import re
+
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return [check_result("ort_load", "skip", "onnxruntime is not installed")]
+    if path is None and model.ByteSize() > 2**31 - 1:
+        return [check_result("ort_load", "skip", "in-memory model over 2 GB: lint the file")]
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    try:
+        ort.InferenceSession(str(path) if path is not None else model.SerializeToString(), so,
+                             providers=["CPUExecutionProvider"])
+    except Exception as e:  # noqa: BLE001 - ORT raises its own exception classes
+        msg = " ".join(str(e).split())
+        node = (re.search(r"node with name '([^']+)'", msg) or re.search(r"Name:'([^']+)'", msg)
+                or re.search(r"in node \(([^)]+)\)", msg) or re.search(r"node \(([^)]+)\)", msg))
+        return [check_result(
+            "ort_load", "fail", f"ONNX Runtime (CPU EP) cannot load the file: {msg[-400:]}",
+            node=node.group(1) if node else None,
+            fix="the node ORT names has no kernel or an invalid form on ORT: change its type "
+                "or attributes (or the opset), or run it on a backend that implements it")]
+    return [check_result("ort_load", "pass", f"ONNX Runtime {ort.__version__} CPU EP loads it")]
+
+
 LINT_CHECKS: tuple[Callable, ...] = (lint_softmax_axis, lint_hardsigmoid, lint_squeeze_axes,
                                      lint_shape_constants, lint_blocked_qdq_opset,
-                                     lint_fp16_initializers)
+                                     lint_fp16_initializers, lint_onnx_checker, lint_ort_load)
 
 
 def lint(model, example_batch: int | None = None, against_torch: bool = False) -> list[dict]:
@@ -301,14 +356,17 @@ def lint(model, example_batch: int | None = None, against_torch: bool = False) -
     Raises:
         StageError: the file cannot be read.
     """
-    if isinstance(model, (str, Path)):
-        model = load_onnx(model)
+    path = Path(model) if isinstance(model, (str, Path)) else None
+    if path is not None:
+        model = load_onnx(path)
     out = []
     for fn in LINT_CHECKS:
         if fn is lint_shape_constants:
             out += fn(model, example_batch)
         elif fn is lint_hardsigmoid:
             out += fn(model, against_torch)
+        elif fn in (lint_onnx_checker, lint_ort_load):
+            out += fn(model, path)
         else:
             out += fn(model)
     return out

@@ -299,3 +299,40 @@ def _attach_verdict(result: dict, a_model, b_model, rows: list[dict]) -> None:
     first["detail"] = _node_detail(a_model, b_model, first["node"])
     result["first_divergent"] = first
     result["verdict"] = verdict
+
+
+def diff_command(model: str, a_onnx: Path | str, b_onnx: Path | str, precision: str,
+                 out_dir: Path | str, *, classifier: bool = True, ep: str = "cpu",
+                 engine: Path | str | None = None, n: int = 8) -> str:
+    """The shell-quoted ``layerwise.py`` command that names the first layer where ``b_onnx``
+    (or the TensorRT ``engine`` built from it) leaves the reference ``a_onnx``: the first
+    diagnostic of a row whose parity failed. When both files are the same (the FP32 ONNX
+    itself), the command compares the PyTorch modules with the ONNX (``torch-vs-onnx``).
+
+    Args:
+        precision: the row's precision label (``FP16``, ``INT8``...), mapped to the diff's
+            tolerance class. classifier: feed ``--n`` eval images of ``--model`` (else random
+            inputs of the model's shapes). ep: ORT EP of side B.
+    Returns:
+        one command line, every argument quoted with :func:`shlex.quote`.
+    """
+    import shlex
+
+    from deploykit.compare import TOLERANCES
+
+    if engine is None and Path(a_onnx).resolve() == Path(b_onnx).resolve():
+        argv = ["python", "layerwise.py", "torch-vs-onnx", "--model", model, "--onnx",
+                str(b_onnx), "--n", str(n), "--out-dir", str(out_dir)]
+        return " ".join(shlex.quote(a) for a in argv)
+    argv = ["python", "layerwise.py", "diff", str(a_onnx), str(b_onnx)]
+    if classifier:
+        argv += ["--model", model, "--n", str(n)]
+    prec = str(precision).lower()[:4]
+    if prec in TOLERANCES:
+        argv += ["--precision", prec]
+    if engine is not None:
+        argv += ["--engine-b", str(engine)]
+    elif ep != "cpu":
+        argv += ["--ep-b", ep]
+    argv += ["--out-dir", str(out_dir)]
+    return " ".join(shlex.quote(a) for a in argv)

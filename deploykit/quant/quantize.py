@@ -29,7 +29,7 @@ from deploykit.quant.health import check_model, summary_line
 from deploykit.quant.inspect import inspect_model
 from deploykit.quant.macs import mac_summary
 from deploykit.quant.modelopt import log_warnings, ort_smoke
-from deploykit.quant.record import calibration_summary, print_check
+from deploykit.quant.record import calibration_summary, flag_unquantized, print_check
 from deploykit.results import provenance
 from deploykit.variants import get_variant, modelopt_args
 
@@ -201,7 +201,8 @@ def quant_record(args: argparse.Namespace, inputs: dict, variant: str, status: s
         the record: ``stage``, ``model``, ``variant``, ``status``, ``output``,
         ``wall_time_s``, ``command``, ``log``, ``description``, ``warnings``,
         ``calibration``; when ok also ``inspect``, ``macs``, ``size_mb``, ``ort_cpu_smoke``,
-        ``check``; ``provenance`` (input hashes: the bytes ModelOpt was given).
+        ``check``, and ``unquantized`` when no MAC node is quantized
+        (:func:`deploykit.quant.record.flag_unquantized`); ``provenance`` (input hashes: the bytes ModelOpt was given).
     Raises:
         StageError: the results folder cannot be written.
     """
@@ -222,6 +223,7 @@ def quant_record(args: argparse.Namespace, inputs: dict, variant: str, status: s
             print(f"WARNING: ONNX Runtime cannot run {out}: "
                   f"{rec['ort_cpu_smoke']['error'][:300]}", file=sys.stderr)
         rec["check"] = health_check(out, inputs)
+        flag_unquantized(rec, out)
     settings = {**vars(args), "variant": variant, "eps": inputs["eps"],
                 "calib_batch": inputs["calib_batch"], **{
                     k: os.environ.get(k) for k in ("CALIB_BATCH", "CALIB_STATS_CHECK",

@@ -88,12 +88,52 @@ def record_quant(args: argparse.Namespace) -> dict:
             print(f"WARNING: ONNX Runtime cannot run {onnx_path}: "
                   f"{rec['ort_cpu_smoke']['error'][:300]}", file=sys.stderr)
         rec["check"] = check_record(onnx_path, args.source, args.calib)
+        flag_unquantized(rec, onnx_path)
     inputs = [p for p in (args.source, args.calib, onnx_path) if p]
     rec["provenance"] = provenance(args, inputs)
     rec["provenance"]["wall_time_s"] = args.wall_s
     path = model_results(args.model) / f"quant_{args.variant}.json"
     write_json(path, rec)
     return rec
+
+
+def unquantized_warning(macs: dict | None) -> str | None:
+    """The warning for a Q/DQ file in which no MAC node is quantized (None otherwise): ModelOpt
+    can finish "clean" having quantized nothing (e.g. its rule that leaves a MatMul/Gemm at
+    batch 1, a GEMV, in float, on a small MLP), and the file then is the float model.
+
+    Args:
+        macs: :func:`deploykit.quant.macs.mac_summary` of the output (``n_nodes``: the
+            Conv/ConvTranspose/Gemm/MatMul nodes, ``n_int8_nodes``: those with INT8 input and
+            weight).
+    Returns:
+        ``"0 of N MatMul/Conv/Gemm quantized: ..."`` with the likely causes and what to try.
+    """
+    if not macs or not macs.get("n_nodes") or macs.get("n_int8_nodes"):
+        return None
+    n = macs["n_nodes"]
+    return (f"0 of {n} MatMul/Conv/Gemm quantized: the output computes in float (no INT8 "
+            "speedup, its accuracy is the float model's). ModelOpt leaves nodes it judges not "
+            "worth quantizing in float, e.g. a MatMul/Gemm at batch 1 (a GEMV) on a small MLP; "
+            "check the op types (--op_types_to_quantize), the calibration batch and shapes "
+            "(CALIB_BATCH) and the ModelOpt log")
+
+
+def flag_unquantized(rec: dict, onnx_path: Path | str) -> str | None:
+    """Record and print :func:`unquantized_warning` for a quant record with ``macs``: it goes
+    into ``rec["unquantized"]`` and into the check's ``summary`` (the report's Q/DQ note: a
+    clean check is no longer shown as clean; ``rec["warnings"]`` stays ModelOpt's log), and a
+    ``WARNING:`` line is printed. Returns the warning (None when there is none).
+    """
+    msg = unquantized_warning(rec.get("macs"))
+    if msg is None:
+        return None
+    rec["unquantized"] = msg
+    check = rec.get("check")
+    if isinstance(check, dict):
+        check["summary"] = f"{check.get('summary') or 'check: not run'}; WARNING: {msg}"
+    print(f"WARNING: {Path(onnx_path).name}: {msg}", file=sys.stderr)
+    return msg
 
 
 def calibration_summary(rep: dict) -> dict:

@@ -10,7 +10,8 @@ Rows are the stages' results JSON (``results/<model>/<tag>.json``). For each pip
   top-1 agreement with the reference is >= ``min_agreement`` % and, when both have accuracy,
   its top-1 is at most ``max_top1_drop`` points below the reference's; a row without accuracy
   (custom models) needs mean logits cosine >= ``min_cosine`` instead. A row with non-finite
-  outputs, or whose status is not ``ok``, never is.
+  outputs, or whose status is neither ``ok`` nor ``warn`` (a measured row outside its
+  precision's ok band: the budget decides), never is.
 
 The **verdict** of a target is the fastest candidate within budget (batch-1 end-to-end p50, ms)
 over all models; each (model, target) also gets its own fastest. The reference itself is shown
@@ -114,8 +115,11 @@ def judge(row: dict, ref: dict | None, budget: Budget) -> tuple[bool, str]:
     Returns:
         ``(within, reason)``; the reason names the failed bound with both numbers.
     """
-    if row.get("status") != "ok":
-        return False, f"status {row.get('status')}"
+    # warn: a measured row outside its precision's ok band (deploykit.evaluate.judge): the
+    # budget below decides; failed: broken (or not measured), never within any budget
+    if row.get("status") not in ("ok", "warn"):
+        return False, f"status {row.get('status')}" + (
+            f": {row['status_reason']}" if row.get("status_reason") else "")
     if row.get("nonfinite_outputs"):
         return False, "non-finite outputs"
     if ref is None:

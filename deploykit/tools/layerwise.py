@@ -29,8 +29,10 @@ Rerun alone, e.g.::
     python layerwise.py diff artifacts/M/onnx/fp32.onnx artifacts/M/onnx/int8.onnx \
         --model M --n 8 --out-dir results/M/layerwise_int8
 
-Exit status: 0 ok (also when the comparison finds a divergence, and when TensorRT is skipped),
-1 runtime failure, 2 usage error. ``--fail-on-divergence`` makes a divergence exit 1 (CI).
+Exit status of ``diff``, like diff(1): 0 when no layer diverges (also when TensorRT is
+skipped), 1 when a divergent layer is found (the table and verdict are printed and written
+first; ``--exit-zero`` makes it 0) or on a runtime failure (``FAILED:`` line), 2 usage error.
+The other subcommands: 0 ok, 1 runtime failure, 2 usage error.
 
 """
 from __future__ import annotations
@@ -69,7 +71,10 @@ def get_args_parser() -> argparse.ArgumentParser:
                         "random inputs (non-image models)")
         sp.add_argument("--out-dir", type=Path, help="write JSON/Markdown/PNG here")
 
-    d = sub.add_parser("diff", help="layer-wise comparison of two ONNX runs (or TensorRT)")
+    d = sub.add_parser("diff", help="layer-wise comparison of two ONNX runs (or TensorRT)",
+                       epilog="exit status, like diff(1): 0 no divergent layer (or TensorRT "
+                              "skipped), 1 a divergent layer was found (after the table; "
+                              "--exit-zero: 0) or a runtime failure, 2 usage error")
     d.add_argument("a", type=Path, help="reference ONNX (FP32, ORT)")
     d.add_argument("b", type=Path, help="candidate ONNX (FP16, Q/DQ, same file on another EP, "
                    "or the ONNX of --engine-b)")
@@ -90,7 +95,11 @@ def get_args_parser() -> argparse.ArgumentParser:
                         "0 = all); a model with a static batch is fed exactly that many")
     d.add_argument("--opt-level", default="all", choices=["disable", "basic", "extended", "all"])
     d.add_argument("--max-rows", type=int, default=60, help="rows printed (all are in the JSON)")
-    d.add_argument("--fail-on-divergence", action="store_true", help="exit 1 on a divergence")
+    d.add_argument("--fail-on-divergence", action="store_true",
+                   help="kept for old scripts: a divergence exits 1 by default")
+    d.add_argument("--exit-zero", action="store_true",
+                   help="exit 0 also when a divergent layer is found (default: exit 1, like "
+                        "diff(1))")
     d.add_argument("--map-input", action="append", metavar="B_NAME=A_NAME",
                    help="B's input B_NAME takes A's input A_NAME (files whose input names "
                         "differ; repeatable)")
@@ -131,6 +140,24 @@ def get_args_parser() -> argparse.ArgumentParser:
     return p
 
 
+def exit_status(args, res) -> int:
+    """The exit status of a finished command: 1 for a ``diff`` that found a divergent layer
+    (unless ``--exit-zero``), else 0."""
+    if getattr(args, "cmd", None) == "diff" and isinstance(res, dict) \
+            and res.get("first_divergent") and not getattr(args, "exit_zero", False):
+        return 1
+    return 0
+
+
+def cli_main(args) -> dict:
+    """:func:`main`, then exit with :func:`exit_status` (the command ``layerwise.py`` runs)."""
+    res = main(args)
+    code = exit_status(args, res)
+    if code:
+        raise SystemExit(code)
+    return res
+
+
 def main(args) -> dict:
     if args.cmd == "diff":
         if args.inputs and args.model:
@@ -152,8 +179,8 @@ def main(args) -> dict:
             print(f"SKIPPED: {res['reason']}", file=sys.stderr)
         if args.out_dir:
             print(f"wrote {', '.join(res.get('files', {}).values())}")
-        if args.fail_on_divergence and res.get("first_divergent"):
-            raise StageError(res["verdict"])
+        if res.get("first_divergent"):
+            print(f"DIVERGENT: {res.get('verdict')}", file=sys.stderr)
         return res
     if args.cmd == "export-check":  # the checks live in export_checks.py
 

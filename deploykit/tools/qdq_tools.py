@@ -145,7 +145,7 @@ def get_args_parser() -> argparse.ArgumentParser:
 def layer_diff(args: argparse.Namespace):
     """``layerwise.py diff A B rest...`` under its older name."""
     argv = ["diff", str(args.a), str(args.b), *args.rest]
-    return layerwise_cli.main(layerwise_cli.get_args_parser().parse_args(argv))
+    return layerwise_cli.cli_main(layerwise_cli.get_args_parser().parse_args(argv))
 
 
 def main(args: argparse.Namespace):

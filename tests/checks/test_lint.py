@@ -139,3 +139,46 @@ def test_lint_squeeze_with_axes_on_an_axis_of_unknown_size_is_not_an_error():
     (r,) = [r for r in lint(m) if r["check"] == "squeeze_axes"]
     assert r["status"] == "pass", r
     np.testing.assert_allclose(_ort_model(m, {"x": np.ones((3, 10), np.float32)}), np.ones((3, 10)))
+
+
+# ------------------------------------------------------------------------------------------
+# Lint: the file loads (onnx.checker full check, an ORT session on the CPU EP)
+# ------------------------------------------------------------------------------------------
+def _one_node(op, dtype, name):
+    g = helper.make_graph([helper.make_node(op, ["x"], ["y"], name=name)], "g",
+                          [helper.make_tensor_value_info("x", dtype, ["N", 4])],
+                          [helper.make_tensor_value_info("y", dtype, ["N", 4])])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_lint_reports_a_file_ort_cannot_load_naming_the_node(tmp_path):
+    """``export_checks.py lint`` said "0 errors" on a file ONNX Runtime cannot load: a Relu on
+    int16 is valid ONNX (the checker passes) but ORT's CPU EP has no kernel for it."""
+    path = tmp_path / "relu_int16.onnx"
+    onnx.save(_one_node("Relu", TensorProto.INT16, "relu_i16"), str(path))
+    res = lint(path)
+    assert _by(res, "onnx_checker")[0]["status"] == "pass"
+    (r,) = _by(res, "ort_load")
+    assert r["status"] == "fail" and r["node"] == "relu_i16", r
+    assert "cannot load" in r["detail"] and "NOT_IMPLEMENTED" in r["detail"]
+    assert _by(lint(onnx.load(str(path))), "ort_load")[0]["status"] == "fail"  # in memory
+
+
+def test_lint_runs_the_full_onnx_checker(tmp_path):
+    """Erf on int64: the strict type inference of onnx.checker and ORT both refuse it."""
+    res = lint(_one_node("Erf", TensorProto.INT64, "erf_i64"))
+    (c,) = _by(res, "onnx_checker")
+    assert c["status"] == "fail" and c["node"] == "erf_i64" and "int64" in c["detail"]
+    assert _by(res, "ort_load")[0]["status"] == "fail"
+    good = lint(_one_node("Relu", TensorProto.FLOAT, "relu"))
+    assert {r["status"] for r in good if r["check"] in ("onnx_checker", "ort_load")} == {"pass"}
+
+
+@pytest.mark.slow
+def test_lint_cli_counts_a_load_failure_as_an_error(tmp_path):
+    path = tmp_path / "relu_int16.onnx"
+    onnx.save(_one_node("Relu", TensorProto.INT16, "relu_i16"), str(path))
+    p = subprocess.run([sys.executable, "export_checks.py", "lint", str(path)], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert p.returncode == 1 and "1 error(s)" in p.stdout, p.stdout + p.stderr
+    assert "relu_i16" in p.stdout + p.stderr

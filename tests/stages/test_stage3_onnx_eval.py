@@ -216,3 +216,49 @@ def test_stage3_layerwise_works_and_row_stays_ok(stage_env):
     lw = row["diagnostics"]["layerwise"]
     assert "error" not in lw and lw["first_divergent"] is None
     assert (res / "layerwise_lw_fp16" / "layerwise.md").exists()
+
+
+@pytest.mark.slow
+def test_stage3_wrong_file_is_failed_with_its_reason_and_exits_0(env):
+    """Bit-flipped classifier weights (the user's report: status ok, exit 0): the row is
+    written as failed, with the metric, value and bound and the layerwise.py command to run,
+    a WARNING line says so, and the stage exits 0 (run_all.sh measures known collapses on
+    purpose and goes on); the report shows it."""
+    import shlex
+
+    import onnx
+    from onnx import numpy_helper
+
+    art = Path(env["ARTIFACTS"]) / MODEL / "onnx"
+    m = onnx.load(str(art / "fp32.onnx"))
+    w = next(t for t in m.graph.initializer if t.name == "w")
+    w.CopyFrom(numpy_helper.from_array(-numpy_helper.to_array(w), "w"))
+    onnx.save(m, str(art / "flipped.onnx"))
+    p = _stage3(env, "flipped.onnx", "ort_flipped")
+    assert p.returncode == 0
+    row = json.loads((Path(env["RESULTS"]) / MODEL / "ort_flipped.json").read_text())
+    assert row["status"] == "failed" and "(FP32 failed bound)" in row["status_reason"]
+    assert "WARNING: row ort_flipped is FAILED" in p.stderr, p.stderr[-2000:]
+    argv = shlex.split(row["next_step"])
+    assert argv[:3] == ["python", "layerwise.py", "diff"] and argv[4] == str(art / "flipped.onnx")
+    assert row["next_step"] in p.stderr
+    run_stage(["8_report.py", "--model", MODEL], env)
+    md = (Path(env["RESULTS"]) / MODEL / "REPORT.md").read_text()
+    (line,) = [ln for ln in md.splitlines() if "| ort_flipped |" in ln]
+    assert "| failed: " in line and "FP32 failed bound" in line
+
+
+def test_stage3_refuses_a_tag_of_another_stages_row(tmp_path, monkeypatch):
+    """Checked before any input is read: a usage error (exit 2) naming the file and its stage."""
+    from tests.helpers.stages import load_stage
+
+    monkeypatch.setenv("RESULTS", str(tmp_path))
+    ref = result_record("1_pytorch_baseline", "PyTorch", "FP32", MODEL, "pytorch_fp32_cpu")
+    path = write_result(MODEL, "pytorch_fp32_cpu", ref)
+    before = path.read_text()
+    stage = load_stage("3_onnx_eval")
+    args = stage.get_args_parser().parse_args(
+        ["--onnx", str(tmp_path / "none.onnx"), "--tag", "pytorch_fp32_cpu", "--model", MODEL])
+    with pytest.raises(UsageError, match="written by stage 1_pytorch_baseline"):
+        stage.main(args)
+    assert path.read_text() == before

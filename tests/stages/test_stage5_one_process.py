@@ -150,6 +150,9 @@ def test_record_hashes_the_calibration_bytes_modelopt_was_given(tiny, monkeypatc
     assert ".tmp-5_quantize" not in rec["command"]
     assert shlex.split(rec["command"])[1:3] == ["qdq_tools.py", "modelopt"]
     assert rec["warnings"] == ["WARNING: a warning worth keeping"]
+    # the stand-in ModelOpt writes the float graph: no MAC node is quantized, and it says so
+    assert rec["unquantized"].startswith("0 of 3 MatMul/Conv/Gemm quantized: ")
+    assert "WARNING: 0 of 3" in rec["check"]["summary"]
     assert rec["status"] == "ok" and rec["check"]["summary"].startswith("check:")
 
 

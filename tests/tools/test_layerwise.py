@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from onnx import helper
+from onnx import TensorProto, helper, numpy_helper
 
 from deploykit.tools import layerwise as layerwise_cli
 
@@ -78,3 +78,37 @@ def test_layerwise_diff_with_different_input_names_says_how_to_map(tmp_path):
     p = subprocess.run(base + ["--map-input", "nope=x"], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=300)
     assert p.returncode == 2 and "--map-input 'nope=x'" in p.stderr
+
+
+def _scaled_relu(path, k: float):
+    """x [N, 4] -> Mul(k) -> Relu -> y."""
+    g = helper.make_graph([helper.make_node("Mul", ["x", "k"], ["m"], name="scale"),
+                           helper.make_node("Relu", ["m"], ["y"], name="relu")], "s",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])],
+                          [numpy_helper.from_array(np.array(k, np.float32), "k")])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8),
+              str(path))
+    return path
+
+
+def test_diff_exits_1_when_a_layer_diverges_like_diff1(tmp_path, capsys):
+    """``layerwise.py diff`` exited 0 when it named a divergent layer: now 1 (after the table),
+    0 when none diverges, 0 with --exit-zero; the --help says so."""
+    from deploykit.tools.layerwise import cli_main, get_args_parser
+
+    a = _scaled_relu(tmp_path / "a.onnx", 1.0)
+    same = _scaled_relu(tmp_path / "same.onnx", 1.0)
+    wrong = _scaled_relu(tmp_path / "wrong.onnx", -1.0)
+    argv = ["--input-shape", "x:2,4"]
+    parse = get_args_parser().parse_args
+    res = cli_main(parse(["diff", str(a), str(same), *argv]))
+    assert res["first_divergent"] is None
+    with pytest.raises(SystemExit) as e:
+        cli_main(parse(["diff", str(a), str(wrong), *argv]))
+    assert e.value.code == 1
+    err = capsys.readouterr()
+    assert "DIVERGENT: " in err.err and "scale" in err.out  # the table came first
+    assert cli_main(parse(["diff", str(a), str(wrong), *argv, "--exit-zero"]))["first_divergent"]
+    sub = get_args_parser()._subparsers._group_actions[0].choices["diff"]
+    assert "1 a divergent layer was found" in " ".join(sub.format_help().split())
