@@ -149,7 +149,13 @@ done <<<"$registry_out"
 # calibration set, every evaluation and every cross-check are N images; timed loops are short.
 lim=()
 timing=()
-if [ -n "$limit" ]; then lim=(--limit "$limit"); timing=(--warmup 2 --iters 20); fi
+smoke_export=()
+SMOKE_VARIANT=int8_hp32  # the one INT8 variant of a smoke run (ModelOpt, fp32 scales)
+if [ -n "$limit" ]; then
+  lim=(--limit "$limit"); timing=(--warmup 2 --iters 20)
+  # the true-FP16 run of stage 2 on one small batch only (its time bound)
+  smoke_export=(--true-fp16-budget-s 10 --check-images "$(( limit < 64 ? (limit < 2 ? 2 : limit) : 64 ))")
+fi
 # WEIGHTS=/path/state_dict.pth: a local checkpoint instead of the model's default weights.
 weights=()
 if [ -n "${WEIGHTS:-}" ]; then
@@ -497,7 +503,8 @@ fi
 
 if want 2; then
   begin 2 "ONNX export: PyTorch -> $ONNX_DIR/fp32.onnx, fp16.onnx (+ parity check)"
-  run 2_export_onnx python 2_export_onnx.py --model "$MODEL" "${shape_args[@]}" "${weights[@]}"
+  run 2_export_onnx python 2_export_onnx.py --model "$MODEL" "${shape_args[@]}" "${weights[@]}" \
+    "${smoke_export[@]}"
   end 2
 fi
 
@@ -532,6 +539,12 @@ if want 5; then
     if [ "$all_variants" = 1 ]; then all_flag=(--all); fi
     variants_out="$(python variants.py list --stage 5 "${all_flag[@]}" "${auto[@]}")"
     mapfile -t variants <<<"$variants_out"
+    if [ -n "$limit" ] && [ "$all_variants" = 0 ] && [ -z "$tune_fraction" ]; then
+      # a smoke run makes one INT8 variant: say what it leaves out
+      echo "  smoke run (--limit $limit): $SMOKE_VARIANT only; left out: $(printf '%s ' \
+        "${variants[@]}" | sed "s/\b$SMOKE_VARIANT\b //")(--all-variants makes them too)"
+      variants=("$SMOKE_VARIANT")
+    fi
     for v in "${variants[@]}"; do
       [ "$v" != int4 ] || continue
       run "5_quantize_$v" bash 5_quantize.sh --model "$MODEL" "$v"
@@ -545,7 +558,7 @@ if want 5; then
       fi
     done
   fi
-  if have 5b_quantize_int4.py; then
+  if have 5b_quantize_int4.py && { [ -z "$limit" ] || [ "$all_variants" = 1 ]; }; then
     run 5b_quantize_int4 python 5b_quantize_int4.py --model "$MODEL" --no-eval
     # a model INT4 does not apply to (no block size fits its shapes): 5b recorded the skip
     if python -c 'import json, sys; sys.exit(json.load(open(sys.argv[1])).get("status") != "ok")' \

@@ -48,3 +48,39 @@ def tiny_net():
     import torch
 
     return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU())
+
+
+class ImageDepth(nn.Module):
+    """Two inputs of different units: a normalised RGB image and a depth map in metres."""
+
+    def __init__(self):
+        super().__init__()
+        self.rgb = nn.Conv2d(3, 8, 3, padding=1)
+        self.depth = nn.Conv2d(1, 8, 3, padding=1)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, image, depth):
+        f = torch.relu(self.rgb(image) + self.depth(depth / 10.0))
+        return self.head(f.mean((2, 3)))
+
+
+def image_depth():
+    torch.manual_seed(0)
+    return ImageDepth()
+
+
+class RawCounts(nn.Module):
+    """Takes raw sensor counts (0..20000) and normalises them itself: x / 20000."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.conv(x / 20000.0)).mean((2, 3)))
+
+
+def raw_counts():
+    torch.manual_seed(0)
+    return RawCounts()

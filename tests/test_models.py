@@ -200,3 +200,137 @@ def test_timm_name_with_a_local_checkpoint_and_offline(tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(StageError, match="--weights PATH to a local state dict for resnet10t"):
         build_model("resnet10t")
+
+
+# ----------------------------------------------------------------------------- your own model
+# Tiny factories for package.module:factory: they live in a module this test writes, so each
+# case builds its own model.
+_FACTORIES = '''
+import torch
+from torch import nn
+
+
+class Head(nn.Module):
+    def __init__(self, classes):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.fc = nn.Linear(4, classes)
+
+    def forward(self, x):
+        return self.fc(self.conv(x).mean((2, 3)))
+
+
+def timm_like():
+    m = Head(1000)
+    m.pretrained_cfg = {"input_size": (3, 40, 40), "crop_pct": 0.8, "interpolation": "bicubic",
+                        "mean": (0.5, 0.5, 0.5), "std": (0.25, 0.25, 0.25)}
+    return m
+
+
+def timm_like_ten_classes():
+    m = timm_like()
+    m.fc = nn.Linear(4, 10)
+    return m
+
+
+def tv_like():
+    import torchvision
+    m = Head(1000)
+    m.transforms = torchvision.transforms._presets.ImageClassification(
+        crop_size=48, resize_size=56)
+    return m
+
+
+def plain():
+    return Head(1000)
+
+
+def two_inputs():
+    class Two(nn.Module):
+        def forward(self, image, depth):
+            return image.mean((1, 2, 3)) + depth.mean((1, 2, 3))
+    return Two()
+'''
+
+
+@pytest.fixture
+def factories(tmp_path, monkeypatch):
+    (tmp_path / "userfac.py").write_text(_FACTORIES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("PREPROCESS", raising=False)
+    models_mod.custom_spec.cache_clear()
+    models_mod._factory_model.cache_clear()
+    yield "userfac"
+    models_mod.custom_spec.cache_clear()
+    models_mod._factory_model.cache_clear()
+
+
+def test_factory_carrying_timm_pretrained_cfg_is_an_imagenet_classifier(factories):
+    spec = model_spec("userfac:timm_like")
+    assert spec.classifier and spec.preprocessing_from == "timm pretrained_cfg"
+    # timm's eval transform: resize floor(40 / 0.8) = 50, crop 40
+    assert (spec.resize, spec.crop, spec.interpolation) == (50, 40, "bicubic")
+    assert spec.mean == (0.5,) * 3 and spec.std == (0.25,) * 3
+    # build_model gives its own copy of the factory's model
+    m1, _ = build_model("userfac:timm_like")
+    m2, _ = build_model("userfac:timm_like")
+    assert m1 is not m2
+
+
+def test_factory_with_torchvision_transforms_and_without_preprocessing(factories):
+    spec = model_spec("userfac:tv_like")
+    assert spec.classifier and (spec.resize, spec.crop) == (56, 48)
+    assert spec.preprocessing_from == "torchvision transforms"
+    plain = model_spec("userfac:plain")
+    assert not plain.classifier and "no preprocessing carried" in plain.preprocessing_from
+    # ten outputs: a preprocessing, but no ImageNet classifier
+    ten = model_spec("userfac:timm_like_ten_classes")
+    assert not ten.classifier and "gives 10 outputs" in ten.preprocessing_from
+
+
+def test_preprocess_makes_a_factory_an_imagenet_classifier(factories, monkeypatch):
+    monkeypatch.setenv("PREPROCESS", "mean=0.485,0.456,0.406 std=0.229,0.224,0.225,crop=32")
+    spec = model_spec("userfac:plain")
+    assert spec.classifier and spec.preprocessing_from == "--preprocess"
+    assert (spec.resize, spec.crop, spec.interpolation) == (36, 32, "bilinear")
+    # stated for a model that does not map one image to 1000 logits: refused, with the way out
+    with pytest.raises(UsageError, match="give your own samples with --inputs"):
+        model_spec("userfac:two_inputs")
+
+
+@pytest.mark.parametrize("text, match", [
+    ("std=0.5", "mean missing"),
+    ("mean=0.5,std=0", "must be > 0"),
+    ("mean=0.5,std=0.5,crop=300,resize=256", "crop 300 > resize 256"),
+    ("mean=0.5,std=0.5,interpolation=lanczos", "interpolation lanczos"),
+    ("mean=0.5,0.4,std=0.5", "1 or 3 finite values"),
+    ("mean=0.5,std=0.5,size=3", "unknown key 'size'"),
+])
+def test_parse_preprocess_refuses_with_the_reason(text, match):
+    with pytest.raises(UsageError, match=match):
+        models_mod.parse_preprocess(text)
+
+
+def test_parse_preprocess_defaults_and_one_value_per_channel():
+    pp = models_mod.parse_preprocess("mean=0.5, std=0.5")
+    assert pp == {"mean": (0.5,) * 3, "std": (0.5,) * 3, "resize": 256, "crop": 224,
+                  "interpolation": "bilinear"}
+
+
+def test_preprocess_flag_is_the_env_var_in_every_stage(factories, monkeypatch):
+    """--preprocess on a stage's command line sets $PREPROCESS for that process (cli.cli)."""
+    import argparse
+    import os
+
+    from deploykit.cli import add_shared_args, cli
+
+    monkeypatch.setenv("PREPROCESS", "")  # recorded: the teardown removes what cli() sets
+    monkeypatch.delenv("PREPROCESS")
+
+    def parser():
+        return add_shared_args(argparse.ArgumentParser(), "model")
+    seen = {}
+    monkeypatch.setattr("sys.argv", ["x", "--model", "userfac:plain", "--preprocess",
+                                     "mean=0.5,std=0.5,crop=32"])
+    cli(parser, lambda a: seen.update(spec=model_spec(a.model), env=os.environ["PREPROCESS"]))
+    assert seen["spec"].classifier and seen["env"] == "mean=0.5,std=0.5,crop=32"

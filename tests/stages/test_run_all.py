@@ -290,7 +290,7 @@ def test_weights_folder_and_bad_input_shape_are_usage_errors(tmp_path):
     assert "every dimension must be >= 1" in p.stderr and "Stage" not in p.stdout
     # a built-in classifier ignored INPUT_SHAPE without a word
     p = _run_all(_env(tmp_path, INPUT_SHAPE="x:1,3,8,8"))
-    assert p.returncode == 2 and "INPUT_SHAPE is for custom models" in p.stderr
+    assert p.returncode == 2 and "INPUT_SHAPE is for models with their own data" in p.stderr
     assert "unset INPUT_SHAPE" in p.stderr and "Stage" not in p.stdout
 
 
