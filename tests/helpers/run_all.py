@@ -19,7 +19,8 @@ def _env(tmp_path: Path, **extra) -> dict:
     env = dict(os.environ, ARTIFACTS=str(tmp_path / "a"), RESULTS=str(tmp_path / "r"),
                MODEL=MODEL, PIPELINE_ROOT=str(ROOT), PYTHONPATH=str(ROOT),
                PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
-    for k in ("VAL_ROOT", "ALLOW_CLASS_SUBSET", "WEIGHTS", "INPUT_SHAPE"):
+    for k in ("VAL_ROOT", "ALLOW_CLASS_SUBSET", "WEIGHTS", "INPUT_SHAPE", "PREPROCESS", "INPUTS",
+              "CALIB_INPUTS", "LABELS"):
         env.pop(k, None)
     return {**env, **extra}
 

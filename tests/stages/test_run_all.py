@@ -12,6 +12,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from deploykit.layout import DEFAULT_DATA
@@ -351,3 +352,33 @@ def test_rerun_refuses_while_a_stage_of_a_killed_run_still_writes(tmp_path):
         time.sleep(1)
     assert third is not None and third.returncode == 0, third.stderr
     assert "clearing a stale lock" in third.stderr
+
+
+# ------------------------------------------------------------------------------- your own model
+@pytest.mark.slow
+def test_run_all_own_data_flags_paths_and_kind(tmp_path):
+    """--model/--inputs on run_all.sh: the kind is said first, a relative --inputs is taken from
+    where the user stands, the resume line carries it quoted; a model with its own data and no
+    data is refused; a factory that cannot be imported is named, not called unknown."""
+    own = "tests.custom_models:image_depth"
+    p = _run_all(_env(tmp_path), "--model", own)
+    assert p.returncode == 2 and "has its own data" in p.stderr and "--inputs eval.npz" in p.stderr
+    p = _run_all(_env(tmp_path), "--model", "tests.custom_models:nope")
+    assert p.returncode == 2 and "cannot import nope from tests.custom_models" in p.stderr
+    user = tmp_path / "my dir"
+    user.mkdir()
+    np.savez(user / "eval.npz", image=np.zeros((2, 3, 8, 8), np.float32),
+             depth=np.ones((2, 1, 8, 8), np.float32))
+    p = subprocess.run(["bash", str(ROOT / "run_all.sh"), "--model", own, "--inputs", "eval.npz",
+                        "--stop-stage", "0"], cwd=user, env=_env(tmp_path),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert f"(own-data: no preprocessing carried" in p.stdout
+    assert f"not applicable: {own} has its own data ({user / 'eval.npz'})" in p.stdout
+    p = subprocess.run(["bash", str(ROOT / "run_all.sh"), "--model", own, "--inputs",
+                        "missing.npz"], cwd=user, env=_env(tmp_path), capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 2 and "INPUTS=missing.npz: no such file" in p.stderr
+    # a classifier refuses the own-data settings instead of dropping them
+    p = _run_all(_env(tmp_path), "--inputs", str(user / "eval.npz"))
+    assert p.returncode == 2 and "INPUTS is for models with their own data" in p.stderr
