@@ -28,11 +28,11 @@ import numpy as np
 from deploykit.layout import ref_outputs_path
 from deploykit.layout import ref_logits_path
 from deploykit.cli import add_shared_args, check_positive, cli, require, stage_parser
-from deploykit.errors import UsageError
+from deploykit.errors import StageError, UsageError
 from deploykit.evaluate import EvalData, classifier_data, custom_data, evaluate, summary_line
 from deploykit.io import atomic_path, check_writable
 from deploykit.layout import check_row_tag, model_artifacts, model_results, splits_path
-from deploykit.models import build_model, example_inputs, parse_input_shapes
+from deploykit.models import build_model, example_inputs, forward_error, parse_input_shapes
 from deploykit.results import write_result
 from deploykit.runners import TorchRunner
 
@@ -106,11 +106,11 @@ def main(args: argparse.Namespace) -> dict:
                              **opts)
         try:
             runner.infer(data.feed)
-        except (TypeError, RuntimeError) as e:
-            raise UsageError(
-                f"--model {args.model} does not run on --input-shape "
-                f"{[f'{n}:{s}' for n, s, _ in shapes]}: {str(e).splitlines()[0]}; give one "
-                "--input-shape per forward() argument, in order, with the right shapes") from e
+        except StageError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the user's forward() may raise anything
+            raise forward_error(args.model, model, data.feed, e,
+                                given=None if fp16 else args.input_shape) from e
     dev_tag = "cuda" if args.device.startswith("cuda") else "cpu"
     with runner:
         rec, outputs = evaluate(

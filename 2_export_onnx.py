@@ -59,12 +59,13 @@ from deploykit.evaluate import require_batch_axis
 from deploykit.install import install, install_rejected, rejected_path, set_aside
 from deploykit.io import check_writable, file_size_mb, sha256_file, write_json
 from deploykit.layout import model_artifacts, model_results
-from deploykit.models import build_model, parse_input_shapes
+from deploykit.models import build_model, forward_error, parse_input_shapes
 from deploykit.results import provenance
 from deploykit.runners import TorchRunner
 from deploykit.tools.export_checks import split_names
 from deploykit.export import (
     EXAMPLE_BATCH,
+    check_batch_statistics,
     check_export_args,
     first_divergent_module,
     fp16_candidate_error,
@@ -122,7 +123,15 @@ def main(args: argparse.Namespace) -> dict:
     feed, second, real = export_inputs(args, spec, shapes)
     output_names = ["logits"] if spec.classifier else None
     with TorchRunner(model, "cpu") as tr:
-        ref = tr.infer(feed)
+        check_batch_statistics(tr.model)  # after eval(): a module that stays in training mode
+        try:
+            ref = tr.infer(feed)
+        except StageError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the user's forward() may raise anything
+            raise forward_error(args.model, model, feed, e,
+                                "--inputs key" if args.inputs else "--input-shape",
+                                None if args.inputs else args.input_shape) from e
     # before anything is exported: the checks compare outputs sample by sample
     require_batch_axis(ref, len(next(iter(feed.values()))))
     if output_names is None:  # dict keys name the outputs; else output_<i> / output
