@@ -29,13 +29,14 @@ import numpy as np
 from deploykit.layout import ref_outputs_path
 from deploykit.layout import ref_logits_path
 from deploykit.cli import add_shared_args, check_positive, cli, require, stage_parser
-from deploykit.errors import UsageError
+from deploykit.errors import StageError, UsageError
 from deploykit.evaluate import EvalData, classifier_data, custom_data, evaluate, summary_line
 from deploykit.io import atomic_path, check_writable
 from deploykit.layout import check_row_tag, model_artifacts, model_results, splits_path
 from deploykit.data.user import (LABELS_KEY, SYNTHETIC_KEY, SYNTHETIC_NOTE, input_names,
                                  load_inputs, load_labels)
-from deploykit.models import build_model, example_inputs, model_spec, parse_input_shapes
+from deploykit.models import (build_model, example_inputs, forward_error, model_spec,
+                              parse_input_shapes)
 from deploykit.results import write_result
 from deploykit.runners import TorchRunner
 
@@ -149,13 +150,13 @@ def main(args: argparse.Namespace) -> dict:
             inputs.append(args.inputs)
         try:
             runner.infer(data.subset(0, min(len(data), 2)).feed)
-        except (TypeError, RuntimeError, ValueError) as e:
-            what = (f"the samples of --inputs {args.inputs}" if args.inputs else
-                    f"--input-shape {[f'{n}:{s}' for n, s, _ in shapes]}")
-            raise UsageError(
-                f"--model {args.model} does not run on {what} (fed as {names}): "
-                f"{type(e).__name__}: {str(e).splitlines()[0][:300]}; give one input per "
-                "forward() argument, in order, with the shapes and dtypes it takes") from e
+        except StageError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the user's forward() may raise anything
+            raise forward_error(args.model, model, data.feed, e,
+                                flag="--inputs" if args.inputs else "--input-shape",
+                                given=None if (fp16 or args.inputs) else args.input_shape
+                                ) from e
     dev_tag = "cuda" if args.device.startswith("cuda") else "cpu"
     with runner:
         rec, outputs = evaluate(

@@ -30,13 +30,17 @@ The gate (``export_checks.py``; each finding names the node and the fix):
   ``onnx.reference`` (time-bounded); ORT CUDA EP / TensorRT when present. A failure prints the
   one command that keeps the named nodes in FP32.
 
-FP32 and FP16 are installed together, by rename, after both passed: an earlier good pair stays
-until then.
+Installing (by rename, after the checks): FP32 failing installs nothing (exit 1; an earlier good
+pair stays). FP32 passing is installed even when FP16 fails: fp16.onnx is then kept as
+``fp16.rejected.onnx`` (+ reason), an earlier fp16.onnx (converted from the earlier fp32.onnx) is
+moved to ``fp16.stale.onnx``, export.json gets ``status: partial`` (``files.fp16.status: fail``),
+and the stage exits 0 with a ``WARNING:`` line (the failure, the fix command, ``--no-fp16``).
 """
 from __future__ import annotations
 
 import argparse
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -50,20 +54,24 @@ from deploykit.checks.export import (
 )
 from deploykit.checks.fp16 import convert_fp16, fp16_checks
 from deploykit.cli import add_shared_args, cli, stage_parser
-from deploykit.errors import StageError
+from deploykit.errors import StageError, UsageError
 from deploykit.evaluate import require_batch_axis
-from deploykit.install import install, install_rejected, rejected_path
+from deploykit.install import install, install_rejected, rejected_path, set_aside
 from deploykit.io import check_writable, file_size_mb, sha256_file, write_json
 from deploykit.layout import model_artifacts, model_results
-from deploykit.models import build_model, parse_input_shapes
+from deploykit.models import build_model, forward_error, parse_input_shapes
 from deploykit.results import provenance
 from deploykit.runners import TorchRunner
 from deploykit.tools.export_checks import split_names
 from deploykit.export import (
     EXAMPLE_BATCH,
+    check_batch_statistics,
     check_export_args,
     first_divergent_module,
+    fp16_candidate_error,
     fp16_fix_command,
+    fp16_rejected_warning,
+    no_fp16_command,
     export_inputs,
     export_parity,
     repeat_rows,
@@ -115,11 +123,19 @@ def main(args: argparse.Namespace) -> dict:
     feed, second, real = export_inputs(args, spec, shapes, model)
     output_names = ["logits"] if spec.classifier else None
     with TorchRunner(model, "cpu") as tr:
-        ref = tr.infer(feed)
+        check_batch_statistics(tr.model)  # after eval(): a module that stays in training mode
+        try:
+            ref = tr.infer(feed)
+        except StageError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the user's forward() may raise anything
+            raise forward_error(args.model, model, feed, e,
+                                "--inputs key" if args.inputs else "--input-shape",
+                                None if args.inputs else args.input_shape) from e
     # before anything is exported: the checks compare outputs sample by sample
     require_batch_axis(ref, len(next(iter(feed.values()))))
-    if output_names is None:
-        output_names = list(ref) if len(ref) > 1 else ["output"]
+    if output_names is None:  # dict keys name the outputs; else output_<i> / output
+        output_names = list(ref) if len(ref) > 1 or tr.outputs_named else ["output"]
         ref = dict(zip(output_names, ref.values()))
     n = len(next(iter(feed.values())))
     onnx_dir = model_artifacts(args.model) / "onnx"
@@ -149,58 +165,83 @@ def main(args: argparse.Namespace) -> dict:
             res["fp32"] += first_divergent_module(model, cand["fp32"], feed)
         m32 = onnx.load(str(cand["fp32"]))
         if not args.no_fp16 and worst(res["fp32"]) != "fail":
-            m16, conv_warn = convert_fp16(m32, keep)
-            onnx.save(m16, str(cand["fp16"]))
-            onnx.checker.check_model(str(cand["fp16"]))
-            r16 = fp16_checks(m32, cand["fp16"], feed, ref, args.min_cosine_fp16,
-                              converter_warnings=conv_warn, real_inputs=real, keep_fp32=keep,
-                              true_fp16_budget_s=args.true_fp16_budget_s,
-                              trained=not args.random_init)
-            run16 = ort_runner(cand["fp16"])
-            bp = check_batch_parity({b: cache[("b", b)] for b in (1, n) if ("b", b) in cache},
-                                    {b: {k: v[:b] for k, v in feed.items()} for b in (1, n)
-                                        if ("b", b) in cache}, run16, args.min_cosine_fp16)
-            for r in bp:
-                r["detail"] = ("ORT CPU EP (computes this FP16 graph in FP32 through inserted "
-                               "Casts, blind to FP16 overflow): " + r["detail"])
-                r["computed_in"] = "FP32 (ORT CPU EP)"
-            res["fp16"] = bp + r16
-            par["fp16"] = export_parity(res["fp16"])
+            try:
+                m16, conv_warn = convert_fp16(m32, keep)
+                onnx.save(m16, str(cand["fp16"]))
+                onnx.checker.check_model(str(cand["fp16"]))
+                run16 = ort_runner(cand["fp16"])  # a file ORT refuses is named before the checks
+                r16 = fp16_checks(m32, cand["fp16"], feed, ref, args.min_cosine_fp16,
+                                  converter_warnings=conv_warn, real_inputs=real, keep_fp32=keep,
+                                  true_fp16_budget_s=args.true_fp16_budget_s,
+                                  trained=not args.random_init)
+                bp = check_batch_parity({b: cache[("b", b)] for b in (1, n) if ("b", b) in cache},
+                                        {b: {k: v[:b] for k, v in feed.items()} for b in (1, n)
+                                            if ("b", b) in cache}, run16, args.min_cosine_fp16)
+                for r in bp:
+                    r["detail"] = ("ORT CPU EP (computes this FP16 graph in FP32 through inserted "
+                                   "Casts, blind to FP16 overflow): " + r["detail"])
+                    r["computed_in"] = "FP32 (ORT CPU EP)"
+                res["fp16"] = bp + r16
+                par["fp16"] = export_parity(res["fp16"])
+            except (UsageError, KeyboardInterrupt):
+                raise
+            except Exception as e:  # noqa: BLE001 - converter/ORT errors: the FP16 candidate fails
+                res["fp16"] = [fp16_candidate_error(e, cand["fp16"], "FP16")]
+                par["fp16"] = None
         failed = [k for k, r in res.items() if worst(r) == "fail"]
         for name, rs in res.items():
+            made = cand[name].exists()
             record["files"][name] = {"path": str(final[name]), "status": worst(rs),
                                      "outputs": par.get(name) or {},
-                                     "checks": rs, "size_mb": file_size_mb(cand[name]),
-                                     "sha256": sha256_file(cand[name]),
+                                     "checks": rs,
+                                     "size_mb": file_size_mb(cand[name]) if made else None,
+                                     "sha256": sha256_file(cand[name]) if made else None,
                                      "min_cosine_required": getattr(
                                          args, f"min_cosine_{name}")}
             print_export_summary(name, final[name], next(iter((par.get(name) or {None: None}).values())),
                      rs)
-        if failed:
+        if "fp32" in failed:  # nothing is installed: an FP16 file without its FP32 is no pair
             for name in failed:
                 rej = install_rejected(cand[name], final[name], res[name])
                 record["files"][name]["rejected_as"] = str(rej)
-            record["status"], record["installed"] = "failed", False
+            record["status"], record["installed"] = "failed", []
             record["provenance"] = provenance(args, [], started)
             write_json(results_json, record)
             lines = [format_result(r) for k in failed for r in res[k]
                      if r["status"] == "fail" and not r.get("summary")]
-            more = keep_list(res.get("fp16", []), keep) if "fp16" in failed else keep
-            fix = (f"\nfix (keep those nodes in FP32): {fp16_fix_command(more)}" if more != keep
-                   else "")
             kept = ", ".join(str(rejected_path(final[k])) for k in failed)
             prev = [str(p) for p in final.values() if p.exists()]
             raise StageError(
                 f"export check failed for {failed}; kept as {kept} (reason beside it, and in "
                 f"{results_json}); nothing installed"
                 + (f" (earlier files left as they were: {', '.join(prev)})" if prev else "")
-                + ":\n" + "\n".join(lines) + fix)
-        for name in res:
+                + ":\n" + "\n".join(lines))
+        # FP32 passed: it is installed whatever FP16 gives. An earlier fp16.onnx was converted
+        # from the earlier fp32.onnx: it is set aside (not deleted) unless a new one replaces it.
+        stale = set_aside(final["fp16"]) if "fp16" not in res or "fp16" in failed else None
+        installed = [k for k in res if k not in failed]
+        for name in installed:
             install(cand[name], final[name])
-        record["status"], record["installed"] = "ok", True
+            record["files"][name]["installed"] = True
+        if "fp16" in failed:
+            rej = install_rejected(cand["fp16"], final["fp16"], res["fp16"])
+            record["files"]["fp16"].update(installed=False, rejected_as=str(rej))
+        if stale is not None:
+            record["fp16_set_aside"] = str(stale)
+        # "partial": fp32.onnx installed, fp16.onnx rejected (files.fp16.status "fail")
+        record["status"] = "partial" if failed else "ok"
+        record["installed"] = installed
         record["provenance"] = provenance(args, [final["fp32"]], started)
         write_json(results_json, record)
-        print(f"installed {', '.join(str(final[k]) for k in res)} -> {results_json}")
+        print(f"installed {', '.join(str(final[k]) for k in installed)} -> {results_json}")
+        if stale is not None:
+            print(f"note: the earlier {final['fp16'].name} (converted from an earlier "
+                  f"{final['fp32'].name}) moved to {stale}: no stage or report reads that name")
+        if "fp16" in failed:
+            more = keep_list(res["fp16"], keep)
+            print(fp16_rejected_warning(res["fp16"], final["fp16"], results_json,
+                                        fp16_fix_command(more) if more != keep else None,
+                                        no_fp16_command()), file=sys.stderr)
         return record
     finally:
         shutil.rmtree(cand_dir, ignore_errors=True)

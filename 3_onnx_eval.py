@@ -58,6 +58,7 @@ from deploykit.evaluate import (
     verdict_warning,
 )
 from deploykit.feeds import load_feed
+from deploykit.install import rejected_reason
 from deploykit.io import check_writable, file_size_mb
 from deploykit.layerwise.diff import diff_command, run_layer_diff
 from deploykit.layerwise.quant_backend import quant_backend_table, render_quant_backend
@@ -137,6 +138,9 @@ def main(args: argparse.Namespace) -> dict:
     check_positive(args, "limit", "batch_size", "latency_batch", "iters")
     check_positive(args, "warmup", "threads", allow_zero=("warmup", "threads"))
     spec = model_spec(args.model)
+    why = rejected_reason(args.onnx) if not Path(args.onnx).exists() else None
+    if why is not None:  # stage 2 refused this file (an FP16 candidate): a skipped row, exit 0
+        return _skip_rejected(args, why, started)
     onnx_path = require(args.onnx, "2_export_onnx.py / 5_quantize.sh (whichever makes it)")
     precision = (detect_precision(load_onnx(onnx_path, external=False))
                  if args.precision == "auto" else args.precision)
@@ -250,6 +254,23 @@ def _blame_backend(args, rec: dict, cc: dict, onnx_path: Path) -> None:
     write_result(args.model, args.tag, rec)
     print(f"WARNING: row {args.tag} stays {rec['status'].upper()} (it measures what this ORT "
           f"session computes); the graph's own numerics: {rec['next_step']}", file=sys.stderr)
+
+
+def _skip_rejected(args, why: str, started: float) -> dict:
+    """The row of a file that its producing stage rejected (``<name>.rejected.json`` beside it):
+    ``status: skipped`` with the reason, replacing an earlier row of the file that was there
+    before (that file is gone: stage 2 moved it aside), and a ``SKIPPED`` line."""
+    variant = variant_of_file(args.onnx)
+    precision = args.precision if args.precision != "auto" else (
+        variant.precision if variant else "unknown")
+    rec = base_record(STAGE, precision, args.model, args.tag, backend="ORT", status="skipped",
+                      reason=why, onnx=str(args.onnx),
+                      variant=variant.name if variant else None)
+    rec["provenance"] = provenance(args, [], started)
+    path = write_result(args.model, args.tag, rec, keep_good=False)
+    print(f"{STAGE}: SKIPPED {args.tag}: {why}; FP32 and the other files are unaffected "
+          f"-> {path}")
+    return rec
 
 
 def _quant_backend(args, spec, data: EvalData, onnx_path: Path) -> dict:

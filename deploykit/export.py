@@ -22,6 +22,7 @@ from deploykit.data.splits import load_split
 from deploykit.data.user import input_names, load_inputs, reference_inputs
 from deploykit.layout import ref_outputs_path
 from deploykit.errors import StageError, UsageError
+from deploykit.install import rejected_path
 from deploykit.layerwise.torch_vs_onnx import torch_vs_onnx
 from deploykit.models import example_inputs
 from deploykit.onnx.graph import load_onnx
@@ -67,6 +68,47 @@ def _exporter_error(e: Exception, exporter: str, opset: int) -> StageError:
             or "GuardOnDataDependent" in text else "")
     return StageError(f"torch.onnx.export ({exporter}, opset {opset}) failed: "
                       f"{type(e).__name__}: {first}{where}.{hint}")
+
+
+def check_batch_statistics(model) -> None:
+    """Refuse, before anything is exported, a model whose outputs depend on the rest of the
+    batch or on chance: a BatchNorm that normalises with the batch's statistics (in training
+    mode, ``track_running_stats=False``, or running statistics set to None: it does so even in
+    ``eval()``) or another module left in training mode (Dropout draws random masks). Its
+    samples interact, so every batch size deploys another model and no export can match it.
+
+    Raises:
+        StageError: names the first such module (and how many more), why, and the fix.
+    """
+    import torch
+
+    bn, train = [], []
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+            why = ("it is in training mode" if m.training else
+                   "track_running_stats=False" if not m.track_running_stats else
+                   "its running statistics are None" if m.running_mean is None else None)
+            if why:
+                bn.append((name or type(m).__name__, type(m).__name__, why))
+        elif m.training and (isinstance(m, torch.nn.modules.dropout._DropoutNd)
+                             or any(True for _ in m.parameters(recurse=False))):
+            train.append((name or type(m).__name__, type(m).__name__))
+    if bn:
+        name, kind, why = bn[0]
+        more = f" (and {len(bn) - 1} more BatchNorm modules)" if len(bn) > 1 else ""
+        raise StageError(
+            f"BatchNorm `{name}` ({kind}) uses batch statistics ({why}): the model is not in "
+            f"eval mode or has track_running_stats=False{more}. Each sample's output depends on "
+            "the other samples of its batch, so batch 1 and batch N deploy different models; "
+            "nothing exported. Fix: train with running statistics (track_running_stats=True) "
+            "and return model.eval() from the factory, or replace it by GroupNorm/InstanceNorm")
+    if train:
+        name, kind = train[0]
+        more = f" (and {len(train) - 1} more)" if len(train) > 1 else ""
+        raise StageError(
+            f"module `{name}` ({kind}) is in training mode after model.eval(){more} (does the "
+            "model override train()/eval() or set .training?): its outputs change from run to "
+            "run or with the batch; nothing exported. Fix: leave every module in eval mode")
 
 
 def export_fp32(model, example: dict[str, np.ndarray], path: Path, exporter: str, opset: int,
@@ -179,6 +221,103 @@ def fp16_fix_command(keep: list[str]) -> str:
         argv.append(a)
     return shlex.join(["python", Path(sys.argv[0]).name, *argv, "--fp16-keep-fp32",
                        ",".join(keep)])
+
+
+_ORT_NODE = re.compile(r"(?:in|of) node \(([^)]*)\)")
+
+
+def fp16_candidate_error(e: Exception, path: Path, what: str = "FP16") -> dict:
+    """A ``fail`` row (check ``fp16_convert``) for an FP16 candidate that could not be made or
+    that ONNX Runtime refuses to load/run, instead of the raw error: the node ORT names, its op
+    and the dtype of each input (graph inputs and outputs said as such), and the fix.
+
+    Args:
+        e: the converter's or ONNX Runtime's exception. path: the candidate file (may not exist).
+        what: the candidate's name in the message.
+    """
+    text = " ".join(str(e).split())
+    detail = text.split("failed:")[-1].strip() if "failed:" in text else text
+    m = _ORT_NODE.search(text)
+    where = ""
+    if m and Path(path).exists():
+        try:
+            where = "; " + _node_io_types(Path(path), m.group(1))
+        except Exception:  # noqa: BLE001 - the description is best effort
+            where = ""
+    return check_result(
+        "fp16_convert", "fail",
+        f"the {what} candidate {Path(path).name} is not a valid model for ONNX Runtime "
+        f"({type(e).__name__}: {detail[:300]}){where}", node=m.group(1) if m else None,
+        fix=("keep the node named above in FP32 (--fp16-keep-fp32 NODE), or export FP32 only "
+             "(--no-fp16); please report the model feature (output read inside the graph, "
+             "integer input, dict output) with the node" if m else
+             "export FP32 only (--no-fp16) and report the error"))
+
+
+def _node_io_types(path: Path, node_name: str) -> str:
+    """``node N (Op) reads a (float16), b (float32, a graph output)`` from the inferred file."""
+    import onnx
+    from onnx import TensorProto
+
+    m = onnx.shape_inference.infer_shapes(onnx.load(str(path)))
+    g = m.graph
+    types = {vi.name: vi.type.tensor_type.elem_type
+             for vi in list(g.input) + list(g.value_info) + list(g.output)}
+    types.update({t.name: t.data_type for t in g.initializer})
+    ins, outs = {i.name for i in g.input}, {o.name for o in g.output}
+    node = next(n for n in g.node if n.name == node_name)
+
+    def desc(t):
+        kind = ", a graph input" if t in ins else (", a graph output" if t in outs else "")
+        name = TensorProto.DataType.Name(types[t]).lower() if t in types else "unknown type"
+        return f"{t} ({name}{kind})"
+    return (f"node {node_name} ({node.op_type}) reads {', '.join(desc(t) for t in node.input if t)}"
+            f" and writes {', '.join(desc(t) for t in node.output if t)}")
+
+
+def no_fp16_command() -> str:
+    """This stage's command line with ``--no-fp16`` (FP32 only) instead of any FP16 flag."""
+    argv, skip = [], False
+    for a in sys.argv[1:]:
+        if skip:
+            skip = False
+            continue
+        if a == "--fp16-keep-fp32" or (a.startswith("--min-cosine-fp16") and "=" not in a):
+            skip = True
+            continue
+        if a.startswith(("--fp16-keep-fp32=", "--min-cosine-fp16=")) or a == "--no-fp16":
+            continue
+        argv.append(a)
+    return shlex.join(["python", Path(sys.argv[0]).name, *argv, "--no-fp16"])
+
+
+def fp16_rejected_warning(results: list[dict], final: Path, results_json: Path,
+                          fix: str | None, skip: str) -> str:
+    """The message of an FP16 candidate that failed its checks while FP32 was installed: a
+    ``WARNING:`` line (the first failure, where the file is kept, the fix), then every failure
+    and the commands on lines of their own (the fix as ``fix (keep those nodes in FP32): ...``).
+    """
+    fails = [r for r in results if r["status"] == "fail" and not r.get("summary")] or \
+        [r for r in results if r["status"] == "fail"]
+    # the FP16-specific finding first (batch_parity on ORT CPU only echoes it)
+    fails.sort(key=lambda r: r["check"] == "batch_parity")
+    if fails:
+        r = fails[0]
+        text = " ".join(r["detail"].split()).split("blind to FP16 overflow): ")[-1]
+        first = f"{r['check']}" + (f" at {r['node']}" if r.get("node") else "") + f": {text}"
+    else:
+        first = "a check failed"
+    rej = rejected_path(final)
+    head = (f"WARNING: FP16 candidate rejected, {final.name} not installed ({first[:200]}); "
+            f"{final.with_name('fp32.onnx').name} passed and is installed; kept as {rej.name} "
+            f"(reason in {rej.with_suffix('.json').name} and {results_json}); "
+            + ("fix: --fp16-keep-fp32 (command below)" if fix else "no node list fixes it")
+            + "; --no-fp16 skips FP16")
+    lines = [head] + ["  " + format_result(r).replace("\n", "\n  ") for r in fails]
+    if fix:
+        lines.append(f"fix (keep those nodes in FP32): {fix}")
+    lines.append(f"or skip FP16 (FP32 only): {skip}")
+    return "\n".join(lines)
 
 
 def print_export_summary(name: str, path: Path, par: dict | None, results: list[dict]) -> None:

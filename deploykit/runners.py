@@ -124,6 +124,8 @@ class TorchRunner(Runner):
             ``output_<i>``.
         input_names: names of ``forward()``'s arguments, in order (feeds are passed
             positionally in this order).
+        A ``forward()`` returning a dict gives outputs named by its keys (``outputs_named``
+        True after ``infer``); a tuple/list, ``output_names`` or ``output_<i>``.
         dtype: ``fp32``, or ``fp16`` (``model.half()``, floating inputs cast to float16 on the
             device; CUDA only).
         tf32: on CUDA, allow TF32 in matmul/cuDNN convolutions (PyTorch's own default leaves
@@ -161,6 +163,7 @@ class TorchRunner(Runner):
         self.compile = compile
         self.output_names = list(output_names)
         self.input_names = list(input_names)
+        self.outputs_named = False
 
     def sync(self) -> None:
         """Wait for the device (no-op on the CPU)."""
@@ -186,9 +189,21 @@ class TorchRunner(Runner):
 
     def infer(self, feed):
         out = self._forward(self._args(feed))
-        outs = out if isinstance(out, (tuple, list)) else [out]
-        names = self.output_names if len(self.output_names) == len(outs) else [
-            f"output_{i}" for i in range(len(outs))]
+        if isinstance(out, dict):  # named outputs: the keys, in order (as the exporters flatten)
+            names, outs = [str(k) for k in out], list(out.values())
+        else:
+            outs = list(out) if isinstance(out, (tuple, list)) else [out]
+            names = self.output_names if len(self.output_names) == len(outs) else [
+                f"output_{i}" for i in range(len(outs))]
+        bad = [(n, type(o).__name__) for n, o in zip(names, outs)
+               if not isinstance(o, self.torch.Tensor)]
+        if bad:
+            raise StageError(
+                f"forward() returns {type(out).__name__} whose output {bad[0][0]!r} is a "
+                f"{bad[0][1]}, not a tensor: return a tensor, a tuple/list of tensors or a dict "
+                "of tensors (nested containers and Python values cannot be compared or exported "
+                "as outputs)")
+        self.outputs_named = isinstance(out, dict)
         return {n: o.float().cpu().numpy() if o.is_floating_point() else o.cpu().numpy()
                 for n, o in zip(names, outs)}
 

@@ -72,3 +72,22 @@ def test_trt_runner_names_an_unreadable_plan(tmp_path):
     for bad in (tmp_path, tmp_path / "missing.plan"):
         with pytest.raises(StageError, match=f"cannot read the plan {bad}"):
             TrtRunner(bad)
+
+
+def test_torch_runner_names_dict_outputs_by_their_keys():
+    torch = pytest.importorskip("torch")
+
+    class DictOut(torch.nn.Module):
+        def forward(self, x):
+            return {"logits": x * 2, "embed": x + 1}
+
+    class Nested(torch.nn.Module):
+        def forward(self, x):
+            return x, (x, x)
+
+    r = TorchRunner(DictOut(), "cpu", input_names=["x"])
+    out = r.infer({"x": np.ones((2, 3), np.float32)})
+    assert list(out) == ["logits", "embed"] and r.outputs_named
+    assert np.allclose(out["logits"], 2) and np.allclose(out["embed"], 2)
+    with pytest.raises(StageError, match="output 'output_1' is a tuple, not a tensor"):
+        TorchRunner(Nested(), "cpu", input_names=["x"]).infer({"x": np.ones((2, 3), np.float32)})

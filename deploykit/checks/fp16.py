@@ -266,7 +266,48 @@ def convert_fp16(model, keep_fp32: Sequence[str] = ()) -> tuple[Any, list[dict]]
         m16 = float16.convert_float_to_float16(
             model, keep_io_types=True, node_block_list=list(keep_fp32) or None,
             max_finite_val=FP16_MAX, min_positive_val=FP16_MIN_SUBNORMAL)
+    _repair_converted(model, m16, keep_fp32)
     return m16, capture_warnings(caught)
+
+
+def _repair_converted(m32, m16, keep_fp32: Sequence[str] = ()) -> None:
+    """Repair, in place, two invalid graphs onnxconverter-common 1.16 writes with
+    ``keep_io_types=True`` (ONNX Runtime refuses to load them with a type error):
+
+    - a graph output that another node also reads (``forward()`` returning a feature and the
+      logits made from it): the converter casts the output back to float32 under its name, and
+      the converted reader then gets float32 beside float16 inputs ("Type parameter (T) of
+      Optype (Gemm) bound to different types"); the reader is given the FP16 tensor instead;
+    - a ``Cast(to=FLOAT)`` of the model (``x.float()`` of a uint8/int image input): the
+      converter declares its output float16 but leaves ``to=FLOAT`` ("Type (tensor(float16)) of
+      output arg ... does not match expected type (tensor(float))"); it casts to float16 now
+      (integers beyond 65504 then overflow, which the range audit names).
+
+    Nodes in ``keep_fp32`` and the converter's default op block list stay as they are.
+    """
+    from onnx import TensorProto
+    from onnxconverter_common.float16 import DEFAULT_OP_BLOCK_LIST
+
+    own = {n.name for n in m32.graph.node if n.name}
+    fixed = set(keep_fp32) | {n.name for n in m16.graph.node
+                              if n.op_type in DEFAULT_OP_BLOCK_LIST}
+    outs = {o.name for o in m16.graph.output}
+    back = {n.output[0]: n.input[0] for n in m16.graph.node
+            if n.op_type == "Cast" and n.name not in own and n.output and n.output[0] in outs
+            and int(attr(n, "to", 0)) == TensorProto.FLOAT}
+    f16 = {vi.name for vi in m16.graph.value_info
+           if vi.type.tensor_type.elem_type == TensorProto.FLOAT16}
+    for n in m16.graph.node:
+        if n.name not in own or n.name in fixed:
+            continue
+        for i, t in enumerate(n.input):
+            if t in back:
+                n.input[i] = back[t]
+        if n.op_type == "Cast" and int(attr(n, "to", 0)) == TensorProto.FLOAT and \
+                n.output[0] in f16 | set(back.values()):
+            for a in n.attribute:
+                if a.name == "to":
+                    a.i = TensorProto.FLOAT16
 
 
 def _private_fp32_constants(model, keep_fp32: Sequence[str]):

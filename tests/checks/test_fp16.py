@@ -192,3 +192,52 @@ def test_true_fp16_arithmetic_runs_a_static_batch(tmp_path):
     (r,) = fp16_true_arithmetic(path, feed, ref, 0.999)
     assert r["status"] == "fail", r
     assert "square" in r["detail"] and r["n_samples"] >= 4
+
+
+# --------------------------------------------------------------------------------------------
+# Graphs onnxconverter-common makes invalid with keep_io_types: repaired by convert_fp16
+# --------------------------------------------------------------------------------------------
+def _ort_runs(m16, feed):
+    import onnxruntime as ort
+
+    s = ort.InferenceSession(m16.SerializeToString(), providers=["CPUExecutionProvider"])
+    return s.run(None, feed)
+
+
+def test_convert_fp16_output_also_read_inside_the_graph(tmp_path):
+    """forward() returning (logits, feature) where logits are made from the feature: the
+    converter casts the feature output back to float32 and left the Gemm reading it beside
+    float16 weights (ORT: 'Type parameter (T) of Optype (Gemm) bound to different types')."""
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((3, 4)).astype(np.float32), "w")
+    m = _model([helper.make_node("Relu", ["x"], ["feat"], name="relu"),
+                helper.make_node("Gemm", ["feat", "w"], ["logits"], name="fc", transB=1)],
+               [_vi("x", ["N", 4])], [_vi("logits", ["N", 3]), _vi("feat", ["N", 4])], [w])
+    m16, _ = convert_fp16(m)
+    onnx.checker.check_model(m16, full_check=True)
+    x = rng.standard_normal((2, 4)).astype(np.float32)
+    logits, feat = _ort_runs(m16, {"x": x})
+    ref = np.maximum(x, 0)
+    assert feat.dtype == np.float32 and np.allclose(feat, ref, atol=1e-3)
+    assert np.allclose(logits, ref @ numpy_helper.to_array(w).T, atol=1e-2)
+    # kept in FP32 on request: the Gemm then reads the FP32 output, as before
+    m16k, _ = convert_fp16(m, ["fc"])
+    assert np.allclose(_ort_runs(m16k, {"x": x})[0], ref @ numpy_helper.to_array(w).T,
+                       atol=1e-2)
+
+
+def test_convert_fp16_keeps_a_uint8_input_and_casts_it_to_fp16():
+    """An NHWC uint8 image the model casts (x.float()) and scales itself: the input stays
+    uint8 in the FP16 file and the model's Cast now makes float16 (the converter left
+    to=FLOAT under a float16 declaration: ORT refused the file)."""
+    s = numpy_helper.from_array(np.array(1 / 255, np.float32), "s")
+    m = _model([helper.make_node("Transpose", ["x"], ["t"], name="perm", perm=[0, 3, 1, 2]),
+                helper.make_node("Cast", ["t"], ["f"], name="to_float", to=TensorProto.FLOAT),
+                helper.make_node("Mul", ["f", "s"], ["y"], name="scale")],
+               [_vi("x", ["N", 2, 2, 3], TensorProto.UINT8)], [_vi("y", ["N", 3, 2, 2])], [s])
+    m16, _ = convert_fp16(m)
+    assert m16.graph.input[0].type.tensor_type.elem_type == TensorProto.UINT8
+    x = np.random.default_rng(0).integers(0, 256, (2, 2, 2, 3)).astype(np.uint8)
+    (y,) = _ort_runs(m16, {"x": x})
+    assert y.dtype == np.float32
+    assert np.allclose(y, x.transpose(0, 3, 1, 2) / 255.0, atol=1e-3)

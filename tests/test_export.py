@@ -1,0 +1,125 @@
+"""deploykit.export (stage 2's procedure) and deploykit.models.forward_error: the model
+features named before anything is exported, and the FP16 candidate's failure messages."""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from deploykit.checks.base import check_result
+from deploykit.errors import StageError, UsageError
+from deploykit.export import (
+    check_batch_statistics,
+    fp16_candidate_error,
+    fp16_rejected_warning,
+    no_fp16_command,
+)
+from deploykit.models import forward_error
+
+torch = pytest.importorskip("torch")
+nn = torch.nn
+
+
+class _Net(nn.Module):
+    def __init__(self, norm=None, cin=3):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(cin, 4, 3)
+        self.bn1 = norm if norm is not None else nn.Identity()
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(self.bn1(self.conv(x))).mean((2, 3))
+
+
+def test_batch_statistics_bn_named_before_export():
+    check_batch_statistics(_Net(nn.BatchNorm2d(4)).eval())  # running statistics: fine
+    with pytest.raises(StageError, match=r"^BatchNorm `bn1` \(BatchNorm2d\) uses batch "
+                                         r"statistics \(track_running_stats=False\)"):
+        check_batch_statistics(_Net(nn.BatchNorm2d(4, track_running_stats=False)).eval())
+    bn = nn.BatchNorm2d(4)
+    bn.running_mean = bn.running_var = None  # pytorch/pytorch#75252: batch stats in eval()
+    with pytest.raises(StageError, match="its running statistics are None.*GroupNorm"):
+        check_batch_statistics(_Net(bn).eval())
+    with pytest.raises(StageError, match="`bn1` .*it is in training mode"):
+        check_batch_statistics(_Net(nn.BatchNorm2d(4)).train())
+
+
+def test_module_left_in_training_mode_named():
+    m = _Net().eval()
+    m.drop.train()  # a model that sets .training itself
+    with pytest.raises(StageError, match=r"module `drop` \(Dropout\) is in training mode"):
+        check_batch_statistics(m)
+
+
+def _raise(model, x):
+    try:
+        model(torch.from_numpy(x))
+    except Exception as e:  # noqa: BLE001
+        return e
+    raise AssertionError("forward() did not raise")
+
+
+def test_forward_error_names_the_shape_given_and_the_first_layer():
+    m = _Net().eval()
+    x = np.zeros((2, 4, 8, 8), np.float32)
+    err = forward_error("pkg:net", m, {"x": x}, _raise(m, x), given=["x:1,4,8,8"])
+    assert isinstance(err, UsageError)
+    msg = str(err)
+    assert "--input-shape x:1,4,8,8 (run at batch 2)" in msg and "\n" not in msg
+    assert "the first layer conv (Conv2d) expects 3 channels on axis 1, the input has 4" in msg
+    assert "RuntimeError: " in msg
+
+
+def test_forward_error_of_the_models_own_code_is_a_stage_error():
+    class Boom(_Net):
+        def forward(self, x):
+            raise ValueError("no such head")
+
+    m = Boom().eval()
+    x = np.zeros((2, 3, 8, 8), np.float32)
+    err = forward_error("pkg:boom", m, {"x": x}, _raise(m, x))
+    assert isinstance(err, StageError) and not isinstance(err, UsageError)
+    assert "ValueError: no such head" in str(err) and "test_export.py:" in str(err)
+    assert "x:2,3,8,8:float32" in str(err) and "expects" not in str(err)
+
+
+def test_fp16_candidate_error_names_the_node_and_the_mixed_input_types(tmp_path):
+    """A file ORT refuses with a type error: the row names the node, its op and which input is
+    float32 (a graph output) next to float16."""
+    import onnxruntime as ort
+
+    g = helper.make_graph(
+        [helper.make_node("Cast", ["x"], ["h"], name="c16", to=TensorProto.FLOAT16),
+         helper.make_node("Add", ["h", "x"], ["y"], name="add")], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, ["N", 2])])
+    path = tmp_path / "fp16.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8),
+              str(path))
+    with pytest.raises(Exception) as ei:
+        ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    row = fp16_candidate_error(ei.value, path)
+    assert row["status"] == "fail" and row["check"] == "fp16_convert" and row["node"] == "add"
+    assert "node add (Add) reads h (float16), x (float, a graph input)" in row["detail"]
+    assert "FP16 candidate fp16.onnx" in row["detail"] and "--no-fp16" in row["fix"]
+
+
+def test_fp16_rejected_warning_first_line_and_commands(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["2_export_onnx.py", "--model", "a b:c",
+                                      "--fp16-keep-fp32", "n1", "--min-cosine-fp16", "0.99"])
+    skip = no_fp16_command()
+    assert skip == "python 2_export_onnx.py --model 'a b:c' --no-fp16"
+    rows = [check_result("batch_parity", "fail", "ORT CPU EP (...blind to FP16 overflow): bad"),
+            check_result("fp16_range", "fail", "tensor t > 65504", node="conv")]
+    text = fp16_rejected_warning(rows, tmp_path / "fp16.onnx", tmp_path / "export.json",
+                                 "python 2_export_onnx.py --fp16-keep-fp32 conv", skip)
+    first = text.splitlines()[0]
+    assert first.startswith("WARNING: FP16 candidate rejected, fp16.onnx not installed "
+                            "(fp16_range at conv: tensor t > 65504)")
+    assert "fp32.onnx passed and is installed" in first and "--no-fp16 skips FP16" in first
+    assert "fix (keep those nodes in FP32): python 2_export_onnx.py --fp16-keep-fp32 conv" in text
+    assert text.splitlines()[-1] == f"or skip FP16 (FP32 only): {skip}"
