@@ -8,6 +8,10 @@ import errno
 import hashlib
 import json
 import os
+import shlex
+import shutil
+import stat
+import tempfile
 import zipfile
 import zlib
 from pathlib import Path
@@ -28,8 +32,6 @@ def check_writable(*folders: Path | str) -> None:
     Raises:
         StageError: naming the folder, the operating system's reason and the fix.
     """
-    import tempfile
-
     for folder in folders:
         folder = Path(folder)
         try:
@@ -56,12 +58,17 @@ _WRITE_ERRNOS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota
 
 
 def _write_failure(path: Path, e: OSError) -> StageError:
-    """A :class:`StageError` naming the final ``path`` of a failed write and what to do."""
+    """A :class:`StageError` naming the final ``path`` of a failed write, the free space left
+    there (for a full disk or quota) and what to do."""
     why = _WRITE_ERRNOS.get(e.errno, e.strerror or str(e))
     keep = (f"; the previous {path.name} is unchanged" if path.exists() else
             "; nothing was written under that name")
-    fix = ("free some space (df -h " + str(path.parent) + ") or point ARTIFACTS / RESULTS at "
-           "another disk" if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else
+    free = ""
+    with contextlib.suppress(OSError, StopIteration):
+        usage = shutil.disk_usage(next(p for p in (path.parent, *path.parents) if p.is_dir()))
+        free = f"{usage.free / 1e6:.0f} MB free of {usage.total / 1e9:.1f} GB there; "
+    fix = (f"free some space ({free}df -h {shlex.quote(str(path.parent))}) or point ARTIFACTS / "
+           "RESULTS at another disk" if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else
            "make the folder writable or point ARTIFACTS / RESULTS elsewhere")
     return StageError(f"cannot write {path}: {why} [{errno.errorcode.get(e.errno, e.errno)}]"
                       f"{keep}: {fix}, then rerun")
@@ -72,31 +79,49 @@ def atomic_path(path: Path | str):
     """Yield a temporary path beside ``path``; rename it to ``path`` only if the block succeeds.
 
     An interrupted or failed stage therefore never leaves a half-written artifact that the next
-    stage would read, and an earlier good ``path`` stays as it was. The temporary name keeps the
-    suffix, so writers that check it (np.savez, onnx.save) behave as for the final name.
+    stage would read, and an earlier good ``path`` stays as it was. The temporary path is
+    ``<folder>/.tmp-<name>.<random>/<name>``: a fresh private folder (``tempfile.mkdtemp``, mode
+    0700) made beside ``path``, so no name can be planted in advance (a symlink at a predictable
+    temporary name would make the writer overwrite what it points to) and the temporary file
+    keeps the final name and suffix (writers that check it, np.savez and onnx.save, behave as for
+    the final name). The rename replaces a link at ``path`` itself, never what it points to.
+    Anything else the block writes into the private folder is removed with it.
 
     Raises:
         StageError: the folder cannot be created or the write fails for lack of space, quota,
             file-size limit or permission (``ENOSPC``, ``EDQUOT``, ``EFBIG``, ``EROFS``,
-            ``EACCES``, ``EPERM``); the message names ``path``. Other errors propagate.
+            ``EACCES``, ``EPERM``); the message names ``path`` (and the free space for a full
+            disk). Other errors propagate.
     """
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".tmp-{path.name[:64]}."))
     except OSError as e:
         raise _write_failure(path, e) from e
-    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
+    tmp = work / path.name
     try:
         yield tmp
         os.replace(tmp, path)
     except OSError as e:
         if e.errno in _WRITE_ERRNOS and (e.filename is None or
-                                         Path(e.filename) in (tmp, path, path.parent)):
+                                         Path(e.filename) in (tmp, work, path, path.parent)):
             raise _write_failure(path, e) from e
         raise
     finally:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def atomic_write_text(path: Path | str, text: str) -> Path:
+    """Write ``text`` to ``path`` through :func:`atomic_path` and return the path.
+
+    Raises:
+        StageError: as :func:`atomic_path`.
+    """
+    path = Path(path)
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
+    return path
 
 
 def write_json(path: Path | str, obj: Any) -> Path:

@@ -32,3 +32,36 @@ def test_disk_full_inside_atomic_write_names_the_path_and_keeps_the_old_file(tmp
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     assert json.loads(target.read_text()) == {"good": 1}
     assert list(target.parent.iterdir()) == [target]  # no temporary left
+
+
+# ------------------------------------------------------------------------ planted links
+def test_atomic_write_never_writes_through_a_link_at_a_temporary_name(tmp_path):
+    """The temporary name used to be ``.tmp-<pid>-<name>`` (predictable): a link planted there
+    made the writer overwrite what it pointed to. Now it is a fresh private folder."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    target = tmp_path / "row.json"
+    for old in (f".tmp-{os.getpid()}-row.json", "row.json.tmp", ".tmp-row.json"):
+        (tmp_path / old).symlink_to(victim)
+    write_json(target, {"a": 1})
+    assert victim.read_text() == "precious"
+    assert json.loads(target.read_text()) == {"a": 1} and not target.is_symlink()
+    assert not [p for p in tmp_path.iterdir() if p.is_dir()]  # private folder removed
+
+
+def test_atomic_write_replaces_a_link_at_the_final_name_not_its_target(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    target = tmp_path / "row.json"
+    target.symlink_to(victim)
+    write_json(target, {"a": 1})
+    assert victim.read_text() == "precious" and not target.is_symlink()
+
+
+def test_disk_full_names_the_free_space(tmp_path):
+    target = tmp_path / "row.json"
+    with pytest.raises(StageError, match=r"cannot write .*row\.json: the disk is full \[ENOSPC\]; "
+                       r"nothing was written under that name: free some space \(\d+ MB free of "
+                       r"[\d.]+ GB there; df -h "):
+        with atomic_path(target):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
