@@ -147,7 +147,8 @@ def custom_data(args, inputs) -> tuple[dict[str, np.ndarray], dict]:
     if args.random is not None and args.random < 1:
         raise UsageError(f"--random must be >= 1 (got {args.random})")
     if args.inputs:
-        data = load_npz(args.inputs, None, "your calibration samples (np.savez)")
+        data = load_npz(args.inputs, None, "your calibration samples (np.savez)",
+                        flag="--inputs", feed=True)
         return data, {"source": f"--inputs {args.inputs}",
                       "input_sha256": sha256_file(args.inputs)}
     shapes = []

@@ -16,7 +16,7 @@ from deploykit.checks.export import (
     other_paths,
 )
 from deploykit.checks.lint import DEFAULT_EXAMPLE_BATCH
-from deploykit.cli import require
+from deploykit.io import load_npz
 from deploykit.data.images import normalize
 from deploykit.data.splits import load_split
 from deploykit.errors import StageError, UsageError
@@ -123,9 +123,7 @@ def repeat_rows(feed: dict[str, np.ndarray], n: int) -> dict[str, np.ndarray]:
 def export_inputs(args, spec, shapes) -> tuple[dict[str, np.ndarray], dict | None, bool]:
     """``(feed, second feed or None, real)`` for the checks."""
     if args.inputs is not None:
-        path = require(args.inputs, "np.savez of your samples")
-        with np.load(path) as z:
-            feed = {k: z[k] for k in z.files}
+        feed = load_npz(args.inputs, None, "np.savez of your samples", flag="--inputs", feed=True)
         if shapes:
             names = [n for n, _, _ in shapes]
             missing = [n for n in names if n not in feed]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import io
 import json
 import os
 import shlex
@@ -173,32 +174,129 @@ def sha256_file(path: Path | str, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def load_npz(path: Path | str, keys: Sequence[str] | None, producer: str
+_FILE_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+               (stat.S_ISSOCK, "a socket"))
+
+
+def check_regular_file(path: Path | str, flag: str | None = None) -> Path:
+    """Refuse ``path`` unless it is a regular file (links followed), before anything opens it:
+    reading a FIFO blocks until some writer appears, a device (``/dev/zero``) never ends.
+
+    Args:
+        path: the file given. flag: the option that named it (``--inputs``), for the message.
+    Returns:
+        ``Path(path)``.
+    Raises:
+        StageError: ``path`` is a folder, FIFO, device or socket (named, with the fix). A
+            missing path is left to the caller (:func:`deploykit.cli.require` names its producer).
+    """
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return path
+    if not stat.S_ISREG(mode):
+        kind = next((k for test, k in _FILE_KINDS if test(mode)), "not a regular file")
+        raise StageError(f"{flag + ' ' if flag else ''}{path} is {kind}, not a regular file: "
+                         "pass the file itself (copy a stream to a file first); nothing was read")
+    return path
+
+
+# dtype kinds an input array may have: bool, signed/unsigned int, float
+_NUMERIC_KINDS = "biuf"
+
+
+def load_npz(path: Path | str, keys: Sequence[str] | None, producer: str, *,
+             flag: str | None = None, feed: bool = False, data: bytes | None = None
              ) -> dict[str, np.ndarray]:
-    """Read arrays ``keys`` (None: all) of an ``.npz`` file completely (no pickles).
+    """Read arrays ``keys`` (None: all) of an ``.npz`` file completely (no pickles): the one
+    checked reader of every ``.npz`` the pipeline is given or writes.
 
     Args:
         path: the file. keys: arrays that must be there. producer: the command that rewrites
-            the file, named in the error.
+            the file (or how to write it), named in the error. flag: the option that named
+            the file (``--inputs``), named in the error. feed: the arrays are model inputs
+            with samples on axis 0: each must be numeric (bool/int/float), non-empty, of rank
+            >= 1, and all must hold the same number of samples. data: the file's bytes,
+            already read (parsed instead of reading ``path``; ``path`` is still named).
     Returns:
         ``{key: array}``.
     Raises:
-        StageError: the file is missing, truncated, corrupt or lacks a key; names the file and
-            ``producer``.
+        StageError: one line naming the file (and ``flag``) and the fix: the file is missing,
+            not a regular file (FIFO, device: :func:`check_regular_file`), truncated, corrupt,
+            not an npz, has an oversized header, holds an object (pickled) array or lacks a
+            key; with ``feed``, an array that is not numeric, is empty or a scalar, or sample
+            counts that disagree.
     """
-    path = require(Path(path), producer)
+    path = Path(path)
+    label = f"{flag} {path}" if flag else str(path)
+    if data is None:
+        check_regular_file(path, flag)
+        require(path, producer)
+    src = io.BytesIO(data) if data is not None else path
+    key = None
     try:
-        with np.load(path, allow_pickle=False) as z:
+        z = np.load(src, allow_pickle=False)
+        if not isinstance(z, np.lib.npyio.NpzFile):
+            raise StageError(f"{label} is a single .npy array, not an .npz: write it with "
+                             f"np.savez(path, <name>=array, ...) ({producer})")
+        with z:
             names = set(z.files)
             keys = list(z.files) if keys is None else keys
-            out = {k: z[k] for k in keys if k in names}
-    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, zlib.error) as e:
-        raise StageError(f"{path} is unreadable ({type(e).__name__}: {e}); it is truncated or "
+            out = {}
+            for key in keys:
+                if key in names:
+                    out[key] = z[key]
+    except StageError:
+        raise
+    except ValueError as e:
+        what = str(e)
+        if "header" in what.lower() and "max_header_size" in what:
+            raise StageError(f"{label}: array {key!r} has an oversized .npy header ({what[:120]}"
+                             f"): not loaded; rewrite it with np.savez ({producer})") from e
+        if "allow_pickle" in what:
+            raise StageError(f"{label}: array {key!r} is an object array (pickled Python objects,"
+                             " not loaded: allow_pickle=False): save plain numeric arrays, e.g. "
+                             f"np.savez(path, {key}=np.asarray(x, np.float32)) ({producer})"
+                             ) from e
+        raise StageError(f"{label} is unreadable (ValueError: {what[:200]}); it is truncated or "
+                         f"corrupt: rerun {producer} to rewrite it") from e
+    except (OSError, EOFError, KeyError, zipfile.BadZipFile, zlib.error) as e:
+        raise StageError(f"{label} is unreadable ({type(e).__name__}: {e}); it is truncated or "
                          f"corrupt: rerun {producer} to rewrite it") from e
     missing = [k for k in keys if k not in out]
     if missing:
-        raise StageError(f"{path} lacks {missing} (has {sorted(names)}): rerun {producer}")
+        raise StageError(f"{label} lacks {missing} (has {sorted(names)}): rerun {producer}")
+    if feed:
+        check_feed(out, label, producer)
     return out
+
+
+def check_feed(arrays: dict[str, np.ndarray], label: str, producer: str) -> None:
+    """Check model inputs read from ``label``: numeric (bool/int/float), non-empty, rank >= 1,
+    the same number of samples (axis 0) in every array.
+
+    Raises:
+        StageError: naming ``label``, the array and the fix (``producer``: how to rewrite it).
+    """
+    if not arrays:
+        raise StageError(f"{label} holds no arrays: save one per model input ({producer})")
+    for k, v in arrays.items():
+        if v.dtype.kind not in _NUMERIC_KINDS:
+            raise StageError(f"{label}: array {k!r} has dtype {v.dtype} (not numeric): save it "
+                             f"as the model input's dtype, e.g. float32 ({producer})")
+        if v.ndim == 0:
+            raise StageError(f"{label}: array {k!r} is a scalar: save samples with the batch on "
+                             f"axis 0, shape [N, ...] ({producer})")
+        if v.size == 0:
+            raise StageError(f"{label}: array {k!r} is empty (shape {list(v.shape)}): save at "
+                             f"least one sample ({producer})")
+    counts = {k: len(v) for k, v in arrays.items()}
+    if len(set(counts.values())) > 1:
+        listed = ", ".join(f"{k}: {n}" for k, n in counts.items())
+        raise StageError(f"{label}: arrays disagree on the number of samples (axis 0; {listed}): "
+                         f"save the same samples for every input ({producer})")
 
 
 def file_size_mb(path: Path | str) -> float:

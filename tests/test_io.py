@@ -5,6 +5,8 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
+from pathlib import Path
 
 import pytest
 
@@ -65,3 +67,63 @@ def test_disk_full_names_the_free_space(tmp_path):
                        r"[\d.]+ GB there; df -h "):
         with atomic_path(target):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+# ------------------------------------------------------------------------ the npz loader
+import numpy as np  # noqa: E402
+
+from deploykit.io import check_regular_file, load_npz  # noqa: E402
+
+
+def _npz(path, **arrays):
+    np.savez(path, **arrays)
+    return path
+
+
+@pytest.mark.parametrize("arrays, message", [
+    ({"x": np.array([{"a": 1}, None], dtype=object)},
+     r"--inputs .*bad\.npz: array 'x' is an object array \(pickled Python objects, not loaded: "
+     r"allow_pickle=False\): save plain numeric arrays"),
+    ({"x": np.array(["a", "b"])}, r"--inputs .*: array 'x' has dtype <U1 \(not numeric\)"),
+    ({"x": np.zeros((0, 3), np.float32)}, r"array 'x' is empty \(shape \[0, 3\]\)"),
+    ({"x": np.float32(1.0)}, r"array 'x' is a scalar: save samples with the batch on axis 0"),
+    ({"x": np.zeros((4, 3), np.float32), "m": np.zeros((3, 3), np.float32)},
+     r"arrays disagree on the number of samples \(axis 0; x: 4, m: 3\)"),
+])
+def test_load_npz_refuses_inputs_that_are_not_numeric_samples(tmp_path, arrays, message):
+    p = _npz(tmp_path / "bad.npz", **arrays)
+    before = p.read_bytes()
+    with pytest.raises(StageError, match=message):
+        load_npz(p, None, "np.savez", flag="--inputs", feed=True)
+    assert p.read_bytes() == before
+
+
+def test_load_npz_names_wrong_keys_npy_files_and_huge_headers(tmp_path):
+    p = _npz(tmp_path / "a.npz", y=np.zeros(2))
+    with pytest.raises(StageError, match=r"--calib .*a\.npz lacks \['x'\] \(has \['y'\]\): rerun "):
+        load_npz(p, ["x"], "4_make_calib.py", flag="--calib")
+    np.save(tmp_path / "one.npy", np.zeros(2))
+    with pytest.raises(StageError, match=r"one\.npy is a single \.npy array, not an \.npz"):
+        load_npz(tmp_path / "one.npy", None, "np.savez")
+    # an .npz whose member has a 200 kB header (numpy refuses > 10000 bytes unless told)
+    import zipfile
+    hdr = "{'descr': '<f4', 'fortran_order': False, 'shape': (2,), " + " " * 200_000 + "}\n"
+    raw = b"\x93NUMPY\x02\x00" + len(hdr).to_bytes(4, "little") + hdr.encode() + b"\0" * 8
+    with zipfile.ZipFile(tmp_path / "huge.npz", "w") as z:
+        z.writestr("x.npy", raw)
+    with pytest.raises(StageError, match=r"huge\.npz: array 'x' has an oversized \.npy header"):
+        load_npz(tmp_path / "huge.npz", None, "np.savez")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "folder"])
+def test_a_fifo_device_or_folder_is_refused_before_it_is_opened(tmp_path, kind):
+    path = {"fifo": tmp_path / "feed.npz", "device": Path("/dev/zero"), "folder": tmp_path}[kind]
+    if kind == "fifo":
+        os.mkfifo(path)  # opening it would block until a writer appears
+    want = {"fifo": "a FIFO (named pipe)", "device": "a character device",
+            "folder": "a folder"}[kind]
+    with pytest.raises(StageError, match=rf"--inputs {path} is {re.escape(want)}, not a "
+                                         r"regular file: pass the file itself"):
+        load_npz(path, None, "np.savez", flag="--inputs")
+    with pytest.raises(StageError, match="not a regular file"):
+        check_regular_file(path, "--labels-csv")

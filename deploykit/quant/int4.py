@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from deploykit.errors import StageError, UsageError
+from deploykit.io import load_npz
 from deploykit.layout import model_results
 from deploykit.onnx.graph import attr, constants, consumers
 from deploykit.quant.health import check_against_float, check_weights
@@ -279,8 +280,8 @@ def run_modelopt(src: Path, dst: Path, log: Path, calib: Path | None, method: st
               "calibration_eps": [eps], "block_size": block, "output_path": str(dst),
               "log_file": str(log), "log_level": "INFO"}
     if calib is not None:
-        with np.load(calib) as z:
-            kwargs["calibration_data"] = {k: z[k] for k in z.files}
+        kwargs["calibration_data"] = load_npz(calib, None, "4_make_calib.py", flag="--calib",
+                                              feed=True)
         if calibration_shapes:
             kwargs["calibration_shapes"] = calibration_shapes
     try:
