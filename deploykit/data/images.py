@@ -120,23 +120,48 @@ def _images_under(folder: Path, seen: set | None = None, repeats: list | None = 
 def _read_labels_csv(csv: Path, known: dict[str, int]) -> dict[str, str]:
     """``{ImageId: WNID}`` of a ``LOC_val_solution.csv`` (``ImageId,WNID x0 y0 x1 y1 ...``).
 
+    Read as a spreadsheet or Windows editor may have saved it: UTF-8 with or without a byte
+    order mark (``utf-8-sig``), LF or CRLF line ends, fields quoted or not, an ImageId written
+    with its file suffix (``ILSVRC2012_val_00000001.JPEG``).
+
     Raises:
-        StageError: unreadable file, or a malformed line / unknown WNID, named by line number.
+        StageError: not a regular file (FIFO, device), unreadable, not UTF-8, or a malformed
+            line / unknown WNID / conflicting label, named by line number.
     """
+    import csv as csv_mod
+
+    from deploykit.io import check_regular_file
+
+    check_regular_file(csv, "--labels-csv")
     try:
-        lines = csv.read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise StageError(f"cannot read {csv}: {e}") from e
+        text = csv.read_bytes().decode("utf-8-sig")
+    except OSError as e:
+        raise StageError(f"cannot read --labels-csv {csv}: {e.strerror or e}") from e
+    except UnicodeDecodeError as e:
+        line = csv.read_bytes()[:e.start].count(b"\n") + 1
+        raise StageError(f"{csv}, line {line}: not UTF-8 text ({e.reason} at byte {e.start}): "
+                         "save the file as UTF-8 (or plain ASCII)") from e
+    fix = ("fix or delete that line (format: 'ImageId,WNID x_min y_min x_max y_max ...', "
+           "as in ImageNet's LOC_val_solution.csv), or pass --labels-csv another file")
     gt: dict[str, str] = {}
-    for n, line in enumerate(lines, 1):
+    reader = csv_mod.reader(text.splitlines(), skipinitialspace=True)
+    try:
+        rows = [(reader.line_num, row) for row in reader]
+    except csv_mod.Error as e:
+        raise StageError(f"{csv}, line {reader.line_num}: malformed CSV ({e}): {fix}") from e
+    for n, row in rows:
+        while len(row) > 2 and not row[-1].strip():
+            row = row[:-1]  # trailing commas (a spreadsheet's empty columns)
+        line = ",".join(row)
         if not line.strip() or (n == 1 and line.replace(" ", "").lower().startswith("imageid,")):
             continue  # blank line or the header "ImageId,PredictionString"
-        image_id, sep, pred = line.partition(",")
-        image_id, tokens = image_id.strip(), pred.split()
-        fix = ("fix or delete that line (format: 'ImageId,WNID x_min y_min x_max y_max ...', "
-               "as in ImageNet's LOC_val_solution.csv), or pass --labels-csv another file")
-        if not sep or not image_id or not tokens:
-            raise StageError(f"{csv}, line {n}: malformed line {line[:100]!r}: {fix}")
+        image_id = row[0].strip()
+        if Path(image_id).suffix.lower() in IMAGE_SUFFIXES:
+            image_id = Path(image_id).stem
+        tokens = row[1].split() if len(row) == 2 else []
+        if len(row) != 2 or not image_id or not tokens:
+            raise StageError(f"{csv}, line {n}: malformed line {line[:100]!r} ({len(row)} "
+                             f"field(s), 2 expected): {fix}")
         if tokens[0] not in known:
             raise StageError(f"{csv}, line {n}: {tokens[0]!r} is not one of the 1000 ImageNet "
                              f"WNIDs (line {line[:100]!r}): {fix}")

@@ -428,3 +428,55 @@ def test_strip_images_are_center_cropped_before_the_resize(monkeypatch):
     seen.clear()
     preprocess_image(Image.new("RGB", (500, 375)), 256, 224, "bilinear")
     assert seen == [(500, 375)]
+
+
+# ------------------------------------------------------------- labels CSV as editors save it
+_ROWS = ["ImageId,PredictionString", "ILSVRC2012_val_00000001,n01440764 1 2 3 4",
+         "ILSVRC2012_val_00000002,n01443537 1 2 3 4", "ILSVRC2012_val_00000003,n01484850 1 2 3 4"]
+
+
+@pytest.mark.parametrize("encode", [
+    lambda rows: ("\r\n".join(rows) + "\r\n").encode("utf-8-sig"),               # Excel: BOM+CRLF
+    lambda rows: ("\n".join(rows)).encode("utf-8-sig"),                          # BOM, no last EOL
+    lambda rows: "\r\n".join(rows[1:]).encode("utf-8-sig"),                      # BOM, no header
+    lambda rows: "\r\n".join(",".join(f'"{c}"' for c in r.split(",")) + ",,"
+                             for r in rows).encode(),                            # quoted, empty cols
+    lambda rows: "\n".join(r.replace("val_00000002,", "val_00000002.JPEG,")
+                           for r in rows).encode(),                              # id with suffix
+])
+def test_labels_csv_with_bom_crlf_quotes_is_read(tmp_path, encode):
+    val = _flat_csv(tmp_path, [])
+    (tmp_path / "LOC_val_solution.csv").write_bytes(encode(_ROWS))
+    items, layout = list_images(val, allow_subset=True)
+    assert layout == "flat+csv" and [c for _, c in items] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("rows, message", [
+    (_ROWS[:2] + ["ILSVRC2012_val_00000002,n01443537 1 2,extra"] + _ROWS[3:],
+     r"line 3: malformed line 'ILSVRC2012_val_00000002,n01443537 1 2,extra' \(3 field\(s\), "
+     r"2 expected\): fix or delete that line"),
+    (_ROWS[:3] + [",n01484850 1 2 3 4"], r"line 4: malformed line ',n01484850"),
+    (_ROWS[:3] + ["ILSVRC2012_val_00000003,"], r"line 4: malformed line"),
+])
+def test_malformed_labels_csv_rows_are_named_by_line(tmp_path, rows, message):
+    val = _flat_csv(tmp_path, [])
+    csv = tmp_path / "LOC_val_solution.csv"
+    csv.write_bytes("\r\n".join(rows).encode("utf-8-sig"))
+    with pytest.raises(StageError, match=message):
+        list_images(val, allow_subset=True)
+    assert csv.read_bytes() == "\r\n".join(rows).encode("utf-8-sig")
+
+
+def test_labels_csv_not_utf8_or_a_fifo_is_named(tmp_path):
+    import os
+
+    val = _flat_csv(tmp_path, [])
+    csv = tmp_path / "LOC_val_solution.csv"
+    csv.write_bytes("\n".join(_ROWS[:2] + ["ILSVRC2012_val_00000002,n01443537 é"]).encode("latin-1"))
+    with pytest.raises(StageError, match=r"LOC_val_solution\.csv, line 3: not UTF-8 text .*: "
+                                         r"save the file as UTF-8"):
+        list_images(val, allow_subset=True)
+    fifo = tmp_path / "labels.csv"
+    os.mkfifo(fifo)
+    with pytest.raises(StageError, match=r"--labels-csv .*labels\.csv is a FIFO \(named pipe\)"):
+        list_images(val, labels_csv=fifo, allow_subset=True)
