@@ -9,6 +9,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shlex
 import shutil
 import stat
@@ -297,6 +298,89 @@ def check_feed(arrays: dict[str, np.ndarray], label: str, producer: str) -> None
         listed = ", ".join(f"{k}: {n}" for k, n in counts.items())
         raise StageError(f"{label}: arrays disagree on the number of samples (axis 0; {listed}): "
                          f"save the same samples for every input ({producer})")
+
+
+# --------------------------------------------------------------------------------------------
+# Leftovers of killed runs
+# --------------------------------------------------------------------------------------------
+# Temporary names this pipeline makes in its own folders (a killed run leaves them behind):
+# atomic_path / mkstemp (".tmp-*"), stage 2's candidate folder, stage 5's work folder (which
+# also holds ModelOpt's intermediates), the write probes of check_writable.
+LEFTOVER_PATTERNS = (".tmp-*", ".stage2-*", ".write-probe-*")
+# the process id in a name: "<prefix>pid<N>." (stage 2 and 5 folders), ".tmp-<N>-" (old names)
+_PID_IN_NAME = re.compile(r"^\.(?:stage2-pid|tmp-5_quantize\.pid|tmp-)(\d+)[.-]")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _held_paths() -> set[str]:
+    """Every path a process of this machine has open or runs in (``/proc/<pid>/fd``, ``cwd``)."""
+    held: set[str] = set()
+    for proc in Path("/proc").glob("[0-9]*"):
+        for link in [proc / "cwd", *((proc / "fd").iterdir() if (proc / "fd").is_dir() and
+                                     os.access(proc / "fd", os.R_OK) else [])]:
+            with contextlib.suppress(OSError):
+                held.add(os.readlink(link))
+    return held
+
+
+def remove_leftovers(folder: Path | str, before: float,
+                     patterns: Sequence[str] = LEFTOVER_PATTERNS) -> list[Path]:
+    """Remove the temporary files and folders a killed run left in ``folder`` (one of the
+    pipeline's own folders; not recursive), after a successful run of the stage that makes them.
+
+    Only names matching ``patterns`` (:data:`LEFTOVER_PATTERNS`) are considered, and one is
+    removed only if it is older than ``before`` (this run's start, ``time.time()``), belongs to
+    this user, is not a symbolic link, its name's process id (where it has one) is not a live
+    process, and no live process has a file open in it or runs in it (``/proc``).
+
+    Returns:
+        the paths removed (the caller names them). Errors while removing are ignored.
+    """
+    folder = Path(folder)
+    cands = []
+    for pattern in patterns:
+        for p in folder.glob(pattern):
+            with contextlib.suppress(OSError):
+                st = p.lstat()
+                if (stat.S_ISLNK(st.st_mode) or st.st_mtime >= before
+                        or st.st_uid != os.getuid()):
+                    continue
+                m = _PID_IN_NAME.match(p.name)
+                if m and int(m.group(1)) != os.getpid() and _pid_alive(int(m.group(1))):
+                    continue
+                cands.append(p)
+    if not cands:
+        return []
+    held = _held_paths()
+    removed = []
+    for p in cands:
+        prefix = str(p.resolve())
+        if any(h == prefix or h.startswith(prefix + os.sep) for h in held):
+            continue
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                p.unlink()
+        if not os.path.lexists(p):
+            removed.append(p)
+    return removed
+
+
+def report_leftovers(removed: Sequence[Path]) -> None:
+    """Print one line naming what :func:`remove_leftovers` removed (nothing when empty)."""
+    if removed:
+        print(f"removed {len(removed)} leftover(s) of an interrupted run: "
+              + ", ".join(str(p) for p in removed[:5]) + (" ..." if len(removed) > 5 else ""))
 
 
 def file_size_mb(path: Path | str) -> float:

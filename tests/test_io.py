@@ -127,3 +127,56 @@ def test_a_fifo_device_or_folder_is_refused_before_it_is_opened(tmp_path, kind):
         load_npz(path, None, "np.savez", flag="--inputs")
     with pytest.raises(StageError, match="not a regular file"):
         check_regular_file(path, "--labels-csv")
+
+
+# ------------------------------------------------------------------------ leftovers
+def test_remove_leftovers_of_a_killed_run_keeps_live_and_new_ones(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from deploykit.io import remove_leftovers
+
+    old = time.time() - 3600
+    made = {}
+    for name in (".stage2-pid999999999-abc", ".tmp-5_quantize.pid999999999.x", ".tmp-fp32.onnx.q1",
+                 f".tmp-{999999999}-calib.npz", ".write-probe-zz"):
+        p = tmp_path / name
+        if "onnx." in name or "stage2" in name or "5_quantize" in name:
+            p.mkdir()
+            (p / "int8_opset19.onnx").write_bytes(b"x")  # a ModelOpt intermediate
+        else:
+            p.write_bytes(b"x")
+        made[name] = p
+    # a live process (the holder) named one folder and holds a file open in another
+    (tmp_path / ".tmp-row.json.held").mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; f = open(sys.argv[1], 'w');"
+                               " print('open', flush=True); time.sleep(60)",
+                               str(tmp_path / ".tmp-row.json.held" / "row.json")],
+                              stdout=subprocess.PIPE, text=True)
+    keep = {"good": tmp_path / "fp32.onnx", "alive": tmp_path / f".stage2-pid{holder.pid}-x",
+            "held": tmp_path / ".tmp-row.json.held", "new": tmp_path / ".tmp-new.json.n",
+            "other": tmp_path / "tmp-not-ours"}
+    for k, p in keep.items():
+        if k == "alive":
+            p.mkdir()
+        elif k != "held":
+            p.write_bytes(b"keep")
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious").write_text("x")
+    (tmp_path / ".tmp-link").symlink_to(victim)
+    for p in [*made.values(), *keep.values(), tmp_path / ".tmp-link"]:
+        if p.name != ".tmp-new.json.n":
+            os.utime(p, (old, old), follow_symlinks=False)
+    try:
+        assert holder.stdout.readline().strip() == "open"
+        os.utime(keep["held"], (old, old))
+        removed = remove_leftovers(tmp_path, time.time() - 60)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert sorted(p.name for p in removed) == sorted(made)
+    assert not any(p.exists() for p in made.values())
+    assert all(p.exists() for p in keep.values())
+    assert (victim / "precious").read_text() == "x" and (tmp_path / ".tmp-link").is_symlink()
