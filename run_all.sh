@@ -255,8 +255,14 @@ take_lock() {
   take_flock
   for _ in 1 2 3; do
     tmpd="$(mktemp -d "$ART_ROOT/.run_all.lock.new-XXXXXX")"
-    printf 'pid=%s\npstart=%s\nstarted=%s\nhost=%s\ncommand=%s\n' "$$" "$(proc_start $$)" \
-      "$(date -u +%FT%TZ)" "$(hostname)" "$run_cmd" > "$tmpd/owner"
+    if ! printf 'pid=%s\npstart=%s\nstarted=%s\nhost=%s\ncommand=%s\n' "$$" "$(proc_start $$)" \
+      "$(date -u +%FT%TZ)" "$(hostname)" "$run_cmd" 2>/dev/null > "$tmpd/owner"; then
+      rm -rf "$tmpd"
+      echo "run_all.sh: cannot write $tmpd/owner (disk full? $(df -Pm "$ART_ROOT" 2>/dev/null |
+        awk 'NR==2 {print $4 " MB free on " $6}')): free some space or point ARTIFACTS at" \
+        "another disk" >&2
+      exit 1
+    fi
     if mv -T "$tmpd" "$LOCK" 2>/dev/null; then lock_held=1; return 0; fi
     rm -rf "$tmpd"
     pid="$(sed -n 's/^pid=//p' "$LOCK/owner" 2>/dev/null || true)"

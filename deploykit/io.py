@@ -76,6 +76,28 @@ def _write_failure(path: Path, e: OSError) -> StageError:
                       f"{keep}: {fix}, then rerun")
 
 
+def disk_full_error(e: OSError) -> StageError | None:
+    """A :class:`StageError` for an ``OSError`` that means the disk (or quota, or file-size
+    limit) is full, naming the file (``e.filename``; else the ARTIFACTS and RESULTS folders)
+    and the free space; None for other errors. Used by :func:`deploykit.cli.cli` for writes
+    outside :func:`atomic_path`."""
+    if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return None
+    if e.filename:
+        return _write_failure(Path(e.filename), e)
+    from deploykit.layout import artifacts_dir, results_dir
+
+    where = []
+    for d in dict.fromkeys((artifacts_dir(), results_dir())):
+        with contextlib.suppress(OSError, StopIteration):
+            usage = shutil.disk_usage(next(p for p in (d, *d.parents) if p.is_dir()))
+            where.append(f"{d}: {usage.free / 1e6:.0f} MB free")
+    return StageError(f"a write failed: {_WRITE_ERRNOS[e.errno]} "
+                      f"[{errno.errorcode[e.errno]}] ({'; '.join(where) or 'free space unknown'})"
+                      ": free some space (df -h) or point ARTIFACTS / RESULTS at another disk, "
+                      "then rerun; files written before stay as they were")
+
+
 @contextlib.contextmanager
 def atomic_path(path: Path | str):
     """Yield a temporary path beside ``path``; rename it to ``path`` only if the block succeeds.
