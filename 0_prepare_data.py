@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 from deploykit.cli import add_shared_args, check_positive, cli, stage_parser
-from deploykit.data.images import list_images
+from deploykit.data.images import list_images, unread_summary
 from deploykit.data.splits import (
     drop_content_duplicates,
     make_splits,
@@ -105,7 +105,10 @@ def main(args: argparse.Namespace) -> dict:
                          "--preprocess mean=..,std=..,crop=..")
     # Check the output folders before the long preprocessing, not after it.
     check_writable(artifacts_dir(), model_results(args.model))
-    items, layout = list_images(root, args.labels_csv, args.allow_class_subset)
+    unread: list[str] = []
+    items, layout = list_images(root, args.labels_csv, args.allow_class_subset, unread)
+    if unread:
+        print(f"WARNING: {unread_summary(root, unread)}", file=sys.stderr)
     ev, ca = make_splits(items, args.eval_per_class, args.calib_per_class,
                          args.calib_fraction, args.seed)
     assert not {p for p, _ in ev} & {p for p, _ in ca}, "eval/calib overlap"
@@ -137,7 +140,7 @@ def main(args: argparse.Namespace) -> dict:
              "calib_fraction": args.calib_fraction, "limit": args.limit, "n_listed": len(items),
              "tune_fraction": args.tune_fraction,
              "eval": [list(i) for i in ev], "calib": [list(i) for i in ca],
-             "tune": [list(i) for i in tu], "unreadable": [],
+             "tune": [list(i) for i in tu], "unreadable": [], "unread_format": unread,
              "eval_dropped_same_bytes_as_calib": dup}
     caches = {}
     for name in ("eval", "calib", "tune"):
@@ -163,6 +166,7 @@ def main(args: argparse.Namespace) -> dict:
                "n_calib": len(split["calib"]), "n_tune": len(split["tune"]),
                "tune_fraction": args.tune_fraction,
                "n_unreadable": len(split["unreadable"]),
+               "n_unread_format": len(unread), "unread_format": unread[:100],
                "n_eval_dropped_duplicates": len(dup),
                "eval_classes": len({c for _, c in split["eval"]}),
                "calib_classes": len({c for _, c in split["calib"]}),
@@ -171,7 +175,9 @@ def main(args: argparse.Namespace) -> dict:
     write_json(model_results(args.model) / "data.json", summary)
     print(f"data: {layout} {root}: {summary['n_eval']} eval / {summary['n_calib']} calib images"
           + (f" / {summary['n_tune']} tuning" if summary["n_tune"] else "")
-          + f", {summary['n_unreadable']} unreadable -> {splits_path()}")
+          + f", {summary['n_unreadable']} unreadable"
+          + (f", {len(unread)} in a format not read" if unread else "")
+          + f" -> {splits_path()}")
     return summary
 
 

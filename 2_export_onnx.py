@@ -39,6 +39,7 @@ and the stage exits 0 with a ``WARNING:`` line (the failure, the fix command, ``
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import tempfile
@@ -57,7 +58,8 @@ from deploykit.cli import add_shared_args, cli, stage_parser
 from deploykit.errors import StageError, UsageError
 from deploykit.evaluate import require_batch_axis
 from deploykit.install import install, install_rejected, rejected_path, set_aside
-from deploykit.io import check_writable, file_size_mb, sha256_file, write_json
+from deploykit.io import (check_writable, file_size_mb, remove_leftovers, report_leftovers,
+                          sha256_file, write_json)
 from deploykit.layout import model_artifacts, model_results
 from deploykit.models import build_model, forward_error, parse_input_shapes
 from deploykit.results import provenance
@@ -146,7 +148,7 @@ def main(args: argparse.Namespace) -> dict:
                     "opset": opset, "example_batch": EXAMPLE_BATCH, "n_check": n,
                     "check_inputs": "real" if real else "synthetic (seeded N(0,1))",
                     "fp16_keep_fp32": keep, "files": {}}
-    cand_dir = Path(tempfile.mkdtemp(dir=onnx_dir, prefix=".stage2-"))
+    cand_dir = Path(tempfile.mkdtemp(dir=onnx_dir, prefix=f".stage2-pid{os.getpid()}-"))
     try:
         cand = {k: cand_dir / p.name for k, p in final.items()}
         ex_warn, declared = export_fp32(model, repeat_rows(feed, EXAMPLE_BATCH), cand["fp32"],
@@ -242,6 +244,7 @@ def main(args: argparse.Namespace) -> dict:
             print(fp16_rejected_warning(res["fp16"], final["fp16"], results_json,
                                         fp16_fix_command(more) if more != keep else None,
                                         no_fp16_command()), file=sys.stderr)
+        report_leftovers(remove_leftovers(onnx_dir, started))
         return record
     finally:
         shutil.rmtree(cand_dir, ignore_errors=True)

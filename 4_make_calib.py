@@ -43,7 +43,8 @@ from deploykit.cli import add_shared_args, check_positive, cli, require, stage_p
 from deploykit.data.images import normalize
 from deploykit.data.splits import load_split, load_splits
 from deploykit.errors import StageError, UsageError
-from deploykit.io import atomic_path, sha256_file, write_json
+from deploykit.io import (atomic_path, remove_leftovers, report_leftovers, sha256_file,
+                          write_json)
 from deploykit.layout import model_results, splits_path
 from deploykit.models import ModelSpec, example_inputs, model_spec
 from deploykit.onnx.graph import graph_inputs, load_onnx
@@ -218,6 +219,8 @@ def main(args: argparse.Namespace) -> dict:
                   n_images=report["n_samples"] if spec.classifier else None)
     record["provenance"] = provenance(args, [onnx_path, out], started)
     write_json(model_results(args.model) / "calib.json", record)
+    report_leftovers(remove_leftovers(out.parent, started, (f".tmp-{out.name[:64]}.*",
+                                                            f".tmp-*-{out.name}")))
     shapes = ", ".join(f"{k!r} {v['dtype']} {tuple(v['shape'])}"
                        for k, v in report["inputs"].items())
     print(f"calib: {report['n_samples']} samples ({fields['source'].split(':')[0]}, order seed "

@@ -47,14 +47,16 @@ when it fails (2 for a bad AUTO_ARGS).
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import signal
 import sys
 import tempfile
+import time
 from pathlib import Path
 from deploykit.cli import HelpFormatter, add_shared_args, cli
 from deploykit.errors import StageError, UsageError
-from deploykit.io import check_writable
+from deploykit.io import check_writable, remove_leftovers, report_leftovers
 from deploykit import layout
 from deploykit.layout import calib_path, fp32_onnx_path, model_artifacts, model_results
 from deploykit.onnx.graph import load_onnx
@@ -189,6 +191,7 @@ def main(args: argparse.Namespace) -> list[dict]:
             a failed ModelOpt run or verification, or a variant that does not apply.
         SystemExit: int8_auto's search failed: its exit status.
     """
+    started = time.time()
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(line_buffering=True)  # in order with the children's output
     selected = list(dict.fromkeys(args.selected or []))  # a variant given twice is made once
@@ -230,10 +233,12 @@ def main(args: argparse.Namespace) -> list[dict]:
     # work folder sits beside the outputs (same file system: the final rename is atomic) and
     # also receives ModelOpt's intermediate files (<name>_opset19.onnx, <name>_reconciled.onnx,
     # written beside --output_path and left there when ModelOpt fails).
-    work = Path(tempfile.mkdtemp(dir=onnx_dir, prefix=".tmp-5_quantize."))
+    work = Path(tempfile.mkdtemp(dir=onnx_dir, prefix=f".tmp-5_quantize.pid{os.getpid()}."))
     try:
-        return quantize_all(args, selected, env, eps, src, calib, onnx_dir, res_dir, work,
-                             fp32_model, dw, stem)
+        records = quantize_all(args, selected, env, eps, src, calib, onnx_dir, res_dir, work,
+                               fp32_model, dw, stem)
+        report_leftovers(remove_leftovers(onnx_dir, started) + remove_leftovers(res_dir, started))
+        return records
     finally:
         shutil.rmtree(work, ignore_errors=True)
         for s, h in old_handlers.items():

@@ -125,7 +125,7 @@ def main(args: argparse.Namespace) -> dict:
         return record
     if args.calibration_method == "awq_clip":
         calib = require(Path(args.calib or calib_path(args.model)), "4_make_calib.py")
-        data = load_npz(calib, None, "4_make_calib.py")
+        data = load_npz(calib, None, "4_make_calib.py", flag="--calib", feed=True)
         ref, ref_src = (None, "skipped (--no-stats-check)") if args.no_stats_check else \
             calibration_reference(args.model, src)
         calib_rec = validate_calibration(src, data, ref, source=str(calib),

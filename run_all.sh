@@ -329,8 +329,14 @@ take_lock() {
   take_flock
   for _ in 1 2 3; do
     tmpd="$(mktemp -d "$ART_ROOT/.run_all.lock.new-XXXXXX")"
-    printf 'pid=%s\npstart=%s\nstarted=%s\nhost=%s\ncommand=%s\n' "$$" "$(proc_start $$)" \
-      "$(date -u +%FT%TZ)" "$(hostname)" "$run_cmd" > "$tmpd/owner"
+    if ! printf 'pid=%s\npstart=%s\nstarted=%s\nhost=%s\ncommand=%s\n' "$$" "$(proc_start $$)" \
+      "$(date -u +%FT%TZ)" "$(hostname)" "$run_cmd" 2>/dev/null > "$tmpd/owner"; then
+      rm -rf "$tmpd"
+      echo "run_all.sh: cannot write $tmpd/owner (disk full? $(df -Pm "$ART_ROOT" 2>/dev/null |
+        awk 'NR==2 {print $4 " MB free on " $6}')): free some space or point ARTIFACTS at" \
+        "another disk" >&2
+      exit 1
+    fi
     if mv -T "$tmpd" "$LOCK" 2>/dev/null; then lock_held=1; return 0; fi
     rm -rf "$tmpd"
     pid="$(sed -n 's/^pid=//p' "$LOCK/owner" 2>/dev/null || true)"
@@ -418,13 +424,29 @@ quote_args() {
   printf '%s' "$out"
 }
 
+# Open a stage's log as fd 8, created fresh: whatever is at its name (an old log, or a link
+# planted there) is removed, and noclobber makes bash create it with O_EXCL, which never
+# writes through a link planted in between.
+open_log() {
+  rm -f -- "$1"
+  if ! { set -C; exec 8>"$1"; } 2>/dev/null; then
+    set +C
+    echo "  FAILED: cannot create the log $1 (something else was created there meanwhile?)" >&2
+    exit 1
+  fi
+  set +C
+}
+
 # Run one command of a stage; on failure print its log tail and stop the pipeline. On success
 # print skip reasons and warnings (first 3), then the last 3 lines.
 run() {
-  local name="$1" log="$LOG_DIR/$1.log"; shift
+  local name="$1" log="$LOG_DIR/$1.log" rc=0; shift
   cur_cmd="$(quote_args "$@")"
+  open_log "$log"
   start_ticker "$log" "$name"
-  if ! "$@" >"$log" 2>&1; then
+  "$@" >&8 2>&1 || rc=$?
+  exec 8>&-
+  if [ "$rc" != 0 ]; then
     stop_ticker
     echo "  FAILED: $cur_cmd" >&2
     log_text "$log" | tail -n 25 | sed 's/^/  | /' >&2
@@ -440,8 +462,11 @@ run() {
 
 # A command that must fail (a failure reproduction): its failure is the expected result.
 run_expect_failure() {
-  local log="$LOG_DIR/$1.log"; shift
-  if "$@" >"$log" 2>&1; then
+  local log="$LOG_DIR/$1.log" rc=0; shift
+  open_log "$log"
+  "$@" >&8 2>&1 || rc=$?
+  exec 8>&-
+  if [ "$rc" = 0 ]; then
     echo "  NOTE: expected failure did not reproduce (fixed upstream?): $(quote_args "$@")"
   else
     echo "  expected failure reproduced: $(grep -m1 -E 'FAILED|Error' "$log" | cut -c1-160)"

@@ -23,7 +23,9 @@ def cli(get_args_parser: Callable[[], Any], main: Callable[[Any], Any]) -> None:
     :class:`StageError` exits 1 with its message; Ctrl-C (``KeyboardInterrupt``) exits 130
     with one line, no traceback (every output is written atomically, so nothing half-written is
     left under a final name); ``MemoryError`` exits 1 with a message naming the flags that size
-    the arrays; other exceptions propagate (traceback, 1).
+    the arrays; an ``OSError`` of a full disk, quota or file-size limit exits 1 naming the file
+    and the free space (:func:`deploykit.io.disk_full_error`); other exceptions propagate
+    (traceback, 1).
     """
     parser = get_args_parser()
     args = parser.parse_args()
@@ -39,6 +41,14 @@ def cli(get_args_parser: Callable[[], Any], main: Callable[[Any], Any]) -> None:
         sys.exit(2)
     except StageError as e:
         print(f"{parser.prog}: FAILED: {e}", file=sys.stderr)
+        sys.exit(1)
+    except OSError as e:
+        from deploykit.io import disk_full_error
+
+        full = disk_full_error(e)
+        if full is None:
+            raise
+        print(f"{parser.prog}: FAILED: {full}", file=sys.stderr)
         sys.exit(1)
     except MemoryError as e:
         sizing = [f"--{n.replace('_', '-')} {getattr(args, n)}" for n in

@@ -16,7 +16,7 @@ from deploykit.checks.export import (
     other_paths,
 )
 from deploykit.checks.lint import DEFAULT_EXAMPLE_BATCH
-from deploykit.cli import require
+from deploykit.io import load_npz
 from deploykit.data.images import normalize
 from deploykit.data.splits import load_split
 from deploykit.data.user import input_names, load_inputs, reference_inputs

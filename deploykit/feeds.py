@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any, Sequence
 import numpy as np
 
-from deploykit.cli import require
 from deploykit.data.images import normalize
 from deploykit.data.splits import load_split
-from deploykit.errors import UsageError
+from deploykit.errors import StageError, UsageError
+from deploykit.io import load_npz
 from deploykit.evaluate import batch_plan
 from deploykit.models import ModelSpec, example_inputs, model_spec, parse_input_shapes
 from deploykit.onnx.graph import graph_inputs, load_onnx, static_batch
@@ -21,7 +21,8 @@ from deploykit.onnx.graph import graph_inputs, load_onnx, static_batch
 # Inputs for the CLI
 # --------------------------------------------------------------------------------------------
 def load_feed(npz: Path | str | None, model: str | None, n: int, onnx_path: Path | str,
-              input_shapes: Sequence[str] | None = None, seed: int = 0) -> dict[str, np.ndarray]:
+              input_shapes: Sequence[str] | None = None, seed: int = 0, flag: str = "--inputs"
+              ) -> dict[str, np.ndarray]:
     """Inputs for a comparison: ``n`` samples (batch on axis 0), whatever batch the model runs
     at (see :func:`feed_plan` for how they are fed).
 
@@ -35,7 +36,11 @@ def load_feed(npz: Path | str | None, model: str | None, n: int, onnx_path: Path
         input_shapes: ``--input-shape`` values for random inputs (:func:`deploykit.models.parse_input_shapes`);
             their first dimension is the batch per run (:func:`input_shape_batch`), not the
             number of samples.
+        flag: the option that named ``npz`` (in messages).
     Raises:
+        StageError: ``npz`` is not a regular file, unreadable, holds object / non-numeric /
+            empty arrays, sample counts that disagree (:func:`deploykit.io.load_npz`) or an
+            array whose rank is not its model input's.
         UsageError: the npz keys do not match the model's inputs, or an image classifier's
             ONNX has several inputs.
     """
@@ -43,15 +48,22 @@ def load_feed(npz: Path | str | None, model: str | None, n: int, onnx_path: Path
     ins = graph_inputs(m)
     names = [name for name, _, _ in ins]
     if npz:
-        path = require(Path(npz), "a previous stage (or np.savez) writing the inputs")
-        with np.load(path) as z:
-            feed = {k: z[k] for k in z.files}
+        feed = load_npz(npz, None, "np.savez(path, <input name>=array, ...)", flag=flag,
+                        feed=True)
         missing = [k for k in names if k not in feed]
-        if missing:
-            if len(names) == 1 and len(feed) == 1:
-                return {names[0]: next(iter(feed.values()))}
-            raise UsageError(f"--inputs {npz}: keys {sorted(feed)} lack model inputs {missing}")
-        return {k: feed[k] for k in names}
+        if missing and not (len(names) == 1 and len(feed) == 1):
+            raise UsageError(f"{flag} {npz}: keys {sorted(feed)} lack model inputs {missing}: "
+                             "name each array by its model input, np.savez(path, "
+                             f"{names[0]}=array, ...)")
+        feed = ({names[0]: next(iter(feed.values()))} if missing else
+                {k: feed[k] for k in names})
+        for name, dims, _ in ins:
+            if dims is not None and feed[name].ndim != len(dims):
+                raise StageError(f"{flag} {npz}: array {name!r} has rank {feed[name].ndim} "
+                                 f"(shape {list(feed[name].shape)}); the model's input {name} "
+                                 f"has rank {len(dims)} {dims}: save it as [N, ...] with the "
+                                 "model's dimensions")
+        return feed
     spec = model_spec(model) if model else None
     if spec is not None and spec.classifier:  # a custom model gets random inputs (below)
         if len(names) != 1:

@@ -393,6 +393,9 @@ def _load_checkpoint(path: Path):
     """Load a state dict (``weights_only=True``); accepts ``{"state_dict"|"model": ...}`` too."""
     import torch
 
+    from deploykit.io import check_regular_file
+
+    check_regular_file(path, "--weights")
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unpickling error is reported the same way

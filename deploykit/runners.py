@@ -387,7 +387,109 @@ class OrtRunner(Runner):
                                         provider_options=opts,
                                         disabled_optimizers=self.disabled_optimizers)
         except Exception as e:  # noqa: BLE001 - ORT raises its own Fail/InvalidGraph types
-            raise StageError(f"onnxruntime cannot load {self.label}: {e}") from e
+            raise StageError(self._load_error(e)) from e
+
+    def _load_error(self, e: Exception) -> str:
+        """One line for an ``InferenceSession`` that failed to load: the opset, IR version,
+        custom op or unknown operator named with the node and the fix; else ORT's message."""
+        import re
+
+        ver, msg = self.ort.__version__, str(e)
+        head = f"onnxruntime {ver} cannot load {self.label}"
+        m = re.search(r"Opset (\d+) is under development.*?domain ([\w.]+) is till opset (\d+)",
+                      msg, re.S)
+        if m:
+            return (f"{head}: it is stamped opset {m[1]} of {m[2]}, this onnxruntime runs up to "
+                    f"opset {m[3]}: re-export with an opset <= {m[3]} (2_export_onnx.py "
+                    "--opset), or upgrade onnxruntime")
+        m = re.search(r"Unsupported model IR version: (\d+), max supported IR version: (\d+)", msg)
+        if m:
+            return (f"{head}: ONNX IR version {m[1]}, this onnxruntime reads up to {m[2]}: save it "
+                    f"with ir_version = {m[2]} (an older onnx package), or upgrade onnxruntime")
+        m = re.search(r"Fatal error: ([\w.]*):(\w+)\(", msg)
+        if m:
+            nodes = self._nodes_of(m[1], m[2])
+            return (f"{head}: node{'s' if len(nodes) > 1 else ''} "
+                    f"{', '.join(map(repr, nodes[:5])) or '?'} use{'' if len(nodes) > 1 else 's'} "
+                    f"{m[1]}:{m[2]}, a custom op this onnxruntime does not implement: register "
+                    "its kernel library (SessionOptions.register_custom_ops_library) or export "
+                    "the model without it")
+        m = re.search(r'In Node, \("([^"]*)", (\w+), "([^"]*)".*?No Op registered for \w+ with '
+                      r"domain_version of (\d+)", msg, re.S)
+        if m:
+            return (f"{head}: node {m[1]!r} has op {m[2]}, which opset {m[4]} of "
+                    f"{m[3] or 'ai.onnx'} does not define: fix the op type, or export with an "
+                    "opset that has it")
+        return f"{head}: {msg}"
+
+    def _nodes_of(self, domain: str, op: str) -> list[str]:
+        """Names of the nodes of op ``domain:op`` (empty where the file cannot be parsed)."""
+        import onnx
+
+        try:
+            m = (onnx.load_from_string(self.path) if isinstance(self.path, bytes)
+                 else onnx.load(str(self.path), load_external_data=False))
+        except Exception:  # noqa: BLE001 - only for a better message
+            return []
+        return [n.name or f"<unnamed {op}>" for n in m.graph.node
+                if n.op_type == op and n.domain == domain]
+
+    _ORT_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16,
+                   "tensor(double)": np.float64, "tensor(int64)": np.int64,
+                   "tensor(int32)": np.int32, "tensor(int8)": np.int8, "tensor(uint8)": np.uint8,
+                   "tensor(bool)": np.bool_, "tensor(int16)": np.int16,
+                   "tensor(uint16)": np.uint16}
+
+    def check_feed(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The model's inputs of ``feed`` (extra keys dropped), checked against the session's
+        inputs before ``run``, where ORT's message names neither the model nor the fix.
+
+        Raises:
+            StageError: an input missing, or one whose dtype, rank or fixed dimension differs
+                from the model's; names the model, the input and the fix.
+        """
+        missing = [n for n in self.input_names if n not in feed]
+        if missing:
+            raise StageError(f"{self.label}: the feed lacks model input(s) {missing} (model "
+                             f"inputs: {self.input_names}; given: {sorted(feed)}): name each "
+                             "array by its model input (np.savez(path, <input name>=array))")
+        for i in self.inputs:
+            a = np.asarray(feed[i.name])
+            want = self._ORT_DTYPES.get(i.type)
+            if want is not None and a.dtype != want:
+                raise StageError(f"{self.label}: input {i.name!r} is {a.dtype}, the model takes "
+                                 f"{np.dtype(want)} ({i.type}): cast it "
+                                 f"(x.astype(np.{np.dtype(want).name})) or use the model made "
+                                 "for that dtype")
+            dims = list(i.shape) if i.shape is not None else None
+            if dims is None:
+                continue
+            if a.ndim != len(dims):
+                raise StageError(f"{self.label}: input {i.name!r} has rank {a.ndim} (shape "
+                                 f"{list(a.shape)}), the model takes rank {len(dims)} {dims}: "
+                                 "give the samples as [N, ...] with the model's dimensions")
+            bad = [k for k, d in enumerate(dims) if isinstance(d, int) and d > 0
+                   and a.shape[k] != d]
+            if bad:
+                k = bad[0]
+                raise StageError(f"{self.label}: input {i.name!r} has shape {list(a.shape)}, "
+                                 f"the model takes {dims} (axis {k}: {a.shape[k]} vs "
+                                 f"{dims[k]}): resize the data, or export the model for this "
+                                 "shape" + (" (a dynamic batch axis)" if k == 0 else ""))
+        return {n: feed[n] for n in self.input_names}
+
+    def _run(self, session, feed: dict[str, np.ndarray]):
+        """``session.run`` with ORT's runtime errors as a :class:`StageError` naming the model
+        (a node's failure names the node ORT reports)."""
+        try:
+            return session.run(None, feed)
+        except Exception as e:  # noqa: BLE001 - ORT's Fail / RuntimeException / InvalidArgument
+            import re
+
+            node = re.search(r"node\. Name:'([^']*)'", str(e))
+            raise StageError(f"onnxruntime failed running {self.label}"
+                             + (f" at node {node[1]!r}" if node else "")
+                             + f": {str(e).splitlines()[0][:400]}") from e
 
     @property
     def batch_range(self):
@@ -399,7 +501,12 @@ class OrtRunner(Runner):
         return 1, None
 
     def infer(self, feed):
-        outs = self.session.run(None, {k: v for k, v in feed.items() if k in self.input_names})
+        """Outputs of one ``run`` on ``feed`` (floating outputs as float32).
+
+        Raises:
+            StageError: the feed does not fit the model (:meth:`check_feed`), or ORT fails.
+        """
+        outs = self._run(self.session, self.check_feed(feed))
         return {n: (o.astype(np.float32) if np.issubdtype(o.dtype, np.floating)
                     and o.dtype != np.float32 else o)
                 for n, o in zip(self.output_names, outs)}
@@ -410,10 +517,16 @@ class OrtRunner(Runner):
         CUDA EP's CUDA graph (``enable_cuda_graph``; extra ``cuda_graph``; a model with nodes
         outside the CUDA EP or with dynamic shapes inside cannot be captured, and the reason is
         recorded)."""
-        feed = {k: v for k, v in feed.items() if k in self.input_names}
-        t = Timing(wall_loop(lambda: self.session.run(None, feed), warmup, iters,
-                             max_seconds=self.max_seconds),
-                   "time.perf_counter around InferenceSession.run (host arrays in and out)")
+        feed = self.check_feed(feed)
+        try:
+            times = wall_loop(lambda: self.session.run(None, feed), warmup, iters,
+                              max_seconds=self.max_seconds)
+        except Exception as e:  # noqa: BLE001 - ORT's errors: named like infer's
+            if isinstance(e, StageError):
+                raise
+            self._run(self.session, feed)  # raises the translated error (or ORT's again)
+            raise
+        t = Timing(times, "time.perf_counter around InferenceSession.run (host arrays in and out)")
         if self.used == "CUDAExecutionProvider":
             try_extra(t, "device_buffers",
                       lambda: self._time_bound(self.session, feed, warmup, iters, "I/O binding"))

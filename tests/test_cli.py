@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -162,3 +163,48 @@ def test_shared_flags_have_one_default_everywhere():
                     seen.setdefault(flag, set()).add(repr(a.default))
     assert seen["--warmup"] == {"20"} and seen["--iters"] == {"200"}
     assert all(len(v) == 1 for v in seen.values()), seen
+
+
+# ------------------------------------------------------------------------ a full disk
+def _run_cli(main, monkeypatch, capsys):
+    import argparse
+
+    from deploykit.cli import cli
+
+    monkeypatch.setattr("sys.argv", ["stage.py"])
+    with pytest.raises(SystemExit) as e:
+        cli(lambda: argparse.ArgumentParser(prog="stage.py"), main)
+    return e.value.code, capsys.readouterr().err
+
+
+def test_a_full_disk_outside_atomic_writes_names_the_file_and_free_space(tmp_path, monkeypatch,
+                                                                          capsys):
+    import errno as errno_mod
+    import os as os_mod
+
+    monkeypatch.setenv("ARTIFACTS", str(tmp_path / "a"))
+    monkeypatch.setenv("RESULTS", str(tmp_path / "r"))
+
+    def stream_to_full_disk(args):  # /dev/full: every write fails with ENOSPC, as a full disk
+        with open("/dev/full", "w") as f:
+            f.write("x" * 100)
+
+    code, err = _run_cli(stream_to_full_disk, monkeypatch, capsys)
+    assert code == 1 and "Traceback" not in err
+    assert re.search(rf"stage\.py: FAILED: a write failed: the disk is full \[ENOSPC\] \("
+                     rf"{re.escape(str(tmp_path / 'a'))}: \d+ MB free; "
+                     rf"{re.escape(str(tmp_path / 'r'))}: \d+ MB free\): free some space", err), err
+
+    def copy_fails(args):
+        raise OSError(errno_mod.ENOSPC, os_mod.strerror(errno_mod.ENOSPC), str(tmp_path / "x.onnx"))
+
+    code, err = _run_cli(copy_fails, monkeypatch, capsys)
+    assert code == 1 and re.search(rf"cannot write {re.escape(str(tmp_path / 'x.onnx'))}: the disk"
+                                   r" is full \[ENOSPC\]; nothing was written under that name: "
+                                   r"free some space \(\d+ MB free of", err), err
+
+    def other(args):
+        raise OSError(errno_mod.ENOENT, "gone")
+
+    with pytest.raises(OSError):  # other OS errors are not disguised as a full disk
+        _run_cli(other, monkeypatch, capsys)

@@ -3,6 +3,8 @@ one copy of runner and graph logic."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -91,3 +93,94 @@ def test_torch_runner_names_dict_outputs_by_their_keys():
     assert np.allclose(out["logits"], 2) and np.allclose(out["embed"], 2)
     with pytest.raises(StageError, match="output 'output_1' is a tuple, not a tensor"):
         TorchRunner(Nested(), "cpu", input_names=["x"]).infer({"x": np.ones((2, 3), np.float32)})
+
+
+# ------------------------------------------------------- ONNX Runtime's errors, translated
+def _graph(nodes, opsets=(("", 17),), dims=("N", 3, 4, 4), ir=None, dtype=None):
+    import onnx
+    from onnx import TensorProto, helper
+
+    dtype = TensorProto.FLOAT if dtype is None else dtype
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", dtype, list(dims))],
+                          [helper.make_tensor_value_info("y", dtype, list(dims))])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid(d, v) for d, v in opsets])
+    if ir is not None:
+        m.ir_version = ir
+    return m
+
+
+def _relu(name="r"):
+    from onnx import helper
+    return helper.make_node("Relu", ["x"], ["y"], name=name)
+
+
+def test_ort_feed_mismatches_name_the_input_and_the_fix(tmp_path):
+    import onnx
+
+    onnx.save(_graph([_relu()]), str(tmp_path / "m.onnx"))
+    r = OrtRunner(tmp_path / "m.onnx")
+    ok = np.zeros((2, 3, 4, 4), np.float32)
+    assert r.infer({"x": ok, "unused": ok})["y"].shape == (2, 3, 4, 4)
+    label = str(tmp_path / "m.onnx")
+    cases = [
+        ({"x": ok.astype(np.float64)}, r"input 'x' is float64, the model takes float32 "
+                                       r"\(tensor\(float\)\): cast it \(x\.astype\(np\.float32\)\)"),
+        ({"x": ok[0]}, r"input 'x' has rank 3 \(shape \[3, 4, 4\]\), the model takes rank 4 "
+                       r"\['N', 3, 4, 4\]"),
+        ({"x": np.zeros((2, 5, 4, 4), np.float32)},
+         r"input 'x' has shape \[2, 5, 4, 4\], the model takes \['N', 3, 4, 4\] \(axis 1: 5 vs 3\)"),
+        ({"z": ok}, r"the feed lacks model input\(s\) \['x'\] \(model inputs: \['x'\]; given: "
+                    r"\['z'\]\): name each array by its model input"),
+    ]
+    for feed, msg in cases:
+        for call in (lambda: r.infer(feed), lambda: r.time(feed, 1, 2)):
+            with pytest.raises(StageError, match=re.escape(label) + ": " + msg):
+                call()
+
+
+@pytest.mark.parametrize("what, model, message", [
+    ("opset", lambda: _graph([_relu()], opsets=(("", 99),)),
+     r"it is stamped opset 99 of ai\.onnx, this onnxruntime runs up to opset \d+: re-export "
+     r"with an opset <= \d+ \(2_export_onnx\.py --opset\)"),
+    ("ir", lambda: _graph([_relu()], ir=99),
+     r"ONNX IR version 99, this onnxruntime reads up to \d+"),
+    ("custom", lambda: _graph([_node("Foo", "foo1", "com.example")],
+                              opsets=(("", 17), ("com.example", 1))),
+     r"node 'foo1' uses com\.example:Foo, a custom op this onnxruntime does not implement: "
+     r"register its kernel library \(SessionOptions\.register_custom_ops_library\)"),
+    ("unknown", lambda: _graph([_node("Rleu", "typo")]),
+     r"node 'typo' has op Rleu, which opset 17 of ai\.onnx does not define"),
+])
+def test_ort_load_errors_name_the_node_or_opset_and_the_fix(tmp_path, what, model, message):
+    import onnx
+
+    path = tmp_path / f"{what}.onnx"
+    onnx.save(model(), str(path))
+    with pytest.raises(StageError, match=r"onnxruntime [\d.]+ cannot load " + re.escape(str(path))
+                       + ": " + message):
+        OrtRunner(path)
+    with pytest.raises(StageError, match=message):  # serialized bytes too
+        OrtRunner(path.read_bytes())
+
+
+def _node(op, name, domain=""):
+    from onnx import helper
+    return helper.make_node(op, ["x"], ["y"], name=name, domain=domain)
+
+
+def test_ort_runtime_node_failure_names_the_node(tmp_path):
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    g = helper.make_graph(
+        [helper.make_node("Reshape", ["x", "shape"], ["y"], name="head/reshape")], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(np.array([-1, 2], np.int64), "shape")])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]),
+              str(tmp_path / "r.onnx"))
+    r = OrtRunner(tmp_path / "r.onnx")
+    assert r.infer({"x": np.zeros((2, 3), np.float32)})["y"].shape == (3, 2)
+    with pytest.raises(StageError, match=r"onnxruntime failed running .*r\.onnx at node "
+                                         r"'head/reshape': "):
+        r.infer({"x": np.zeros((1, 3), np.float32)})

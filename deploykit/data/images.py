@@ -18,7 +18,23 @@ from deploykit.layout import DEFAULT_DATA
 # --------------------------------------------------------------------------------------------
 # Data: listing, loading, preprocessing, splits, cache
 # --------------------------------------------------------------------------------------------
-IMAGE_SUFFIXES = {".jpeg", ".jpg", ".png", ".bmp", ".webp", ".tif", ".tiff"}
+# Suffixes read (Pillow decodes all of them without plugins; a GIF contributes its first frame).
+IMAGE_SUFFIXES = {".jpeg", ".jpg", ".jpe", ".jfif", ".png", ".bmp", ".webp", ".tif", ".tiff",
+                  ".gif", ".ppm", ".pgm", ".pbm", ".pnm", ".tga"}
+# Image suffixes not read (no decoder without plugins, or not reliable: multi-image, vector,
+# camera raw, HDR): such files are counted and named by the data stage, never silently skipped.
+UNREAD_IMAGE_SUFFIXES = {".heic", ".heif", ".avif", ".jxl", ".jp2", ".j2k", ".jpx", ".svg",
+                         ".psd", ".ico", ".icns", ".dds", ".exr", ".hdr", ".raw", ".dng", ".cr2",
+                         ".cr3", ".nef", ".arw", ".orf", ".rw2", ".raf", ".pcx", ".xcf",
+                         ".jpg2", ".pic", ".sgi", ".eps", ".apng"}
+
+# An image whose long side exceeds this many times its short side is center-cropped to that
+# ratio before the resize (the evaluation crop is square and central, so nothing it uses is
+# lost): resizing an 8000x1 strip to a 256-pixel short side would allocate 2048000x256 pixels.
+MAX_ASPECT = 4
+# JPEGs above Pillow's MAX_IMAGE_PIXELS are decoded at a reduced DCT scale (draft mode) whose
+# short side stays at least this many pixels (above every model's resize).
+DRAFT_MIN_SIDE = 1024
 
 
 _WNID = re.compile(r"^n\d{8}$")
@@ -62,8 +78,8 @@ def _dir_key(path: Path) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
-def _images_under(folder: Path, seen: set | None = None,
-                  repeats: list | None = None) -> list[Path]:
+def _images_under(folder: Path, seen: set | None = None, repeats: list | None = None,
+                  unread: list | None = None) -> list[Path]:
     """Image files anywhere below ``folder`` (links followed, hidden names skipped), sorted;
     torchvision ``ImageFolder``'s walk (``os.walk(followlinks=True)``) except that a folder is
     entered once: a link back to an enclosing folder (a loop) or to a folder already listed
@@ -72,6 +88,7 @@ def _images_under(folder: Path, seen: set | None = None,
     Args:
         seen: ``(st_dev, st_ino)`` of the folders already listed (shared between calls;
             updated). repeats: receives each link not followed, as ``(link, real folder)``.
+        unread: receives the files with a suffix of :data:`UNREAD_IMAGE_SUFFIXES`.
     """
     seen = set() if seen is None else seen
     key = _dir_key(folder)
@@ -94,29 +111,57 @@ def _images_under(folder: Path, seen: set | None = None,
         dirnames[:] = keep
         out += [Path(dirpath) / f for f in filenames
                 if not f.startswith(".") and Path(f).suffix.lower() in IMAGE_SUFFIXES]
+        if unread is not None:
+            unread += [Path(dirpath) / f for f in filenames if not f.startswith(".")
+                       and Path(f).suffix.lower() in UNREAD_IMAGE_SUFFIXES]
     return sorted(out)
 
 
 def _read_labels_csv(csv: Path, known: dict[str, int]) -> dict[str, str]:
     """``{ImageId: WNID}`` of a ``LOC_val_solution.csv`` (``ImageId,WNID x0 y0 x1 y1 ...``).
 
+    Read as a spreadsheet or Windows editor may have saved it: UTF-8 with or without a byte
+    order mark (``utf-8-sig``), LF or CRLF line ends, fields quoted or not, an ImageId written
+    with its file suffix (``ILSVRC2012_val_00000001.JPEG``).
+
     Raises:
-        StageError: unreadable file, or a malformed line / unknown WNID, named by line number.
+        StageError: not a regular file (FIFO, device), unreadable, not UTF-8, or a malformed
+            line / unknown WNID / conflicting label, named by line number.
     """
+    import csv as csv_mod
+
+    from deploykit.io import check_regular_file
+
+    check_regular_file(csv, "--labels-csv")
     try:
-        lines = csv.read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise StageError(f"cannot read {csv}: {e}") from e
+        text = csv.read_bytes().decode("utf-8-sig")
+    except OSError as e:
+        raise StageError(f"cannot read --labels-csv {csv}: {e.strerror or e}") from e
+    except UnicodeDecodeError as e:
+        line = csv.read_bytes()[:e.start].count(b"\n") + 1
+        raise StageError(f"{csv}, line {line}: not UTF-8 text ({e.reason} at byte {e.start}): "
+                         "save the file as UTF-8 (or plain ASCII)") from e
+    fix = ("fix or delete that line (format: 'ImageId,WNID x_min y_min x_max y_max ...', "
+           "as in ImageNet's LOC_val_solution.csv), or pass --labels-csv another file")
     gt: dict[str, str] = {}
-    for n, line in enumerate(lines, 1):
+    reader = csv_mod.reader(text.splitlines(), skipinitialspace=True)
+    try:
+        rows = [(reader.line_num, row) for row in reader]
+    except csv_mod.Error as e:
+        raise StageError(f"{csv}, line {reader.line_num}: malformed CSV ({e}): {fix}") from e
+    for n, row in rows:
+        while len(row) > 2 and not row[-1].strip():
+            row = row[:-1]  # trailing commas (a spreadsheet's empty columns)
+        line = ",".join(row)
         if not line.strip() or (n == 1 and line.replace(" ", "").lower().startswith("imageid,")):
             continue  # blank line or the header "ImageId,PredictionString"
-        image_id, sep, pred = line.partition(",")
-        image_id, tokens = image_id.strip(), pred.split()
-        fix = ("fix or delete that line (format: 'ImageId,WNID x_min y_min x_max y_max ...', "
-               "as in ImageNet's LOC_val_solution.csv), or pass --labels-csv another file")
-        if not sep or not image_id or not tokens:
-            raise StageError(f"{csv}, line {n}: malformed line {line[:100]!r}: {fix}")
+        image_id = row[0].strip()
+        if Path(image_id).suffix.lower() in IMAGE_SUFFIXES:
+            image_id = Path(image_id).stem
+        tokens = row[1].split() if len(row) == 2 else []
+        if len(row) != 2 or not image_id or not tokens:
+            raise StageError(f"{csv}, line {n}: malformed line {line[:100]!r} ({len(row)} "
+                             f"field(s), 2 expected): {fix}")
         if tokens[0] not in known:
             raise StageError(f"{csv}, line {n}: {tokens[0]!r} is not one of the 1000 ImageNet "
                              f"WNIDs (line {line[:100]!r}): {fix}")
@@ -128,7 +173,8 @@ def _read_labels_csv(csv: Path, known: dict[str, int]) -> dict[str, str]:
 
 
 def list_images(root: Path | str, labels_csv: Path | str | None = None,
-                allow_subset: bool = False) -> tuple[list[tuple[str, int]], str]:
+                allow_subset: bool = False, unread: list | None = None
+                ) -> tuple[list[tuple[str, int]], str]:
     """List labelled images under ``root``, every label checked against the 1000 ImageNet WNIDs.
 
     Layouts (class index = position of the WNID in :func:`imagenet_wnids`, never in the list
@@ -143,6 +189,9 @@ def list_images(root: Path | str, labels_csv: Path | str | None = None,
 
     Args:
         allow_subset: accept data that covers only some of the 1000 classes.
+        unread: receives (sorted, relative to ``root``) the files that look like images but
+            have a suffix this pipeline does not read (:data:`UNREAD_IMAGE_SUFFIXES`): the
+            caller reports them.
     Returns:
         ``([(path relative to root, class index)], layout)`` sorted by path.
     Raises:
@@ -159,6 +208,8 @@ def list_images(root: Path | str, labels_csv: Path | str | None = None,
     dirs = sorted(d for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
     files = sorted(f for f in root.iterdir() if f.is_file() and not f.name.startswith(".")
                    and f.suffix.lower() in IMAGE_SUFFIXES)
+    skipped = sorted(f for f in root.iterdir() if f.is_file() and not f.name.startswith(".")
+                     and f.suffix.lower() in UNREAD_IMAGE_SUFFIXES)
     items: list[tuple[str, str]] = []
     if any(_WNID.match(d.name) for d in dirs):
         layout = "class-folders"
@@ -175,7 +226,7 @@ def list_images(root: Path | str, labels_csv: Path | str | None = None,
                              f"the same folder ({twice[0][0].resolve()}), so its images would "
                              "get two labels: remove the link(s) that make them one")
         repeats: list[tuple[Path, Path]] = []
-        per_dir = {d: _images_under(d, seen, repeats) for d in dirs}
+        per_dir = {d: _images_under(d, seen, repeats, skipped) for d in dirs}
         if repeats:
             link, real = repeats[0]
             print(f"WARNING: {len(repeats)} folder link(s) in {root} lead to a folder listed "
@@ -203,7 +254,10 @@ def list_images(root: Path | str, labels_csv: Path | str | None = None,
                              f"folders (<WNID>/): use --data-root {deeper[0]} "
                              f"(VAL_ROOT={deeper[0]})")
         raise StageError(f"no images in {root} (looked for {sorted(IMAGE_SUFFIXES)} files and "
-                         "<WNID>/ class folders)")
+                         "<WNID>/ class folders)" + (
+                             f"; {len(skipped)} file(s) in a format not read "
+                             f"({_suffix_counts(skipped)}, first: {skipped[0].name}): convert "
+                             "them to JPEG or PNG" if skipped else ""))
     else:
         csv = Path(labels_csv) if labels_csv else None
         if csv is None:
@@ -233,6 +287,8 @@ def list_images(root: Path | str, labels_csv: Path | str | None = None,
                 f"cannot label the images in {root} ({len(odd)} of {len(files)} names do not "
                 f"start with a WNID, first: {odd[0]}): use class folders <WNID>/*.JPEG, put "
                 "LOC_val_solution.csv beside them, or name files <WNID>_*.JPEG")
+    if unread is not None:
+        unread += sorted(f.relative_to(root).as_posix() for f in skipped)
     if not items:
         raise StageError(f"no images in the class folders of {root}")
     present = {w for _, w in items}
@@ -244,6 +300,23 @@ def list_images(root: Path | str, labels_csv: Path | str | None = None,
             f"1000-WNID list, so a subset is labelled correctly: pass {SUBSET_FLAG} to "
             "evaluate on the classes present")
     return sorted((p, known[w]) for p, w in items), layout
+
+
+def _suffix_counts(files: Sequence[Path | str]) -> str:
+    """``"3 .heic, 1 .svg"``: how many of ``files`` have each suffix."""
+    counts: dict[str, int] = {}
+    for f in files:
+        counts[Path(f).suffix.lower()] = counts.get(Path(f).suffix.lower(), 0) + 1
+    return ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+
+
+def unread_summary(root: Path | str, unread: Sequence[str]) -> str:
+    """One line for the data stage's output naming the files :func:`list_images` did not
+    read (count per suffix, the first five names) and the fix."""
+    names = ", ".join(str(f) for f in unread[:5]) + (" ..." if len(unread) > 5 else "")
+    return (f"{len(unread)} file(s) in {root} have an image suffix this pipeline does not read "
+            f"({_suffix_counts(unread)}): not used: {names}; convert them to JPEG or PNG "
+            f"(read: {' '.join(sorted(IMAGE_SUFFIXES))})")
 
 
 class LargeImageWarning(UserWarning):
@@ -306,13 +379,19 @@ def to_rgb8(im):
 
 
 def load_image_rgb(path: Path | str):
-    """Open an image as an 8-bit RGB PIL image with its real contents (:func:`to_rgb8`:
+    """Open an image as an 8-bit RGB PIL image with its real contents, upright (:func:`to_rgb8`:
     16-bit, 32-bit and float images scaled, alpha composited over white, grayscale, CMYK,
     palette and PNG data in a .JPEG file converted).
 
+    The EXIF ``Orientation`` tag is applied (``PIL.ImageOps.exif_transpose``), as image viewers
+    and torchvision's ``decode_jpeg(apply_exif_orientation=True)`` do: a phone photo stored
+    sideways is seen as taken.
+
     An image above ``PIL.Image.MAX_IMAGE_PIXELS`` (89.5 MP) is decoded with a
-    :class:`LargeImageWarning` naming the file; above twice that, Pillow refuses it
-    (``DecompressionBombError``), which the caller reports as unreadable.
+    :class:`LargeImageWarning` naming the file and its size; a JPEG that large is decoded at a
+    reduced DCT scale (Pillow's draft mode, short side >= :data:`DRAFT_MIN_SIDE`), so memory
+    stays bounded. Above twice the limit, Pillow refuses it before decoding
+    (``DecompressionBombError`` with the pixel count), which the caller reports as unreadable.
 
     Raises:
         OSError, PIL.UnidentifiedImageError, PIL.Image.DecompressionBombError, ValueError:
@@ -320,28 +399,39 @@ def load_image_rgb(path: Path | str):
     """
     import warnings
 
-    from PIL import Image
+    from PIL import Image, ImageOps
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", Image.DecompressionBombWarning)
         with Image.open(path) as im:
+            w, h = im.size
+            big = Image.MAX_IMAGE_PIXELS is not None and w * h > Image.MAX_IMAGE_PIXELS
+            if big and im.format == "JPEG" and min(w, h) >= 2 * DRAFT_MIN_SIDE:
+                k = min(w, h) // DRAFT_MIN_SIDE  # draft picks a scale 1/2..1/8 keeping >= size
+                im.draft(None, (max(1, w // k), max(1, h // k)))
             im.load()
-            rgb = to_rgb8(im)
-    for w in caught:
-        if issubclass(w.category, Image.DecompressionBombWarning):
+            rgb = to_rgb8(ImageOps.exif_transpose(im))
+    for wn in caught:
+        if issubclass(wn.category, Image.DecompressionBombWarning):
             warnings.warn(LargeImageWarning(
-                f"{path}: {rgb.width}x{rgb.height} px ({rgb.width * rgb.height / 1e6:.0f} MP) "
-                f"is above Pillow's MAX_IMAGE_PIXELS ({Image.MAX_IMAGE_PIXELS / 1e6:.1f} MP): "
-                f"decoding it is slow and takes {rgb.width * rgb.height * 3 / 1e9:.1f} GB; "
-                "downscale it if it is not meant to be that large"), stacklevel=2)
+                f"{path}: {w}x{h} px ({w * h / 1e6:.0f} MP) is above Pillow's MAX_IMAGE_PIXELS "
+                f"({Image.MAX_IMAGE_PIXELS / 1e6:.1f} MP): "
+                + (f"decoded at {rgb.width}x{rgb.height} (JPEG draft mode)" if
+                   (rgb.width, rgb.height) not in ((w, h), (h, w)) else
+                   f"decoding it is slow and takes {w * h * 3 / 1e9:.1f} GB")
+                + "; downscale it if it is not meant to be that large"), stacklevel=2)
         else:
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+            warnings.warn_explicit(wn.message, wn.category, wn.filename, wn.lineno)
     return rgb
 
 
 def preprocess_image(img, resize: int, crop: int, interpolation: str) -> np.ndarray:
     """Resize (short side, antialiased) + center crop, as torchvision's classification
     reference does at evaluation.
+
+    An image whose long side is more than :data:`MAX_ASPECT` times its short side is first
+    center-cropped to that ratio (memory stays bounded: an 8000x1 strip would otherwise be
+    resized to 2048000x256); the square center crop lies inside what is kept.
 
     Args:
         img: RGB PIL image.
@@ -353,6 +443,12 @@ def preprocess_image(img, resize: int, crop: int, interpolation: str) -> np.ndar
 
     mode = {"bilinear": InterpolationMode.BILINEAR, "bicubic": InterpolationMode.BICUBIC,
             "nearest": InterpolationMode.NEAREST}[interpolation]
+    w, h = img.size
+    short = min(w, h)
+    if max(w, h) > MAX_ASPECT * short:  # a strip: keep its center (the crop's source and more)
+        keep = MAX_ASPECT * short
+        left, top = ((w - keep) // 2, 0) if w > h else (0, (h - keep) // 2)
+        img = img.crop((left, top, left + (keep if w > h else w), top + (h if w > h else keep)))
     img = F.resize(img, [resize], interpolation=mode, antialias=True)
     img = F.center_crop(img, [crop, crop])
     return np.asarray(F.pil_to_tensor(img), dtype=np.uint8)

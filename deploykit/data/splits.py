@@ -18,7 +18,7 @@ from deploykit.layout import artifacts_dir, splits_path
 from deploykit.models import ModelSpec
 
 
-PREPROCESS_VERSION = 2  # bump when the preprocessing code changes; part of every cache key
+PREPROCESS_VERSION = 3  # bump when the preprocessing changes (3: EXIF orientation, strips); in every cache key
 
 
 def make_splits(items: Sequence[tuple[str, int]], eval_per_class: int | None,

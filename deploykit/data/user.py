@@ -87,7 +87,7 @@ def load_inputs(path: Path | str, names: Sequence[str] | None = None,
         StageError: unreadable file. UsageError: missing names, 0-d arrays, sample counts that
             disagree, no samples.
     """
-    data = load_npz(path, None, f"np.savez of your samples ({flag})")
+    data = load_npz(path, None, f"np.savez of your samples ({flag})", flag=flag, feed=True)
     if not data:
         raise UsageError(f"{flag} {path}: the file holds no array")
     if names is not None:

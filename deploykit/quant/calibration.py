@@ -343,11 +343,12 @@ def deployment_shapes(onnx_path: Path | str, data: dict[str, np.ndarray]) -> str
 def check_calib_cli(args: argparse.Namespace) -> dict:
     """``check-calib``: validate the npz for a model, plan the calibration batch, print the
     ``--calibration_shapes`` value (stdout, one line) and write the record (``--json``)."""
-    data = load_npz(args.calib, None, "4_make_calib.py")
+    data = load_npz(args.calib, None, "4_make_calib.py", flag="--calib", feed=True)
     ref, ref_src = (None, "skipped (--no-stats-check)")
     if not args.no_stats_check:
         if args.reference:
-            ref, ref_src = load_npz(args.reference, None, "np.savez"), str(args.reference)
+            ref, ref_src = load_npz(args.reference, None, "np.savez",
+                                          flag="--reference", feed=True), str(args.reference)
         elif args.model:
             ref, ref_src = calibration_reference(args.model, args.onnx)
     rep = validate_calibration(args.onnx, data, ref, source=str(args.calib),

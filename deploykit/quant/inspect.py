@@ -223,7 +223,7 @@ def activation_stats(onnx_path: Path, calib: Path, batch: int = 10, sample: int 
         raise UsageError(f"{onnx_path} has Q/DQ nodes: act-stats needs the float model")
     prod = producers(model)
     cons = consumers(model)
-    feed = load_feed(require(Path(calib), "4_make_calib.py"), None, 0, onnx_path)
+    feed = load_feed(require(Path(calib), "4_make_calib.py"), None, 0, onnx_path, flag="--calib")
     if limit:
         feed = {k: v[:limit] for k, v in feed.items()}
     feed, run_batch = feed_plan(feed, [model], batch)

@@ -6,11 +6,13 @@ of every block against the float weight.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
 
 from deploykit.errors import StageError, UsageError
+from deploykit.io import load_npz
 from deploykit.layout import model_results
 from deploykit.onnx.graph import attr, constants, consumers
 from deploykit.quant.health import check_against_float, check_weights
@@ -267,7 +269,7 @@ def run_modelopt(src: Path, dst: Path, log: Path, calib: Path | None, method: st
     from modelopt.onnx.quantization import quantize
 
     # ModelOpt 0.47.0 rewrites the file given as onnx_path: hand it a private copy.
-    work = Path(tempfile.mkdtemp(prefix="5b_int4_"))
+    work = Path(tempfile.mkdtemp(dir=log.parent, prefix=".tmp-5b_int4."))  # beside the log
     if isinstance(src, Path):
         src = Path(shutil.copy2(src, work / "fp32.onnx"))
     else:  # a ModelProto (the [K, N] layout)
@@ -277,24 +279,31 @@ def run_modelopt(src: Path, dst: Path, log: Path, calib: Path | None, method: st
         src = work / "fp32.onnx"
     kwargs = {"onnx_path": str(src), "quantize_mode": "int4", "calibration_method": method,
               "calibration_eps": [eps], "block_size": block, "output_path": str(dst),
-              "log_file": str(log), "log_level": "INFO"}
+              "log_file": str(work / log.name), "log_level": "INFO"}
+    # ModelOpt opens its log by name: it writes in the private work folder (no link can be
+    # planted there) and the log is moved to ``log`` when it is done.
+    work_log = work / log.name
     if calib is not None:
-        with np.load(calib) as z:
-            kwargs["calibration_data"] = {k: z[k] for k in z.files}
+        kwargs["calibration_data"] = load_npz(calib, None, "4_make_calib.py", flag="--calib",
+                                              feed=True)
         if calibration_shapes:
             kwargs["calibration_shapes"] = calibration_shapes
     try:
         quantize(**kwargs)
     except Exception as e:  # noqa: BLE001 - ModelOpt raises many types
-        tail = log.read_text(errors="replace").splitlines()[-15:] if log.exists() else []
+        tail = (work_log.read_text(errors="replace").splitlines()[-15:] if work_log.exists()
+                else [])
         raise StageError(f"ModelOpt INT4 failed: {type(e).__name__}: {e}\n"
                          + "\n".join(tail)) from e
     finally:
-        shutil.rmtree(work, ignore_errors=True)
         for h in list(logging.getLogger("modelopt").handlers):
-            if isinstance(h, logging.FileHandler) and Path(h.baseFilename) == log.resolve():
+            if (isinstance(h, logging.FileHandler)
+                    and Path(h.baseFilename) == work_log.resolve()):
                 h.close()
                 logging.getLogger("modelopt").removeHandler(h)
+        if work_log.exists():
+            os.replace(work_log, log)
+        shutil.rmtree(work, ignore_errors=True)
     return log_warnings(log) if log.exists() else []
 
 

@@ -42,7 +42,8 @@ def modelopt_quantize(argv: Sequence[str], calib_batch: str | int = "all") -> No
     kw = {k: v for k, v in vars(args).items() if k in params and k != "onnx_path"}
     kw["autotune"] = False
     if args.calibration_data_path:
-        data = load_npz(args.calibration_data_path, None, "4_make_calib.py")
+        data = load_npz(args.calibration_data_path, None, "4_make_calib.py",
+                        flag="--calibration_data_path", feed=True)
         plan = calibration_plan(args.onnx_path, data, calib_batch)
         kw["calibration_data"] = data
         kw["calibration_data_reader"] = CalibrationDataProvider(args.onnx_path, data,

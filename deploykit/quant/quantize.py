@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import io
 import json
 import os
 import re
@@ -16,7 +15,7 @@ import numpy as np
 from deploykit.quant import modelopt_runner
 from deploykit.cli import require
 from deploykit.errors import StageError, UsageError
-from deploykit.io import file_size_mb, sha256_file, write_json
+from deploykit.io import check_regular_file, file_size_mb, load_npz, sha256_file, write_json
 from deploykit.layout import ROOT, model_results
 from deploykit.onnx.graph import load_onnx
 from deploykit.quant.auto.report import publish
@@ -106,13 +105,9 @@ def read_calibration(path: Path) -> tuple[dict[str, np.ndarray], bytes, str]:
     Raises:
         StageError: missing or not an npz of arrays.
     """
-    raw = require(Path(path), "4_make_calib.py").read_bytes()
-    try:
-        with np.load(io.BytesIO(raw), allow_pickle=False) as z:
-            data = {k: z[k] for k in z.files}
-    except Exception as e:  # noqa: BLE001 - zipfile/ValueError/AttributeError (an .npy)
-        raise StageError(f"cannot read {path} as an .npz of arrays ({e}): write it with "
-                                "np.savez(path, <input name>=array, ...)") from e
+    raw = require(check_regular_file(path, "--calib"), "4_make_calib.py").read_bytes()
+    data = load_npz(path, None, "4_make_calib.py, or np.savez(path, <input name>=array, ...)",
+                    flag="--calib", feed=True, data=raw)
     return data, raw, hashlib.sha256(raw).hexdigest()
 
 

@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -40,17 +41,14 @@ class RayMissing(SpecError):
 
 
 def _write_json(path: Path, obj) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, default=str))
-    os.replace(tmp, path)
+    stamp.write_atomic(path, json.dumps(obj, indent=1, default=str))
 
 
 def _store_rows(rows_dir: Path, rows: dict[str, str]) -> dict[str, str]:
     """Replace ``rows_dir`` by the task's rows; return ``{file: sha256}``."""
-    tmp = rows_dir.with_name(rows_dir.name + ".new")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    rows_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=rows_dir.parent, prefix=f".tmp-{rows_dir.name}."))
+    os.chmod(tmp, 0o755)
     hashes = {}
     for name, text in rows.items():
         (tmp / name).write_text(text)

@@ -25,6 +25,7 @@ import os
 from pathlib import Path
 
 from deploykit.sweep.spec import Budget
+from deploykit.sweep.stamp import write_atomic
 
 
 def p50_ms(row: dict) -> float | None:
@@ -366,10 +367,10 @@ def plot_target(report: dict, target: str, path: Path) -> bool:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        write_atomic(path, writer=lambda f: fig.savefig(f, format="png", dpi=110))
+    finally:
+        plt.close(fig)
     return True
 
 
@@ -389,9 +390,7 @@ def write_report(report: dict, out: Path) -> dict[str, Path]:
     files = {}
     for name, text in (("REPORT.md", to_markdown(report)),
                        ("report.json", json.dumps(report, indent=1, default=str))):
-        tmp = out / (name + ".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, out / name)
+        write_atomic(out / name, text)
         files["markdown" if name.endswith(".md") else "json"] = out / name
     for t in report["verdicts"]:
         path = out / f"pareto_{t}.png"

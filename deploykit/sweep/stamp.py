@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import subprocess
+import tempfile
 from pathlib import Path
 
 from deploykit.sweep.plan import Pipeline
@@ -232,8 +233,32 @@ def write_stamp(path: Path, key: str, parts: dict, status: str, rows: dict[str, 
     Raises:
         OSError: the folder cannot be written.
     """
+    write_atomic(path, json.dumps({"version": STAMP_VERSION, "key": key, "parts": parts,
+                                   "status": status, "rows": rows, **(extra or {})}, indent=1))
+
+
+def write_atomic(path: Path, data: str | bytes | None = None, writer=None) -> Path:
+    """Write ``data`` (text or bytes), or what ``writer(binary file)`` writes, to ``path``
+    atomically: through a fresh temporary file beside it (``tempfile.mkstemp``, written through
+    its descriptor, so no planted name or link is ever followed), then renamed over ``path``
+    (a link at ``path`` is replaced, not written through). The folder is created if needed.
+
+    Raises:
+        OSError: the folder cannot be written (the temporary file is removed; ``path`` as it was).
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"version": STAMP_VERSION, "key": key, "parts": parts,
-                               "status": status, "rows": rows, **(extra or {})}, indent=1))
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".tmp-{path.name[:64]}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if writer is not None:
+                writer(f)
+            else:
+                f.write(data.encode() if isinstance(data, str) else data)
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)  # mkstemp makes it 0600: the file gets the usual mode
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path

@@ -75,7 +75,10 @@ def _run_step(step: dict, root: Path, log: Path, deadline: float | None) -> tupl
     env = dict(os.environ, **step["env"])
     log.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    with open(log, "w") as f:
+    if log.is_symlink():  # a link planted at the log's name is replaced, never written through
+        log.unlink()
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o666)
+    with os.fdopen(fd, "w") as f:
         f.write(f"# {step['shell']}\n")
         f.flush()
         # own session: a timeout ends the whole process group (run_all.sh and its stage)

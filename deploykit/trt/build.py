@@ -6,8 +6,10 @@ import argparse
 import dataclasses
 import os
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -429,7 +431,24 @@ def _dla_check(args, plan: BuildPlan, text: str) -> dict:
 
 
 def build_one(args, var: str, det: Detected, jetson: dict | None) -> tuple[dict, bool]:
-    """Build one variant. Returns ``(record, unexpected_failure)``."""
+    """Build one variant. Returns ``(record, unexpected_failure)``.
+
+    trtexec writes the plan and its layer information into a fresh private folder beside the
+    final plan (``tempfile.mkdtemp``: no predictable temporary name a link could be planted at),
+    removed when the build ends, whatever its outcome.
+    """
+    folder = engine_paths(args.model, var)["plan"].parent
+    folder.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(dir=folder, prefix=f".tmp-{var}."))
+    try:
+        return _build_one(args, var, det, jetson, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _build_one(args, var: str, det: Detected, jetson: dict | None, work: Path
+               ) -> tuple[dict, bool]:
+    """:func:`build_one` with its private work folder ``work``."""
     started = time.time()
     v = VARIANTS[var]
     paths = engine_paths(args.model, var)
@@ -439,9 +458,8 @@ def build_one(args, var: str, det: Detected, jetson: dict | None) -> tuple[dict,
                        detected=det.as_dict(), **plan.record()), False
     plan = _prepare_inputs(args, plan, det.version, str(det.trtexec))
     inputs = [plan.source] + ([plan.onnx] if plan.onnx != plan.source else [])
-    pid = os.getpid()
-    tmp_plan = paths["plan"].with_name(f".tmp-{pid}-{paths['plan'].name}")
-    tmp_layers = paths["layers"].with_name(f".tmp-{pid}-{paths['layers'].name}")
+    tmp_plan = work / paths["plan"].name
+    tmp_layers = work / paths["layers"].name
     cmd = [a.replace(str(paths["plan"]), str(tmp_plan)).replace(str(paths["layers"]),
                                                                 str(tmp_layers))
            if a.startswith(("--saveEngine=", "--exportLayerInfo=")) else a for a in plan.cmd]

@@ -328,3 +328,155 @@ def test_two_class_folders_that_are_one_folder_are_refused(tmp_path):
                                                 f"{sample[0].name[:9]}") as e:
         list_images(data, allow_subset=True)
     assert "two labels" in str(e.value)
+
+
+# ---------------------------------------------------- EXIF orientation, formats, huge images
+def _two_halves(w: int = 64, h: int = 32):
+    """An RGB image whose left half is red and right half blue."""
+    from PIL import Image
+
+    a = np.zeros((h, w, 3), np.uint8)
+    a[:, :w // 2] = (255, 0, 0)
+    a[:, w // 2:] = (0, 0, 255)
+    return Image.fromarray(a, "RGB")
+
+
+def test_exif_orientation_is_applied_before_resize_and_crop(tmp_path):
+    from PIL import Image
+
+    img = _two_halves()
+    exif = Image.Exif()
+    exif[0x0112] = 6  # Orientation 6: the camera was turned; shown rotated 90 degrees clockwise
+    img.save(tmp_path / "sideways.jpg", exif=exif.tobytes(), quality=95)
+    img.save(tmp_path / "plain.jpg", quality=95)
+    up = load_image_rgb(tmp_path / "sideways.jpg")
+    assert up.size == (32, 64)  # portrait, as shown
+    a = np.asarray(up).astype(int)
+    assert a[2, 16, 0] > 200 and a[2, 16, 2] < 60     # top: red
+    assert a[-3, 16, 2] > 200 and a[-3, 16, 0] < 60   # bottom: blue
+    x = preprocess_image(up, 32, 32, "bilinear")
+    assert x[0, 2, 16] > 200 and x[2, -3, 16] > 200
+    assert load_image_rgb(tmp_path / "plain.jpg").size == (64, 32)
+
+
+def test_unread_image_formats_are_counted_and_named(tmp_path):
+    from PIL import Image
+
+    data = _class_folders(tmp_path / "data", SAMPLE[:2])
+    d = data / SAMPLE[0].name[:9]
+    _two_halves().save(d / "a.gif")       # read (first frame)
+    _two_halves().save(d / "b.jpe", format="JPEG")  # read
+    (d / "c.heic").write_bytes(b"\0\0\0\x18ftypheic")  # not read
+    (data / SAMPLE[1].name[:9] / "d.svg").write_text("<svg/>")
+    unread: list[str] = []
+    items, _ = list_images(data, allow_subset=True, unread=unread)
+    names = [Path(p).name for p, _ in items]
+    assert "a.gif" in names and "b.jpe" in names and len(items) == 4
+    assert unread == [f"{SAMPLE[0].name[:9]}/c.heic", f"{SAMPLE[1].name[:9]}/d.svg"]
+    assert load_image_rgb(d / "a.gif").size == (64, 32)
+    # a folder holding only unread formats: the error counts and names them
+    only = tmp_path / "only"
+    only.mkdir()
+    (only / "x.heic").write_bytes(b"x")
+    with pytest.raises(StageError, match=r"1 file\(s\) in a format not read \(1 \.heic, first: "
+                                         r"x\.heic\): convert them to JPEG or PNG"):
+        list_images(only)
+
+
+def _png_header_only(w: int, h: int) -> bytes:
+    """A PNG whose IHDR says ``w`` x ``h`` (8-bit RGB) and whose pixel data is empty."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (struct.pack(">I", len(data)) + kind + data
+                + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b""))
+
+
+def test_decompression_bomb_header_is_refused_with_its_pixel_count(tmp_path):
+    from deploykit.data.splits import preprocess_items
+
+    (tmp_path / "bomb.png").write_bytes(_png_header_only(30000, 30000))
+    x, good, bad = preprocess_items(tmp_path, [("bomb.png", 0)],
+                                    {"resize": 32, "crop": 32, "interpolation": "bilinear"})
+    assert not good and x.shape[0] == 0
+    assert bad[0][0] == "bomb.png" and "900000000 pixels" in bad[0][1]
+
+
+def test_huge_jpeg_is_decoded_in_draft_mode(tmp_path, monkeypatch):
+    from PIL import Image
+
+    _two_halves(4096, 2048).save(tmp_path / "big.jpg", quality=90)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 4096 * 2048 - 1)
+    with pytest.warns(LargeImageWarning, match=r"big\.jpg: 4096x2048 px .*decoded at 2048x1024 "
+                                               r"\(JPEG draft mode\)"):
+        img = load_image_rgb(tmp_path / "big.jpg")
+    assert img.size == (2048, 1024)
+
+
+def test_strip_images_are_center_cropped_before_the_resize(monkeypatch):
+    import torchvision.transforms.v2.functional as F
+    from PIL import Image
+
+    seen = []
+    real = F.resize
+    monkeypatch.setattr(F, "resize", lambda img, *a, **k: seen.append(img.size) or real(img, *a, **k))
+    for size in ((8000, 1), (1, 8000), (8000, 3)):
+        x = preprocess_image(Image.new("RGB", size, (9, 8, 7)), 256, 224, "bilinear")
+        assert x.shape == (3, 224, 224) and (x[:, 112, 112] == (9, 8, 7)).all()
+    assert seen == [(4, 1), (1, 4), (12, 3)]
+    # an ordinary photo is untouched (torchvision's preprocessing, bit for bit)
+    seen.clear()
+    preprocess_image(Image.new("RGB", (500, 375)), 256, 224, "bilinear")
+    assert seen == [(500, 375)]
+
+
+# ------------------------------------------------------------- labels CSV as editors save it
+_ROWS = ["ImageId,PredictionString", "ILSVRC2012_val_00000001,n01440764 1 2 3 4",
+         "ILSVRC2012_val_00000002,n01443537 1 2 3 4", "ILSVRC2012_val_00000003,n01484850 1 2 3 4"]
+
+
+@pytest.mark.parametrize("encode", [
+    lambda rows: ("\r\n".join(rows) + "\r\n").encode("utf-8-sig"),               # Excel: BOM+CRLF
+    lambda rows: ("\n".join(rows)).encode("utf-8-sig"),                          # BOM, no last EOL
+    lambda rows: "\r\n".join(rows[1:]).encode("utf-8-sig"),                      # BOM, no header
+    lambda rows: "\r\n".join(",".join(f'"{c}"' for c in r.split(",")) + ",,"
+                             for r in rows).encode(),                            # quoted, empty cols
+    lambda rows: "\n".join(r.replace("val_00000002,", "val_00000002.JPEG,")
+                           for r in rows).encode(),                              # id with suffix
+])
+def test_labels_csv_with_bom_crlf_quotes_is_read(tmp_path, encode):
+    val = _flat_csv(tmp_path, [])
+    (tmp_path / "LOC_val_solution.csv").write_bytes(encode(_ROWS))
+    items, layout = list_images(val, allow_subset=True)
+    assert layout == "flat+csv" and [c for _, c in items] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("rows, message", [
+    (_ROWS[:2] + ["ILSVRC2012_val_00000002,n01443537 1 2,extra"] + _ROWS[3:],
+     r"line 3: malformed line 'ILSVRC2012_val_00000002,n01443537 1 2,extra' \(3 field\(s\), "
+     r"2 expected\): fix or delete that line"),
+    (_ROWS[:3] + [",n01484850 1 2 3 4"], r"line 4: malformed line ',n01484850"),
+    (_ROWS[:3] + ["ILSVRC2012_val_00000003,"], r"line 4: malformed line"),
+])
+def test_malformed_labels_csv_rows_are_named_by_line(tmp_path, rows, message):
+    val = _flat_csv(tmp_path, [])
+    csv = tmp_path / "LOC_val_solution.csv"
+    csv.write_bytes("\r\n".join(rows).encode("utf-8-sig"))
+    with pytest.raises(StageError, match=message):
+        list_images(val, allow_subset=True)
+    assert csv.read_bytes() == "\r\n".join(rows).encode("utf-8-sig")
+
+
+def test_labels_csv_not_utf8_or_a_fifo_is_named(tmp_path):
+    import os
+
+    val = _flat_csv(tmp_path, [])
+    csv = tmp_path / "LOC_val_solution.csv"
+    csv.write_bytes("\n".join(_ROWS[:2] + ["ILSVRC2012_val_00000002,n01443537 é"]).encode("latin-1"))
+    with pytest.raises(StageError, match=r"LOC_val_solution\.csv, line 3: not UTF-8 text .*: "
+                                         r"save the file as UTF-8"):
+        list_images(val, allow_subset=True)
+    fifo = tmp_path / "labels.csv"
+    os.mkfifo(fifo)
+    with pytest.raises(StageError, match=r"--labels-csv .*labels\.csv is a FIFO \(named pipe\)"):
+        list_images(val, labels_csv=fifo, allow_subset=True)

@@ -382,3 +382,19 @@ def test_run_all_own_data_flags_paths_and_kind(tmp_path):
     # a classifier refuses the own-data settings instead of dropping them
     p = _run_all(_env(tmp_path), "--inputs", str(user / "eval.npz"))
     assert p.returncode == 2 and "INPUTS is for models with their own data" in p.stderr
+
+
+@pytest.mark.slow
+def test_stage_log_replaces_a_planted_link_and_never_writes_through_it(tmp_path):
+    """run_all.sh wrote each stage's output with ``>"$log"``, which follows a link planted at
+    the log's name and overwrites what it points to."""
+    env = _env(tmp_path, VAL_ROOT=str(_tiny_data(tmp_path)), ALLOW_CLASS_SUBSET="1")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    log = tmp_path / "a" / "smoke" / "logs" / MODEL / "0_prepare_data.log"
+    log.parent.mkdir(parents=True)
+    log.symlink_to(victim)
+    p = _run_all(env, "--limit", "2", "--stop-stage", "0")
+    assert p.returncode == 0, p.stderr
+    assert victim.read_text() == "precious"
+    assert not log.is_symlink() and "preprocess eval" in log.read_text()

@@ -150,3 +150,44 @@ def test_unwritable_results_folder_fails_before_the_long_work(tmp_path, where):
     assert p.returncode == 1 and f"cannot create {bad}" in p.stderr, p.stderr
     assert "preprocess" not in p.stderr  # refused before decoding any image
     assert not (tmp_path / "a" / "splits.json").exists()
+
+
+def _stage0_peak_mb(data: Path, env: dict) -> tuple[object, float]:
+    """Run stage 0 on ``data`` in a child that reports its own peak RSS (MB) on stderr."""
+    import subprocess
+    import sys
+
+    code = ("import resource, runpy, sys\n"
+            "sys.argv = ['0_prepare_data.py', '--model', 'efficientnet_lite0', '--data-root', "
+            f"{str(data)!r}, '--allow-class-subset']\n"
+            "try:\n    runpy.run_path('0_prepare_data.py', run_name='__main__')\nfinally:\n"
+            "    print('PEAK_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "
+            "file=sys.stderr)\n")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                       text=True)
+    kb = [ln.split()[1] for ln in p.stderr.splitlines() if ln.startswith("PEAK_KB")]
+    return p, int(kb[0]) / 1024
+
+
+@pytest.mark.slow
+def test_stage0_names_unread_formats_and_a_strip_image_keeps_the_peak_memory(tmp_path):
+    """Files in formats not read are counted and named on stderr and in the records; an
+    8000x1 image (2048000x256 once resized, 1.5 GB) adds nothing to stage 0's peak memory."""
+    from PIL import Image
+
+    data = _class_folders(tmp_path / "data", SAMPLE[:4])
+    p0, base_mb = _stage0_peak_mb(data, _env(tmp_path))
+    assert p0.returncode == 0, p0.stderr
+    wnid = SAMPLE[0].name[:9]
+    Image.new("RGB", (8000, 1), (200, 10, 10)).save(data / wnid / "strip.png")
+    (data / wnid / "phone.heic").write_bytes(b"\0\0\0\x18ftypheic")
+    p, strip_mb = _stage0_peak_mb(data, _env(tmp_path))
+    assert p.returncode == 0, p.stderr
+    assert (f"WARNING: 1 file(s) in {data} have an image suffix this pipeline does not read "
+            f"(1 .heic): not used: {wnid}/phone.heic; convert them to JPEG or PNG") in p.stderr
+    assert ", 1 in a format not read ->" in p.stdout
+    summary = json.loads((tmp_path / "r" / "efficientnet_lite0" / "data.json").read_text())
+    split = json.loads((tmp_path / "a" / "splits.json").read_text())
+    assert summary["n_unread_format"] == 1 and split["unread_format"] == [f"{wnid}/phone.heic"]
+    assert summary["n_listed"] == 5 and summary["n_unreadable"] == 0
+    assert strip_mb < 1.25 * base_mb, (strip_mb, base_mb)

@@ -181,3 +181,38 @@ def test_output_without_batch_axis_is_named_by_stages_1_and_2_and_nothing_is_wri
     assert not list((tmp_path / "a").rglob("*.onnx"))
     assert not (tmp_path / "r" / tag / "pytorch_fp32_cpu.json").exists()
     assert not (tmp_path / "a" / tag / "ref_outputs.npz").exists()
+
+
+@pytest.mark.slow
+def test_stage2_success_removes_leftovers_of_a_killed_run_only(tmp_path):
+    """A killed stage 2 leaves its candidate folder (.stage2-*); a killed atomic write leaves a
+    .tmp-* folder. The next successful run removes them (older than the run, no live process in
+    them), and nothing else: not a live run's folder, not a link's target."""
+    import time
+
+    env = dict(os.environ, ARTIFACTS=str(tmp_path / "a"), RESULTS=str(tmp_path / "r"),
+               PYTHONPATH=str(ROOT))
+    m = ["--model", "tests.custom_models:two_head", "--input-shape", "image:1,3,16,16",
+         "--input-shape", "tokens:1,5,16"]
+    run_stage(["1_pytorch_baseline.py", *m, "--iters", "2", "--warmup", "1"], env)
+    onnx_dir = tmp_path / "a" / model_tag("tests.custom_models:two_head") / "onnx"
+    onnx_dir.mkdir(parents=True)
+    dead = [onnx_dir / ".stage2-pid999999999-k1", onnx_dir / ".stage2-oldname",
+            onnx_dir / ".tmp-fp32.onnx.abc"]
+    for d in dead:
+        d.mkdir()
+        (d / "fp32.onnx").write_bytes(b"half")
+    live = onnx_dir / f".stage2-pid{os.getpid()}-live"  # this pytest process: alive
+    live.mkdir()
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep").write_text("x")
+    (onnx_dir / ".tmp-link").symlink_to(victim)
+    old = time.time() - 600
+    for p in [*dead, live, onnx_dir / ".tmp-link"]:
+        os.utime(p, (old, old), follow_symlinks=False)
+    p = run_stage(["2_export_onnx.py", *m], env)
+    assert p.returncode == 0 and "removed 3 leftover(s) of an interrupted run" in p.stdout
+    assert not any(d.exists() for d in dead) and live.is_dir()
+    assert (victim / "keep").read_text() == "x" and (onnx_dir / ".tmp-link").is_symlink()
+    assert (onnx_dir / "fp32.onnx").exists()

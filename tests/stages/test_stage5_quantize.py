@@ -182,9 +182,17 @@ def test_stage5_int8_on_tiny_conv_model(tmp_path):
     np.savez(d / "calib.npz", input=np.random.default_rng(0).standard_normal(
         (8, 3, 32, 32)).astype(np.float32))
     src_mtime = (d / "onnx" / "fp32.onnx").stat().st_mtime_ns
+    # leftovers of a killed run: its work folder (with ModelOpt intermediates), a temporary log
+    killed = d / "onnx" / ".tmp-5_quantize.pid999999999.abc"
+    killed.mkdir()
+    (killed / "int8_hp32_opset19.onnx").write_bytes(b"half")
+    (d / "onnx" / ".tmp-int8_hp32.quant.log.xyz").write_text("half")
+    for f in (killed, d / "onnx" / ".tmp-int8_hp32.quant.log.xyz"):
+        os.utime(f, (1e9, 1e9))
     p = subprocess.run(["bash", "5_quantize.sh", "int8_hp32"], cwd=ROOT, capture_output=True,
                        text=True, env=env)
     assert p.returncode == 0, p.stdout + p.stderr
+    assert "removed 2 leftover(s) of an interrupted run" in p.stdout
     # ModelOpt rewrites its --onnx_path: the stage hands it a copy, fp32.onnx stays untouched.
     assert (d / "onnx" / "fp32.onnx").stat().st_mtime_ns == src_mtime
     rec = json.loads((tmp_path / "r" / "tiny" / "quant_int8_hp32.json").read_text())

@@ -32,9 +32,15 @@ def test_stage5b_blocks_along_k_for_every_weight(method, tmp_path, monkeypatch):
     np.savez(tmp_path / "calib.npz", x=np.random.default_rng(0).standard_normal(
         (16, 256)).astype(np.float32))
     out = tmp_path / "int4.onnx"
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    (tmp_path / "int4.quant.log").symlink_to(victim)  # ModelOpt opens its log by name
     argv = ["--model", "tiny", "--onnx", str(src), "--output", str(out), "--calib",
             str(tmp_path / "calib.npz"), "--no-eval", "--calibration-method", method]
     rec = int4.main(int4.get_args_parser().parse_args(argv))
+    assert victim.read_text() == "precious" and not (tmp_path / "int4.quant.log").is_symlink()
+    assert (tmp_path / "int4.quant.log").stat().st_size > 0
+    assert not list(tmp_path.glob(".tmp-*"))
     assert [r["node"] for r in rec["layout_kn"]] == ["fc"]
     (w,) = rec["weights_verified"]
     assert w["status"] == "ok" and w["rel_err_max"] < 0.5

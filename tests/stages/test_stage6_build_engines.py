@@ -445,3 +445,21 @@ def test_stage6_dla_int8_writes_the_calibration_cache(fake_build):
     cache = parse_calibration_cache(Path(rec["calib_cache"]).read_text())
     assert cache["version"] == (8, 6, 2) and set(cache["scales"]) == {"input", "r0"}
     assert rec["dla"]["placement_found"] and rec["dla"]["warning"]  # GN capture: names differ
+
+
+@pytest.mark.slow
+def test_stage6_plan_never_written_through_a_link_at_the_old_temporary_name(fake_build, tmp_path):
+    """trtexec wrote the plan to ``.tmp-<pid>-<variant>.plan`` (predictable): a link planted
+    there made the build overwrite what it pointed to. Now a fresh private folder."""
+    run, res, art = fake_build
+    save(conv_net(fp16=True, names=BN_NODE_NAMES), art / "onnx" / "fp16.onnx")
+    victim = tmp_path / "victim.bin"
+    victim.write_bytes(b"precious")
+    engines = art / "engines"
+    engines.mkdir(parents=True)
+    for name in ("fp16.plan", "fp16.layers.json", "fp16.build.log"):
+        (engines / f".tmp-{os.getpid()}-{name}").symlink_to(victim)
+    run("fp16")
+    assert victim.read_bytes() == b"precious"
+    assert (engines / "fp16.plan").read_bytes() == b"ftrt"
+    assert not [f for f in engines.iterdir() if f.is_dir()]

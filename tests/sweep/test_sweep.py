@@ -721,3 +721,43 @@ def test_an_address_where_nothing_listens_fails_at_once():
         probe_address(f"127.0.0.1:{port}", timeout_s=2)
     assert time.time() - t0 < 2.5
     probe_address("auto")  # left to Ray
+
+
+# ------------------------------------------------------------------------ planted links
+def _victim(tmp_path: Path) -> Path:
+    v = tmp_path / "victim.txt"
+    v.write_text("precious")
+    return v
+
+
+def test_sweep_writes_never_follow_a_link_at_the_old_temporary_names(tmp_path):
+    """Stamps, rows and reports used fixed temporary names (``<name>.tmp``, ``<rows>.new``,
+    ``<stem>.tmp.png``): a link planted there made the sweep overwrite (or remove) what it
+    pointed to."""
+    from deploykit.sweep import driver
+
+    victim = _victim(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    for old in ("s.json.tmp", "rows.new", "x.json.tmp", "p.tmp.png"):
+        (out / old).symlink_to(victim)
+    stamp.write_stamp(out / "s.json", "key", {}, "ok", {})
+    driver._write_json(out / "x.json", {"a": 1})
+    driver._store_rows(out / "rows", {"r.json": "{}"})
+    stamp.write_atomic(out / "p.png", writer=lambda f: f.write(b"png"))
+    assert victim.read_text() == "precious"
+    assert json.loads((out / "s.json").read_text())["status"] == "ok"
+    assert json.loads((out / "x.json").read_text()) == {"a": 1}
+    assert (out / "rows" / "r.json").read_text() == "{}"
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_sweep_step_log_replaces_a_planted_link(tmp_path):
+    victim = _victim(tmp_path)
+    log = tmp_path / "logs" / "00_stage.log"
+    log.parent.mkdir()
+    log.symlink_to(victim)
+    rc, _ = task._run_step({"argv": [sys.executable, "-c", "print('hi')"], "env": {},
+                            "shell": "python -c ..."}, tmp_path, log, None)
+    assert rc == 0 and victim.read_text() == "precious"
+    assert not log.is_symlink() and "hi" in log.read_text()

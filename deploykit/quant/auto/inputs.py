@@ -82,7 +82,8 @@ def tuning_data(model: str, onnx_path: Path, tune_npz: Path | None = None,
                 "0_prepare_data.py --tune-fraction 0.25 (or bash run_all.sh --auto-precision); "
                 "for another model save them with np.savez (keyed by input name, batch on "
                 "axis 0) as that file or pass --tune-npz")
-        feed = load_npz(path, None, "np.savez (tuning samples)")
+        feed = load_npz(path, None, "np.savez (tuning samples)", flag="tuning data",
+                        feed=True)
         # the checks calibration data gets (input names, rank, static dims, dtype, sample
         # counts, NaN/Inf): a wrong file is refused here, not as an ONNX Runtime traceback
 

@@ -16,7 +16,7 @@ import numpy as np
 from deploykit.compare import compare, parity, topk_accuracy
 from deploykit.errors import StageError
 from deploykit.evaluate import run_outputs
-from deploykit.io import atomic_path, write_json
+from deploykit.io import atomic_path, load_npz, write_json
 from deploykit.quant.auto.space import QdqSpace
 from deploykit.runners import OrtRunner
 
@@ -270,10 +270,10 @@ def cached_outputs(path: Path, make: Callable[[], dict]) -> dict[str, np.ndarray
     ``make()`` saved there atomically."""
     if path.exists():
         try:
-            with np.load(path, allow_pickle=False) as z:
-                names = json.loads(str(z["__names__"]))
-                return {k: z[f"o{i}"] for i, k in enumerate(names)}
-        except (OSError, ValueError, KeyError, EOFError):
+            z = load_npz(path, None, "auto_precision.py search (its cache)")
+            names = json.loads(str(z["__names__"]))
+            return {k: z[f"o{i}"] for i, k in enumerate(names)}
+        except (StageError, ValueError, KeyError):
             print(f"WARNING: unreadable {path}: recomputing", file=sys.stderr)
     outs = make()
     with atomic_path(path) as tmp:
