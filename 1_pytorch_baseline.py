@@ -2,10 +2,13 @@
 """Stage 1: PyTorch FP32 baseline: top-1/top-5 on the eval split, batch-1 latency, and the
 reference logits every later stage compares against.
 
-Reads:  ``artifacts/splits.json`` + cache (0_prepare_data.py); model weights.
+Reads:  ``artifacts/splits.json`` + cache (0_prepare_data.py); model weights. A model with its
+        own data: ``--inputs NPZ`` (one array per forward() argument; ``--labels`` for top-1),
+        else synthetic N(0,1) samples of ``--input-shape`` (said, and recorded: later
+        data-dependent checks then warn instead of judging).
 Writes: ``artifacts/<model>/ref_logits.npz`` (``logits`` float32 [N,1000], ``y``, ``files``),
-        or for a custom model ``ref_outputs.npz`` (inputs ``in:<name>``, outputs ``out:<name>``);
-        ``results/<model>/pytorch_fp32_<device>.json``.
+        or for a model with its own data ``ref_outputs.npz`` (inputs ``in:<name>``, outputs
+        ``out:<name>``, ``labels``, ``meta:synthetic``); ``results/<model>/pytorch_fp32_<device>.json``.
 Rerun:  ``python 1_pytorch_baseline.py --model efficientnet_lite0 [--device cuda]``
 GPU:    ``python 1_pytorch_baseline.py --device cuda --latency-batch 64 --compile`` (FP32 eager,
         CUDA-graph replay and torch.compile at batch 1, batch-64 throughput), then

@@ -3,10 +3,10 @@
 against the model and against the evaluation data before any quantizer sees it.
 
 Image classifiers: the calibration split (never an eval image), preprocessed exactly as
-evaluation (``deploykit.data.splits.load_split`` + ``deploykit.data.images.normalize``). Any other model
-(``--model package.module:factory``): ``--inputs NPZ`` (your calibration samples, one array per
-input name, batch on axis 0) or ``--random N`` (N seeded samples from the generator stage 1 uses
-for its reference inputs: structure runs only, never an accuracy claim).
+evaluation (``deploykit.data.splits.load_split`` + ``deploykit.data.images.normalize``). A model
+with its own data: ``--calib-inputs NPZ`` (your calibration samples, one array per input name,
+batch on axis 0; never stage 1's evaluation samples) or ``--random N`` (N seeded samples from the
+generator stage 1 uses for synthetic inputs: structure runs only, never an accuracy claim).
 
 Every input of the model gets an array (read from the ONNX graph with ``deploykit.onnx.graph.graph_inputs``).
 The samples are shuffled with ``--seed`` (the order is recorded: it decides which samples share
