@@ -34,7 +34,6 @@ in the reason of a warn/failed row and makes its next step the run with the grap
 from __future__ import annotations
 
 import argparse
-import shlex
 import os
 import re
 import shlex
@@ -44,7 +43,6 @@ from pathlib import Path
 
 from deploykit.layout import ref_outputs_path
 from deploykit.layout import fp32_onnx_path, ref_logits_path
-from deploykit.data.user import SYNTHETIC_NOTE, check_same_inputs
 from deploykit.cli import add_shared_args, check_positive, cli, require, stage_parser
 from deploykit.errors import StageError, UsageError
 from deploykit.evaluate import (
@@ -156,14 +154,7 @@ def main(args: argparse.Namespace) -> dict:
         data = classifier_data(spec, args.limit, ref_path)
     else:
         ref_path = ref_outputs_path(args.model)
-        data = custom_data(ref_path, args.limit)
-        if args.inputs:
-            check_same_inputs(args.inputs, data.feed, "--inputs",
-                              f"python 1_pytorch_baseline.py --model {shlex.quote(args.model)} "
-                              f"--inputs {shlex.quote(str(args.inputs))}")
-        elif data.synthetic:
-            print(f"WARNING: {SYNTHETIC_NOTE}: this row's parity is measured on them",
-                  file=sys.stderr)
+        data = custom_data(ref_path, args.limit, args.inputs, args.model)
 
     def fail(reason: str, desc: dict | None = None) -> None:
         rec = base_record(STAGE, precision, args.model, args.tag, desc, backend="ORT",

@@ -32,7 +32,6 @@ region.
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -40,7 +39,6 @@ from pathlib import Path
 import numpy as np
 from deploykit.layout import ref_outputs_path
 from deploykit.layout import fp32_onnx_path, ref_logits_path
-from deploykit.data.user import SYNTHETIC_NOTE, check_same_inputs
 from deploykit.cli import add_shared_args, check_positive, cli, require, stage_parser
 from deploykit.errors import StageError, UsageError
 from deploykit.evaluate import (
@@ -226,14 +224,7 @@ def main(args) -> dict | None:
         data = classifier_data(spec, args.limit, ref_path)
     else:
         ref_path = ref_outputs_path(args.model)
-        data = custom_data(ref_path, args.limit)
-        if args.inputs:
-            check_same_inputs(args.inputs, data.feed, "--inputs",
-                              f"python 1_pytorch_baseline.py --model {shlex.quote(args.model)} "
-                              f"--inputs {shlex.quote(str(args.inputs))}")
-        elif data.synthetic:
-            print(f"WARNING: {SYNTHETIC_NOTE}: this row's parity is measured on them",
-                  file=sys.stderr)
+        data = custom_data(ref_path, args.limit, args.inputs, args.model)
 
     onnx_b = args.onnx or (art / "onnx" / variant.onnx_file if variant else args.engine)
     next_step = diff_command(args.model, fp32_onnx_path(args.model), onnx_b, _precision(args),

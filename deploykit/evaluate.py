@@ -36,6 +36,7 @@ could not be measured at all (no session, a run that raised) is ``failed`` with 
 from __future__ import annotations
 
 import dataclasses
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -47,7 +48,7 @@ from deploykit.compare import match_outputs, parity, row_verdict, topk_accuracy
 from deploykit.data.images import normalize
 from deploykit.data.splits import align_reference, load_split
 from deploykit.errors import StageError, UsageError
-from deploykit.data.user import LABELS_KEY, SYNTHETIC_KEY
+from deploykit.data.user import LABELS_KEY, SYNTHETIC_KEY, SYNTHETIC_NOTE, check_same_inputs
 from deploykit.io import load_npz
 from deploykit.models import ModelSpec
 from deploykit.results import provenance, result_record, write_result
@@ -120,22 +121,35 @@ def classifier_data(spec: ModelSpec, limit: int | None = None,
                     preprocessing=spec.preprocessing() | {"mean": spec.mean, "std": spec.std})
 
 
-def custom_data(ref_path: Path, limit: int | None = None) -> EvalData:
+def custom_data(ref_path: Path, limit: int | None = None, inputs: Path | None = None,
+                model: str = "MODEL") -> EvalData:
     """Inputs and reference outputs of a model with its own inputs from ``ref_outputs.npz``
     (stage 1; :mod:`deploykit.data.user`): keys ``in:<input name>``, ``out:<output name>``,
-    ``labels`` and ``meta:synthetic``.
+    ``labels`` and ``meta:synthetic``. A row is judged on these samples; synthetic ones are said
+    on stderr.
 
     Args:
         limit: the first ``limit`` samples only.
+        inputs: a stage's ``--inputs``: must hold the reference's samples
+            (:func:`deploykit.data.user.check_same_inputs`). model: named in the rerun command.
     Raises:
         StageError: missing or unreadable reference (names stage 1).
+        UsageError: ``inputs`` are not the samples the reference was computed on.
     """
     z = load_npz(ref_path, None, "1_pytorch_baseline.py (--inputs NPZ or --input-shape ...)")
     feed = {k[3:]: v[:limit] for k, v in z.items() if k.startswith("in:")}
     ref = {k[4:]: v[:limit] for k, v in z.items() if k.startswith("out:")}
     y = z.get(LABELS_KEY)
-    return EvalData(feed=feed, ref=ref, y=None if y is None else y[:limit],
+    data = EvalData(feed=feed, ref=ref, y=None if y is None else y[:limit],
                     synthetic=bool(z[SYNTHETIC_KEY]) if SYNTHETIC_KEY in z else y is None)
+    if inputs:
+        check_same_inputs(inputs, data.feed, "--inputs",
+                          f"python 1_pytorch_baseline.py --model {shlex.quote(model)} "
+                          f"--inputs {shlex.quote(str(inputs))}")
+    elif data.synthetic:
+        print(f"WARNING: {SYNTHETIC_NOTE}: this row's parity is measured on them",
+              file=sys.stderr)
+    return data
 
 
 def aligned_reference(ref_path: Path, files: list[str], limit: int | None) -> np.ndarray:
