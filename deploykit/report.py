@@ -11,11 +11,12 @@ from deploykit.io import atomic_path
 from deploykit.layout import model_tag, results_dir
 from deploykit.results import result_record
 from deploykit.variants import PRECISION_ORDER, variant_order
+from deploykit.verdict import Budget, deploy_baselines, deploy_group, is_rerun, render_verdicts, verdicts
 
 
 COLUMNS = ["backend", "precision", "tag", "EP/device", "images", "top-1 %", "top-1 agree %",
            "top-5 %", "delta top-1", "INT8 MACs %", "p50 ms", "GPU compute p50 ms", "FPS",
-           "speedup", "size MB", "cosine sim", "status"]
+           "speedup vs PyTorch FP32", "speedup vs ORT/TRT FP32", "size MB", "cosine sim", "status"]
 
 
 # Row order: the hops of the pipeline, then precision, then the variant registry's order.
@@ -28,10 +29,7 @@ def _variant(r: dict) -> str:
     return r.get("variant") or (tag.split("_", 1)[1] if "_" in tag else tag)
 
 
-def _is_rerun(r: dict) -> bool:
-    """True for a rerun's failure kept beside a good row (``<tag>.failed.json``,
-    :func:`deploykit.results.write_result`)."""
-    return r.get("_file", f"{r['tag']}.json") != f"{r['tag']}.json"
+_is_rerun = is_rerun
 
 
 def row_sort_key(r: dict) -> tuple:
@@ -204,6 +202,7 @@ def table_rows(rows: list[dict]) -> list[dict]:
                  and (r.get("accuracy") or {}).get("top1") is not None), None)
     base_top1 = base["accuracy"]["top1"] if base else None
     pt_ms = speedup_references(rows)
+    deploy = {g: primary_latency(b)["p50_ms"] for g, b in deploy_baselines(rows).items()}
     out = []
     for r in rows:
         acc = r.get("accuracy") or {}
@@ -253,6 +252,8 @@ def table_rows(rows: list[dict]) -> list[dict]:
                        f"{lat['p50_ms']:.1f} ms (busy machine?)")
         top1 = acc.get("top1")
         speed = (pt_ms[dev] / lat["p50_ms"]) if lat.get("p50_ms") and dev in pt_ms else None
+        g = deploy_group(r)
+        dspeed = deploy[g] / lat["p50_ms"] if lat.get("p50_ms") and g in deploy else None
         out.append({
             "backend": r["backend"], "precision": r["precision"], "tag": r["tag"],
             "EP/device": ep, "images": _fmt(r.get("n_images")), "top-1 %": _fmt(top1),
@@ -263,7 +264,9 @@ def table_rows(rows: list[dict]) -> list[dict]:
                 r.get("_int8_macs"), (int, float)) else "",
             "p50 ms": _fmt(lat.get("p50_ms"), 3), "GPU compute p50 ms": _fmt(gpu.get("p50_ms"), 3),
             "FPS": _fmt(lat.get("fps"), 1),
-            "speedup": f"{speed:.2f}x" if speed else ("n/a" if lat else ""),
+            "speedup vs PyTorch FP32": f"{speed:.2f}x" if speed else ("n/a" if lat else ""),
+            "speedup vs ORT/TRT FP32": f"{dspeed:.2f}x" if dspeed else (
+                "n/a" if lat and g is not None else ""),
             "size MB": _fmt(r.get("size_mb")),
             "cosine sim": _fmt(par.get("cosine_mean"), 5) if par else
             ("reference" if r.get("reference") else ""),
@@ -371,14 +374,19 @@ def render_plots(rows: list[dict], folder: Path) -> dict[str, str]:
 
 
 def render_markdown(model: str, rows: list[dict], data: dict | None,
-                    trs: list[dict] | None = None, plots: dict[str, str] | None = None) -> str:
-    """The report as markdown: a header naming model, data and machine, the table, the GPU
-    details, the plots (``{file: alt}`` relative to the report) and the engine builds
+                    trs: list[dict] | None = None, plots: dict[str, str] | None = None,
+                    budget: Budget | None = None) -> str:
+    """The report as markdown: the verdict per deployment group (:mod:`deploykit.verdict`,
+    under ``budget``, default :class:`Budget`), a header naming data and machine, the table,
+    the GPU details, the plots (``{file: alt}`` relative to the report) and the engine builds
     (``trs``: the :func:`table_rows` of the run rows, when the caller already has them)."""
     runs, builds = split_builds(rows)
     trs = table_rows(runs) if trs is None else trs
+    budget = budget or Budget()
     buf = io.StringIO()
     buf.write(f"# Deployment report: {model}\n\n")
+    buf.write(render_verdicts(verdicts(runs, budget), budget))
+    buf.write("## Rows\n\n")
     if data:
         buf.write(f"Data: {data.get('n_eval')} eval images ({data.get('layout')}, "
                   f"{data.get('data_root')}); {data.get('n_calib')} disjoint calibration images; "
@@ -410,8 +418,10 @@ def render_markdown(model: str, rows: list[dict], data: dict | None,
         buf.write(f"Machine{' of the rows from ' + src if src else ''}: {line}.\n\n")
     buf.write("Latency: batch 1, median (p50) of the timed runs after warm-up, end to end (host "
               "arrays in and out); GPU rows also give the GPU Compute Time (CUDA events); p90/p99 "
-              "and the timer of each row are in its JSON. Speedup = PyTorch FP32 p50 / this "
-              "row's p50, on the same device. Parity vs PyTorch FP32 logits.\n\n")
+              "and the timer of each row are in its JSON. Speedup vs PyTorch FP32 = the PyTorch FP32 "
+              "p50 on the same device / this row's p50; speedup vs ORT/TRT FP32 = the deployment "
+              "baseline's p50 / this row's: ORT FP32 on the same EP (CPU EP, CUDA EP), the "
+              "TensorRT FP32 engine for TensorRT rows. Parity vs PyTorch FP32 logits.\n\n")
     buf.write("| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS) + "\n")
     for t in trs:
         buf.write("| " + " | ".join(t[c].replace("|", "/") for c in COLUMNS) + " |\n")
@@ -448,9 +458,10 @@ def gpu_rows(model: str, folder: Path) -> list[dict]:
     return [dict(r, _source=rel) for r in load_rows(gpu) if r.get("device") == "cuda"]
 
 
-def summary(model: str, runs: list[dict], path: Path) -> str:
-    """One console line: rows ok/failed/skipped, the best quantized recipe by top-1 agreement
-    with FP32 and its speedup, and where the report is."""
+def summary(model: str, runs: list[dict], path: Path, budget: Budget | None = None) -> str:
+    """One console line: rows ok/failed/skipped, the row to ship per deployment group (the
+    verdict under ``budget``), the best quantized recipe by top-1 agreement with FP32 and its
+    speedup vs PyTorch FP32, and where the report is."""
     st = {k: sum(r["status"] == k for r in runs)
           for k in ("ok", "warn", "failed", "skipped", "not run", "invalid")}
     # A rerun's failure kept beside a good row has the same tag: look the good row up.
@@ -464,10 +475,14 @@ def summary(model: str, runs: list[dict], path: Path) -> str:
             + f"{st['failed']} failed, {st['skipped']} skipped"
             + (f", {st['not run']} not run" if st["not run"] else "")
             + (f", {st['invalid']} invalid" if st["invalid"] else "")]
+    vs = verdicts(runs, budget or Budget())
+    if vs:
+        bits.append("ship: " + ", ".join(f"{v['group']} {v['ship']['tag'] if v['ship'] else 'none'}"
+                                         for v in vs))
     if best:
         bits.append(f"best quantized row {best['tag']} (top-1 {best['accuracy']['top1']:.2f}%, "
                     f"agreement {best['parity']['top1_agreement']:.1f}%, speedup "
-                    f"{trs[best['tag']]['speedup'] or 'n/a'})")
+                    f"{trs[best['tag']]['speedup vs PyTorch FP32'] or 'n/a'} vs PyTorch FP32)")
     failed = [r["tag"] + (" (a rerun; its ok row is kept)" if _is_rerun(r) else "")
               for r in runs if r["status"] == "failed"]
     if failed:
