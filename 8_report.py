@@ -109,7 +109,7 @@ def main(args: argparse.Namespace) -> Path:
         tmp.write_text(md)
     with atomic_path(out_csv) as tmp:
         with open(tmp, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=COLUMNS)
+            w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
             w.writeheader()
             w.writerows(trs)
     # The copy one folder up links the plots through the model's folder.

@@ -196,8 +196,14 @@ def speedup_references(rows: list[dict]) -> dict[str, float]:
     return ref
 
 
+# Separators of a status text's parts: "<status>: <reason>", then "; <note>" per note.
+_HEAD, _PART = "\x1e", "\x1f"
+
+
 def table_rows(rows: list[dict]) -> list[dict]:
-    """One dict per report row with the :data:`COLUMNS` keys (strings, ready to print)."""
+    """One dict per report row with the :data:`COLUMNS` keys (strings, ready to print), and
+    ``_status_parts``: the status text in parts (``"<status>\\x1e<reason>"``, then one per
+    note) for the markdown, which shows a part shared by several rows once."""
     base = next((r for r in rows if r["backend"] == "PyTorch" and r["status"] == "ok"
                  and (r.get("accuracy") or {}).get("top1") is not None), None)
     base_top1 = base["accuracy"]["top1"] if base else None
@@ -217,39 +223,41 @@ def table_rows(rows: list[dict]) -> list[dict]:
         if _is_rerun(r):
             status = f"latest rerun {status} ({r['_file']}; the ok row above is kept)"
         if r.get("status_reason"):  # a measured row's verdict: the metrics out of bounds
-            status += ": " + verdict_summary(r["status_reason"])
+            status += _HEAD + verdict_summary(r["status_reason"])
         elif r.get("reason"):
-            status += f": {r['reason'].splitlines()[0][:320]}"
+            status += _HEAD + f"{r['reason'].splitlines()[0][:320]}"
         if r.get("nonfinite_outputs"):
-            status += "; NON-FINITE OUTPUTS: " + ", ".join(
+            status += _PART + "NON-FINITE OUTPUTS: " + ", ".join(
                 f"{n} NaN/Inf values in {k}" for k, n in r["nonfinite_outputs"].items()) + (
                 " where the reference is finite (no result: see qdq_tools.py check / "
                 "layerwise.py diff for the node)")
         if r.get("fp16_computed_in"):
-            status += f"; FP16 graph computed in {r['fp16_computed_in'].split(' (')[0]} here"
+            status += _PART + ("FP16 graph computed in "
+                               f"{r['fp16_computed_in'].split(' (')[0]} here")
         diags = r.get("diagnostics") or {}
         bi = diags.get("batch_invariance") or {}
         if bi.get("ok") is False:
             agree = bi.get("top1_agreement")
-            status += (f"; BATCH-DEPENDENT OUTPUT: batch 1 vs batch {bi.get('batch')} differ by "
-                       f"{bi.get('rel_max_diff', 0):.2g} of max |output|"
-                       + (f", top-1 agreement {100 * agree:.1f}%" if agree is not None else ""))
+            status += _PART + (f"BATCH-DEPENDENT OUTPUT: batch 1 vs batch {bi.get('batch')} "
+                               f"differ by {bi.get('rel_max_diff', 0):.2g} of max |output|"
+                               + (f", top-1 agreement {100 * agree:.1f}%" if agree is not None else ""))
         for name, d in diags.items():
             if isinstance(d, dict) and d.get("status") == "error":
-                status += f"; diagnostic {name} failed: {str(d.get('error'))[:120]}"
+                status += _PART + f"diagnostic {name} failed: {str(d.get('error'))[:120]}"
         cc = diags.get("backend_cross_check") or {}
         if cc.get("disagreement"):
             if cc.get("top1_unoptimized") is not None:
-                status += (f"; BACKEND DISAGREEMENT: top-1 {cc['top1_unoptimized']:.1f}% with "
-                           f"ORT optimisations disabled ({cc['n']} images)")
+                status += _PART + ("BACKEND DISAGREEMENT: top-1 "
+                                   f"{cc['top1_unoptimized']:.1f}% with "
+                                   f"ORT optimisations disabled ({cc['n']} images)")
             else:  # a model without labels: the cross-check says what differs
-                status += f"; BACKEND DISAGREEMENT: {cc.get('reason')}"
+                status += _PART + f"BACKEND DISAGREEMENT: {cc.get('reason')}"
             status += f"; cause: {cc['cause']}" if cc.get("cause") else ""
         if r.get("_quant_check") and r["_quant_check"] != "check: clean":
-            status += f"; Q/DQ {r['_quant_check']} (qdq_tools.py check)"
+            status += _PART + f"Q/DQ {r['_quant_check']} (qdq_tools.py check)"
         if lat.get("mean_ms") and lat.get("p50_ms") and lat["mean_ms"] > 1.5 * lat["p50_ms"]:
-            status += (f"; noisy timing: mean {lat['mean_ms']:.1f} ms vs p50 "
-                       f"{lat['p50_ms']:.1f} ms (busy machine?)")
+            status += _PART + (f"noisy timing: mean {lat['mean_ms']:.1f} ms vs p50 "
+                               f"{lat['p50_ms']:.1f} ms (busy machine?)")
         top1 = acc.get("top1")
         speed = (pt_ms[dev] / lat["p50_ms"]) if lat.get("p50_ms") and dev in pt_ms else None
         g = deploy_group(r)
@@ -270,8 +278,62 @@ def table_rows(rows: list[dict]) -> list[dict]:
             "size MB": _fmt(r.get("size_mb")),
             "cosine sim": _fmt(par.get("cosine_mean"), 5) if par else
             ("reference" if r.get("reference") else ""),
-            "top-1 agree %": _fmt(par.get("top1_agreement"), 1), "status": status})
+            "top-1 agree %": _fmt(par.get("top1_agreement"), 1),
+            "status": status.replace(_HEAD, ": ").replace(_PART, "; "),
+            "_status_parts": status.split(_PART)})
     return out
+
+
+# Columns that name a row: always shown. MD_HIDDEN: in REPORT.csv only (FPS = 1000 / mean ms).
+_IDENTITY = ("backend", "precision", "tag", "EP/device", "status")
+MD_HIDDEN = ("FPS",)
+
+
+def markdown_table(trs: list[dict]) -> str:
+    """The markdown of :func:`table_rows`, shortened for reading: a column whose filled cells
+    all hold one value (e.g. ``images``) is one "same in every row" line above the table, a
+    column empty in every row is left out, :data:`MD_HIDDEN` columns stay in REPORT.csv, and a
+    status part (reason or note) that several rows share becomes ``[n]`` in their cells, its
+    text written once below the table with the rows' tags."""
+    if not trs:
+        return ""
+    cols, same = [], []
+    for c in COLUMNS:
+        vals = {t[c] for t in trs if t[c] != ""}
+        if c in _IDENTITY or (c not in MD_HIDDEN and len(vals) > 1):
+            cols.append(c)
+        elif len(vals) == 1 and c not in MD_HIDDEN:
+            same.append(f"{c} {vals.pop()}")
+    parts = [t.get("_status_parts") or [t["status"].replace(": ", _HEAD, 1)] for t in trs]
+    texts: dict[str, list[str]] = {}
+    for t, ps in zip(trs, parts):
+        for i, p in enumerate(ps):
+            text = p.split(_HEAD, 1)[1] if i == 0 and _HEAD in p else (p if i else "")
+            if text and t["tag"] not in texts.setdefault(text, []):
+                texts[text].append(t["tag"])
+    shared = {text: n for n, text in enumerate(
+        (x for x, tags in texts.items() if len(tags) > 1), 1)}
+
+    def cell(ps: list[str]) -> str:
+        word, _, head = ps[0].partition(_HEAD)
+        out = word + ((f" [{shared[head]}]" if head in shared else f": {head}") if head else "")
+        for p in ps[1:]:
+            out += f" [{shared[p]}]" if p in shared else f"; {p}"
+        return out
+
+    buf = io.StringIO()
+    if same:
+        buf.write("Same in every row that has a value: " + "; ".join(same) + ". ")
+    buf.write("FPS and the full status texts: REPORT.csv.\n\n")
+    buf.write("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n")
+    for t, ps in zip(trs, parts):
+        row = {**t, "status": cell(ps)}
+        buf.write("| " + " | ".join(row[c].replace("|", "/") for c in cols) + " |\n")
+    if shared:
+        buf.write("\nShared by several rows:\n\n")
+        for text, n in shared.items():
+            buf.write(f"- [{n}] {', '.join(texts[text])}: {text.replace('|', '/')}\n")
+    return buf.getvalue()
 
 
 def verdict_summary(reason: str, n: int = 2) -> str:
@@ -418,13 +480,11 @@ def render_markdown(model: str, rows: list[dict], data: dict | None,
         buf.write(f"Machine{' of the rows from ' + src if src else ''}: {line}.\n\n")
     buf.write("Latency: batch 1, median (p50) of the timed runs after warm-up, end to end (host "
               "arrays in and out); GPU rows also give the GPU Compute Time (CUDA events); p90/p99 "
-              "and the timer of each row are in its JSON. Speedup vs PyTorch FP32 = the PyTorch FP32 "
-              "p50 on the same device / this row's p50; speedup vs ORT/TRT FP32 = the deployment "
-              "baseline's p50 / this row's: ORT FP32 on the same EP (CPU EP, CUDA EP), the "
+              "and the timer of each row are in its JSON. Speedup vs PyTorch FP32 = the PyTorch "
+              "FP32 p50 on the same device / this row's p50; speedup vs ORT/TRT FP32 = the "
+              "deployment baseline's p50 / this row's: ORT FP32 on the same EP (CPU EP, CUDA EP), the "
               "TensorRT FP32 engine for TensorRT rows. Parity vs PyTorch FP32 logits.\n\n")
-    buf.write("| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS) + "\n")
-    for t in trs:
-        buf.write("| " + " | ".join(t[c].replace("|", "/") for c in COLUMNS) + " |\n")
+    buf.write(markdown_table(trs))
     gpu = gpu_table(runs)
     if gpu:
         buf.write("\nGPU rows in detail (batch 1 p50 ms unless named; CUDA graph = replay of a "
@@ -439,12 +499,15 @@ def render_markdown(model: str, rows: list[dict], data: dict | None,
     if builds:
         buf.write("\nTensorRT engine builds (stage 6):\n\n| variant | status | detail |\n"
                   "|---|---|---|\n")
+        same: dict[tuple[str, str], list[str]] = {}  # one line per (status, detail)
         for b in builds:
             detail = (b.get("reason") or b.get("plan") or "").splitlines()
             st = b["status"] + (f" (latest rerun, {b['_file']}; the ok row above is kept)"
                                 if _is_rerun(b) else "")
-            buf.write(f"| {b['tag'].removeprefix('trt_build_')} | {st} | "
-                      f"{(detail[0] if detail else '')[:200].replace('|', '/')} |\n")
+            key = (st, (detail[0] if detail else "")[:200].replace("|", "/"))
+            same.setdefault(key, []).append(b["tag"].removeprefix("trt_build_"))
+        for (st, detail), names in same.items():
+            buf.write(f"| {', '.join(names)} | {st} | {detail} |\n")
     return buf.getvalue()
 
 

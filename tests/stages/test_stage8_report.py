@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from deploykit.report import gpu_table, row_sort_key
+from deploykit.report import gpu_table, markdown_table, row_sort_key
 from deploykit.evaluate import base_record
 from deploykit.io import write_json
 from deploykit.results import result_record
@@ -393,3 +393,31 @@ def test_speedup_vs_the_deployment_baseline_of_the_same_ep(rows):
     assert t["trt_fp32"]["speedup vs ORT/TRT FP32"] == ""  # skipped: no latency
     md = report.render_markdown(MODEL, rows, None)
     assert "| speedup vs PyTorch FP32 | speedup vs ORT/TRT FP32 |" in md
+
+
+def test_a_reason_shared_by_rows_is_written_once_and_constant_columns_become_a_line(tmp_path):
+    skip = "trtexec not found (set TRTEXEC=/path/to/trtexec)"
+    rows = _cpu_rows() + [
+        base_record("t", p, MODEL, f"trt_{v}", {"backend": "TensorRT", "device": "cuda"},
+                    status="skipped", reason=skip)
+        for p, v in (("FP32", "fp32"), ("FP16", "fp16"), ("INT8", "int8"))]
+    rows += [base_record("6_build_engines", "FP32", MODEL, f"trt_build_{v}",
+                         {"backend": "TensorRT"}, status="skipped", reason=skip, variant=v)
+             for v in ("fp32", "fp16")]
+    rows.sort(key=row_sort_key)
+    runs = report.split_builds(rows)[0]
+    table = markdown_table(report.table_rows(runs))
+    assert table.count(skip) == 1
+    (note,) = [ln for ln in table.splitlines() if skip in ln]
+    assert note.startswith("- [1] trt_fp32, trt_fp16, trt_int8: ")
+    assert [ln.rsplit("|", 2)[1].strip() for ln in table.splitlines() if "| trt_" in ln] == \
+        ["skipped [1]"] * 3
+    header = next(ln for ln in table.splitlines() if ln.startswith("| backend"))
+    assert "images" not in header and "FPS" not in header and "GPU compute" not in header
+    assert "Same in every row that has a value: images 900; " in table
+    # a reason of one row stays in its cell
+    one = markdown_table(report.table_rows(runs[:-1]))
+    assert "| skipped [1] |" in one and "- [1] trt_fp32, trt_fp16: " in one
+    md = report.render_markdown(MODEL, rows, None)
+    (builds,) = [ln for ln in md.splitlines() if ln.startswith("| fp32, fp16 |")]
+    assert builds == f"| fp32, fp16 | skipped | {skip} |"
