@@ -378,9 +378,153 @@ def gpu_table(rows: list[dict]) -> str:
             + "".join("| " + " | ".join(row) + " |\n" for row in out))
 
 
-def render_plots(rows: list[dict], folder: Path) -> dict[str, str]:
-    """PNGs beside the report: top-1 against batch-1 p50 latency (one labelled marker per
-    row, CPU and GPU rows in separate panels) and model size per row by precision.
+_COLORS = {"FP32": "tab:blue", "FP16": "tab:green", "INT8": "tab:red", "INT4": "tab:purple"}
+
+
+def _spread(ys: list[float], gap: float, lo: float = 0.0, hi: float = 1.0) -> list[float]:
+    """Positions for labels wanted at ``ys`` (axes fraction), in the same order, each at least
+    ``gap`` from the next and kept within ``lo..hi``: a deterministic push up, then down."""
+    order = sorted(range(len(ys)), key=lambda i: (ys[i], i))
+    gap = min(gap, (hi - lo) / max(len(ys), 1))
+    pos = [min(max(ys[i], lo), hi) for i in order]
+    for k in range(1, len(pos)):
+        pos[k] = max(pos[k], pos[k - 1] + gap)
+    if pos and pos[-1] > hi:
+        pos[-1] = hi
+        for k in range(len(pos) - 2, -1, -1):
+            pos[k] = min(pos[k], pos[k + 1] - gap)
+    out = [0.0] * len(ys)
+    for k, i in enumerate(order):
+        out[i] = pos[k]
+    return out
+
+
+def accuracy_axis(points: list[float], ref: float | None, budget: Budget) -> tuple[float, float]:
+    """The top-1 axis (%) of the accuracy plot, zoomed on the rows that hold: those within
+    ``max(2, 4 x max_top1_drop)`` points of the reference ``ref`` (all rows when there is no
+    reference), the reference and its budget line; rows below are drawn at the lower edge."""
+    near = max(2.0, 4 * budget.max_top1_drop)
+    hold = [y for y in points if ref is None or y >= ref - near] or points
+    lo, hi = min(hold), max(hold)
+    if ref is not None:
+        lo, hi = min(lo, ref - budget.max_top1_drop), max(hi, ref)
+    pad = max(0.2, 0.15 * (hi - lo))
+    return lo - pad, hi + pad
+
+
+def accuracy_latency_figure(rows: list[dict], budget: Budget | None = None):
+    """Top-1 against batch-1 p50 latency, one panel per device (cpu, cuda), as a matplotlib
+    figure (the caller saves and closes it), or None without a row to plot.
+
+    Every ok/warn row with top-1 and latency is a marker (square: PyTorch; colour: precision);
+    its label sits in a column right of the panel, spread so labels never overlap, joined to
+    the marker by a leader line. The top-1 axis is zoomed on the rows that hold
+    (:func:`accuracy_axis`); a row far below is a triangle on the lower edge with its top-1 in
+    its label. A dashed line marks the budget (PyTorch FP32 top-1 - ``max_top1_drop``); each
+    group's recommended row (:func:`deploykit.verdict.verdicts`) is a star whose legend label
+    is ``ship <group>: <tag>``.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    budget = budget or Budget()
+    pts = [r for r in rows if r["status"] in ("ok", "warn") and not _is_rerun(r)
+           and (r.get("accuracy") or {}).get("top1") is not None
+           and primary_latency(r).get("p50_ms")]
+    if not pts:
+        return None
+    vs = verdicts(rows, budget)
+    ship = {id(v["ship"]): v["group"] for v in vs if v["ship"] is not None}
+    ref = vs[0]["reference"] if vs else None
+    ref_top1 = ((ref or {}).get("accuracy") or {}).get("top1")
+    devs = [d for d in ("cpu", "cuda") if any((r.get("device") or "cpu") == d for r in pts)]
+    devs += sorted({r.get("device") or "cpu" for r in pts} - set(devs))
+    from matplotlib.ticker import FormatStrFormatter
+
+    # inches: each panel 5 wide, its label column 2.9, the y label 0.9
+    n, panel, labels, left = len(devs), 5.0, 2.9, 0.9
+    width = n * (left + panel + labels)
+    fig, axes = plt.subplots(1, n, figsize=(width, 6.0), squeeze=False)
+    fig.subplots_adjust(left=left / width, right=1 - labels / width,
+                        wspace=(left + labels) / panel, bottom=0.3, top=0.93)
+    for ax, dev in zip(axes[0], devs):
+        mine = [r for r in pts if (r.get("device") or "cpu") == dev]
+        ys = [r["accuracy"]["top1"] for r in mine]
+        lo, hi = accuracy_axis(ys, ref_top1, budget)
+        xs = [primary_latency(r)["p50_ms"] for r in mine]
+        ax.set_xscale("log")
+        for axis in (ax.xaxis.set_major_formatter, ax.xaxis.set_minor_formatter):
+            axis(FormatStrFormatter("%g"))
+        ax.tick_params(axis="x", which="minor", labelsize=6)
+        ax.set_xlim(min(xs) / 1.25, max(xs) * 1.25)
+        ax.set_ylim(lo, hi)
+        wanted, texts = [], []
+        for r, x, y in zip(mine, xs, ys):
+            below = y < lo
+            shown = lo if below else y
+            ax.scatter([x], [shown], color=_COLORS.get(r["precision"][:4], "0.4"), s=36,
+                       marker="v" if below else ("s" if r["backend"] == "PyTorch" else "o"),
+                       clip_on=False, zorder=3)
+            if id(r) in ship:
+                ax.scatter([x], [shown], marker="*", s=260, facecolor="none",
+                           edgecolor="black", linewidth=1.2, zorder=4,
+                           label=f"ship {ship[id(r)]}: {r['tag']}")
+            wanted.append((shown - lo) / (hi - lo))
+            texts.append(r["tag"] + (f" (top-1 {y:.2f} %, off the axis)" if below else "")
+                         + (" <- ship" if id(r) in ship else ""))
+        for (r, x, shown), yf, text in zip(
+                [(r, x, lo if y < lo else y) for r, x, y in zip(mine, xs, ys)],
+                _spread(wanted, 0.055), texts):
+            ax.annotate(text, (x, shown), xytext=(1.03, yf), textcoords="axes fraction",
+                        va="center", fontsize=7, annotation_clip=False,
+                        fontweight="bold" if id(r) in ship else "normal",
+                        arrowprops={"arrowstyle": "-", "lw": 0.5, "color": "0.55",
+                                    "shrinkA": 0, "shrinkB": 3})
+        if ref_top1 is not None:
+            ax.axhline(ref_top1 - budget.max_top1_drop, ls="--", lw=0.8, color="0.4",
+                       label=f"budget: PyTorch FP32 top-1 - {budget.max_top1_drop:g} points")
+        ax.set_xlabel("batch-1 end-to-end p50 latency (ms, log)")
+        ax.set_ylabel("top-1 (%), zoomed on the rows that hold")
+        ax.set_title(f"{dev.upper()} rows", fontsize=10)
+        ax.grid(alpha=0.3, which="both")
+        handles, labels = ax.get_legend_handles_labels()
+        handles += [plt.Line2D([], [], marker="o", ls="", color=c, label=p)
+                    for p, c in _COLORS.items()]
+        ax.legend(handles=handles, fontsize=7, loc="upper center", ncol=2,
+                  bbox_to_anchor=(0.5, -0.13), frameon=False)
+    return fig
+
+
+def size_notes(rows: list[dict]) -> list[str]:
+    """Footnotes on sizes: what a variant's ONNX file holds when its size is not its precision's
+    (from the variant registry, :mod:`deploykit.variants`): a Q/DQ file keeps float weights with
+    a QuantizeLinear per weight (FP16 or FP32 by its high-precision dtype) - the TensorRT engine
+    built from it stores INT8 weights; INT4 weight-only quantizes Gemm/MatMul weights only."""
+    from deploykit.variants import VARIANTS
+
+    notes = []
+    for name in dict.fromkeys(_variant(r) for r in rows if r.get("size_mb")
+                              and r["backend"] == "ORT"):
+        v = VARIANTS.get(name)
+        if v is None:
+            continue
+        if v.kind == "qdq":
+            dt = "FP16" if v.high_precision_fp16 else "FP32"
+            notes.append(f"{name}: the Q/DQ ONNX stores {dt} weights + scales (a "
+                         "QuantizeLinear per weight), so it is as large as the "
+                         f"{dt} file; the TensorRT engine stores INT8")
+        elif v.kind == "int4":
+            notes.append(f"{name}: INT4 weight-only on Gemm/MatMul weights only; the other "
+                         "layers keep FP32 weights")
+    return notes
+
+
+def render_plots(rows: list[dict], folder: Path, budget: Budget | None = None
+                 ) -> dict[str, str]:
+    """PNGs beside the report: :func:`accuracy_latency_figure` and model size per row
+    (colour: precision; :func:`size_notes` as footnotes; the rows to ship marked).
 
     Returns:
         ``{file name: alt text}`` of the plots written (none without an ok row with numbers).
@@ -390,44 +534,31 @@ def render_plots(rows: list[dict], folder: Path) -> dict[str, str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    pts = [r for r in rows if r["status"] == "ok" and (r.get("accuracy") or {}).get("top1")
-           is not None and primary_latency(r).get("p50_ms")]
     out: dict[str, str] = {}
-    colors = {"FP32": "tab:blue", "FP16": "tab:green", "INT8": "tab:red", "INT4": "tab:purple"}
-    if pts:
-        devs = [d for d in ("cpu", "cuda") if any((r.get("device") or "cpu") == d for r in pts)]
-        fig, axes = plt.subplots(1, len(devs), figsize=(6.5 * len(devs), 4.8), squeeze=False)
-        for ax, dev in zip(axes[0], devs):
-            for r in (r for r in pts if (r.get("device") or "cpu") == dev):
-                x, y = primary_latency(r)["p50_ms"], r["accuracy"]["top1"]
-                ax.scatter([x], [y], color=colors.get(r["precision"][:4], "0.4"),
-                           marker="o" if r["backend"] != "PyTorch" else "s", s=36)
-                ax.annotate(r["tag"], (x, y), fontsize=7, xytext=(4, 3),
-                            textcoords="offset points")
-            ax.set_xscale("log")
-            ax.set_xlabel("batch-1 end-to-end p50 latency (ms, log)")
-            ax.set_ylabel("top-1 (%)")
-            ax.set_title(f"{dev.upper()} rows", fontsize=10)
-            ax.grid(alpha=0.3, which="both")
-        handles = [plt.Line2D([], [], marker="o", ls="", color=c, label=p)
-                   for p, c in colors.items()]
-        axes[0][0].legend(handles=handles, fontsize=8, loc="lower left")
-        fig.tight_layout()
+    fig = accuracy_latency_figure(rows, budget)
+    if fig is not None:
         with atomic_path(folder / "accuracy_latency.png") as tmp:
             fig.savefig(tmp, dpi=110, format="png")
         plt.close(fig)
         out["accuracy_latency.png"] = "top-1 against batch-1 latency"
-    sized = [r for r in rows if r["status"] == "ok" and r.get("size_mb")
-             and r["backend"] != "PyTorch"]
+    sized = [r for r in rows if r["status"] in ("ok", "warn") and r.get("size_mb")
+             and r["backend"] != "PyTorch" and not _is_rerun(r)]
     if sized:
-        fig, ax = plt.subplots(figsize=(8, 0.3 * len(sized) + 1.2))
-        ax.barh([r["tag"] for r in sized], [r["size_mb"] for r in sized],
-                color=[colors.get(r["precision"][:4], "0.4") for r in sized])
+        ships = {id(v["ship"]) for v in verdicts(rows, budget or Budget())}
+        notes = size_notes(sized)
+        fig, ax = plt.subplots(figsize=(8, 0.3 * len(sized) + 1.4 + 0.18 * len(notes)))
+        ax.barh([r["tag"] + (" (ship)" if id(r) in ships else "") for r in sized],
+                [r["size_mb"] for r in sized],
+                color=[_COLORS.get(r["precision"][:4], "0.4") for r in sized])
         ax.invert_yaxis()
-        ax.set_xlabel("size (MB)")
+        ax.set_xlabel("size (MB): the ONNX file of ORT rows, the engine of TensorRT rows")
         ax.set_title("model / engine size by row (colour = precision)", fontsize=10)
         ax.grid(alpha=0.3, axis="x")
         fig.tight_layout()
+        if notes:
+            h = fig.get_size_inches()[1]
+            fig.subplots_adjust(bottom=(0.5 + 0.18 * len(notes)) / h)
+            fig.text(0.01, 0.01, "\n".join(notes), fontsize=7, va="bottom")
         with atomic_path(folder / "size.png") as tmp:
             fig.savefig(tmp, dpi=110, format="png")
         plt.close(fig)
@@ -492,6 +623,9 @@ def render_markdown(model: str, rows: list[dict], data: dict | None,
                   "copies; throughput at the row's --latency-batch):\n\n" + gpu)
     if plots:
         buf.write("\n" + "".join(f"![{alt}]({name})\n" for name, alt in plots.items()))
+        notes = size_notes([r for r in runs if r["status"] in ("ok", "warn")])
+        if notes and "size.png" in plots:
+            buf.write("\nSizes: " + "; ".join(notes) + ".\n")
     if any(_variant(r) == "int8_auto" for r in runs):
         buf.write("\nint8_auto: which nodes stay in float, each node's sensitivity and MACs, and "
                   "the budget on the tuning and evaluation splits: "

@@ -421,3 +421,43 @@ def test_a_reason_shared_by_rows_is_written_once_and_constant_columns_become_a_l
     md = report.render_markdown(MODEL, rows, None)
     (builds,) = [ln for ln in md.splitlines() if ln.startswith("| fp32, fp16 |")]
     assert builds == f"| fp32, fp16 | skipped | {skip} |"
+
+
+def test_accuracy_plot_marks_the_row_to_ship_zooms_and_keeps_labels_apart(tmp_path, monkeypatch):
+    """Rows at one top-1 (88.44 %) used to print their labels on top of each other; a row at
+    11.8 % stretched the axis to 0-90 %. Now: labels do not overlap, the axis is zoomed, the
+    far row is on the edge with its value, the recommended row is a star in the legend."""
+    from deploykit.report import accuracy_latency_figure
+
+    rows = _cpu_rows(int8_top1=88.2, int8_agree=99.3) + [
+        _row(f"ort_fp32_v{i}", "ORT", "FP32", "cpu", 88.44, 10.0 + 0.01 * i,
+             ep="CPUExecutionProvider", agree=100.0) for i in range(6)] + [
+        _row("ort_int8", "ORT", "INT8", "cpu", 11.8, 30.0, ep="CPUExecutionProvider", agree=12.0)]
+    fig = accuracy_latency_figure(rows)
+    (ax,) = fig.axes
+    labels = ax.get_legend_handles_labels()[1]
+    assert "ship CPU EP: ort_int8_hp32" in labels
+    lo, hi = ax.get_ylim()
+    assert 85 < lo < 88.2 and hi < 90  # zoomed on the rows that hold
+    texts = [t for t in ax.texts if t.get_text()]
+    assert any(t.get_text() == "ort_int8 (top-1 11.80 %, off the axis)" for t in texts)
+    assert any(t.get_text() == "ort_int8_hp32 <- ship" for t in texts)
+    from matplotlib.text import Text
+
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    boxes = [Text.get_window_extent(t, renderer) for t in texts]  # the text, not its leader
+    assert len(boxes) == len(rows)
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1:]:
+            assert not a.overlaps(b), "two labels overlap"
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+    # the files: written, the size footnote names what a Q/DQ file stores
+    monkeypatch.setenv("RESULTS", str(tmp_path))
+    _write(tmp_path / MODEL, rows)
+    report.main(report.get_args_parser().parse_args(["--model", MODEL]))
+    assert (tmp_path / MODEL / "accuracy_latency.png").stat().st_size > 5000
+    md = (tmp_path / MODEL / "REPORT.md").read_text()
+    assert "int8_hp32: the Q/DQ ONNX stores FP32 weights + scales" in md
+    assert "the TensorRT engine stores INT8" in md
