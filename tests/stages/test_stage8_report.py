@@ -256,7 +256,7 @@ def test_report_refuses_a_valid_json_that_is_not_this_folders_row(tmp_path, case
     (res / "ort_fp32.json").write_text(json.dumps(other))
     p = run_stage(["8_report.py", "--model", MODEL], env)
     want = {"list": "a JSON list, not a results row",
-            "status": "field status is 'weird', expected one of ok, failed, skipped",
+            "status": "field status is 'weird', expected one of ok, warn, failed, skipped",
             "tag": "field tag is 'ort_fp16' but the file is ort_fp32.json",
             "model": f"field model is 'resnet50' but the folder is {MODEL}/"}[case]
     assert f"{res / 'ort_fp32.json'}: {want}" in p.stderr
