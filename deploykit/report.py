@@ -11,11 +11,12 @@ from deploykit.io import atomic_path
 from deploykit.layout import model_tag, results_dir
 from deploykit.results import result_record
 from deploykit.variants import PRECISION_ORDER, variant_order
+from deploykit.verdict import Budget, deploy_baselines, deploy_group, is_rerun, render_verdicts, verdicts
 
 
 COLUMNS = ["backend", "precision", "tag", "EP/device", "images", "top-1 %", "top-1 agree %",
            "top-5 %", "delta top-1", "INT8 MACs %", "p50 ms", "GPU compute p50 ms", "FPS",
-           "speedup", "size MB", "cosine sim", "status"]
+           "speedup vs PyTorch FP32", "speedup vs ORT/TRT FP32", "size MB", "cosine sim", "status"]
 
 
 # Row order: the hops of the pipeline, then precision, then the variant registry's order.
@@ -28,10 +29,7 @@ def _variant(r: dict) -> str:
     return r.get("variant") or (tag.split("_", 1)[1] if "_" in tag else tag)
 
 
-def _is_rerun(r: dict) -> bool:
-    """True for a rerun's failure kept beside a good row (``<tag>.failed.json``,
-    :func:`deploykit.results.write_result`)."""
-    return r.get("_file", f"{r['tag']}.json") != f"{r['tag']}.json"
+_is_rerun = is_rerun
 
 
 def row_sort_key(r: dict) -> tuple:
@@ -198,12 +196,19 @@ def speedup_references(rows: list[dict]) -> dict[str, float]:
     return ref
 
 
+# Separators of a status text's parts: "<status>: <reason>", then "; <note>" per note.
+_HEAD, _PART = "\x1e", "\x1f"
+
+
 def table_rows(rows: list[dict]) -> list[dict]:
-    """One dict per report row with the :data:`COLUMNS` keys (strings, ready to print)."""
+    """One dict per report row with the :data:`COLUMNS` keys (strings, ready to print), and
+    ``_status_parts``: the status text in parts (``"<status>\\x1e<reason>"``, then one per
+    note) for the markdown, which shows a part shared by several rows once."""
     base = next((r for r in rows if r["backend"] == "PyTorch" and r["status"] == "ok"
                  and (r.get("accuracy") or {}).get("top1") is not None), None)
     base_top1 = base["accuracy"]["top1"] if base else None
     pt_ms = speedup_references(rows)
+    deploy = {g: primary_latency(b)["p50_ms"] for g, b in deploy_baselines(rows).items()}
     out = []
     for r in rows:
         acc = r.get("accuracy") or {}
@@ -218,41 +223,45 @@ def table_rows(rows: list[dict]) -> list[dict]:
         if _is_rerun(r):
             status = f"latest rerun {status} ({r['_file']}; the ok row above is kept)"
         if r.get("status_reason"):  # a measured row's verdict: the metrics out of bounds
-            status += ": " + verdict_summary(r["status_reason"])
+            status += _HEAD + verdict_summary(r["status_reason"])
         elif r.get("reason"):
-            status += f": {r['reason'].splitlines()[0][:320]}"
+            status += _HEAD + f"{r['reason'].splitlines()[0][:320]}"
         if r.get("nonfinite_outputs"):
-            status += "; NON-FINITE OUTPUTS: " + ", ".join(
+            status += _PART + "NON-FINITE OUTPUTS: " + ", ".join(
                 f"{n} NaN/Inf values in {k}" for k, n in r["nonfinite_outputs"].items()) + (
                 " where the reference is finite (no result: see qdq_tools.py check / "
                 "layerwise.py diff for the node)")
         if r.get("fp16_computed_in"):
-            status += f"; FP16 graph computed in {r['fp16_computed_in'].split(' (')[0]} here"
+            status += _PART + ("FP16 graph computed in "
+                               f"{r['fp16_computed_in'].split(' (')[0]} here")
         diags = r.get("diagnostics") or {}
         bi = diags.get("batch_invariance") or {}
         if bi.get("ok") is False:
             agree = bi.get("top1_agreement")
-            status += (f"; BATCH-DEPENDENT OUTPUT: batch 1 vs batch {bi.get('batch')} differ by "
-                       f"{bi.get('rel_max_diff', 0):.2g} of max |output|"
-                       + (f", top-1 agreement {100 * agree:.1f}%" if agree is not None else ""))
+            status += _PART + (f"BATCH-DEPENDENT OUTPUT: batch 1 vs batch {bi.get('batch')} "
+                               f"differ by {bi.get('rel_max_diff', 0):.2g} of max |output|"
+                               + (f", top-1 agreement {100 * agree:.1f}%" if agree is not None else ""))
         for name, d in diags.items():
             if isinstance(d, dict) and d.get("status") == "error":
-                status += f"; diagnostic {name} failed: {str(d.get('error'))[:120]}"
+                status += _PART + f"diagnostic {name} failed: {str(d.get('error'))[:120]}"
         cc = diags.get("backend_cross_check") or {}
         if cc.get("disagreement"):
             if cc.get("top1_unoptimized") is not None:
-                status += (f"; BACKEND DISAGREEMENT: top-1 {cc['top1_unoptimized']:.1f}% with "
-                           f"ORT optimisations disabled ({cc['n']} images)")
+                status += _PART + ("BACKEND DISAGREEMENT: top-1 "
+                                   f"{cc['top1_unoptimized']:.1f}% with "
+                                   f"ORT optimisations disabled ({cc['n']} images)")
             else:  # a model without labels: the cross-check says what differs
-                status += f"; BACKEND DISAGREEMENT: {cc.get('reason')}"
+                status += _PART + f"BACKEND DISAGREEMENT: {cc.get('reason')}"
             status += f"; cause: {cc['cause']}" if cc.get("cause") else ""
         if r.get("_quant_check") and r["_quant_check"] != "check: clean":
-            status += f"; Q/DQ {r['_quant_check']} (qdq_tools.py check)"
+            status += _PART + f"Q/DQ {r['_quant_check']} (qdq_tools.py check)"
         if lat.get("mean_ms") and lat.get("p50_ms") and lat["mean_ms"] > 1.5 * lat["p50_ms"]:
-            status += (f"; noisy timing: mean {lat['mean_ms']:.1f} ms vs p50 "
-                       f"{lat['p50_ms']:.1f} ms (busy machine?)")
+            status += _PART + (f"noisy timing: mean {lat['mean_ms']:.1f} ms vs p50 "
+                               f"{lat['p50_ms']:.1f} ms (busy machine?)")
         top1 = acc.get("top1")
         speed = (pt_ms[dev] / lat["p50_ms"]) if lat.get("p50_ms") and dev in pt_ms else None
+        g = deploy_group(r)
+        dspeed = deploy[g] / lat["p50_ms"] if lat.get("p50_ms") and g in deploy else None
         out.append({
             "backend": r["backend"], "precision": r["precision"], "tag": r["tag"],
             "EP/device": ep, "images": _fmt(r.get("n_images")), "top-1 %": _fmt(top1),
@@ -263,12 +272,68 @@ def table_rows(rows: list[dict]) -> list[dict]:
                 r.get("_int8_macs"), (int, float)) else "",
             "p50 ms": _fmt(lat.get("p50_ms"), 3), "GPU compute p50 ms": _fmt(gpu.get("p50_ms"), 3),
             "FPS": _fmt(lat.get("fps"), 1),
-            "speedup": f"{speed:.2f}x" if speed else ("n/a" if lat else ""),
+            "speedup vs PyTorch FP32": f"{speed:.2f}x" if speed else ("n/a" if lat else ""),
+            "speedup vs ORT/TRT FP32": f"{dspeed:.2f}x" if dspeed else (
+                "n/a" if lat and g is not None else ""),
             "size MB": _fmt(r.get("size_mb")),
             "cosine sim": _fmt(par.get("cosine_mean"), 5) if par else
             ("reference" if r.get("reference") else ""),
-            "top-1 agree %": _fmt(par.get("top1_agreement"), 1), "status": status})
+            "top-1 agree %": _fmt(par.get("top1_agreement"), 1),
+            "status": status.replace(_HEAD, ": ").replace(_PART, "; "),
+            "_status_parts": status.split(_PART)})
     return out
+
+
+# Columns that name a row: always shown. MD_HIDDEN: in REPORT.csv only (FPS = 1000 / mean ms).
+_IDENTITY = ("backend", "precision", "tag", "EP/device", "status")
+MD_HIDDEN = ("FPS",)
+
+
+def markdown_table(trs: list[dict]) -> str:
+    """The markdown of :func:`table_rows`, shortened for reading: a column whose filled cells
+    all hold one value (e.g. ``images``) is one "same in every row" line above the table, a
+    column empty in every row is left out, :data:`MD_HIDDEN` columns stay in REPORT.csv, and a
+    status part (reason or note) that several rows share becomes ``[n]`` in their cells, its
+    text written once below the table with the rows' tags."""
+    if not trs:
+        return ""
+    cols, same = [], []
+    for c in COLUMNS:
+        vals = {t[c] for t in trs if t[c] != ""}
+        if c in _IDENTITY or (c not in MD_HIDDEN and len(vals) > 1):
+            cols.append(c)
+        elif len(vals) == 1 and c not in MD_HIDDEN:
+            same.append(f"{c} {vals.pop()}")
+    parts = [t.get("_status_parts") or [t["status"].replace(": ", _HEAD, 1)] for t in trs]
+    texts: dict[str, list[str]] = {}
+    for t, ps in zip(trs, parts):
+        for i, p in enumerate(ps):
+            text = p.split(_HEAD, 1)[1] if i == 0 and _HEAD in p else (p if i else "")
+            if text and t["tag"] not in texts.setdefault(text, []):
+                texts[text].append(t["tag"])
+    shared = {text: n for n, text in enumerate(
+        (x for x, tags in texts.items() if len(tags) > 1), 1)}
+
+    def cell(ps: list[str]) -> str:
+        word, _, head = ps[0].partition(_HEAD)
+        out = word + ((f" [{shared[head]}]" if head in shared else f": {head}") if head else "")
+        for p in ps[1:]:
+            out += f" [{shared[p]}]" if p in shared else f"; {p}"
+        return out
+
+    buf = io.StringIO()
+    if same:
+        buf.write("Same in every row that has a value: " + "; ".join(same) + ". ")
+    buf.write("FPS and the full status texts: REPORT.csv.\n\n")
+    buf.write("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n")
+    for t, ps in zip(trs, parts):
+        row = {**t, "status": cell(ps)}
+        buf.write("| " + " | ".join(row[c].replace("|", "/") for c in cols) + " |\n")
+    if shared:
+        buf.write("\nShared by several rows:\n\n")
+        for text, n in shared.items():
+            buf.write(f"- [{n}] {', '.join(texts[text])}: {text.replace('|', '/')}\n")
+    return buf.getvalue()
 
 
 def verdict_summary(reason: str, n: int = 2) -> str:
@@ -313,9 +378,153 @@ def gpu_table(rows: list[dict]) -> str:
             + "".join("| " + " | ".join(row) + " |\n" for row in out))
 
 
-def render_plots(rows: list[dict], folder: Path) -> dict[str, str]:
-    """PNGs beside the report: top-1 against batch-1 p50 latency (one labelled marker per
-    row, CPU and GPU rows in separate panels) and model size per row by precision.
+_COLORS = {"FP32": "tab:blue", "FP16": "tab:green", "INT8": "tab:red", "INT4": "tab:purple"}
+
+
+def _spread(ys: list[float], gap: float, lo: float = 0.0, hi: float = 1.0) -> list[float]:
+    """Positions for labels wanted at ``ys`` (axes fraction), in the same order, each at least
+    ``gap`` from the next and kept within ``lo..hi``: a deterministic push up, then down."""
+    order = sorted(range(len(ys)), key=lambda i: (ys[i], i))
+    gap = min(gap, (hi - lo) / max(len(ys), 1))
+    pos = [min(max(ys[i], lo), hi) for i in order]
+    for k in range(1, len(pos)):
+        pos[k] = max(pos[k], pos[k - 1] + gap)
+    if pos and pos[-1] > hi:
+        pos[-1] = hi
+        for k in range(len(pos) - 2, -1, -1):
+            pos[k] = min(pos[k], pos[k + 1] - gap)
+    out = [0.0] * len(ys)
+    for k, i in enumerate(order):
+        out[i] = pos[k]
+    return out
+
+
+def accuracy_axis(points: list[float], ref: float | None, budget: Budget) -> tuple[float, float]:
+    """The top-1 axis (%) of the accuracy plot, zoomed on the rows that hold: those within
+    ``max(2, 4 x max_top1_drop)`` points of the reference ``ref`` (all rows when there is no
+    reference), the reference and its budget line; rows below are drawn at the lower edge."""
+    near = max(2.0, 4 * budget.max_top1_drop)
+    hold = [y for y in points if ref is None or y >= ref - near] or points
+    lo, hi = min(hold), max(hold)
+    if ref is not None:
+        lo, hi = min(lo, ref - budget.max_top1_drop), max(hi, ref)
+    pad = max(0.2, 0.15 * (hi - lo))
+    return lo - pad, hi + pad
+
+
+def accuracy_latency_figure(rows: list[dict], budget: Budget | None = None):
+    """Top-1 against batch-1 p50 latency, one panel per device (cpu, cuda), as a matplotlib
+    figure (the caller saves and closes it), or None without a row to plot.
+
+    Every ok/warn row with top-1 and latency is a marker (square: PyTorch; colour: precision);
+    its label sits in a column right of the panel, spread so labels never overlap, joined to
+    the marker by a leader line. The top-1 axis is zoomed on the rows that hold
+    (:func:`accuracy_axis`); a row far below is a triangle on the lower edge with its top-1 in
+    its label. A dashed line marks the budget (PyTorch FP32 top-1 - ``max_top1_drop``); each
+    group's recommended row (:func:`deploykit.verdict.verdicts`) is a star whose legend label
+    is ``ship <group>: <tag>``.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    budget = budget or Budget()
+    pts = [r for r in rows if r["status"] in ("ok", "warn") and not _is_rerun(r)
+           and (r.get("accuracy") or {}).get("top1") is not None
+           and primary_latency(r).get("p50_ms")]
+    if not pts:
+        return None
+    vs = verdicts(rows, budget)
+    ship = {id(v["ship"]): v["group"] for v in vs if v["ship"] is not None}
+    ref = vs[0]["reference"] if vs else None
+    ref_top1 = ((ref or {}).get("accuracy") or {}).get("top1")
+    devs = [d for d in ("cpu", "cuda") if any((r.get("device") or "cpu") == d for r in pts)]
+    devs += sorted({r.get("device") or "cpu" for r in pts} - set(devs))
+    from matplotlib.ticker import FormatStrFormatter
+
+    # inches: each panel 5 wide, its label column 2.9, the y label 0.9
+    n, panel, labels, left = len(devs), 5.0, 2.9, 0.9
+    width = n * (left + panel + labels)
+    fig, axes = plt.subplots(1, n, figsize=(width, 6.0), squeeze=False)
+    fig.subplots_adjust(left=left / width, right=1 - labels / width,
+                        wspace=(left + labels) / panel, bottom=0.3, top=0.93)
+    for ax, dev in zip(axes[0], devs):
+        mine = [r for r in pts if (r.get("device") or "cpu") == dev]
+        ys = [r["accuracy"]["top1"] for r in mine]
+        lo, hi = accuracy_axis(ys, ref_top1, budget)
+        xs = [primary_latency(r)["p50_ms"] for r in mine]
+        ax.set_xscale("log")
+        for axis in (ax.xaxis.set_major_formatter, ax.xaxis.set_minor_formatter):
+            axis(FormatStrFormatter("%g"))
+        ax.tick_params(axis="x", which="minor", labelsize=6)
+        ax.set_xlim(min(xs) / 1.25, max(xs) * 1.25)
+        ax.set_ylim(lo, hi)
+        wanted, texts = [], []
+        for r, x, y in zip(mine, xs, ys):
+            below = y < lo
+            shown = lo if below else y
+            ax.scatter([x], [shown], color=_COLORS.get(r["precision"][:4], "0.4"), s=36,
+                       marker="v" if below else ("s" if r["backend"] == "PyTorch" else "o"),
+                       clip_on=False, zorder=3)
+            if id(r) in ship:
+                ax.scatter([x], [shown], marker="*", s=260, facecolor="none",
+                           edgecolor="black", linewidth=1.2, zorder=4,
+                           label=f"ship {ship[id(r)]}: {r['tag']}")
+            wanted.append((shown - lo) / (hi - lo))
+            texts.append(r["tag"] + (f" (top-1 {y:.2f} %, off the axis)" if below else "")
+                         + (" <- ship" if id(r) in ship else ""))
+        for (r, x, shown), yf, text in zip(
+                [(r, x, lo if y < lo else y) for r, x, y in zip(mine, xs, ys)],
+                _spread(wanted, 0.055), texts):
+            ax.annotate(text, (x, shown), xytext=(1.03, yf), textcoords="axes fraction",
+                        va="center", fontsize=7, annotation_clip=False,
+                        fontweight="bold" if id(r) in ship else "normal",
+                        arrowprops={"arrowstyle": "-", "lw": 0.5, "color": "0.55",
+                                    "shrinkA": 0, "shrinkB": 3})
+        if ref_top1 is not None:
+            ax.axhline(ref_top1 - budget.max_top1_drop, ls="--", lw=0.8, color="0.4",
+                       label=f"budget: PyTorch FP32 top-1 - {budget.max_top1_drop:g} points")
+        ax.set_xlabel("batch-1 end-to-end p50 latency (ms, log)")
+        ax.set_ylabel("top-1 (%), zoomed on the rows that hold")
+        ax.set_title(f"{dev.upper()} rows", fontsize=10)
+        ax.grid(alpha=0.3, which="both")
+        handles, labels = ax.get_legend_handles_labels()
+        handles += [plt.Line2D([], [], marker="o", ls="", color=c, label=p)
+                    for p, c in _COLORS.items()]
+        ax.legend(handles=handles, fontsize=7, loc="upper center", ncol=2,
+                  bbox_to_anchor=(0.5, -0.13), frameon=False)
+    return fig
+
+
+def size_notes(rows: list[dict]) -> list[str]:
+    """Footnotes on sizes: what a variant's ONNX file holds when its size is not its precision's
+    (from the variant registry, :mod:`deploykit.variants`): a Q/DQ file keeps float weights with
+    a QuantizeLinear per weight (FP16 or FP32 by its high-precision dtype) - the TensorRT engine
+    built from it stores INT8 weights; INT4 weight-only quantizes Gemm/MatMul weights only."""
+    from deploykit.variants import VARIANTS
+
+    notes = []
+    for name in dict.fromkeys(_variant(r) for r in rows if r.get("size_mb")
+                              and r["backend"] == "ORT"):
+        v = VARIANTS.get(name)
+        if v is None:
+            continue
+        if v.kind == "qdq":
+            dt = "FP16" if v.high_precision_fp16 else "FP32"
+            notes.append(f"{name}: the Q/DQ ONNX stores {dt} weights + scales (a "
+                         "QuantizeLinear per weight), so it is as large as the "
+                         f"{dt} file; the TensorRT engine stores INT8")
+        elif v.kind == "int4":
+            notes.append(f"{name}: INT4 weight-only on Gemm/MatMul weights only; the other "
+                         "layers keep FP32 weights")
+    return notes
+
+
+def render_plots(rows: list[dict], folder: Path, budget: Budget | None = None
+                 ) -> dict[str, str]:
+    """PNGs beside the report: :func:`accuracy_latency_figure` and model size per row
+    (colour: precision; :func:`size_notes` as footnotes; the rows to ship marked).
 
     Returns:
         ``{file name: alt text}`` of the plots written (none without an ok row with numbers).
@@ -325,44 +534,31 @@ def render_plots(rows: list[dict], folder: Path) -> dict[str, str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    pts = [r for r in rows if r["status"] == "ok" and (r.get("accuracy") or {}).get("top1")
-           is not None and primary_latency(r).get("p50_ms")]
     out: dict[str, str] = {}
-    colors = {"FP32": "tab:blue", "FP16": "tab:green", "INT8": "tab:red", "INT4": "tab:purple"}
-    if pts:
-        devs = [d for d in ("cpu", "cuda") if any((r.get("device") or "cpu") == d for r in pts)]
-        fig, axes = plt.subplots(1, len(devs), figsize=(6.5 * len(devs), 4.8), squeeze=False)
-        for ax, dev in zip(axes[0], devs):
-            for r in (r for r in pts if (r.get("device") or "cpu") == dev):
-                x, y = primary_latency(r)["p50_ms"], r["accuracy"]["top1"]
-                ax.scatter([x], [y], color=colors.get(r["precision"][:4], "0.4"),
-                           marker="o" if r["backend"] != "PyTorch" else "s", s=36)
-                ax.annotate(r["tag"], (x, y), fontsize=7, xytext=(4, 3),
-                            textcoords="offset points")
-            ax.set_xscale("log")
-            ax.set_xlabel("batch-1 end-to-end p50 latency (ms, log)")
-            ax.set_ylabel("top-1 (%)")
-            ax.set_title(f"{dev.upper()} rows", fontsize=10)
-            ax.grid(alpha=0.3, which="both")
-        handles = [plt.Line2D([], [], marker="o", ls="", color=c, label=p)
-                   for p, c in colors.items()]
-        axes[0][0].legend(handles=handles, fontsize=8, loc="lower left")
-        fig.tight_layout()
+    fig = accuracy_latency_figure(rows, budget)
+    if fig is not None:
         with atomic_path(folder / "accuracy_latency.png") as tmp:
             fig.savefig(tmp, dpi=110, format="png")
         plt.close(fig)
         out["accuracy_latency.png"] = "top-1 against batch-1 latency"
-    sized = [r for r in rows if r["status"] == "ok" and r.get("size_mb")
-             and r["backend"] != "PyTorch"]
+    sized = [r for r in rows if r["status"] in ("ok", "warn") and r.get("size_mb")
+             and r["backend"] != "PyTorch" and not _is_rerun(r)]
     if sized:
-        fig, ax = plt.subplots(figsize=(8, 0.3 * len(sized) + 1.2))
-        ax.barh([r["tag"] for r in sized], [r["size_mb"] for r in sized],
-                color=[colors.get(r["precision"][:4], "0.4") for r in sized])
+        ships = {id(v["ship"]) for v in verdicts(rows, budget or Budget())}
+        notes = size_notes(sized)
+        fig, ax = plt.subplots(figsize=(8, 0.3 * len(sized) + 1.4 + 0.18 * len(notes)))
+        ax.barh([r["tag"] + (" (ship)" if id(r) in ships else "") for r in sized],
+                [r["size_mb"] for r in sized],
+                color=[_COLORS.get(r["precision"][:4], "0.4") for r in sized])
         ax.invert_yaxis()
-        ax.set_xlabel("size (MB)")
+        ax.set_xlabel("size (MB): the ONNX file of ORT rows, the engine of TensorRT rows")
         ax.set_title("model / engine size by row (colour = precision)", fontsize=10)
         ax.grid(alpha=0.3, axis="x")
         fig.tight_layout()
+        if notes:
+            h = fig.get_size_inches()[1]
+            fig.subplots_adjust(bottom=(0.5 + 0.18 * len(notes)) / h)
+            fig.text(0.01, 0.01, "\n".join(notes), fontsize=7, va="bottom")
         with atomic_path(folder / "size.png") as tmp:
             fig.savefig(tmp, dpi=110, format="png")
         plt.close(fig)
@@ -371,14 +567,19 @@ def render_plots(rows: list[dict], folder: Path) -> dict[str, str]:
 
 
 def render_markdown(model: str, rows: list[dict], data: dict | None,
-                    trs: list[dict] | None = None, plots: dict[str, str] | None = None) -> str:
-    """The report as markdown: a header naming model, data and machine, the table, the GPU
-    details, the plots (``{file: alt}`` relative to the report) and the engine builds
+                    trs: list[dict] | None = None, plots: dict[str, str] | None = None,
+                    budget: Budget | None = None) -> str:
+    """The report as markdown: the verdict per deployment group (:mod:`deploykit.verdict`,
+    under ``budget``, default :class:`Budget`), a header naming data and machine, the table,
+    the GPU details, the plots (``{file: alt}`` relative to the report) and the engine builds
     (``trs``: the :func:`table_rows` of the run rows, when the caller already has them)."""
     runs, builds = split_builds(rows)
     trs = table_rows(runs) if trs is None else trs
+    budget = budget or Budget()
     buf = io.StringIO()
     buf.write(f"# Deployment report: {model}\n\n")
+    buf.write(render_verdicts(verdicts(runs, budget), budget))
+    buf.write("## Rows\n\n")
     if data:
         buf.write(f"Data: {data.get('n_eval')} eval images ({data.get('layout')}, "
                   f"{data.get('data_root')}); {data.get('n_calib')} disjoint calibration images; "
@@ -410,11 +611,11 @@ def render_markdown(model: str, rows: list[dict], data: dict | None,
         buf.write(f"Machine{' of the rows from ' + src if src else ''}: {line}.\n\n")
     buf.write("Latency: batch 1, median (p50) of the timed runs after warm-up, end to end (host "
               "arrays in and out); GPU rows also give the GPU Compute Time (CUDA events); p90/p99 "
-              "and the timer of each row are in its JSON. Speedup = PyTorch FP32 p50 / this "
-              "row's p50, on the same device. Parity vs PyTorch FP32 logits.\n\n")
-    buf.write("| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS) + "\n")
-    for t in trs:
-        buf.write("| " + " | ".join(t[c].replace("|", "/") for c in COLUMNS) + " |\n")
+              "and the timer of each row are in its JSON. Speedup vs PyTorch FP32 = the PyTorch "
+              "FP32 p50 on the same device / this row's p50; speedup vs ORT/TRT FP32 = the "
+              "deployment baseline's p50 / this row's: ORT FP32 on the same EP (CPU EP, CUDA EP), the "
+              "TensorRT FP32 engine for TensorRT rows. Parity vs PyTorch FP32 logits.\n\n")
+    buf.write(markdown_table(trs))
     gpu = gpu_table(runs)
     if gpu:
         buf.write("\nGPU rows in detail (batch 1 p50 ms unless named; CUDA graph = replay of a "
@@ -422,6 +623,9 @@ def render_markdown(model: str, rows: list[dict], data: dict | None,
                   "copies; throughput at the row's --latency-batch):\n\n" + gpu)
     if plots:
         buf.write("\n" + "".join(f"![{alt}]({name})\n" for name, alt in plots.items()))
+        notes = size_notes([r for r in runs if r["status"] in ("ok", "warn")])
+        if notes and "size.png" in plots:
+            buf.write("\nSizes: " + "; ".join(notes) + ".\n")
     if any(_variant(r) == "int8_auto" for r in runs):
         buf.write("\nint8_auto: which nodes stay in float, each node's sensitivity and MACs, and "
                   "the budget on the tuning and evaluation splits: "
@@ -429,12 +633,15 @@ def render_markdown(model: str, rows: list[dict], data: dict | None,
     if builds:
         buf.write("\nTensorRT engine builds (stage 6):\n\n| variant | status | detail |\n"
                   "|---|---|---|\n")
+        same: dict[tuple[str, str], list[str]] = {}  # one line per (status, detail)
         for b in builds:
             detail = (b.get("reason") or b.get("plan") or "").splitlines()
             st = b["status"] + (f" (latest rerun, {b['_file']}; the ok row above is kept)"
                                 if _is_rerun(b) else "")
-            buf.write(f"| {b['tag'].removeprefix('trt_build_')} | {st} | "
-                      f"{(detail[0] if detail else '')[:200].replace('|', '/')} |\n")
+            key = (st, (detail[0] if detail else "")[:200].replace("|", "/"))
+            same.setdefault(key, []).append(b["tag"].removeprefix("trt_build_"))
+        for (st, detail), names in same.items():
+            buf.write(f"| {', '.join(names)} | {st} | {detail} |\n")
     return buf.getvalue()
 
 
@@ -448,9 +655,10 @@ def gpu_rows(model: str, folder: Path) -> list[dict]:
     return [dict(r, _source=rel) for r in load_rows(gpu) if r.get("device") == "cuda"]
 
 
-def summary(model: str, runs: list[dict], path: Path) -> str:
-    """One console line: rows ok/failed/skipped, the best quantized recipe by top-1 agreement
-    with FP32 and its speedup, and where the report is."""
+def summary(model: str, runs: list[dict], path: Path, budget: Budget | None = None) -> str:
+    """One console line: rows ok/failed/skipped, the row to ship per deployment group (the
+    verdict under ``budget``), the best quantized recipe by top-1 agreement with FP32 and its
+    speedup vs PyTorch FP32, and where the report is."""
     st = {k: sum(r["status"] == k for r in runs)
           for k in ("ok", "warn", "failed", "skipped", "not run", "invalid")}
     # A rerun's failure kept beside a good row has the same tag: look the good row up.
@@ -464,10 +672,14 @@ def summary(model: str, runs: list[dict], path: Path) -> str:
             + f"{st['failed']} failed, {st['skipped']} skipped"
             + (f", {st['not run']} not run" if st["not run"] else "")
             + (f", {st['invalid']} invalid" if st["invalid"] else "")]
+    vs = verdicts(runs, budget or Budget())
+    if vs:
+        bits.append("ship: " + ", ".join(f"{v['group']} {v['ship']['tag'] if v['ship'] else 'none'}"
+                                         for v in vs))
     if best:
         bits.append(f"best quantized row {best['tag']} (top-1 {best['accuracy']['top1']:.2f}%, "
                     f"agreement {best['parity']['top1_agreement']:.1f}%, speedup "
-                    f"{trs[best['tag']]['speedup'] or 'n/a'})")
+                    f"{trs[best['tag']]['speedup vs PyTorch FP32'] or 'n/a'} vs PyTorch FP32)")
     failed = [r["tag"] + (" (a rerun; its ok row is kept)" if _is_rerun(r) else "")
               for r in runs if r["status"] == "failed"]
     if failed:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from deploykit.report import gpu_table, row_sort_key
+from deploykit.report import gpu_table, markdown_table, row_sort_key
 from deploykit.evaluate import base_record
 from deploykit.io import write_json
 from deploykit.results import result_record
@@ -89,8 +89,8 @@ def test_report_summary_takes_the_good_row_not_a_failed_rerun_beside_it():
             row("ort_int4_cli_broken", "ORT", "INT4", None, None, status="failed")]
     rows.sort(key=row_sort_key)
     line = report.summary(MODEL, rows, Path("REPORT.md"))
-    assert "best quantized row ort_int8_hp32 (top-1 88.30%, agreement 98.6%, speedup 2.50x)" \
-        in line
+    assert ("best quantized row ort_int8_hp32 (top-1 88.30%, agreement 98.6%, speedup 2.50x vs "
+            "PyTorch FP32)") in line
     assert "failed: ort_int8_hp32 (a rerun; its ok row is kept), ort_int4_cli_broken" in line
 
 
@@ -130,8 +130,8 @@ def rows():
 
 def test_table_uses_p50_end_to_end_and_same_device_speedup(rows):
     t = {r["tag"]: r for r in report.table_rows(rows)}
-    assert t["ort_fp32"]["p50 ms"] == "10.000" and t["ort_fp32"]["speedup"] == "2.00x"
-    assert t["pytorch_fp32_cuda"]["speedup"] == "1.00x"  # vs the CUDA PyTorch row, not CPU
+    assert t["ort_fp32"]["p50 ms"] == "10.000" and t["ort_fp32"]["speedup vs PyTorch FP32"] == "2.00x"
+    assert t["pytorch_fp32_cuda"]["speedup vs PyTorch FP32"] == "1.00x"  # vs the CUDA PyTorch row, not CPU
     assert t["pytorch_fp32_cuda"]["GPU compute p50 ms"] == "1.500"
     assert "BACKEND DISAGREEMENT" in t["ort_int8"]["status"]
     assert t["trt_fp32"]["status"].startswith("skipped: TensorRT") and t["trt_fp32"]["p50 ms"] == ""
@@ -146,11 +146,11 @@ def test_speedup_divides_the_pytorch_fp32_row_of_the_device_not_a_variant(rows):
         _row("ort_fp32_cuda", "ORT", "FP32", "cuda", 88.44, 1.5, ep="CUDAExecutionProvider"),
     ]
     t = {r["tag"]: r for r in report.table_rows(rows)}
-    assert t["pytorch_fp32_cuda"]["speedup"] == "1.00x"
-    assert t["pytorch_fp16_cuda"]["speedup"] == "0.50x"
-    assert t["pytorch_fp32_cuda_notf32"]["speedup"] == "0.75x"
-    assert t["ort_fp32_cuda"]["speedup"] == "2.00x"
-    assert t["ort_fp32"]["speedup"] == "2.00x"
+    assert t["pytorch_fp32_cuda"]["speedup vs PyTorch FP32"] == "1.00x"
+    assert t["pytorch_fp16_cuda"]["speedup vs PyTorch FP32"] == "0.50x"
+    assert t["pytorch_fp32_cuda_notf32"]["speedup vs PyTorch FP32"] == "0.75x"
+    assert t["ort_fp32_cuda"]["speedup vs PyTorch FP32"] == "2.00x"
+    assert t["ort_fp32"]["speedup vs PyTorch FP32"] == "2.00x"
 
 
 def test_gpu_table_shows_graph_replay_and_why_a_figure_is_missing(rows):
@@ -209,7 +209,7 @@ def test_gpu_rows_from_results_gpu_join_the_report(rows, tmp_path, monkeypatch):
     assert "rows from results/gpu/efficientnet_lite0: Xeon (16 cores), GPU: NVIDIA H200 " \
            "(driver 580)" in md
     t = {r["tag"]: r for r in report.table_rows(report.load_rows(here))}
-    assert t["ort_fp32"]["speedup"] == "2.00x"  # still vs this machine's CPU PyTorch row
+    assert t["ort_fp32"]["speedup vs PyTorch FP32"] == "2.00x"  # still vs this machine's CPU PyTorch row
     report.main(report.get_args_parser().parse_args(["--model", "efficientnet_lite0",
                                                      "--no-gpu-rows"]))
     assert "pytorch_fp32_cuda" not in (here / "REPORT.md").read_text()
@@ -256,7 +256,7 @@ def test_report_refuses_a_valid_json_that_is_not_this_folders_row(tmp_path, case
     (res / "ort_fp32.json").write_text(json.dumps(other))
     p = run_stage(["8_report.py", "--model", MODEL], env)
     want = {"list": "a JSON list, not a results row",
-            "status": "field status is 'weird', expected one of ok, failed, skipped",
+            "status": "field status is 'weird', expected one of ok, warn, failed, skipped",
             "tag": "field tag is 'ort_fp16' but the file is ort_fp32.json",
             "model": f"field model is 'resnet50' but the folder is {MODEL}/"}[case]
     assert f"{res / 'ort_fp32.json'}: {want}" in p.stderr
@@ -265,3 +265,199 @@ def test_report_refuses_a_valid_json_that_is_not_this_folders_row(tmp_path, case
     assert not [ln for ln in md.splitlines() if "| ort_fp16 |" in ln and "not run" not in ln]
     assert "| PyTorch | FP32 | pytorch_fp32_cpu |" in md  # the good row is still reported
     assert "1 invalid" in p.stdout and "invalid (see the warnings): ort_fp32.json" in p.stdout
+
+
+# ------------------------------------------------------------------------ verdict: what to ship
+def _cpu_rows(int8_top1=88.30, int8_agree=98.6, int8_p50=8.0, int8_status="ok"):
+    """PyTorch FP32 reference, ORT FP32 (10 ms), ORT FP16 (10.5 ms, half size), one INT8 row."""
+    return [_row("pytorch_fp32_cpu", "PyTorch", "FP32", "cpu", 88.44, 20.0, reference="x"),
+            _row("ort_fp32", "ORT", "FP32", "cpu", 88.44, 10.0, ep="CPUExecutionProvider",
+                 agree=100.0, size=18.0),
+            _row("ort_fp16", "ORT", "FP16", "cpu", 88.50, 10.5, ep="CPUExecutionProvider",
+                 agree=99.6, size=9.0),
+            _row("ort_int8_hp32", "ORT", "INT8", "cpu", int8_top1, int8_p50,
+                 ep="CPUExecutionProvider", agree=int8_agree, size=18.0, status=int8_status)]
+
+
+def _write(folder: Path, rows: list[dict]) -> Path:
+    for r in rows:
+        write_json(folder / f"{r['tag']}.json", r)
+    return folder
+
+
+def _verdict_line(md: str, group: str) -> str:
+    (line,) = [ln for ln in md.splitlines() if ln.startswith(f"- **{group}: ")]
+    return line
+
+
+def test_cpu_verdict_ships_ort_fp32_when_every_int8_row_fails_the_budget(tmp_path):
+    """INT8 faster (8 ms vs 10) but agreement 98.6 % < 99 %: ORT FP32 ships; the INT8 row's
+    cost is named with the bound it misses; ORT FP16 (same accuracy, half size) is offered."""
+    rows = report.load_rows(_write(tmp_path / MODEL, _cpu_rows()))
+    md = report.render_markdown(MODEL, rows, None)
+    assert md.index("## Verdict") < md.index("| backend |")  # the report opens with it
+    line = _verdict_line(md, "CPU EP")
+    assert line.startswith("- **CPU EP: ship `ort_fp32`**") and "ORT FP32 baseline" in line
+    (cost,) = [ln for ln in md.splitlines() if ln.startswith("  - `ort_int8_hp32`")]
+    assert "1.25x vs ORT FP32 = 1.25x faster" in cost
+    assert "agreement 98.60 % < 99 %" in cost and "not shippable at this budget" in cost
+    (fp16,) = [ln for ln in md.splitlines() if ln.startswith("  - `ort_fp16`")]
+    assert "within budget but slower" in fp16 and "0.50x the size" in fp16
+    assert "top-1 agreement with the PyTorch FP32 logits >= 99 %" in md
+    assert "delta top-1 >= -0.5 points" in md
+
+
+def test_cpu_verdict_ships_int8_within_budget_and_faster_and_the_flags_move_the_budget(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv("RESULTS", str(tmp_path))
+    folder = _write(tmp_path / MODEL, _cpu_rows(int8_top1=88.2, int8_agree=99.3))
+    report.main(report.get_args_parser().parse_args(["--model", MODEL]))
+    md = (folder / "REPORT.md").read_text()
+    line = _verdict_line(md, "CPU EP")
+    assert line.startswith("- **CPU EP: ship `ort_int8_hp32`**")
+    assert "1.25x vs ORT FP32 = 1.25x faster" in line and "agreement 99.3 %" in line
+    # a stricter budget (agreement >= 99.5 %) sends the verdict back to ORT FP32
+    report.main(report.get_args_parser().parse_args(["--model", MODEL,
+                                                     "--min-agreement", "99.5"]))
+    md = (folder / "REPORT.md").read_text()
+    assert _verdict_line(md, "CPU EP").startswith("- **CPU EP: ship `ort_fp32`**")
+    assert ">= 99.5 %" in md and "agreement 99.30 % < 99.5 %" in md
+    # a looser top-1 budget is honoured too (delta -0.24 vs -0.1 allowed)
+    report.main(report.get_args_parser().parse_args(["--model", MODEL,
+                                                     "--max-top1-drop", "0.1"]))
+    md = (folder / "REPORT.md").read_text()
+    assert _verdict_line(md, "CPU EP").startswith("- **CPU EP: ship `ort_fp32`**")
+    assert "delta top-1 -0.24 < -0.1 points" in md
+
+
+@pytest.mark.parametrize("flag,value,needle", [("--min-agreement", "101", "0..100"),
+                                               ("--min-agreement", "x", "percentage"),
+                                               ("--max-top1-drop", "-1", "points")])
+def test_budget_flags_refuse_impossible_values(flag, value, needle, capsys):
+    with pytest.raises(SystemExit) as e:
+        report.get_args_parser().parse_args(["--model", MODEL, flag, value])
+    assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_a_failed_or_rerun_row_is_never_shipped_and_a_device_without_eligible_rows_says_why(
+        tmp_path):
+    """The fast INT8 row failed parity (status failed): not eligible even though its numbers
+    would pass; its rerun sidecar is no candidate either. The TensorRT group has only skipped
+    rows: 'no row to ship' with the reason once."""
+    rows = _cpu_rows(int8_agree=99.9, int8_top1=88.4, int8_status="failed")
+    rows[-1]["status_reason"] = "cosine_min 0.2 < 0.9 (INT8 failed bound)"
+    skip = "trtexec not found (set TRTEXEC=/path/to/trtexec)"
+    rows += [base_record("t", p, MODEL, f"trt_{v}", {"backend": "TensorRT", "device": "cuda"},
+                         status="skipped", reason=skip)
+             for p, v in (("FP32", "fp32"), ("FP16", "fp16"), ("INT8", "int8"))]
+    folder = _write(tmp_path / MODEL, rows)
+    rerun = dict(rows[2], status="failed", reason="broke")  # ort_fp16.failed.json
+    write_json(folder / "ort_fp16.failed.json", rerun)
+    md = report.render_markdown(MODEL, report.load_rows(folder), None)
+    assert _verdict_line(md, "CPU EP").startswith("- **CPU EP: ship `ort_fp32`**")
+    assert "  - not eligible (1): `ort_int8_hp32`: failed: cosine_min 0.2 < 0.9" in md
+    assert "a rerun's record (ort_fp16.failed.json)" in md
+    trt = _verdict_line(md, "TensorRT")
+    assert trt == "- **TensorRT: no row to ship**: no row of it ran (below)."
+    lines = [ln for ln in md.splitlines() if skip in ln and "not eligible" in ln]
+    assert lines == [f"  - not eligible (3): `trt_fp32`, `trt_fp16`, `trt_int8`: skipped: {skip}"]
+
+
+def test_a_group_whose_measured_rows_all_miss_the_budget_ships_nothing():
+    rows = [_row("pytorch_fp32_cpu", "PyTorch", "FP32", "cpu", 88.44, 20.0, reference="x"),
+            _row("ort_int8", "ORT", "INT8", "cpu", 1.0, 5.0, ep="CPUExecutionProvider",
+                 agree=1.2)]
+    md = report.render_markdown(MODEL, rows, None)
+    assert _verdict_line(md, "CPU EP") == ("- **CPU EP: no row to ship**: none of its 1 "
+                                           "measured rows is within budget (below).")
+    (cost,) = [ln for ln in md.splitlines() if ln.startswith("  - `ort_int8`")]
+    assert "no ORT FP32 row on this CPU EP: speedup n/a" in cost and "agreement 1.20 % < 99" \
+        in cost
+
+
+def test_speedup_vs_the_deployment_baseline_of_the_same_ep(rows):
+    """vs ORT FP32 on the same EP (the plain ort_fp32_cuda, not the notf32 variant), beside
+    the vs-PyTorch column; PyTorch rows have no deployment speedup."""
+    rows = rows + [
+        _row("ort_fp32_cuda", "ORT", "FP32", "cuda", 88.44, 1.5, ep="CUDAExecutionProvider"),
+        _row("ort_fp32_cuda_notf32", "ORT", "FP32", "cuda", 88.44, 1.0,
+             ep="CUDAExecutionProvider"),
+        _row("ort_int8_cuda", "ORT", "INT8", "cuda", 88.0, 3.0, ep="CUDAExecutionProvider")]
+    t = {r["tag"]: r for r in report.table_rows(rows)}
+    assert t["ort_int8_hp32"]["speedup vs ORT/TRT FP32"] == "1.25x"  # 10 ms / 8 ms
+    assert t["ort_int8_hp32"]["speedup vs PyTorch FP32"] == "2.50x"
+    assert t["ort_int8"]["speedup vs ORT/TRT FP32"] == "0.33x"
+    assert t["ort_int8_cuda"]["speedup vs ORT/TRT FP32"] == "0.50x"  # vs 1.5, not CPU's 10
+    assert t["ort_fp32_cuda_notf32"]["speedup vs ORT/TRT FP32"] == "1.50x"
+    assert t["pytorch_fp32_cpu"]["speedup vs ORT/TRT FP32"] == ""
+    assert t["trt_fp32"]["speedup vs ORT/TRT FP32"] == ""  # skipped: no latency
+    md = report.render_markdown(MODEL, rows, None)
+    assert "| speedup vs PyTorch FP32 | speedup vs ORT/TRT FP32 |" in md
+
+
+def test_a_reason_shared_by_rows_is_written_once_and_constant_columns_become_a_line(tmp_path):
+    skip = "trtexec not found (set TRTEXEC=/path/to/trtexec)"
+    rows = _cpu_rows() + [
+        base_record("t", p, MODEL, f"trt_{v}", {"backend": "TensorRT", "device": "cuda"},
+                    status="skipped", reason=skip)
+        for p, v in (("FP32", "fp32"), ("FP16", "fp16"), ("INT8", "int8"))]
+    rows += [base_record("6_build_engines", "FP32", MODEL, f"trt_build_{v}",
+                         {"backend": "TensorRT"}, status="skipped", reason=skip, variant=v)
+             for v in ("fp32", "fp16")]
+    rows.sort(key=row_sort_key)
+    runs = report.split_builds(rows)[0]
+    table = markdown_table(report.table_rows(runs))
+    assert table.count(skip) == 1
+    (note,) = [ln for ln in table.splitlines() if skip in ln]
+    assert note.startswith("- [1] trt_fp32, trt_fp16, trt_int8: ")
+    assert [ln.rsplit("|", 2)[1].strip() for ln in table.splitlines() if "| trt_" in ln] == \
+        ["skipped [1]"] * 3
+    header = next(ln for ln in table.splitlines() if ln.startswith("| backend"))
+    assert "images" not in header and "FPS" not in header and "GPU compute" not in header
+    assert "Same in every row that has a value: images 900; " in table
+    # a reason of one row stays in its cell
+    one = markdown_table(report.table_rows(runs[:-1]))
+    assert "| skipped [1] |" in one and "- [1] trt_fp32, trt_fp16: " in one
+    md = report.render_markdown(MODEL, rows, None)
+    (builds,) = [ln for ln in md.splitlines() if ln.startswith("| fp32, fp16 |")]
+    assert builds == f"| fp32, fp16 | skipped | {skip} |"
+
+
+def test_accuracy_plot_marks_the_row_to_ship_zooms_and_keeps_labels_apart(tmp_path, monkeypatch):
+    """Rows at one top-1 (88.44 %) used to print their labels on top of each other; a row at
+    11.8 % stretched the axis to 0-90 %. Now: labels do not overlap, the axis is zoomed, the
+    far row is on the edge with its value, the recommended row is a star in the legend."""
+    from deploykit.report import accuracy_latency_figure
+
+    rows = _cpu_rows(int8_top1=88.2, int8_agree=99.3) + [
+        _row(f"ort_fp32_v{i}", "ORT", "FP32", "cpu", 88.44, 10.0 + 0.01 * i,
+             ep="CPUExecutionProvider", agree=100.0) for i in range(6)] + [
+        _row("ort_int8", "ORT", "INT8", "cpu", 11.8, 30.0, ep="CPUExecutionProvider", agree=12.0)]
+    fig = accuracy_latency_figure(rows)
+    (ax,) = fig.axes
+    labels = ax.get_legend_handles_labels()[1]
+    assert "ship CPU EP: ort_int8_hp32" in labels
+    lo, hi = ax.get_ylim()
+    assert 85 < lo < 88.2 and hi < 90  # zoomed on the rows that hold
+    texts = [t for t in ax.texts if t.get_text()]
+    assert any(t.get_text() == "ort_int8 (top-1 11.80 %, off the axis)" for t in texts)
+    assert any(t.get_text() == "ort_int8_hp32 <- ship" for t in texts)
+    from matplotlib.text import Text
+
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    boxes = [Text.get_window_extent(t, renderer) for t in texts]  # the text, not its leader
+    assert len(boxes) == len(rows)
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1:]:
+            assert not a.overlaps(b), "two labels overlap"
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+    # the files: written, the size footnote names what a Q/DQ file stores
+    monkeypatch.setenv("RESULTS", str(tmp_path))
+    _write(tmp_path / MODEL, rows)
+    report.main(report.get_args_parser().parse_args(["--model", MODEL]))
+    assert (tmp_path / MODEL / "accuracy_latency.png").stat().st_size > 5000
+    md = (tmp_path / MODEL / "REPORT.md").read_text()
+    assert "int8_hp32: the Q/DQ ONNX stores FP32 weights + scales" in md
+    assert "the TensorRT engine stores INT8" in md

@@ -1,0 +1,260 @@
+"""What to ship (stage 8): the rows grouped by where they deploy (CPU EP, CUDA EP, TensorRT),
+the deployment baseline of each group (its FP32 row), the one function that decides whether a
+row may be shipped (:func:`judge_row`: status, staleness, latency, then the accuracy budget of
+the cross-model sweep, :func:`deploykit.sweep.report.judge`), and the verdict per group: the
+fastest eligible row, and what each faster or smaller row costs.
+
+Budget (:class:`deploykit.sweep.spec.Budget`, the sweep's): top-1 agreement with the PyTorch
+FP32 logits >= ``min_agreement`` % and top-1 at most ``max_top1_drop`` points below the
+PyTorch FP32 row (rows without labels: mean cosine >= ``min_cosine``).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from deploykit import results as _results
+from deploykit.sweep.report import judge as budget_judge
+from deploykit.sweep.report import p50_ms, parity, reference_row, top1
+from deploykit.sweep.spec import Budget
+
+__all__ = ["Budget", "Judgement", "deploy_group", "deploy_baselines", "judge_row", "verdicts",
+           "is_rerun", "GROUP_ORDER"]
+
+#: Verdict order of the groups; other EPs (an ORT TensorRT EP row, ...) follow by name.
+GROUP_ORDER = ("CPU EP", "CUDA EP", "TensorRT")
+
+
+def is_rerun(r: dict) -> bool:
+    """True for a rerun's record kept beside a good row (``<tag>.failed.json``,
+    :func:`deploykit.results.write_result`): the report shows it, nothing ships it."""
+    return r.get("_file", f"{r['tag']}.json") != f"{r['tag']}.json"
+
+
+def deploy_group(r: dict) -> str | None:
+    """Where a row deploys: ``"TensorRT"`` (engine rows), ``"CPU EP"`` / ``"CUDA EP"`` / ``"<X>
+    EP"`` (ORT rows, by the EP that ran them, else their device); None for PyTorch rows (the
+    reference, never shipped: a deployment ships the exported model)."""
+    if r.get("backend") == "TensorRT":
+        return "TensorRT"
+    if r.get("backend") != "ORT":
+        return None
+    ep = r.get("ep_used") or r.get("ep_requested")
+    if isinstance(ep, str) and ep:
+        return ep.replace("ExecutionProvider", " EP")
+    return f"{str(r.get('device') or 'cpu').upper()} EP"
+
+
+def baseline_name(group: str) -> str:
+    """The deployment baseline of a group in words: ``ORT FP32`` or ``TensorRT FP32``."""
+    return "TensorRT FP32" if group == "TensorRT" else "ORT FP32"
+
+
+def deploy_baselines(rows: list[dict]) -> dict[str, dict]:
+    """``{group: row}``: per :func:`deploy_group`, the FP32 row that speedups "vs ORT/TRT FP32"
+    divide: ok, with a batch-1 p50, not a rerun; ``ort_fp32`` / ``ort_fp32_<device>`` /
+    ``trt_fp32`` before variants such as ``ort_fp32_cuda_notf32``."""
+    out: dict[str, dict] = {}
+    for r in rows:
+        g = deploy_group(r)
+        if g is None or r.get("precision") != "FP32" or r.get("status") != "ok" \
+                or is_rerun(r) or p50_ms(r) is None:
+            continue
+        plain = {"trt_fp32", "ort_fp32", f"ort_fp32_{r.get('device')}"}
+        if g not in out or (r["tag"] in plain and out[g]["tag"] not in plain):
+            out[g] = r
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Judgement:
+    """Whether a row may be shipped.
+
+    Attributes:
+        eligible: it may (status ok/warn, not stale, measured, within the budget).
+        measured: it ran and has numbers (False: failed, skipped, stale, invalid, a rerun's
+            record, no latency): it is listed as not eligible, not as a cost.
+        why: the reason, with the numbers (the budget's wording when ``measured``).
+    """
+
+    eligible: bool
+    measured: bool
+    why: str
+
+
+def _first_line(text) -> str:
+    lines = str(text or "").splitlines()
+    return lines[0] if lines else ""
+
+
+def judge_row(r: dict, ref: dict | None, budget: Budget) -> Judgement:
+    """The one eligibility rule of the verdict: a row is shipped only when it is a measured,
+    current row (status ``ok`` or ``warn``: a warn row is outside its precision's ok band and
+    the budget decides; never ``failed``/``skipped``/``not run``/``invalid``, a rerun's record,
+    or a row that :func:`deploykit.results.staleness` calls stale, when that check exists) with
+    a batch-1 latency, within ``budget`` against the PyTorch FP32 row ``ref``
+    (:func:`deploykit.sweep.report.judge`).
+
+    Returns:
+        a :class:`Judgement`.
+    """
+    if is_rerun(r):
+        return Judgement(False, False, f"a rerun's record ({r.get('_file')}), the row it sits "
+                                       "beside is judged")
+    st = r.get("status")
+    if st not in ("ok", "warn"):
+        why = _first_line(r.get("status_reason") or r.get("reason"))
+        return Judgement(False, False, f"{st}" + (f": {why}" if why else ""))
+    stale = getattr(_results, "staleness", None)  # added on another branch: str | None
+    if stale is not None:
+        s = stale(r)
+        if s:
+            return Judgement(False, False, f"stale: {s}" if isinstance(s, str) else "stale")
+    if p50_ms(r) is None:
+        return Judgement(False, False, "no batch-1 latency")
+    ok, why = budget_judge(r, ref, budget)
+    return Judgement(ok, True, why)
+
+
+def _size(r: dict) -> float | None:
+    v = r.get("size_mb")
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def verdicts(rows: list[dict], budget: Budget) -> list[dict]:
+    """The verdict of every group that has rows, in :data:`GROUP_ORDER`.
+
+    Args:
+        rows: the report's run rows (engine-build rows excluded).
+        budget: the accuracy budget.
+
+    Returns:
+        one dict per group: ``group``, ``ship`` (the fastest eligible row, or None),
+        ``baseline`` (:func:`deploy_baselines`, or None), ``reference`` (the PyTorch FP32 row,
+        or None), ``judged``: ``[(row, Judgement)]`` of the group in table order.
+    """
+    ref = reference_row([r for r in rows if not is_rerun(r)])
+    base = deploy_baselines(rows)
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        g = deploy_group(r)
+        if g is not None:
+            groups.setdefault(g, []).append(r)
+    order = sorted(groups, key=lambda g: (GROUP_ORDER.index(g) if g in GROUP_ORDER
+                                          else len(GROUP_ORDER), g))
+    out = []
+    for g in order:
+        judged = [(r, judge_row(r, ref, budget)) for r in groups[g]]
+        ok = [r for r, j in judged if j.eligible]
+        ship = min(ok, key=lambda r: (p50_ms(r), _size(r) or 0.0)) if ok else None
+        out.append({"group": g, "ship": ship, "baseline": base.get(g), "reference": ref,
+                    "judged": judged})
+    return out
+
+
+def budget_text(budget: Budget, ref: dict | None) -> str:
+    """One sentence: the budget with its numbers and the flags that set it."""
+    t = (ref or {}).get("accuracy") or {}
+    ref_s = (f"`{ref['tag']}`" + (f", top-1 {t['top1']:.2f} %" if t.get("top1") is not None
+                                  else "")) if ref else "no PyTorch FP32 row: nothing is"
+    return (f"Budget: top-1 agreement with the PyTorch FP32 logits >= {budget.min_agreement:g} "
+            f"% and delta top-1 >= -{budget.max_top1_drop:g} points vs PyTorch FP32 ({ref_s}); "
+            f"rows without labels: mean cosine >= {budget.min_cosine:g}. Set with "
+            "`8_report.py --min-agreement PCT --max-top1-drop POINTS`. Ship = the fastest row "
+            "within budget (batch-1 end-to-end p50); failed, skipped, not-run, invalid or stale "
+            "rows and reruns' records are never chosen; PyTorch rows are the reference.")
+
+
+def _speedup(r: dict, base: dict | None) -> float | None:
+    p, p0 = p50_ms(r), p50_ms(base) if base is not None else None
+    return p0 / p if p and p0 else None
+
+
+def _speed_words(r: dict, base: dict | None, group: str, with_ms: bool = False) -> str:
+    """``1.26x vs ORT FP32 (faster)``: the table's "speedup vs ORT/TRT FP32" column in words."""
+    p, s, name = p50_ms(r), _speedup(r, base), baseline_name(group)
+    ms = f"p50 {p:.3f} ms, " if with_ms and p is not None else ""
+    if s is None:
+        return f"{ms}no {name} row on this {group}: speedup n/a"
+    if r is base:
+        return f"{ms}1.00x: it is the {name} baseline"
+    how = (f"{s:.2f}x faster" if s >= 1.005 else f"{1 / s:.2f}x slower" if s <= 0.995
+           else "as fast")
+    return f"{ms}{s:.2f}x vs {name} = {how}"
+
+
+def _size_words(r: dict, ship: dict | None) -> str:
+    s = _size(r)
+    if s is None:
+        return ""
+    s0 = _size(ship) if ship is not None else None
+    if s0 and ship is not r:
+        return f", {s / s0:.2f}x the size ({s:.2f} MB)"
+    return f", {s:.2f} MB"
+
+
+def _acc_words(r: dict, ref: dict | None) -> str:
+    bits = []
+    t, t0 = top1(r), top1(ref) if ref else None
+    if t is not None:
+        bits.append(f"top-1 {t:.2f} %" + (f" ({t - t0:+.2f})" if t0 is not None else ""))
+    a = parity(r)["top1_agreement"]
+    if a is not None:
+        bits.append(f"agreement {a:.1f} %")
+    return ", ".join(bits)
+
+
+def render_verdicts(vs: list[dict], budget: Budget) -> str:
+    """The markdown of :func:`verdicts`: the budget sentence, then per group one bold line
+    (ship which row and why, or why none) and one indented line per faster or smaller measured
+    row saying what it costs; rows that are neither are named on one line, and rows not
+    eligible at all are grouped by reason."""
+    if not vs:
+        return ""
+    lines = ["## Verdict", "", budget_text(budget, vs[0]["reference"]), ""]
+    for v in vs:
+        g, ship, base, ref = v["group"], v["ship"], v["baseline"], v["reference"]
+        measured = [(r, j) for r, j in v["judged"] if j.measured]
+        within = sum(j.eligible for _, j in measured)
+        if ship is not None:
+            lines.append(f"- **{g}: ship `{ship['tag']}`** ({ship['backend']} "
+                         f"{ship['precision']}; {_speed_words(ship, base, g, with_ms=True)}; "
+                         f"{_acc_words(ship, ref)}{_size_words(ship, None)}): the fastest of "
+                         f"{within} row{'s' * (within != 1)} within budget.")
+        elif measured:
+            lines.append(f"- **{g}: no row to ship**: none of its {len(measured)} measured "
+                         "rows is within budget (below).")
+        else:
+            lines.append(f"- **{g}: no row to ship**: no row of it ran (below).")
+        p_ship, s_ship = (p50_ms(ship), _size(ship)) if ship is not None else (None, None)
+        rest = []
+        for r, j in measured:
+            if r is ship:
+                continue
+            faster = p_ship is None or p50_ms(r) < p_ship
+            smaller = s_ship is not None and _size(r) is not None and _size(r) < 0.95 * s_ship
+            if not (faster or smaller):
+                s = _speedup(r, base)
+                rest.append(f"`{r['tag']}` (" + (f"{s:.2f}x, " if s else "")
+                            + ("within budget" if j.eligible else "out of budget") + ")")
+                continue
+            if j.eligible:
+                cost = "within budget but slower: an option when size matters more"
+            elif faster and ship is not None:
+                cost = f"out of budget ({j.why}): not shippable at this budget"
+            elif ship is None:
+                cost = f"out of budget ({j.why})"
+            else:
+                cost = f"out of budget ({j.why}) and slower: not worth it"
+            lines.append(f"  - `{r['tag']}` ({r['precision']}): {_speed_words(r, base, g)}"
+                         f"{_size_words(r, ship)}; {_acc_words(r, ref)}: {cost}.")
+        if rest:
+            lines.append(f"  - slower and no smaller than `{ship['tag']}`, nothing to gain: "
+                         + ", ".join(rest) + ".")
+        by_why: dict[str, list[str]] = {}
+        for r, j in v["judged"]:
+            if not j.measured:
+                by_why.setdefault(j.why, []).append(r["tag"])
+        for why, tags in by_why.items():
+            lines.append(f"  - not eligible ({len(tags)}): " + ", ".join(f"`{t}`" for t in tags)
+                         + f": {why[:300]}")
+    return "\n".join(lines) + "\n\n"
