@@ -40,7 +40,7 @@ from deploykit.data.user import (LABELS_KEY, SYNTHETIC_KEY, SYNTHETIC_NOTE, inpu
                                  load_inputs, load_labels)
 from deploykit.models import (build_model, example_inputs, forward_error, model_spec,
                               parse_input_shapes)
-from deploykit.results import write_result
+from deploykit.results import measured_against, write_result
 from deploykit.runners import TorchRunner
 
 
@@ -187,6 +187,10 @@ def main(args: argparse.Namespace) -> dict:
                          **{f"out:{k}": v for k, v in outputs.items()},
                          **{SYNTHETIC_KEY: np.array(data.synthetic)}, **extra)
         rec["reference"] = str(ref)
+    # What the row was measured against: the reference it wrote (FP32) or was judged by (FP16).
+    # A later rerun that rewrites the reference makes every row measured against it stale.
+    ref_file = ref_logits_path(args.model) if spec.classifier else ref_outputs_path(args.model)
+    rec["measured_against"] = measured_against(reference=ref_file if (save_ref or fp16) else None)
     path = write_result(args.model, rec["tag"], rec)
     print(f"{summary_line(rec)} -> {path}")
     return rec

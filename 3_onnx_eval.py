@@ -8,6 +8,13 @@ Reads:  ``--onnx PATH``; ``artifacts/<model>/ref_logits.npz`` (1_pytorch_baselin
 Writes: ``results/<model>/<tag>.json``.
 Rerun:  ``python 3_onnx_eval.py --model efficientnet_lite0 --onnx artifacts/efficientnet_lite0/onnx/fp16.onnx --tag ort_fp16``
 
+Provenance: the row records what it was measured against (``measured_against``: SHA-256 of
+the reference, of the file evaluated and, for an FP16/Q/DQ file, of the fp32.onnx and
+calibration data its producer recorded: ``export.json`` / ``quant_<variant>.json``, matched by
+the file's hash). A file whose recorded fp32.onnx is not the current one is still measured
+(it was given explicitly) with a ``WARNING: ... is stale`` line and ``stale_source`` in the row;
+a derived file no record names gets a ``WARNING: no record ...`` line (unknown source).
+
 Status: the row's parity with the PyTorch reference under its precision's band of
 ``deploykit.compare.ROW_TOLERANCES``: ``failed`` (non-finite outputs, or cosine / top-1 agreement
 below the failed bound), ``warn`` (below the ok bound) or ``ok``, with ``status_reason`` (metric,
@@ -65,7 +72,7 @@ from deploykit.layout import check_row_tag, model_artifacts, model_results
 from deploykit.models import model_spec
 from deploykit.onnx.graph import detect_precision, load_onnx
 from deploykit.quant.cross_check import X64_QUANT_PRECISION, backend_cross_check
-from deploykit.results import provenance, write_result
+from deploykit.results import check_source, provenance, write_result
 from deploykit.runners import ORT_EPS, OrtRunner
 from deploykit.variants import variant_of_file
 
@@ -144,7 +151,15 @@ def main(args: argparse.Namespace) -> dict:
                  if args.precision == "auto" else args.precision)
     art = model_artifacts(args.model)
     variant = variant_of_file(onnx_path)
-    base = dict(onnx=str(onnx_path), variant=variant.name if variant else None)
+    # What a derived file (FP16, Q/DQ) was made from: its producer's record, matched by hash.
+    # A stale source (fp32.onnx re-exported since) is still measured (the file was given), but
+    # said and recorded: the report marks the row stale.
+    source, stale, warn = check_source(args.model, onnx_path, fp32_onnx_path(args.model),
+                                       derived=precision != "FP32")
+    if warn:
+        print(warn, file=sys.stderr)
+    base = dict(onnx=str(onnx_path), variant=variant.name if variant else None,
+                stale_source=stale)
     # Inputs are checked before any session exists, so a mismatch never overwrites a good row.
     if spec.classifier:
         if args.inputs:
@@ -190,7 +205,8 @@ def main(args: argparse.Namespace) -> dict:
                 args=args, started=started, inputs=[onnx_path, ref_path],
                 batch_size=args.batch_size, latency_batch=args.latency_batch,
                 warmup=args.warmup, iters=args.iters, size_mb=file_size_mb(onnx_path),
-                next_step=next_step, **base)
+                next_step=next_step, reference=ref_path, evaluated=onnx_path, source=source,
+                **base)
         except (UsageError, KeyboardInterrupt):
             raise
         except Exception as e:  # noqa: BLE001

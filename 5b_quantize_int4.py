@@ -46,7 +46,8 @@ from deploykit.quant.calibration import (
 )
 from deploykit.quant.inspect import inspect_model
 from deploykit.quant.record import calibration_summary, check_record
-from deploykit.results import provenance
+from deploykit.results import file_sha256, provenance, rerun_command, source_block
+from deploykit.quant.quantize import health_check, read_calibration
 from deploykit.quant.int4 import (
     check_blocked_dq,
     DEFAULT_CANDIDATES,
@@ -106,7 +107,8 @@ def main(args: argparse.Namespace) -> dict:
 
     src = require(Path(args.onnx or fp32_onnx_path(args.model)), "2_export_onnx.py")
     out = Path(args.output or variant_onnx_path(args.model, "int4"))
-    calib, calib_rec = None, None
+    calib, calib_rec, data = None, None, None
+    src_sha = file_sha256(src)  # before it is read: the record names the file that was used
     src_model = load_onnx(src)
     ks = quantized_k_dims(src_model)
     try:
@@ -125,13 +127,15 @@ def main(args: argparse.Namespace) -> dict:
         return record
     if args.calibration_method == "awq_clip":
         calib = require(Path(args.calib or calib_path(args.model)), "4_make_calib.py")
-        data = load_npz(calib, None, "4_make_calib.py", flag="--calib", feed=True)
+        # read once: the arrays ModelOpt gets, the health check runs and the hash recorded all
+        # come from these bytes (a calib.npz rewritten meanwhile cannot make the record lie)
+        data, _, calib_sha = read_calibration(calib)
         ref, ref_src = (None, "skipped (--no-stats-check)") if args.no_stats_check else \
             calibration_reference(args.model, src)
         calib_rec = validate_calibration(src, data, ref, source=str(calib),
                                          reference_source=ref_src)
         calib_rec["plan"] = calibration_plan(src, data, "all")
-        calib_rec.update(calib=str(calib), sha256=sha256_file(calib))
+        calib_rec.update(calib=str(calib), sha256=calib_sha)
     print(f"int4: {len(ks)} Gemm/MatMul, K = {sorted({k['k'] for k in ks})} -> block {block}"
           + (" (--block-size)" if args.block_size else ""))
     float_model, laid_out = (src_model, []) if args.keep_layout else layout_for_int4(src_model)
@@ -142,7 +146,7 @@ def main(args: argparse.Namespace) -> dict:
     log.unlink(missing_ok=True)
     t0 = time.time()
     with atomic_path(out) as tmp:
-        warnings_kept = run_modelopt(src if args.keep_layout else float_model, tmp, log, calib,
+        warnings_kept = run_modelopt(src if args.keep_layout else float_model, tmp, log, data,
                                      args.calibration_method, block, args.eps,
                                      calib_rec["plan"]["calibration_shapes"] if calib_rec else None)
         quant_wall = time.time() - t0
@@ -181,9 +185,15 @@ def main(args: argparse.Namespace) -> dict:
     rep = inspect_model(model)
     rep.pop("_helper", None)
     record["inspect"] = rep
-    record["check"] = check_record(out, src, calib)
-    record["provenance"] = provenance(args, [src, out] + ([calib] if calib else []),
-                                      started)
+    record["check"] = health_check(out, {"src": src, "fp32_model": load_onnx(src),
+                                         "calib": calib, "calib_data": data})
+    record["provenance"] = provenance(args, [out], started)
+    record["provenance"]["input_sha256"].update(
+        {str(src): src_sha, **({str(calib): calib_sha} if calib else {})})
+    record["source"] = source_block(
+        out, [rerun_command(record["provenance"])],
+        fp32={"path": str(src.absolute()), "sha256": src_sha},
+        calibration={"path": str(calib.absolute()), "sha256": calib_sha} if calib else None)
     record["wall_time_s"] = record["provenance"]["wall_time_s"]
     write_json(model_results(args.model) / "quant_int4.json", record)
     print(f"int4: {out} ({record['size_mb']:.2f} MB), quantization {quant_wall:.1f}s, "

@@ -42,6 +42,7 @@ from deploykit.trt.build import (
     STAGE,
     build_one,
     check_args,
+    check_sources,
     check_dla_version,
     dry_run,
     build_record,
@@ -58,6 +59,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("variants", nargs="*", metavar="VARIANT",
                    help=f"any of {', '.join(VARIANTS)} (default: "
                         f"{' '.join(DEFAULT_VARIANTS)}, those whose ONNX exists)")
+    p.add_argument("--allow-stale-source", action="store_true",
+                   help="build from a variant ONNX whose recorded fp32.onnx (quant_<variant>.json"
+                        ", export.json) is not the current fp32.onnx (refused by default)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the trtexec command lines for --trt-version and exit (writes "
                         "nothing, needs no TensorRT)")
@@ -119,6 +123,7 @@ def main(args: argparse.Namespace) -> None:
             wanted = ", ".join(f"{variant_onnx_path(args.model, v)} ({VARIANTS[v].producer})"
                                for v in DEFAULT_VARIANTS)
             raise StageError(f"no ONNX model to build; expected any of: {wanted}")
+    check_sources(args, names)  # an ONNX made from another fp32.onnx: refused (override)
     det, probs = detect_with_loader_fix(trtexec)
     print(f"{STAGE}: trtexec {trtexec} ({how}); " + json.dumps(det.as_dict()))
     if det.loader_fix:

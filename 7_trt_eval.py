@@ -56,7 +56,7 @@ from deploykit.layerwise.diff import diff_command, run_layer_diff
 from deploykit.layerwise.report import render_table
 from deploykit.layout import check_row_tag, engine_paths, model_artifacts, model_results
 from deploykit.models import model_spec
-from deploykit.results import provenance, write_result
+from deploykit.results import check_source, provenance, write_result
 from deploykit.runners import TrtRunner
 from deploykit.trt.parsers import (
     layer_dtype_table,
@@ -226,6 +226,11 @@ def main(args) -> dict | None:
         ref_path = ref_outputs_path(args.model)
         data = custom_data(ref_path, args.limit, args.inputs, args.model)
 
+    # What the engine was built from (stage 6's build row, matched by the plan's hash): an
+    # engine built from an ONNX made from another fp32.onnx is measured, said and recorded.
+    source, stale, warn = check_source(args.model, args.engine, fp32_onnx_path(args.model))
+    if warn:
+        print(warn, file=sys.stderr)
     onnx_b = args.onnx or (art / "onnx" / variant.onnx_file if variant else args.engine)
     next_step = diff_command(args.model, fp32_onnx_path(args.model), onnx_b, _precision(args),
                              model_results(args.model) / f"layerwise_{args.tag}",
@@ -242,7 +247,8 @@ def main(args) -> dict | None:
             batch_size=args.batch_size, latency_batch=args.latency_batch, warmup=args.warmup,
             iters=args.iters, write=False, next_step=next_step, engine=str(args.engine),
             variant=variant.name if variant else None,
-            size_mb=file_size_mb(args.engine))
+            size_mb=file_size_mb(args.engine), reference=ref_path, evaluated=args.engine,
+            source=source, stale_source=stale)
         layers = r.layer_info()
         rec["layer_info"] = layer_summary(layers)
         rec["layer_dtypes"] = layer_dtype_table(layers)

@@ -17,11 +17,18 @@ PyTorch FP32 logits). With a mixed-precision search (``int8_auto``) the report l
 ``auto_precision.md``.
 Rows that could not run (skipped / failed) are listed with the reason; numbers are only ever
 copied from the JSON of a real run.
+Stale rows: a row whose recorded SHA-256 of the reference, the file or engine evaluated, or
+the fp32.onnx / calibration data the file was made from no longer matches the file on disk is
+marked ``STALE`` in the status column, listed under "Stale rows" with the command(s) to rerun
+(shell-quoted, upstream first), and left out of the summary counts and the best-row choice
+(``deploykit.report.stale_reasons``). Rows without these hashes (older runs) are unknown, not
+stale. Rows measured in different ARTIFACTS folders get a ``WARNING:`` naming both.
 """
 from __future__ import annotations
 
 import argparse
 import csv
+import sys
 import time
 from pathlib import Path
 from deploykit.cli import add_shared_args, cli, stage_parser
@@ -32,6 +39,7 @@ from deploykit.models import model_spec
 from deploykit.verdict import Budget
 from deploykit.report import (
     COLUMNS,
+    artifacts_warning,
     row_sort_key,
     gpu_rows,
     load_rows,
@@ -97,6 +105,9 @@ def main(args: argparse.Namespace) -> Path:
         rows = sorted(missing_rows(rows, args.model) + rows, key=row_sort_key)
     data_file = folder / "data.json"
     data = load_json(data_file, "0_prepare_data.py") if data_file.exists() else None
+    warn = artifacts_warning(args.model, rows)
+    if warn:
+        print(warn, file=sys.stderr)
     runs = split_builds(rows)[0]
     trs = table_rows(runs)
     budget = Budget(min_agreement=args.min_agreement, max_top1_drop=args.max_top1_drop)

@@ -22,7 +22,11 @@ Row schema (``results/<model>/<tag>.json``; every field present, None when it do
     max_ms, fps}, end_to_end_timer, gpu_compute_ms {...} or None, gpu_compute_timer},
     latency_batch (same block at --latency-batch when it is not 1), harness_overhead_ms,
     size_mb, diagnostics {name: result}, timings_s {inference, latency, diagnostic:<name>},
-    provenance.
+    measured_against {role: {path, sha256}} (the reference compared with, the file evaluated,
+    and the fp32.onnx / calibration data / ONNX a derived file was made from:
+    deploykit.results.measured_against), source {record, made_by} of a derived file (None:
+    not derived, or unknown), stale_source (why the derived file's recorded source is not the
+    current fp32.onnx, or None), provenance (with artifacts_root).
 
 Status of a measured row (:func:`judge`): its parity with the PyTorch reference under the
 precision's band of :data:`deploykit.compare.ROW_TOLERANCES`: ``failed`` (non-finite outputs, or
@@ -51,7 +55,8 @@ from deploykit.errors import StageError, UsageError
 from deploykit.data.user import LABELS_KEY, SYNTHETIC_KEY, SYNTHETIC_NOTE, check_same_inputs
 from deploykit.io import load_npz
 from deploykit.models import ModelSpec
-from deploykit.results import provenance, result_record, write_result
+from deploykit.results import (measured_against, provenance, result_record, row_source,
+                               write_result)
 from deploykit.runners import Runner, harness_overhead_ms
 
 
@@ -420,7 +425,8 @@ def base_record(stage: str, precision: str, model: str, tag: str, runner_desc: d
                 "outputs": None, "output_used": None, "latency": None, "latency_batch": None,
                 "harness_overhead_ms": None, "size_mb": None, "status_reason": None,
                 "next_step": None, "tolerance": None, "diagnostics": {},
-                "timings_s": {}})
+                "timings_s": {}, "measured_against": {}, "source": None,
+                "stale_source": None})
     rec.update(fields)
     return rec
 
@@ -429,6 +435,8 @@ def evaluate(runner: Runner, data: EvalData, *, stage: str, precision: str, mode
              tag: str, args: Any, started: float, inputs: list = (), batch_size: int = 64,
              latency_batch: int = 1, warmup: int = 20, iters: int = 200,
              write: bool = True, next_step: str | None = None,
+             reference: Path | None = None, evaluated: Path | None = None,
+             source: dict | None = None,
              **fields) -> tuple[dict, dict[str, np.ndarray]]:
     """Run ``data`` through ``runner``, score it, time it, and write the row.
 
@@ -441,6 +449,10 @@ def evaluate(runner: Runner, data: EvalData, *, stage: str, precision: str, mode
         write: write ``results/<model>/<tag>.json`` (False: the caller writes it, with
             ``keep_good=rec["status"] == "ok"``: a measured row replaces an earlier ok row).
         next_step: the first diagnostic to run, recorded when the row is not ok (:func:`judge`).
+        reference / evaluated: the reference file compared with and the file evaluated,
+            hashed into ``measured_against`` (:func:`deploykit.results.measured_against`).
+        source: the derived file's :func:`deploykit.results.source_of` (its recorded fp32.onnx,
+            calibration data, ONNX), or None.
         fields: extra row fields (``variant``, ``size_mb``, ``preprocessing``, ...).
     Returns:
         ``(record, outputs)`` with ``outputs`` every model output over all samples (a
@@ -471,6 +483,8 @@ def evaluate(runner: Runner, data: EvalData, *, stage: str, precision: str, mode
                         "latency": round(time.perf_counter() - t1, 3)}
     rec.update(fields)
     judge(rec, next_step)
+    rec["measured_against"] = measured_against(reference, evaluated, source)
+    rec["source"] = row_source(source)
     rec["provenance"] = provenance(args, inputs, started,
                                    f"cuda:{desc.get('device_index') or 0}"
                                    if desc.get("device") == "cuda" else None)

@@ -9,7 +9,7 @@ from pathlib import Path
 from deploykit.evaluate import primary_latency
 from deploykit.io import atomic_path
 from deploykit.layout import model_tag, results_dir
-from deploykit.results import result_record
+from deploykit.results import result_record, row_artifacts_root, staleness
 from deploykit.variants import PRECISION_ORDER, variant_order
 from deploykit.verdict import Budget, deploy_baselines, deploy_group, is_rerun, render_verdicts, verdicts
 
@@ -160,6 +160,56 @@ def load_rows(folder: Path) -> list[dict]:
     return rows
 
 
+# --------------------------------------------------------------------------------------------
+# Stale rows and rows of several ARTIFACTS folders (callable by any section of the report)
+# --------------------------------------------------------------------------------------------
+def stale_reasons(r: dict) -> list[str]:
+    """Why row ``r`` no longer describes the files on disk (:func:`deploykit.results.staleness`:
+    reference, file, fp32.onnx, calibration data or engine changed since, each with the command
+    to rerun); computed once per row and kept in ``r["_stale"]``. Empty: current, or unknown
+    (a row that records no hashes)."""
+    if "_stale" not in r:
+        r["_stale"] = staleness(r) if r.get("status") in ROW_STATUSES else []
+    return r["_stale"]
+
+
+def is_stale(r: dict) -> bool:
+    """True when :func:`stale_reasons` names anything: the row is left out of the summary's
+    counts and of the best-row choice."""
+    return bool(stale_reasons(r))
+
+
+def stale_section(rows: list[dict]) -> str:
+    """The markdown "Stale rows" list (empty string when no row is stale): each stale row, what
+    changed and the command(s) to rerun."""
+    stale = [r for r in rows if is_stale(r)]
+    if not stale:
+        return ""
+    out = ["\nStale rows (measured against files that have changed since; left out of the "
+           "summary and the best-row choice; rerun the commands, in the repository root):\n"]
+    for r in stale:
+        for why in stale_reasons(r):
+            out.append(f"- {r['tag']}: {why}")
+    return "\n".join(out) + "\n"
+
+
+def artifacts_warning(model: str, rows: list[dict]) -> str | None:
+    """The ``WARNING:`` line when this folder's rows of ``model`` were measured in different
+    ARTIFACTS folders (two runs sharing one RESULTS folder), naming each folder and its rows;
+    None when they agree (rows from another machine, ``_source``, and rows that do not record
+    the folder are left out)."""
+    roots: dict[str, list[str]] = {}
+    for r in rows:
+        root = row_artifacts_root(r)
+        if root and not r.get("_source"):
+            roots.setdefault(root, []).append(r["tag"])
+    if len(roots) < 2:
+        return None
+    return (f"WARNING: the rows of {model} come from different ARTIFACTS folders: "
+            + "; ".join(f"{root} ({', '.join(tags)})" for root, tags in roots.items())
+            + ": two runs share this RESULTS folder; rerun one of them with its own RESULTS")
+
+
 # Rows every classifier run should have, with the command that makes each.
 EXPECTED = [("PyTorch", "FP32", "pytorch_fp32_cpu", "1_pytorch_baseline.py"),
             ("ORT", "FP32", "ort_fp32", "2_export_onnx.py, then 3_onnx_eval.py --tag ort_fp32"),
@@ -220,6 +270,8 @@ def table_rows(rows: list[dict]) -> list[dict]:
         if r.get("cpu_fallback"):
             ep += " (fallback)"
         status = r["status"]
+        if is_stale(r):
+            status = f"STALE (see Stale rows) {status}"
         if _is_rerun(r):
             status = f"latest rerun {status} ({r['_file']}; the ok row above is kept)"
         if r.get("status_reason"):  # a measured row's verdict: the metrics out of bounds
@@ -616,6 +668,10 @@ def render_markdown(model: str, rows: list[dict], data: dict | None,
               "deployment baseline's p50 / this row's: ORT FP32 on the same EP (CPU EP, CUDA EP), the "
               "TensorRT FP32 engine for TensorRT rows. Parity vs PyTorch FP32 logits.\n\n")
     buf.write(markdown_table(trs))
+    buf.write(stale_section(rows))
+    warn = artifacts_warning(model, rows)
+    if warn:
+        buf.write(f"\n{warn}\n")
     gpu = gpu_table(runs)
     if gpu:
         buf.write("\nGPU rows in detail (batch 1 p50 ms unless named; CUDA graph = replay of a "
@@ -659,6 +715,8 @@ def summary(model: str, runs: list[dict], path: Path, budget: Budget | None = No
     """One console line: rows ok/failed/skipped, the row to ship per deployment group (the
     verdict under ``budget``), the best quantized recipe by top-1 agreement with FP32 and its
     speedup vs PyTorch FP32, and where the report is."""
+    stale = [r for r in runs if is_stale(r)]
+    runs = [r for r in runs if not is_stale(r)]  # stale rows: neither counted nor chosen
     st = {k: sum(r["status"] == k for r in runs)
           for k in ("ok", "warn", "failed", "skipped", "not run", "invalid")}
     # A rerun's failure kept beside a good row has the same tag: look the good row up.
@@ -671,7 +729,9 @@ def summary(model: str, runs: list[dict], path: Path, budget: Budget | None = No
     bits = [f"report {model}: {st['ok']} ok, " + (f"{st['warn']} warn, " if st["warn"] else "")
             + f"{st['failed']} failed, {st['skipped']} skipped"
             + (f", {st['not run']} not run" if st["not run"] else "")
-            + (f", {st['invalid']} invalid" if st["invalid"] else "")]
+            + (f", {st['invalid']} invalid" if st["invalid"] else "")
+            + (f", {len(stale)} stale (not counted: "
+               + ", ".join(r["tag"] for r in stale) + "; see Stale rows)" if stale else "")]
     vs = verdicts(runs, budget or Budget())
     if vs:
         bits.append("ship: " + ", ".join(f"{v['group']} {v['ship']['tag'] if v['ship'] else 'none'}"

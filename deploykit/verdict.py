@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from deploykit import results as _results
+from deploykit.results import staleness
 from deploykit.sweep.report import judge as budget_judge
 from deploykit.sweep.report import p50_ms, parity, reference_row, top1
 from deploykit.sweep.spec import Budget
@@ -90,7 +90,7 @@ def judge_row(r: dict, ref: dict | None, budget: Budget) -> Judgement:
     """The one eligibility rule of the verdict: a row is shipped only when it is a measured,
     current row (status ``ok`` or ``warn``: a warn row is outside its precision's ok band and
     the budget decides; never ``failed``/``skipped``/``not run``/``invalid``, a rerun's record,
-    or a row that :func:`deploykit.results.staleness` calls stale, when that check exists) with
+    or a row that :func:`deploykit.results.staleness` calls stale) with
     a batch-1 latency, within ``budget`` against the PyTorch FP32 row ``ref``
     (:func:`deploykit.sweep.report.judge`).
 
@@ -104,11 +104,9 @@ def judge_row(r: dict, ref: dict | None, budget: Budget) -> Judgement:
     if st not in ("ok", "warn"):
         why = _first_line(r.get("status_reason") or r.get("reason"))
         return Judgement(False, False, f"{st}" + (f": {why}" if why else ""))
-    stale = getattr(_results, "staleness", None)  # added on another branch: str | None
-    if stale is not None:
-        s = stale(r)
-        if s:
-            return Judgement(False, False, f"stale: {s}" if isinstance(s, str) else "stale")
+    reasons = staleness(r)  # the files on disk are no longer what the row measured
+    if reasons:
+        return Judgement(False, False, "stale: " + "; ".join(reasons))
     if p50_ms(r) is None:
         return Judgement(False, False, "no batch-1 latency")
     ok, why = budget_judge(r, ref, budget)

@@ -254,9 +254,12 @@ def repair_axes(model) -> list[dict]:
     return fixed
 
 
-def run_modelopt(src: Path, dst: Path, log: Path, calib: Path | None, method: str, block: int,
-                 eps: str, calibration_shapes: str | None = None) -> list[str]:
+def run_modelopt(src: Path, dst: Path, log: Path, calib: Path | dict | None, method: str,
+                 block: int, eps: str, calibration_shapes: str | None = None) -> list[str]:
     """``modelopt.onnx.quantization.quantize`` (INT4) with its log captured in ``log``.
+
+    ``calib``: the calibration arrays already read (``{input name: array}``, as stage 5b
+    hashes them), or an npz path (read here), or None (``rtn_dq``).
 
     Returns:
         the ModelOpt warnings worth keeping.
@@ -284,8 +287,8 @@ def run_modelopt(src: Path, dst: Path, log: Path, calib: Path | None, method: st
     # planted there) and the log is moved to ``log`` when it is done.
     work_log = work / log.name
     if calib is not None:
-        kwargs["calibration_data"] = load_npz(calib, None, "4_make_calib.py", flag="--calib",
-                                              feed=True)
+        kwargs["calibration_data"] = calib if isinstance(calib, dict) else load_npz(
+            calib, None, "4_make_calib.py", flag="--calib", feed=True)
         if calibration_shapes:
             kwargs["calibration_shapes"] = calibration_shapes
     try:

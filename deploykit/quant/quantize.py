@@ -29,7 +29,7 @@ from deploykit.quant.inspect import inspect_model
 from deploykit.quant.macs import mac_summary
 from deploykit.quant.modelopt import log_warnings, ort_smoke
 from deploykit.quant.record import calibration_summary, flag_unquantized, print_check
-from deploykit.results import provenance
+from deploykit.results import provenance, rerun_command, source_block
 from deploykit.variants import get_variant, modelopt_args
 
 
@@ -197,7 +197,9 @@ def quant_record(args: argparse.Namespace, inputs: dict, variant: str, status: s
         ``wall_time_s``, ``command``, ``log``, ``description``, ``warnings``,
         ``calibration``; when ok also ``inspect``, ``macs``, ``size_mb``, ``ort_cpu_smoke``,
         ``check``, and ``unquantized`` when no MAC node is quantized
-        (:func:`deploykit.quant.record.flag_unquantized`); ``provenance`` (input hashes: the bytes ModelOpt was given).
+        (:func:`deploykit.quant.record.flag_unquantized`); ``provenance`` (input hashes: the bytes ModelOpt was given);
+        ``source`` (:func:`deploykit.results.source_block`: the output's, the fp32.onnx's and
+        the calibration bytes' SHA-256, and the command that made it).
     Raises:
         StageError: the results folder cannot be written.
     """
@@ -229,6 +231,14 @@ def quant_record(args: argparse.Namespace, inputs: dict, variant: str, status: s
                             **prov["input_sha256"]}
     prov["wall_time_s"] = wall_s
     rec["provenance"] = prov
+    # What the installed file was made from: the fp32.onnx copy and the calibration bytes
+    # ModelOpt was given (hashed in memory, not re-read from paths another run may rewrite).
+    # Stages 3/6/7 find this block by the output's hash (deploykit.results.source_of).
+    rec["source"] = source_block(
+        out if status == "ok" else None, [rerun_command(prov)],
+        fp32={"path": str(Path(inputs["src"]).absolute()), "sha256": inputs["src_sha256"]},
+        calibration={"path": str(Path(inputs["calib"]).absolute()),
+                     "sha256": inputs["calib_sha256"]})
     path = model_results(args.model) / f"quant_{variant}.json"
     side = path.with_name(f"quant_{variant}.failed.json")
     if status != "ok" and _record_ok(path):
@@ -292,7 +302,7 @@ def quantize_all(args, selected, env, eps, src, calib, onnx_dir, res_dir, work, 
                   f"search {env['auto_text']})")
             p = subprocess.run(_python_tool(
                 "auto_precision.py", "search", "--model", model, "--fp32", str(src), "--calib",
-                str(calib), "--calib-batch", str(calib_batch), "--eps", eps, "--variant",
+                str(work_calib), "--calib-batch", str(calib_batch), "--eps", eps, "--variant",
                 variant, "--out-dir", str(auto_dir), *env["auto_args"]),
                 stdout=subprocess.PIPE, text=True, cwd=ROOT)
             if p.returncode != 0:  # exit 2 (a usage error in AUTO_ARGS) is passed on as it is

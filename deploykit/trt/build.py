@@ -17,10 +17,11 @@ from deploykit.variants import VARIANTS
 from deploykit.cli import check_positive, require
 from deploykit.errors import StageError, UsageError
 from deploykit.io import atomic_path, file_size_mb
-from deploykit.layout import engine_paths, engines_dir, variant_onnx_path
+from deploykit.layout import engine_paths, engines_dir, fp32_onnx_path, variant_onnx_path
 from deploykit.models import MODEL_TABLE, model_spec
 from deploykit.onnx.graph import load_onnx, onnx_opset
-from deploykit.results import provenance, result_record, write_result
+from deploykit.results import (check_source, provenance, rerun_command, result_record,
+                               source_block, source_of, write_result)
 from deploykit.trt.commands import build_command, plan_version_command
 from deploykit.trt.detect import Detected, run_tool
 from deploykit.trt.onnx_prep import (
@@ -308,7 +309,48 @@ def build_record(args, variant: str, status: str, reason: str | None, started: f
                                status=status, reason=reason, variant=variant,
                                expected_failure=v.expected_failure, **fields)
     rec["provenance"] = provenance(args, list(inputs), started)
+    inputs = list(inputs)
+    if status == "ok" and fields.get("plan") and inputs:
+        rec["source"] = engine_source(args.model, fields["plan"], inputs[0],
+                                      rerun_command(rec["provenance"]))
+        rec["stale_source"] = check_source(args.model, inputs[0],
+                                           fp32_onnx_path(args.model))[1]
     return rec
+
+
+def engine_source(model: str, plan: Path, onnx: Path, command: str | None) -> dict:
+    """The ``source`` block of a built engine (:func:`deploykit.results.source_block`): the
+    plan's SHA-256, the ONNX file it was built from, and that file's own recorded fp32.onnx and
+    calibration data (its producer's record; the fp32.onnx itself for the FP32 variant), with
+    the commands that made it, upstream first."""
+    up = source_of(model, onnx) or {}
+    is_fp32 = Path(onnx).resolve() == fp32_onnx_path(model).resolve()
+    return source_block(plan, [*(up.get("made_by") or []), command],
+                        fp32=onnx if is_fp32 else up.get("fp32"),
+                        calibration=up.get("calibration"), onnx=onnx)
+
+
+def check_sources(args, names: Sequence[str]) -> None:
+    """Refuse to build an engine from a variant ONNX whose recorded fp32.onnx is not the
+    current one (``--allow-stale-source`` builds it anyway, with the warning); an ONNX no
+    record names is built with a warning (unknown source).
+
+    Raises:
+        StageError: naming the stale file(s), the remaking command(s) and the override.
+    """
+    stale = []
+    for var in names:
+        onnx = variant_onnx_path(args.model, var)
+        _, why, warn = check_source(args.model, onnx, fp32_onnx_path(args.model))
+        if warn:
+            print(warn, file=sys.stderr)
+        if why:
+            stale.append(f"{var} ({onnx})")
+    if stale and not getattr(args, "allow_stale_source", False):
+        raise StageError(f"refusing to build engines from stale ONNX files: {', '.join(stale)} "
+                         "(made from another fp32.onnx than the current one, above): remake "
+                         "them with the commands above, or pass --allow-stale-source to build "
+                         "them anyway (the rows record stale_source)")
 
 
 def write_build_record(args, variant: str, rec: dict) -> Path:

@@ -371,3 +371,43 @@ def test_environment_settings_are_checked_before_any_work(name, value, accepted)
     else:
         with pytest.raises(UsageError, match=rf"{name}='{value}': .*(one of|or 0|positive)"):
             quantize.env_settings({name: value})
+
+
+def test_record_links_the_file_to_its_fp32_and_calibration_bytes(tiny, monkeypatch):
+    """quant_<variant>.json's source block: the installed file's, the fp32.onnx's and the
+    calibration bytes' SHA-256 (those ModelOpt was given, even when calib.npz is rewritten
+    meanwhile); stage 3 finds it by the file's hash, and the rewrite makes a row stale."""
+    from deploykit.results import check_source, measured_against, source_of, staleness
+
+    calib, fp32 = tiny / "calib.npz", tiny / "onnx" / "fp32.onnx"
+    before = calib.read_bytes()
+    fake = FakeModelOpt(on_call=lambda _: np.savez(calib, input=np.ones((8, 3, 16, 16),
+                                                                        np.float32)))
+    monkeypatch.setattr(modelopt_runner, "run_modelopt", fake)
+    monkeypatch.setattr(sys, "argv", ["5_quantize.py", "--model", "tiny", "int8_hp32"])
+    (rec,) = stage5.main(_args("int8_hp32"))
+    out = tiny / "onnx" / "int8_hp32.onnx"
+    src = rec["source"]
+    assert src["calibration"]["sha256"] == _sha(before) != _sha(calib.read_bytes())
+    assert src["fp32"]["sha256"] == _sha(fp32.read_bytes())
+    assert src["output"]["sha256"] == _sha(out.read_bytes())
+    found = source_of("tiny", out)
+    assert found["record"] == "quant_int8_hp32.json" and found["fp32"] == src["fp32"]
+    assert "5_quantize" in found["made_by"][0]
+    # a row of this file, as stage 3 records it: stale at once (calib.npz rewritten since)
+    row = {"tag": "ort_int8_hp32", "measured_against": measured_against(evaluated=out,
+                                                                          source=found),
+           "source": {"record": found["record"], "made_by": found["made_by"]},
+           "provenance": {"command": "3_onnx_eval.py --tag ort_int8_hp32"}}
+    (why,) = staleness(row)
+    assert why.startswith("the calibration data") and "5_quantize" in why
+    assert why.index("5_quantize") < why.index("3_onnx_eval.py")
+    # a file with the scales of another model version: no record names it
+    other = tiny / "onnx" / "other.onnx"
+    other.write_bytes(out.read_bytes() + b"\0")
+    assert source_of("tiny", other) is None
+    assert "no record" in check_source("tiny", other, fp32)[2]
+    # fp32.onnx re-exported: the Q/DQ file's source is stale
+    fp32.write_bytes(fp32.read_bytes() + b"\0")
+    _, stale, warn = check_source("tiny", out, fp32)
+    assert "re-exported since" in stale and warn.startswith(f"WARNING: {out} is stale")

@@ -55,6 +55,13 @@ def test_stage5b_blocks_along_k_for_every_weight(method, tmp_path, monkeypatch):
     assert rel.max() < 0.5  # the smallest output channels too
     saved = json.loads((tmp_path / "r" / "tiny" / "quant_int4.json").read_text())
     assert saved["check"]["summary"] == "check: clean"
+    # the record links the INT4 file to the fp32.onnx and the calibration bytes it came from
+    from deploykit.io import sha256_file
+    src_block = saved["source"]
+    assert src_block["fp32"]["sha256"] == sha256_file(src)
+    assert src_block["output"]["sha256"] == sha256_file(out)
+    assert (src_block["calibration"] or {}).get("sha256") == (
+        sha256_file(tmp_path / "calib.npz") if method == "awq_clip" else None)
 
 
 @pytest.mark.slow

@@ -463,3 +463,39 @@ def test_stage6_plan_never_written_through_a_link_at_the_old_temporary_name(fake
     assert victim.read_bytes() == b"precious"
     assert (engines / "fp16.plan").read_bytes() == b"ftrt"
     assert not [f for f in engines.iterdir() if f.is_dir()]
+
+
+@pytest.mark.slow
+def test_stage6_refuses_an_onnx_made_from_another_fp32_unless_allowed(fake_build, capsys):
+    """fp16.onnx whose export.json names another fp32.onnx than the one now on disk: refused
+    (exit 1, naming the file, the remaking command and the override); --allow-stale-source
+    builds it and the row records stale_source; the row's source links plan, ONNX and fp32."""
+    from deploykit.io import sha256_file, write_json
+    from deploykit.results import source_of
+
+    run, res, art = fake_build
+    fp32 = save(conv_net(), art / "onnx" / "fp32.onnx")
+    fp16 = save(conv_net(fp16=True), art / "onnx" / "fp16.onnx")
+    write_json(res / "export.json", {"files": {
+        "fp32": {"path": str(fp32), "sha256": "0" * 64},  # an earlier export
+        "fp16": {"path": str(fp16), "sha256": sha256_file(fp16)}},
+        "provenance": {"command": "2_export_onnx.py --model mobilenet_v3_small"}})
+    with pytest.raises(StageError, match=r"refusing to build engines from stale ONNX files: "
+                                         r"fp16 .*--allow-stale-source"):
+        run("fp16")
+    assert "is stale: it was made from an fp32.onnx with sha256 000000000000" in \
+        capsys.readouterr().err
+    assert not (res / "trt_build_fp16.json").exists()
+    run("--allow-stale-source", "fp16")
+    rec = json.loads((res / "trt_build_fp16.json").read_text())
+    assert rec["status"] == "ok" and "re-exported since" in rec["stale_source"]
+    plan = Path(rec["plan"])
+    assert rec["source"]["output"]["sha256"] == sha256_file(plan)
+    assert rec["source"]["onnx"]["sha256"] == sha256_file(fp16)
+    assert rec["source"]["fp32"]["sha256"] == "0" * 64
+    assert "2_export_onnx.py" in rec["source"]["made_by"][0]
+    assert source_of("mobilenet_v3_small", plan)["record"] == "trt_build_fp16.json"
+    # the FP32 engine: its source is the fp32.onnx itself, nothing stale
+    run("fp32")
+    rec = json.loads((res / "trt_build_fp32.json").read_text())
+    assert rec["stale_source"] is None and rec["source"]["fp32"]["sha256"] == sha256_file(fp32)

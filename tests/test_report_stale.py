@@ -1,0 +1,111 @@
+"""The report's stale rows (deploykit.report.stale_reasons / deploykit.results.staleness) and
+the warning for rows of several ARTIFACTS folders: synthetic rows that record the hashes of real
+small files in tmp_path, whose contents the tests then change."""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from deploykit.io import write_json
+from deploykit.report import (artifacts_warning, is_stale, load_rows, render_markdown,
+                              stale_reasons,
+                              stale_section, summary, table_rows)
+from deploykit.results import staleness
+
+MODEL = "m"
+
+
+def _entry(p: Path) -> dict:
+    return {"path": str(p), "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+
+
+def _row(tag, against, backend="ORT", precision="INT8", agree=99.0, root="/art/a", **kw):
+    return {"stage": "3_onnx_eval", "backend": backend, "precision": precision, "model": MODEL,
+            "tag": tag, "status": "ok", "reason": None, "n_images": 10,
+            "accuracy": {"top1": 70.0, "top5": 90.0},
+            "parity": {"cosine_mean": 0.999, "top1_agreement": agree},
+            "latency": {"end_to_end_ms": {"p50_ms": 1.0, "mean_ms": 1.0, "fps": 1000.0}},
+            "measured_against": against,
+            "provenance": {"command": f"3_onnx_eval.py --tag {tag} --onnx 'a b.onnx'",
+                           "artifacts_root": root, "device": {"cpu": "test cpu"},
+                           "versions": {}}, **kw}
+
+
+@pytest.fixture
+def files(tmp_path, monkeypatch):
+    monkeypatch.setenv("RESULTS", str(tmp_path / "r"))
+    monkeypatch.setenv("ARTIFACTS", str(tmp_path / "a"))
+    f = {}
+    for name in ("ref_logits.npz", "fp32.onnx", "int8.onnx", "int8b.onnx", "calib.npz"):
+        f[name] = tmp_path / name
+        f[name].write_bytes(name.encode())
+    return f
+
+
+def _write(rows, tmp_path):
+    folder = tmp_path / "r" / MODEL
+    for r in rows:
+        write_json(folder / f"{r['tag']}.json", r)
+    return folder
+
+
+def test_changed_reference_or_calibration_makes_a_row_stale_and_names_the_rerun(files, tmp_path):
+    ref, fp32, calib = files["ref_logits.npz"], files["fp32.onnx"], files["calib.npz"]
+    src = {"record": "quant_int8.json", "made_by": ["python 5_quantize.py --model m int8"]}
+    rows = [_row("ort_int8", {"reference": _entry(ref), "evaluated": _entry(files["int8.onnx"]),
+                              "fp32": _entry(fp32), "calibration": _entry(calib)},
+                 agree=99.5, source=src),
+            _row("ort_int8b", {"reference": _entry(ref),
+                               "evaluated": _entry(files["int8b.onnx"])}, agree=98.0),
+            _row("ort_old", None, agree=99.9)]  # a committed row without hashes: unknown
+    rows[2].pop("measured_against")
+    folder = _write(rows, tmp_path)
+    assert not any(is_stale(r) for r in load_rows(folder))
+    calib.write_bytes(b"rewritten by a stage 4 rerun")
+    loaded = {r["tag"]: r for r in load_rows(folder)}
+    (why,) = stale_reasons(loaded["ort_int8"])
+    assert why.startswith(f"the calibration data the file evaluated was made from {calib} "
+                          "has changed")
+    # the producer first, then this row's own command, shell-quoted as recorded
+    assert why.endswith("rerun python 5_quantize.py --model m int8 && ARTIFACTS=/art/a RESULTS="
+                        f"{(tmp_path / 'r').resolve()} python 3_onnx_eval.py --tag ort_int8 "
+                        "--onnx 'a b.onnx'")
+    assert not is_stale(loaded["ort_int8b"]) and not is_stale(loaded["ort_old"])
+    ref.write_bytes(b"stage 1 rerun with other weights")
+    rows = load_rows(folder)
+    stale = {r["tag"] for r in rows if is_stale(r)}
+    assert stale == {"ort_int8", "ort_int8b"}
+    trs = {t["tag"]: t for t in table_rows(rows)}
+    assert trs["ort_int8b"]["status"].startswith("STALE (see Stale rows) ok")
+    assert not trs["ort_old"]["status"].startswith("STALE")
+    line = summary(MODEL, rows, Path("REPORT.md"))
+    # stale rows are neither counted nor chosen: the best is the only current INT8 row
+    assert "1 ok" in line and "2 stale (not counted: ort_int8, ort_int8b" in line
+    assert "best quantized row ort_old" in line
+    md = render_markdown(MODEL, rows, None)
+    assert "Stale rows (" in md and "- ort_int8b: the PyTorch reference" in md
+
+
+def test_missing_recorded_file_is_unknown_not_stale(files):
+    row = _row("t", {"reference": {"path": "/nowhere/ref.npz", "sha256": "0" * 64}})
+    assert staleness(row) == [] and stale_section([row]) == ""
+
+
+def test_stale_source_recorded_at_measurement_stays_stale(files):
+    row = _row("t", {"evaluated": _entry(files["int8.onnx"])},
+               stale_source="it was made from an fp32.onnx with sha256 abc",
+               source={"made_by": ["python 5_quantize.py"]})
+    (why,) = staleness(row)
+    assert why.startswith("measured a stale file: it was made from") and "5_quantize" in why
+
+
+def test_rows_of_two_artifacts_folders_are_named(files, tmp_path):
+    rows = [_row("ort_a", {}, root="/art/a"), _row("ort_b", {}, root="/art/b"),
+            _row("gpu", {}, root="/elsewhere", _source="results/gpu/m")]
+    warn = artifacts_warning(MODEL, rows)
+    assert "/art/a (ort_a)" in warn and "/art/b (ort_b)" in warn and "gpu" not in warn
+    assert artifacts_warning(MODEL, rows[:1] + rows[2:]) is None
+    assert warn in render_markdown(MODEL, rows[:2], None)
