@@ -92,8 +92,12 @@ def test_stage2_accepts_mask_export_and_rejects_frozen_index(user_models, tmp_pa
 def test_stage2_fp16_overflow_named_and_fixed_by_one_command(user_models, tmp_path):
     d, _ = user_models
     env = _env(tmp_path, d)
+    # real samples: on synthetic ones (--input-shape only) the range audit only warns
+    samples = tmp_path / "samples.npz"
+    np.savez(samples, input=np.random.default_rng(0).standard_normal((8, 3, 16, 16))
+             .astype(np.float32))
     args = ["--model", "ec_user_models:overflow", "--input-shape", "input:1,3,16,16",
-            "--true-fp16-budget-s", "0"]
+            "--inputs", str(samples), "--true-fp16-budget-s", "0"]
     p = _stage2(args, env, check=0)  # FP32 passed: installed; FP16 rejected with a warning
     assert "fp16_range" in p.stderr and "> 65504" in p.stderr
     warn = [ln for ln in p.stderr.splitlines() if ln.startswith("WARNING: FP16 candidate")]
