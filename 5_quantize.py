@@ -57,6 +57,7 @@ from pathlib import Path
 from deploykit.cli import HelpFormatter, add_shared_args, cli
 from deploykit.errors import StageError, UsageError
 from deploykit.io import check_writable, remove_leftovers, report_leftovers
+from deploykit.lock import lock_folders
 from deploykit import layout
 from deploykit.layout import calib_path, fp32_onnx_path, model_artifacts, model_results
 from deploykit.onnx.graph import load_onnx
@@ -211,6 +212,7 @@ def main(args: argparse.Namespace) -> list[dict]:
                          if not args.calib_inputs else f"--calib-inputs {calib}: no such file")
     tuning = any(get_variant(v).needs_tuning for v in selected)
     check_writable(onnx_dir, res_dir, *([art / "auto_precision"] if tuning else []))
+    lock_folders(art, res_dir)  # one writer per folder, held until this process exits
     eps = env["eps"] or default_eps()
 
     # Graph-derived node lists (anchored regexes), read once.
