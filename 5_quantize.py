@@ -64,6 +64,7 @@ from deploykit.onnx.graph import load_onnx
 from deploykit.quant.auto.search import anchored
 from deploykit.quant.nodes import list_depthwise, list_stem
 from deploykit.variants import for_stage, get_variant
+from deploykit.quant.modelopt import calibration_ep
 from deploykit.quant.quantize import quantize_all, default_eps, env_settings
 
 
@@ -222,7 +223,12 @@ def main(args: argparse.Namespace) -> list[dict]:
     # A model without convolutions (an MLP, a transformer) has no stem: only the variants that
     # exclude it (excl_stem) do not apply, and variants.py says so for them.
     print(f"stage 5: {model}: {len(dw)} depthwise conv(s), stem {' '.join(stem) or 'none'}, "
-          f"calibration EP {eps}")
+          f"calibration EP {eps} requested")
+    ep = calibration_ep(eps, os.devnull)
+    if ep["requested_provider"] not in ep["available"]:
+        print(f"WARNING: EPS={eps}: this onnxruntime has no {ep['requested_provider']} "
+              f"(available: {', '.join(ep['available'])}): ONNX Runtime will calibrate on the "
+              "CPU instead (recorded as calibration_ep in quant_<variant>.json)", file=sys.stderr)
 
     old_handlers = {}
     for sig in (signal.SIGTERM, signal.SIGHUP):
