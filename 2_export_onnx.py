@@ -58,6 +58,7 @@ from deploykit.cli import add_shared_args, cli, stage_parser
 from deploykit.errors import StageError, UsageError
 from deploykit.evaluate import require_batch_axis
 from deploykit.install import install, install_rejected, rejected_path, set_aside
+from deploykit.lock import lock_folders
 from deploykit.io import (check_writable, file_size_mb, remove_leftovers, report_leftovers,
                           sha256_file, write_json)
 from deploykit.layout import model_artifacts, model_results
@@ -118,6 +119,7 @@ def main(args: argparse.Namespace) -> dict:
     started = time.time()
     check_export_args(args)  # before anything is exported: an impossible threshold fails every file
     check_writable(model_artifacts(args.model), model_results(args.model))
+    lock_folders(model_artifacts(args.model), model_results(args.model))  # one writer per folder
     keep = split_names(args.fp16_keep_fp32)
     model, spec = build_model(args.model, args.weights, pretrained=not args.random_init)
     opset = args.opset or (18 if args.exporter == "dynamo" else 17)

@@ -57,12 +57,14 @@ from pathlib import Path
 from deploykit.cli import HelpFormatter, add_shared_args, cli
 from deploykit.errors import StageError, UsageError
 from deploykit.io import check_writable, remove_leftovers, report_leftovers
+from deploykit.lock import lock_folders
 from deploykit import layout
 from deploykit.layout import calib_path, fp32_onnx_path, model_artifacts, model_results
 from deploykit.onnx.graph import load_onnx
 from deploykit.quant.auto.search import anchored
 from deploykit.quant.nodes import list_depthwise, list_stem
 from deploykit.variants import for_stage, get_variant
+from deploykit.quant.modelopt import calibration_ep
 from deploykit.quant.quantize import quantize_all, default_eps, env_settings
 
 
@@ -211,6 +213,7 @@ def main(args: argparse.Namespace) -> list[dict]:
                          if not args.calib_inputs else f"--calib-inputs {calib}: no such file")
     tuning = any(get_variant(v).needs_tuning for v in selected)
     check_writable(onnx_dir, res_dir, *([art / "auto_precision"] if tuning else []))
+    lock_folders(art, res_dir)  # one writer per folder, held until this process exits
     eps = env["eps"] or default_eps()
 
     # Graph-derived node lists (anchored regexes), read once.
@@ -220,7 +223,12 @@ def main(args: argparse.Namespace) -> list[dict]:
     # A model without convolutions (an MLP, a transformer) has no stem: only the variants that
     # exclude it (excl_stem) do not apply, and variants.py says so for them.
     print(f"stage 5: {model}: {len(dw)} depthwise conv(s), stem {' '.join(stem) or 'none'}, "
-          f"calibration EP {eps}")
+          f"calibration EP {eps} requested")
+    ep = calibration_ep(eps, os.devnull)
+    if ep["requested_provider"] not in ep["available"]:
+        print(f"WARNING: EPS={eps}: this onnxruntime has no {ep['requested_provider']} "
+              f"(available: {', '.join(ep['available'])}): ONNX Runtime will calibrate on the "
+              "CPU instead (recorded as calibration_ep in quant_<variant>.json)", file=sys.stderr)
 
     old_handlers = {}
     for sig in (signal.SIGTERM, signal.SIGHUP):

@@ -33,11 +33,12 @@ import sys
 import time
 from pathlib import Path
 from deploykit.layout import calib_path, fp32_onnx_path, variant_onnx_path
-from deploykit.io import load_npz
+from deploykit.io import check_writable, load_npz
+from deploykit.lock import lock_folders
 from deploykit.cli import add_shared_args, cli, require, stage_parser
 from deploykit.errors import StageError
 from deploykit.io import atomic_path, file_size_mb, sha256_file, write_json
-from deploykit.layout import ROOT, model_results
+from deploykit.layout import ROOT, model_artifacts, model_results
 from deploykit.onnx.graph import load_onnx
 from deploykit.quant.calibration import (
     calibration_plan,
@@ -107,6 +108,9 @@ def main(args: argparse.Namespace) -> dict:
 
     src = require(Path(args.onnx or fp32_onnx_path(args.model)), "2_export_onnx.py")
     out = Path(args.output or variant_onnx_path(args.model, "int4"))
+    check_writable(out.parent, model_results(args.model))
+    # one writer per folder, held until this process exits
+    lock_folders(model_artifacts(args.model), out.parent, model_results(args.model))
     calib, calib_rec, data = None, None, None
     src_sha = file_sha256(src)  # before it is read: the record names the file that was used
     src_model = load_onnx(src)

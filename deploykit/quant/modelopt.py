@@ -35,6 +35,7 @@ def modelopt_quantize(argv: Sequence[str], calib_batch: str | int = "all") -> No
     from modelopt.onnx.quantization.__main__ import get_parser
     from modelopt.onnx.quantization.calib_utils import CalibrationDataProvider
 
+    report_sessions()
     args = get_parser().parse_args(list(argv))
     if args.autotune is not None:
         raise UsageError("--autotune: run python -m modelopt.onnx.quantization directly")
@@ -53,6 +54,84 @@ def modelopt_quantize(argv: Sequence[str], calib_batch: str | int = "all") -> No
         print(f"calibration batch {plan['batch_size']} ({len(plan['batches'])} batch(es) of "
               f"{plan['batches'][:4]}); ModelOpt's GEMV rule sees {kw['calibration_shapes']}")
     quantize(args.onnx_path, **kw)
+
+
+# --------------------------------------------------------------------------------------------
+# The EPs calibration really ran on
+# --------------------------------------------------------------------------------------------
+# printed by the child for every ONNX Runtime session created in it (ModelOpt's calibration
+# sessions among them), read back from the log by :func:`calibration_ep`
+SESSION_MARK = "deploykit: ORT session providers: "
+# ModelOpt's --calibration_eps names -> ONNX Runtime's provider names
+EP_PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider",
+                "trt": "TensorrtExecutionProvider", "dml": "DmlExecutionProvider"}
+
+
+def report_sessions() -> None:
+    """In the ModelOpt child: print :data:`SESSION_MARK` and the providers of every
+    ``onnxruntime.InferenceSession`` created from now on (``session.get_providers()``, what
+    ONNX Runtime really assigned: a requested EP it does not have is dropped there)."""
+    import onnxruntime as ort
+
+    cls = ort.InferenceSession
+    if getattr(cls.__init__, "_deploykit_reports", False):
+        return
+    orig = cls.__init__
+
+    def init(self, *a, **k):
+        orig(self, *a, **k)
+        try:
+            print(SESSION_MARK + ",".join(self.get_providers()), flush=True)
+        except Exception:  # noqa: BLE001 - reporting never breaks a session
+            pass
+
+    init._deploykit_reports = True
+    cls.__init__ = init
+
+
+def calibration_ep(requested: str, log: Path | str) -> dict:
+    """What calibrated: the EP asked for and the providers of the ORT sessions ModelOpt
+    created (from the child's log, :func:`report_sessions`).
+
+    Args:
+        requested: the ``--calibration_eps`` value (``cpu``, ``cuda:0``, ``trt``, ``dml``).
+        log: the ModelOpt child's log.
+    Returns:
+        ``{"requested", "requested_provider", "used" (providers in order of first use, []
+        when the log names no session), "available" (onnxruntime.get_available_providers()),
+        "fallback" (True when the requested provider ran in no session although sessions
+        ran)}``.
+    """
+    import onnxruntime as ort
+
+    want = EP_PROVIDERS.get(requested.split(":")[0], requested)
+    used: list[str] = []
+    try:
+        text = Path(log).read_text(errors="replace")
+    except OSError:
+        text = ""
+    for line in text.splitlines():
+        if line.startswith(SESSION_MARK):
+            for p in line[len(SESSION_MARK):].strip().split(","):
+                if p and p not in used:
+                    used.append(p)
+    return {"requested": requested, "requested_provider": want, "used": used,
+            "available": list(ort.get_available_providers()),
+            "fallback": bool(used) and want not in used}
+
+
+def ep_fallback_warning(ep: dict) -> str | None:
+    """The WARNING line for :func:`calibration_ep`'s record when the requested EP did not
+    calibrate (None when it did, or when no session was seen)."""
+    if not ep["fallback"]:
+        return None
+    why = ("this onnxruntime has no " + ep["requested_provider"]
+           if ep["requested_provider"] not in ep["available"]
+           else "ONNX Runtime did not assign it")
+    return (f"WARNING: EPS={ep['requested']} was requested but calibration ran on "
+            f"{', '.join(ep['used'])} ({why}; available: {', '.join(ep['available'])}): the "
+            "scales are those of that EP; install onnxruntime-gpu for the CUDA EP, or set "
+            "EPS=cpu to say so")
 
 
 # --------------------------------------------------------------------------------------------

@@ -27,7 +27,8 @@ from deploykit.quant.calibration import (
 from deploykit.quant.health import check_model, summary_line
 from deploykit.quant.inspect import inspect_model
 from deploykit.quant.macs import mac_summary
-from deploykit.quant.modelopt import log_warnings, ort_smoke
+from deploykit.quant.modelopt import (calibration_ep, ep_fallback_warning, log_warnings,
+                                      ort_smoke)
 from deploykit.quant.record import calibration_summary, flag_unquantized, print_check
 from deploykit.results import provenance, rerun_command, source_block
 from deploykit.variants import get_variant, modelopt_args
@@ -208,6 +209,16 @@ def quant_record(args: argparse.Namespace, inputs: dict, variant: str, status: s
            "description": get_variant(variant).description,
            "warnings": log_warnings(log) if log.exists() else [],
            "calibration": calibration_summary(inputs["calib_rec"])}
+    if log.exists():
+        # the EP ModelOpt's ORT sessions really ran on (a requested CUDA EP that this
+        # onnxruntime lacks falls back to the CPU)
+        rec["calibration_ep"] = calibration_ep(inputs["eps"], log)
+        used = ", ".join(rec["calibration_ep"]["used"]) or "no ORT session seen in the log"
+        print(f"  calibration EP: requested {inputs['eps']}, ran on {used}")
+        warn = ep_fallback_warning(rec["calibration_ep"])
+        if warn:
+            print(warn, file=sys.stderr)
+            rec["warnings"] = [warn, *rec["warnings"]]
     if status == "ok" and out.exists():
         qmodel = load_onnx(out)
         rep = inspect_model(qmodel)
