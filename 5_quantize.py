@@ -60,7 +60,9 @@ from deploykit.io import check_writable, remove_leftovers, report_leftovers
 from deploykit.lock import lock_folders
 from deploykit import layout
 from deploykit.layout import calib_path, fp32_onnx_path, model_artifacts, model_results
-from deploykit.onnx.graph import load_onnx
+from deploykit.checks.lint import lint_opset_conversion
+from deploykit.onnx.graph import load_onnx, onnx_opset
+from deploykit.quant.modelopt import MODELOPT_MIN_OPSET
 from deploykit.quant.auto.search import anchored
 from deploykit.quant.nodes import list_depthwise, list_stem
 from deploykit.variants import for_stage, get_variant
@@ -229,6 +231,12 @@ def main(args: argparse.Namespace) -> list[dict]:
         print(f"WARNING: EPS={eps}: this onnxruntime has no {ep['requested_provider']} "
               f"(available: {', '.join(ep['available'])}): ONNX Runtime will calibrate on the "
               "CPU instead (recorded as calibration_ep in quant_<variant>.json)", file=sys.stderr)
+    # ModelOpt converts the file to opset 19 before it quantizes (<name>_opset19.onnx): name
+    # the nodes whose operator changes meaning on that conversion.
+    for r in (lint_opset_conversion(fp32_model, MODELOPT_MIN_OPSET)
+              if onnx_opset(fp32_model) < MODELOPT_MIN_OPSET else []):
+        if r["status"] == "warn":
+            print(f"WARNING: {r['node']}: {r['detail']}; fix: {r['fix']}", file=sys.stderr)
 
     old_handlers = {}
     for sig in (signal.SIGTERM, signal.SIGHUP):

@@ -395,6 +395,47 @@ def judge(rec: dict, next_step: str | None = None) -> dict:
     return rec
 
 
+def input_convention_hint(rec: dict, runner: Runner, data: EvalData) -> dict | None:
+    """When an FP32/FP16 row of an image classifier is not ok, probe a few of its images
+    (:mod:`deploykit.checks.input_probe`: RGB<->BGR, unnormalised 0..1 and 0..255) and, when one
+    convention restores parity, append ``likely cause: ...; fix: ...`` to ``status_reason``
+    (and ``reason``); the probe is stored under ``rec["diagnostics"]["input_convention"]``.
+    The row's status never changes; an error in the probe is recorded, never raised.
+
+    Returns:
+        the probe's result, or None when it did not run (row ok, not FP32/FP16, no reference,
+        not a classifier) or failed.
+    """
+    from deploykit.checks.input_probe import probe_input_convention
+    from deploykit.compare import row_tolerance
+
+    if (rec.get("status") == "ok" or not data.classifier or data.ref is None
+            or row_tolerance(rec.get("precision"))[0] not in ("fp32", "fp16")
+            or not isinstance(rec.get("output_used"), str)):
+        return None
+    on = rec["output_used"]
+
+    def run(x: np.ndarray) -> np.ndarray:
+        d = EvalData(feed={data.input_name: x}, ref=None)
+        return run_outputs(runner, d, len(x))[on]
+
+    try:
+        res = probe_input_convention(run, data.x_u8, data.ref, data.mean, data.std,
+                                     rec["precision"])
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:  # noqa: BLE001 - a hint must never fail the row
+        rec.setdefault("diagnostics", {})["input_convention"] = {
+            "status": "error", "error": f"{type(e).__name__}: {e}"}
+        return None
+    rec.setdefault("diagnostics", {})["input_convention"] = res
+    if res["cause"]:
+        rec["status_reason"] = (f"{rec['status_reason']}; likely cause: {res['cause']}; "
+                                f"fix: {res['fix']}")
+        rec["reason"] = rec["status_reason"]
+    return res
+
+
 def verdict_warning(rec: dict) -> str | None:
     """The ``WARNING:`` line a stage prints for a row that is not ok (None when it is)."""
     if rec.get("status") not in ("warn", "failed") or not rec.get("status_reason"):
@@ -485,6 +526,7 @@ def evaluate(runner: Runner, data: EvalData, *, stage: str, precision: str, mode
     judge(rec, next_step)
     rec["measured_against"] = measured_against(reference, evaluated, source)
     rec["source"] = row_source(source)
+    input_convention_hint(rec, runner, data)
     rec["provenance"] = provenance(args, inputs, started,
                                    f"cuda:{desc.get('device_index') or 0}"
                                    if desc.get("device") == "cuda" else None)

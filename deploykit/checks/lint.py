@@ -1,5 +1,6 @@
 """Checks of any ONNX file: Softmax axis semantics, HardSigmoid attributes, Squeeze without
-axes, batch frozen into shape constants, blocked-Q/DQ opset, FP16 initializers (graph only), and
+axes, batch frozen into shape constants, blocked-Q/DQ opset, FP16 initializers (graph only),
+operators whose meaning changes on an opset conversion (:func:`lint_opset_conversion`), and
 whether it loads at all: ``onnx.checker`` (full check) and an ONNX Runtime session on the CPU EP.
 """
 from __future__ import annotations
@@ -340,17 +341,155 @@ def lint_ort_load(model, path: Path | str | None = None) -> list[dict]:
     return [check_result("ort_load", "pass", f"ONNX Runtime {ort.__version__} CPU EP loads it")]
 
 
+# --------------------------------------------------------------------------------------------
+# Opset conversions: operators whose meaning or form changed between two opsets
+# --------------------------------------------------------------------------------------------
+#: ``(op types, opset that changed them, what changed)``, from onnx/docs/Changelog.md (the
+#: ``<Op>-<version>`` entries named) and onnx/docs/Operators.md. A conversion from opset ``a``
+#: to ``b`` crosses a boundary ``v`` when ``min(a, b) < v <= max(a, b)``.
+OPSET_SEMANTIC_CHANGES: tuple[tuple[tuple[str, ...], int, str], ...] = (
+    (("Upsample",), 10,
+     "Upsample is deprecated from opset 10 (Upsample-10; Resize-10 replaces it) and its "
+     "'asymmetric' coordinate mapping is not Resize-11's default half_pixel: a Resize made "
+     "from it must set coordinate_transformation_mode='asymmetric'"),
+    (("Resize",), 11,
+     "Resize-10 has no coordinate_transformation_mode (it maps coordinates 'asymmetric', "
+     "nearest rounds down); Resize-11 defaults to half_pixel and round_prefer_floor: the same "
+     "node resamples differently across opset 11 unless the mode is set explicitly"),
+    (("Resize",), 18,
+     "Resize-18 adds antialias, axes and keep_aspect_ratio_policy: a node that uses them has no "
+     "form below opset 18"),
+    (("Resize",), 19,
+     "Resize-19 adds coordinate_transformation_mode='half_pixel_symmetric': no form below "
+     "opset 19"),
+    (("Softmax", "LogSoftmax", "Hardmax"), 13,
+     "before opset 13 (Softmax-1/11) the input is coerced to 2-D at 'axis' (default 1) and "
+     "normalised over all trailing axes together; from Softmax-13 over 'axis' alone (default "
+     "-1): a rank > 2 input with a non-last or default axis changes meaning"),
+    (("ReduceSum",), 13,
+     "ReduceSum-13 takes 'axes' as an input (an attribute before), and adds "
+     "noop_with_empty_axes"),
+    (("ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",
+      "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare"), 18,
+     "Reduce*-18 take 'axes' as an input (an attribute before) and add noop_with_empty_axes: "
+     "axes computed at run time have no form below opset 18"),
+    (("Split",), 13,
+     "Split-13 takes 'split' as an input (an attribute before): sizes computed at run time "
+     "have no form below opset 13"),
+    (("Split",), 18,
+     "Split-18 adds num_outputs (with an uneven last chunk): no form below opset 18"),
+    (("Squeeze", "Unsqueeze"), 13,
+     "Squeeze-13/Unsqueeze-13 take 'axes' as an input (an attribute before): axes computed at "
+     "run time have no form below opset 13"),
+    (("Clip",), 11,
+     "Clip-11 takes min/max as inputs (attributes before, default -/+FLT_MAX)"),
+    (("Pad",), 11,
+     "Pad-11 takes pads (and the constant value) as inputs (attributes before)"),
+)
+
+
+def _runtime_input(n, idx: int, consts: dict) -> bool:
+    """True when input ``idx`` of node ``n`` is given and not a constant (computed at run time)."""
+    return len(n.input) > idx and bool(n.input[idx]) and n.input[idx] not in consts
+
+
+def _changes_meaning(n, boundary: int, src: int, dst: int, shapes: dict, consts: dict
+                     ) -> str | None:
+    """Why node ``n`` is affected by the change at ``boundary`` on a conversion ``src`` ->
+    ``dst`` (None: the converter rewrites its form exactly)."""
+    down = dst < src
+    op = n.op_type
+    if op == "Upsample":
+        return "an Upsample node"
+    if op == "Resize" and boundary == 11:
+        mode = attr(n, "coordinate_transformation_mode")
+        mode = mode.decode() if isinstance(mode, bytes) else mode
+        return None if mode == "asymmetric" else (
+            f"coordinate_transformation_mode {mode or 'unset (the default)'}")
+    if op == "Resize" and boundary == 18:
+        used = [a for a in ("antialias", "axes", "keep_aspect_ratio_policy")
+                if attr(n, a) not in (None, 0, b"stretch", "stretch")]
+        return f"uses {', '.join(used)}" if down and used else None
+    if op == "Resize" and boundary == 19:
+        mode = attr(n, "coordinate_transformation_mode")
+        return ("coordinate_transformation_mode half_pixel_symmetric" if down and mode in
+                (b"half_pixel_symmetric", "half_pixel_symmetric") else None)
+    if op in SOFTMAX_OPS:
+        rank = len(shapes[n.input[0]]) if n.input[0] in shapes else None
+        a = attr(n, "axis")
+        if rank is not None and rank <= 2:
+            return None
+        if a is not None and rank is not None and a in (-1, rank - 1):
+            return None
+        return (f"axis {'unset (default 1 before, -1 from 13)' if a is None else a} on a "
+                f"{f'rank-{rank}' if rank else 'unknown-rank'} input")
+    if op == "Split" and boundary == 18:
+        return "uses num_outputs" if down and attr(n, "num_outputs") is not None else None
+    if op in ("Clip", "Pad"):
+        return None if not down or not any(_runtime_input(n, i, consts) for i in (1, 2)) \
+            else "min/max or pads computed at run time"
+    # axes / split moved from an attribute to an input: only run-time values have no old form
+    if down and _runtime_input(n, 1, consts):
+        return f"'{'split' if op == 'Split' else 'axes'}' computed at run time"
+    if down and attr(n, "noop_with_empty_axes"):
+        return "noop_with_empty_axes=1"
+    return None
+
+
+def lint_opset_conversion(model, target: int) -> list[dict]:
+    """Nodes whose operator changed meaning or form between the file's opset and ``target``
+    (:data:`OPSET_SEMANTIC_CHANGES`), for the conversions the pipeline makes: ModelOpt's
+    opset-19 file (``<name>_opset19.onnx``) and stage 6's opset-17 copy for TensorRT 8.x.
+
+    Args:
+        model: ``onnx.ModelProto``. target: the opset it is converted to.
+    Returns:
+        ``opset_conversion`` results: one ``warn`` per affected node (naming it, the boundary,
+        the Changelog entry and the fix), else one ``pass`` (or ``skip``: same opset).
+    """
+    src = onnx_opset(model)
+    if src == target:
+        return [check_result("opset_conversion", "skip", f"already opset {target}")]
+    lo, hi = sorted((src, target))
+    crossed = [(ops, v, what) for ops, v, what in OPSET_SEMANTIC_CHANGES if lo < v <= hi]
+    shapes = value_shapes(model) if any(
+        n.op_type in SOFTMAX_OPS for n in model.graph.node) else {}
+    consts = constants(model)
+    out = []
+    for n in model.graph.node:
+        for ops, v, what in crossed:
+            if n.op_type not in ops:
+                continue
+            why = _changes_meaning(n, v, src, target, shapes, consts)
+            if why is None:
+                continue
+            out.append(check_result(
+                "opset_conversion", "warn",
+                f"{n.op_type} ({why}) crosses the opset-{v} change on the conversion opset "
+                f"{src} -> {target}: {what}", node=with_source(n),
+                fix=f"compare the converted file with this one on real inputs "
+                    f"(python layerwise.py diff ORIGINAL CONVERTED), set the attribute "
+                    f"explicitly before converting, or export at opset {target} directly "
+                    f"(--opset {target})", boundary=v, source_opset=src, target_opset=target))
+    return out or [check_result(
+        "opset_conversion", "pass",
+        f"opset {src} -> {target}: no node crosses a change of meaning "
+        f"({len(crossed)} Changelog entr{'y' if len(crossed) == 1 else 'ies'} in between)")]
+
+
 LINT_CHECKS: tuple[Callable, ...] = (lint_softmax_axis, lint_hardsigmoid, lint_squeeze_axes,
                                      lint_shape_constants, lint_blocked_qdq_opset,
                                      lint_fp16_initializers, lint_onnx_checker, lint_ort_load)
 
 
-def lint(model, example_batch: int | None = None, against_torch: bool = False) -> list[dict]:
+def lint(model, example_batch: int | None = None, against_torch: bool = False,
+         targets: tuple[int, ...] = ()) -> list[dict]:
     """Every lint check on ``model`` (a ModelProto or a path).
 
     Args:
         example_batch: the export's example batch, when known (sharpens ``shape_constants``).
         against_torch: the file was exported from PyTorch (``hardsigmoid`` mismatches fail).
+        targets: opsets the file will be converted to (:func:`lint_opset_conversion` each).
     Returns:
         the results of all lint checks (see the module docstring for the shape).
     Raises:
@@ -369,4 +508,6 @@ def lint(model, example_batch: int | None = None, against_torch: bool = False) -
             out += fn(model, path)
         else:
             out += fn(model)
+    for t in targets:
+        out += lint_opset_conversion(model, t)
     return out

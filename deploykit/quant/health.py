@@ -1,5 +1,6 @@
 """The Q/DQ health check (``qdq_tools.py check``): scales, weights (granularity, dead
-channels, blocks, comparison with the float model) and bias findings of one file.
+channels, blocks, comparison with the float model), bias findings and the Q/DQ placements
+TensorRT runs differently from ONNX Runtime (:mod:`deploykit.quant.placement`) of one file.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from deploykit.quant.bias import (
     check_bias_scales,
     wbq_candidates,
 )
+from deploykit.quant.placement import check_trt_placement
 from deploykit.quant.qdq import (
     Finding,
     TOL_STEPS,
@@ -321,7 +323,8 @@ def check_model(model, *, path: Path | str | None = None, fp32_model=None,
         names = [c["node"].output[0] for c in wbq_candidates(model, consts) if c["bias"]]
         activations = candidate_outputs(path, calib, names, calib_limit)
     f, bias_rows = check_bias_requant(model, consts, activations, tol_steps)
-    findings += f + check_bias_scales(model, consts) + check_weights(model, consts)
+    findings += (f + check_bias_scales(model, consts) + check_weights(model, consts)
+                 + check_trt_placement(model, consts))
     wrows = None
     if fp32_model is not None:
         f, wrows = check_against_float(model, fp32_model, consts)

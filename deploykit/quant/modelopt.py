@@ -13,6 +13,10 @@ from deploykit.errors import UsageError
 from deploykit.quant.calibration import calibration_plan, deployment_shapes
 from deploykit.runners import ort_session_options
 
+#: ModelOpt 0.47.0 converts a file below this opset up to it before quantizing
+#: (``modelopt/onnx/utils.py`` ``BASE_MIN_OPSET``; intermediate ``<name>_opset19.onnx``).
+MODELOPT_MIN_OPSET = 19
+
 
 def modelopt_quantize(argv: Sequence[str], calib_batch: str | int = "all") -> None:
     """``python -m modelopt.onnx.quantization ARGV`` (ModelOpt's own argument parser and

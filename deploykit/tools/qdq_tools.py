@@ -22,7 +22,10 @@ Subcommands
   INT8 scale fails), for 4-D tensors the spread of per-channel max, and an FP16 flag (max above
   65504, or most of the mass below FP16's smallest normal). A static batch is respected.
 - ``check Q.onnx [--fp32 F.onnx] [--calib C.npz]``: the Q/DQ health check (``deploykit.quant.health``);
-  exit 1 on any finding, each naming the node or initializer and the fix.
+  exit 1 on any finding, each naming the node or initializer and the fix; among them the
+  placements TensorRT runs differently from ONNX Runtime (``trt_add_float_input``: an Add
+  with one quantized and one float input; ``trt_concat_scales``: a Concat of inputs at
+  different scales; ``deploykit.quant.placement``).
 - ``check-calib F.onnx --calib C.npz [--model M]``: refuse calibration data that does not fit the
   model or the evaluation data; print the calibration batch stage 5 uses.
 - ``modelopt [--calib-batch B] -- FLAGS``: ModelOpt's ONNX PTQ with its own flags and a
