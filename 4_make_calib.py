@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 from deploykit.layout import calib_path, fp32_onnx_path, ref_outputs_path
-from deploykit.data.user import load_inputs, reference_inputs
+from deploykit.data.user import load_inputs, reference_inputs, shared_samples
 from deploykit.io import load_npz
 from deploykit.cli import add_shared_args, check_positive, cli, require, stage_parser
 from deploykit.data.images import normalize
@@ -155,10 +155,13 @@ def custom_data(args, inputs) -> tuple[dict[str, np.ndarray], dict]:
         ref = ref_outputs_path(args.model)
         if ref.exists():
             ev, _, _ = reference_inputs(ref)
-            if all(k in data and np.array_equal(data[k][:len(v)], v) for k, v in ev.items()):
-                raise UsageError(f"--calib-inputs {args.inputs} holds the samples stage 1 "
-                                 "evaluates on: calibrate on other samples, or every later "
-                                 "row is scored on its own calibration data")
+            both = shared_samples(data, ev)
+            if both:
+                n = len(next(iter(data.values())))
+                raise UsageError(f"--calib-inputs {args.inputs}: {both} of its {n} samples are "
+                                 "samples stage 1 evaluates on (bit-identical, in any order): "
+                                 "calibrate on other samples, or the rows are scored on their "
+                                 "own calibration data")
         return data, {"source": f"--inputs {args.inputs}",
                       "input_sha256": sha256_file(args.inputs)}
     shapes = []

@@ -95,7 +95,16 @@ for var in WEIGHTS INPUTS CALIB_INPUTS LABELS; do
     export "${var?}"
   fi
 done
-if [[ "${MODEL:-}" == *:* ]]; then export PYTHONPATH="$user_dir${PYTHONPATH:+:$PYTHONPATH}"; fi
+if [[ "${MODEL:-}" == *:* ]]; then
+  # PYTHONPATH entries relative to the user's folder stay so after the cd
+  abs_pp="$user_dir"
+  IFS=: read -r -a pp_parts <<<"${PYTHONPATH:-}"
+  for part in "${pp_parts[@]}"; do
+    [ -n "$part" ] || continue
+    case "$part" in /*) abs_pp+=":$part" ;; *) abs_pp+=":$user_dir/$part" ;; esac
+  done
+  export PYTHONPATH="$abs_pp"
+fi
 [ -z "${PREPROCESS:-}" ] || export PREPROCESS
 cd "$(dirname "$0")"
 if [ -z "${PIPELINE_ROOT:-}" ] || ! python -c 'import torch, onnxruntime' 2>/dev/null; then
@@ -112,8 +121,8 @@ kind_rc=0
 kind_out="$(python -m deploykit.models kind "$MODEL" 2>&1)" || kind_rc=$?
 if [ "$kind_rc" != 0 ]; then
   echo "run_all.sh: $kind_out" | head -n 3 >&2
-  [ "$kind_rc" != 2 ] || echo "  use mobilenet_v3_small, efficientnet_lite0, a torchvision or" \
-    "timm classifier name or package.module:factory (README, Models)" >&2
+  [[ "$kind_out" != *"unknown model"* ]] || echo "  use mobilenet_v3_small, efficientnet_lite0," \
+    "a torchvision or timm classifier name or package.module:factory (README, Models)" >&2
   exit "$kind_rc"
 fi
 model_kind="${kind_out%%$'\t'*}"
@@ -253,7 +262,7 @@ mkdir -p "$LOG_DIR"
 
 # The command that reruns this run from stage $1 (printed on Ctrl-C and on a failed stage).
 resume_cmd() {
-  local c="bash run_all.sh --stage $1"
+  local c="bash $(printf '%q' "$PWD/run_all.sh") --stage $1"
   [ "$stop_stage" = 8 ] || c+=" --stop-stage $stop_stage"
   [ -z "$limit" ] || c+=" --limit $limit"
   [ "$all_variants" = 0 ] || c+=" --all-variants"
@@ -261,6 +270,7 @@ resume_cmd() {
   # every value shell-quoted: the line pastes back as the same arguments and runs nothing else
   local envs
   envs="MODEL=$(printf '%q' "$MODEL")$user_roots"
+  [[ "$MODEL" != *:* ]] || envs+=" PYTHONPATH=$(printf '%q' "$PYTHONPATH")"
   [ -z "${WEIGHTS:-}" ] || envs+=" WEIGHTS=$(printf '%q' "$WEIGHTS")"
   [ -z "${VAL_ROOT:-}" ] || envs+=" VAL_ROOT=$(printf '%q' "$VAL_ROOT")"
   local var

@@ -357,7 +357,14 @@ def score(data: EvalData, outputs: dict[str, np.ndarray]) -> dict:
     else:
         if data.y is not None:
             width = first.shape[1] if first.ndim == 2 else 0
-            out["accuracy"] = topk_accuracy(first, data.y, ks=(1, 5) if width >= 5 else (1,))
+            if not width or int(data.y.max()) >= width:
+                raise UsageError(
+                    f"--labels: class ids up to {int(data.y.max())} for a model whose first "
+                    f"output {list(first.shape)} has "
+                    + (f"{width} classes (ids 0..{width - 1})" if width else "no class axis")
+                    + ": give the labels of these samples, one id per sample in 0..classes-1")
+            # top-5 only where it says something (more than 5 classes)
+            out["accuracy"] = topk_accuracy(first, data.y, ks=(1, 5) if width > 5 else (1,))
         else:
             out["reason_accuracy"] = ("synthetic inputs, no labels" if data.synthetic else
                                       "no --labels for these inputs")
@@ -574,8 +581,9 @@ def summary_line(rec: dict) -> str:
     acc, par = rec.get("accuracy"), rec.get("parity") or {}
     bits = [f"{rec['backend']} {rec['precision']} ({rec.get('ep_used') or rec.get('device')})"]
     if acc:
-        bits.append(f"top-1 {acc['top1']:.2f}% top-5 {acc['top5']:.2f}% on {rec['n_images']} "
-                    "images")
+        bits.append(f"top-1 {acc['top1']:.2f}%"
+                    + (f" top-5 {acc['top5']:.2f}%" if acc.get("top5") is not None else "")
+                    + f" on {rec['n_images']} images")
     if len(rec.get("outputs") or ()) > 1 and isinstance(rec.get("output_used"), str):
         bits.append(f"output {rec['output_used']!r} of {len(rec['outputs'])}")
     if par:

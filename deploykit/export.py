@@ -206,6 +206,16 @@ def export_inputs(args, spec, shapes, model=None
     return feed, other_paths(feed, seed=1), False
 
 
+def _env_prefix() -> str:
+    """``VAR=value `` for the settings that decide where a stage reads and writes (ARTIFACTS,
+    RESULTS: a run_all.sh smoke run points them at its own folders) and what a factory model
+    needs (PREPROCESS, PYTHONPATH), shell-quoted, so a printed command reruns the same stage."""
+    keep = ("ARTIFACTS", "RESULTS", "PREPROCESS") + (
+        ("PYTHONPATH",) if ":" in os.environ.get("MODEL", "") or any(
+            ":" in a for a in sys.argv[1:]) else ())
+    return "".join(f"{k}={shlex.quote(os.environ[k])} " for k in keep if os.environ.get(k))
+
+
 def fp16_fix_command(keep: list[str]) -> str:
     """This stage's command line with ``--fp16-keep-fp32`` set to ``keep``."""
     argv, skip = [], False
@@ -219,8 +229,8 @@ def fp16_fix_command(keep: list[str]) -> str:
         if a.startswith("--fp16-keep-fp32="):
             continue
         argv.append(a)
-    return shlex.join(["python", Path(sys.argv[0]).name, *argv, "--fp16-keep-fp32",
-                       ",".join(keep)])
+    return _env_prefix() + shlex.join(["python", Path(sys.argv[0]).name, *argv,
+                                       "--fp16-keep-fp32", ",".join(keep)])
 
 
 _ORT_NODE = re.compile(r"(?:in|of) node \(([^)]*)\)")
@@ -288,7 +298,7 @@ def no_fp16_command() -> str:
         if a.startswith(("--fp16-keep-fp32=", "--min-cosine-fp16=")) or a == "--no-fp16":
             continue
         argv.append(a)
-    return shlex.join(["python", Path(sys.argv[0]).name, *argv, "--no-fp16"])
+    return _env_prefix() + shlex.join(["python", Path(sys.argv[0]).name, *argv, "--no-fp16"])
 
 
 def fp16_rejected_warning(results: list[dict], final: Path, results_json: Path,

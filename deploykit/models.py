@@ -257,11 +257,16 @@ def _factory_model(name: str):
     mod_name, _, fn_name = name.partition(":")
     if not mod_name or not fn_name:
         raise UsageError(f"--model {name}: expected package.module:factory (both parts)")
+    import sys
+
+    if os.getcwd() not in sys.path:  # a stage script's path starts at the repository, not here
+        sys.path.append(os.getcwd())
     try:
         factory = getattr(importlib.import_module(mod_name), fn_name)
     except (ImportError, AttributeError) as e:
         raise UsageError(f"--model {name}: cannot import {fn_name} from {mod_name} ({e}); "
-                         "the module must be importable (PYTHONPATH)") from e
+                         "the module must be importable from the current folder or "
+                         "PYTHONPATH") from e
     try:
         model = factory()
     except Exception as e:  # noqa: BLE001 - user code may raise anything
@@ -365,8 +370,9 @@ def custom_spec(name: str, preprocess: str | None = None) -> ModelSpec:
                + (f"{width} outputs" if width else "no single [1, C] output"))
         if preprocess:
             raise UsageError(f"--preprocess makes the ImageNet images this model's data, but "
-                             f"{why}, not ImageNet's {IMAGENET_CLASSES} logits: give your own "
-                             "samples with --inputs (and --labels) instead")
+                             f"{why}, not ImageNet's {IMAGENET_CLASSES} logits: drop "
+                             "--preprocess (and unset PREPROCESS) and give your own samples with "
+                             "--inputs (and --labels) instead")
         return ModelSpec(name, "custom", classifier=False,
                          preprocessing_from=f"{origin} found, but {why}: not an ImageNet "
                                             "classifier")

@@ -299,6 +299,14 @@ def ort_session_options(level: str = "all", threads: int = 0):
     return so
 
 
+# ONNX Runtime's input type strings -> numpy dtypes
+ORT_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16,
+              "tensor(double)": np.float64, "tensor(int64)": np.int64,
+              "tensor(int32)": np.int32, "tensor(int8)": np.int8, "tensor(uint8)": np.uint8,
+              "tensor(bool)": np.bool_, "tensor(int16)": np.int16,
+              "tensor(uint16)": np.uint16}
+
+
 class OrtRunner(Runner):
     """ONNX Runtime runner that records the execution provider (EP) it really uses.
 
@@ -434,11 +442,7 @@ class OrtRunner(Runner):
         return [n.name or f"<unnamed {op}>" for n in m.graph.node
                 if n.op_type == op and n.domain == domain]
 
-    _ORT_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16,
-                   "tensor(double)": np.float64, "tensor(int64)": np.int64,
-                   "tensor(int32)": np.int32, "tensor(int8)": np.int8, "tensor(uint8)": np.uint8,
-                   "tensor(bool)": np.bool_, "tensor(int16)": np.int16,
-                   "tensor(uint16)": np.uint16}
+    _ORT_DTYPES = ORT_DTYPES
 
     def check_feed(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The model's inputs of ``feed`` (extra keys dropped), checked against the session's

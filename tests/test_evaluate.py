@@ -326,3 +326,20 @@ def test_custom_model_outputs_are_matched_by_name(tmp_path):
     rec, _ = _eval(path, EvalData(feed={"x": x}, ref={"b": x, "a": -x}))
     assert rec["output_used"] == {"b": "b", "a": "a"} and rec["status"] == "ok"
     assert rec["parity_outputs"]["b"]["cosine_min"] > 0.99999
+
+
+def test_labels_out_of_range_and_few_classes():
+    """--labels with ids the model cannot output is refused (the accuracy would be silently
+    wrong); a model with at most 5 classes gets top-1 only, and the summary line says so."""
+    from deploykit.errors import UsageError as _Usage
+    from deploykit.evaluate import EvalData, score, summary_line
+
+    feed = {"x": np.zeros((4, 2), np.float32)}
+    out = {"logits": np.eye(4, 4, dtype=np.float32)}
+    with pytest.raises(_Usage, match="class ids up to 9 for a model whose first output"):
+        score(EvalData(feed=feed, y=np.array([0, 1, 9, 2])), out)
+    rec = score(EvalData(feed=feed, y=np.array([0, 1, 2, 0])), out)
+    assert rec["accuracy"] == {"top1": 75.0}
+    line = summary_line({"backend": "ORT", "precision": "FP32", "device": "cpu",
+                         "accuracy": rec["accuracy"], "n_images": 4})
+    assert "top-1 75.00% on 4 images" in line and "top-5" not in line

@@ -111,8 +111,17 @@ def test_fp16_candidate_error_names_the_node_and_the_mixed_input_types(tmp_path)
 def test_fp16_rejected_warning_first_line_and_commands(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["2_export_onnx.py", "--model", "a b:c",
                                       "--fp16-keep-fp32", "n1", "--min-cosine-fp16", "0.99"])
+    for var in ("ARTIFACTS", "RESULTS", "PREPROCESS", "PYTHONPATH"):
+        monkeypatch.delenv(var, raising=False)
     skip = no_fp16_command()
     assert skip == "python 2_export_onnx.py --model 'a b:c' --no-fp16"
+    # where the stage ran (a smoke run's folders) and the factory's import path travel with it
+    monkeypatch.setenv("ARTIFACTS", "/x/my art/smoke")
+    monkeypatch.setenv("PYTHONPATH", "/u/mods")
+    assert no_fp16_command() == ("ARTIFACTS='/x/my art/smoke' PYTHONPATH=/u/mods python "
+                                 "2_export_onnx.py --model 'a b:c' --no-fp16")
+    monkeypatch.delenv("ARTIFACTS")
+    monkeypatch.delenv("PYTHONPATH")
     rows = [check_result("batch_parity", "fail", "ORT CPU EP (...blind to FP16 overflow): bad"),
             check_result("fp16_range", "fail", "tensor t > 65504", node="conv")]
     text = fp16_rejected_warning(rows, tmp_path / "fp16.onnx", tmp_path / "export.json",

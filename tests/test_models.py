@@ -334,3 +334,21 @@ def test_preprocess_flag_is_the_env_var_in_every_stage(factories, monkeypatch):
                                      "mean=0.5,std=0.5,crop=32"])
     cli(parser, lambda a: seen.update(spec=model_spec(a.model), env=os.environ["PREPROCESS"]))
     assert seen["spec"].classifier and seen["env"] == "mean=0.5,std=0.5,crop=32"
+
+
+def test_factory_module_in_the_current_folder_is_found(tmp_path, monkeypatch):
+    """A stage script run from the user's folder (its sys.path starts at the repository) finds
+    the factory's module there, as run_all.sh does."""
+    import sys
+
+    (tmp_path / "herefac.py").write_text(_FACTORIES)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delenv("PREPROCESS", raising=False)
+    models_mod.custom_spec.cache_clear()
+    models_mod._factory_model.cache_clear()
+    try:
+        assert model_spec("herefac:timm_like").classifier
+    finally:
+        models_mod.custom_spec.cache_clear()
+        models_mod._factory_model.cache_clear()

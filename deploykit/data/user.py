@@ -9,6 +9,7 @@ data-dependent check reads that flag: on synthetic inputs it warns and says so, 
 """
 from __future__ import annotations
 
+import hashlib
 import inspect
 from pathlib import Path
 from typing import Sequence
@@ -186,3 +187,27 @@ def check_same_inputs(path: Path | str, ref_feed: dict[str, np.ndarray], flag: s
                              f"computed on ({list(got.shape)} {got.dtype} vs "
                              f"{list(ref.shape)} {ref.dtype}, or other values): every row is "
                              f"judged against that reference, so rerun {rerun}")
+
+
+def sample_digests(feed: dict[str, np.ndarray]) -> list[bytes]:
+    """One digest per sample (row on axis 0) over every input's bytes, for finding the same
+    sample in two sets whatever their order (BLAKE2b, 16 bytes)."""
+    n = len(next(iter(feed.values())))
+    out = []
+    for i in range(n):
+        h = hashlib.blake2b(digest_size=16)
+        for k in sorted(feed):
+            row = np.ascontiguousarray(feed[k][i])
+            h.update(k.encode() + str(row.dtype).encode() + str(row.shape).encode())
+            h.update(row.tobytes())
+        out.append(h.digest())
+    return out
+
+
+def shared_samples(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> int:
+    """How many samples of ``a`` are also samples of ``b`` (bit-identical on every input, any
+    order; 0 when the two do not have the same inputs)."""
+    if sorted(a) != sorted(b):
+        return 0
+    seen = set(sample_digests(b))
+    return sum(d in seen for d in sample_digests(a))

@@ -11,7 +11,7 @@ import numpy as np
 from deploykit.io import load_npz
 from deploykit.errors import UsageError
 from deploykit.quant.calibration import calibration_plan, deployment_shapes
-from deploykit.runners import ort_session_options
+from deploykit.runners import ORT_DTYPES, ort_session_options
 
 #: ModelOpt 0.47.0 converts a file below this opset up to it before quantizing
 #: (``modelopt/onnx/utils.py`` ``BASE_MIN_OPSET``; intermediate ``<name>_opset19.onnx``).
@@ -167,7 +167,8 @@ def ort_smoke(path: Path) -> dict:
         feed = {}
         for i in sess.get_inputs():
             shape = [d if isinstance(d, int) and d > 0 else 1 for d in i.shape]
-            dtype = np.float16 if "float16" in i.type else np.float32
+            # the input's own dtype: a uint8 image or an int64 mask is fed as such
+            dtype = ORT_DTYPES.get(i.type, np.float32)
             feed[i.name] = np.zeros(shape, dtype)
         sess.run(None, feed)
         return {"ok": True, "error": None}

@@ -80,3 +80,18 @@ def test_reference_inputs_synthetic_flag_and_same_inputs_check(tmp_path):
     old = tmp_path / "old.npz"  # written before the flag existed, without labels
     np.savez(old, **{"in:x": x, "out:y": x})
     assert reference_inputs(old)[1] is True
+
+
+def test_shared_samples_finds_eval_samples_in_any_order():
+    from deploykit.data.user import shared_samples
+
+    rng = np.random.default_rng(0)
+    ev = {"image": rng.standard_normal((10, 3, 4, 4)).astype(np.float32),
+          "depth": rng.uniform(0, 9, (10, 1, 4, 4)).astype(np.float32)}
+    other = {k: v + 1 for k, v in ev.items()}
+    leak = {k: np.concatenate([other[k][:6], v[[7, 2]]]) for k, v in ev.items()}
+    assert shared_samples(leak, ev) == 2
+    assert shared_samples(other, ev) == 0
+    # the same image with another depth is another sample
+    mixed = {"image": ev["image"][:3], "depth": other["depth"][:3]}
+    assert shared_samples(mixed, ev) == 0

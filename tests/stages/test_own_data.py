@@ -73,7 +73,7 @@ def test_own_data_reference_accuracy_and_calibration_check(own):
     # the evaluation samples themselves are no calibration data
     p = run_stage(["4_make_calib.py", "--model", MODEL, "--calib-inputs",
                    str(tmp / "eval.npz")], env, check=False)
-    assert p.returncode == 2 and "holds the samples stage 1 evaluates on" in p.stderr
+    assert p.returncode == 2 and "are samples stage 1 evaluates on" in p.stderr
 
 
 @pytest.mark.slow

@@ -211,7 +211,7 @@ def test_second_run_refuses_naming_the_first_and_ctrl_c_names_stage_and_resume(t
     stage = int(m.group(1))
     assert (stage, m.group(2)) in {(0, "prepare data"), (1, "PyTorch FP32 baseline")}, err
     assert f"resume with: MODEL={MODEL} ARTIFACTS={tmp_path / 'a'} RESULTS={tmp_path / 'r'} " \
-           f"bash run_all.sh --stage {stage} --stop-stage 1" in err
+           f"bash {ROOT / 'run_all.sh'} --stage {stage} --stop-stage 1" in err
     assert not lock.exists()                              # released
     if stage == 0:
         # nothing half-written: the split is absent, or complete when stage 0 had just renamed
