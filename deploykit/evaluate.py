@@ -48,7 +48,8 @@ from typing import Any, Callable
 import numpy as np
 
 from deploykit.cli import progress_bar
-from deploykit.compare import match_outputs, parity, row_verdict, topk_accuracy
+from deploykit.checks.input_probe import probe_input_convention
+from deploykit.compare import match_outputs, parity, row_tolerance, row_verdict, topk_accuracy
 from deploykit.data.images import normalize
 from deploykit.data.splits import align_reference, load_split
 from deploykit.errors import StageError, UsageError
@@ -331,7 +332,7 @@ def score(data: EvalData, outputs: dict[str, np.ndarray]) -> dict:
 
     Returns:
         ``{"n_images", "accuracy", "reason_accuracy", "parity", "parity_outputs",
-        "nonfinite_outputs", "outputs", "output_used"}``: ``outputs`` every output name in
+        "nonfinite_outputs", "synthetic_inputs", "outputs", "output_used"}``: ``outputs`` every output name in
         graph order, ``output_used`` the one compared with the reference logits (a
         classifier) or ``{reference name: output name}`` (other models);
         ``nonfinite_outputs``: :func:`nonfinite_outputs`.
@@ -347,6 +348,7 @@ def score(data: EvalData, outputs: dict[str, np.ndarray]) -> dict:
     out: dict[str, Any] = {"n_images": len(data), "accuracy": None, "reason_accuracy": None,
                            "parity": None, "parity_outputs": None,
                            "nonfinite_outputs": nonfinite_outputs(data, outputs),
+                           "synthetic_inputs": bool(data.synthetic),
                            "outputs": list(outputs),
                            "output_used": pairs[0][1] if data.classifier else
                            ({rn: on for rn, on, _ in pairs} or None)}
@@ -413,9 +415,6 @@ def input_convention_hint(rec: dict, runner: Runner, data: EvalData) -> dict | N
         the probe's result, or None when it did not run (row ok, not FP32/FP16, no reference,
         not a classifier) or failed.
     """
-    from deploykit.checks.input_probe import probe_input_convention
-    from deploykit.compare import row_tolerance
-
     if (rec.get("status") == "ok" or not data.classifier or data.ref is None
             or row_tolerance(rec.get("precision"))[0] not in ("fp32", "fp16")
             or not isinstance(rec.get("output_used"), str)):

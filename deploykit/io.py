@@ -22,6 +22,7 @@ import numpy as np
 
 from deploykit.cli import require
 from deploykit.errors import StageError
+from deploykit.layout import artifacts_dir, results_dir
 
 
 def check_writable(*folders: Path | str) -> None:
@@ -85,7 +86,6 @@ def disk_full_error(e: OSError) -> StageError | None:
         return None
     if e.filename:
         return _write_failure(Path(e.filename), e)
-    from deploykit.layout import artifacts_dir, results_dir
 
     where = []
     for d in dict.fromkeys((artifacts_dir(), results_dir())):

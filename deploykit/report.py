@@ -10,7 +10,7 @@ from deploykit.evaluate import primary_latency
 from deploykit.io import atomic_path
 from deploykit.layout import model_tag, results_dir
 from deploykit.results import result_record, row_artifacts_root, staleness
-from deploykit.variants import PRECISION_ORDER, variant_order
+from deploykit.variants import PRECISION_ORDER, VARIANTS, variant_order
 from deploykit.verdict import Budget, deploy_baselines, deploy_group, is_rerun, render_verdicts, verdicts
 
 
@@ -283,6 +283,9 @@ def table_rows(rows: list[dict]) -> list[dict]:
                 f"{n} NaN/Inf values in {k}" for k, n in r["nonfinite_outputs"].items()) + (
                 " where the reference is finite (no result: see qdq_tools.py check / "
                 "layerwise.py diff for the node)")
+        if r.get("synthetic_inputs"):
+            status += _PART + ("SYNTHETIC INPUTS: parity on seeded N(0,1) samples, latency and "
+                               "structure only (give stage 1 --inputs NPZ)")
         if r.get("fp16_computed_in"):
             status += _PART + ("FP16 graph computed in "
                                f"{r['fp16_computed_in'].split(' (')[0]} here")
@@ -554,7 +557,6 @@ def size_notes(rows: list[dict]) -> list[str]:
     (from the variant registry, :mod:`deploykit.variants`): a Q/DQ file keeps float weights with
     a QuantizeLinear per weight (FP16 or FP32 by its high-precision dtype) - the TensorRT engine
     built from it stores INT8 weights; INT4 weight-only quantizes Gemm/MatMul weights only."""
-    from deploykit.variants import VARIANTS
 
     notes = []
     for name in dict.fromkeys(_variant(r) for r in rows if r.get("size_mb")

@@ -13,6 +13,7 @@ import numpy as np
 
 from deploykit.errors import StageError
 from deploykit.layout import DEFAULT_DATA
+from deploykit.io import check_regular_file
 
 
 # --------------------------------------------------------------------------------------------
@@ -130,7 +131,6 @@ def _read_labels_csv(csv: Path, known: dict[str, int]) -> dict[str, str]:
     """
     import csv as csv_mod
 
-    from deploykit.io import check_regular_file
 
     check_regular_file(csv, "--labels-csv")
     try:

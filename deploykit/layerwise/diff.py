@@ -30,6 +30,7 @@ from deploykit.onnx.graph import (
     producers,
 )
 from deploykit.runners import ORT_EPS
+from deploykit.compare import TOLERANCES
 
 
 # --------------------------------------------------------------------------------------------
@@ -318,7 +319,6 @@ def diff_command(model: str, a_onnx: Path | str, b_onnx: Path | str, precision: 
     """
     import shlex
 
-    from deploykit.compare import TOLERANCES
 
     if engine is None and Path(a_onnx).resolve() == Path(b_onnx).resolve():
         argv = ["python", "layerwise.py", "torch-vs-onnx", "--model", model, "--onnx",

@@ -63,6 +63,7 @@ from deploykit.onnx.graph import (
     producers,
 )
 from deploykit.runners import ort_session_options
+from deploykit.checks.lint import lint_opset_conversion
 
 
 TARGET_OPSET = 17
@@ -282,7 +283,6 @@ def to_opset(model, target: int = TARGET_OPSET):
                              f"{str(e).splitlines()[0][:300]}")
     notes.append(f"onnx.version_converter opset {cur} -> {target}, IR {conv.ir_version}; "
                  "onnx.checker passes")
-    from deploykit.checks.lint import lint_opset_conversion
 
     notes += [f"WARNING: {r['node']}: {r['detail']}" for r in
               lint_opset_conversion(model, target) if r["status"] == "warn"]
