@@ -42,7 +42,8 @@ def input_names(model, shapes: Sequence[tuple], keys: Sequence[str], flag: str =
     """The model's input names, in ``forward()`` order, for samples keyed ``keys``.
 
     ``--input-shape`` names win when given; else the keys must be ``forward()``'s parameter
-    names (any order), or one key for a one-argument ``forward()``.
+    names (any order), or one key for a one-argument ``forward()`` (the array then takes that
+    argument's name, the name the ONNX export gives the input).
 
     Raises:
         UsageError: keys that are no parameter (or missing parameters), naming both lists and
@@ -67,7 +68,7 @@ def input_names(model, shapes: Sequence[tuple], keys: Sequence[str], flag: str =
                              + ", ".join(f"{p}=..." for p in required) + "))")
         return ordered
     if len(keys) == 1 and len(params) <= 1:
-        return list(keys)
+        return params or list(keys)  # one array for a one-argument forward(): named after it
     raise UsageError(f"{flag}: keys {sorted(keys)} are not the names of forward()'s arguments "
                      f"{params}: save one array per argument (np.savez(path, "
                      + ", ".join(f"{p}=..." for p in params) + ")), or name them with "

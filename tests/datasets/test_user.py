@@ -24,8 +24,9 @@ def test_input_names_follow_forward_order_whatever_the_file_order():
         input_names(m, [], ["image"])
     with pytest.raises(UsageError, match=r"not the names of forward\(\)'s arguments"):
         input_names(m, [], ["rgb", "d"])
-    # one array for a one-argument model: any key
-    assert input_names(nn.Linear(2, 2), [], ["whatever"]) == ["whatever"]
+    # one array for a one-argument model: any key, named after forward()'s argument (the ONNX
+    # input's name), so the reference and the exported file agree
+    assert input_names(nn.Linear(2, 2), [], ["whatever"]) == ["input"]
 
 
 def test_load_inputs_refuses_what_cannot_be_samples(tmp_path):
