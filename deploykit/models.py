@@ -695,9 +695,11 @@ def forward_error(model_name: str, model, feed: dict[str, np.ndarray], e: Except
     given = (f"{flag} {' '.join(given)} (run at batch {n})" if given else "the inputs " + ", ".join(
         f"{k}:{','.join(str(d) for d in v.shape)}:{v.dtype}" for k, v in feed.items()))
     first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")[:300]
+    repo = Path(__file__).resolve().parents[1]  # our stage scripts are not the user's code
     frames = [f for f in traceback.extract_tb(e.__traceback__)
               if f"{Path('torch') / 'nn'}" not in f.filename
-              and "site-packages" not in f.filename and "deploykit" not in f.filename]
+              and "site-packages" not in f.filename and "deploykit" not in f.filename
+              and Path(f.filename).resolve().parent != repo]
     where = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
     exp, mismatch = "", False
     fl = first_layer_expectation(model)

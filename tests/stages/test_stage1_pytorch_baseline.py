@@ -21,7 +21,7 @@ def test_custom_model_wrong_inputs_is_usage_error(tmp_path):
     p = run_stage(["1_pytorch_baseline.py", "--model", "tests.custom_models:two_head",
                    "--input-shape", "image:1,3,16,16", "--iters", "1", "--warmup", "0"], env,
                   check=False)
-    assert p.returncode == 2 and "give one input per forward() argument" in p.stderr
+    assert p.returncode == 2 and "--input-shape per forward() argument" in p.stderr
     assert "tokens" in p.stderr  # the missing argument is named
 
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import onnx
 import pytest
 
@@ -105,7 +106,12 @@ def test_fp16_failure_installs_fp32_and_stage3_skips_the_rejected_fp16(env):
     (onnx_dir / "fp16.onnx").write_bytes(b"fp16 of an earlier fp32.onnx")
     (res / "ort_fp16.json").write_text(json.dumps(result_record(  # a row of the earlier file
         "3_onnx_eval", "ORT", "FP16", model, "ort_fp16")))
-    p = _run("2_export_onnx.py", ["--model", model, "--input-shape", "x:1,3,8,8", *FAST], env, 0)
+    # real samples: on synthetic ones (--input-shape only) the FP16 range audit only warns
+    samples = onnx_dir.parent.parent / "samples.npz"
+    np.savez(samples, x=np.random.default_rng(0).standard_normal((8, 3, 8, 8))
+             .astype(np.float32))
+    p = _run("2_export_onnx.py", ["--model", model, "--input-shape", "x:1,3,8,8", "--inputs",
+                                  str(samples), *FAST], env, 0)
     warn = [ln for ln in p.stderr.splitlines() if ln.startswith("WARNING: FP16 candidate")]
     assert len(warn) == 1 and "(fp16_" in warn[0] and "--no-fp16 skips FP16" in warn[0]
     assert any(ln.startswith("fix (keep those nodes in FP32): ") for ln in p.stderr.splitlines())
