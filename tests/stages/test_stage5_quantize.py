@@ -111,7 +111,7 @@ def test_custom_model_reaches_stages_4_and_5(tmp_path):
     run("2_export_onnx.py", "--model", name, *shapes, "--no-fp16")
     run("1_pytorch_baseline.py", "--model", name, *shapes, "--iters", "2", "--warmup", "1")
     p = run("4_make_calib.py", "--model", name, check=False)
-    assert p.returncode == 2 and "--inputs NPZ" in p.stderr
+    assert p.returncode == 2 and "--calib-inputs NPZ" in p.stderr
     run("4_make_calib.py", "--model", name, "--random", "16", "--seed", "3")
     art = tmp_path / "a" / model_tag(name)
     with np.load(art / "calib.npz") as z:
@@ -123,7 +123,11 @@ def test_custom_model_reaches_stages_4_and_5(tmp_path):
              tokens=rng.standard_normal((8, 5, 16)).astype(np.float32))
     p = run("4_make_calib.py", "--model", name, "--inputs", str(tmp_path / "swap.npz"),
             check=False)
-    assert p.returncode == 1 and "input 'image'" in p.stderr and "std ratio" in p.stderr
+    # stage 1 ran on synthetic samples (--input-shape): the statistics check cannot tell right
+    # from wrong against them, so it warns with the numbers and never refuses on them alone
+    assert p.returncode == 0 and "statistics differ from stage 1's synthetic N(0,1)" in p.stderr
+    assert "input 'image'" in p.stderr
+    run("4_make_calib.py", "--model", name, "--random", "16", "--seed", "3")
     p = run("bash", "5_quantize.sh", "--model", name, "int8_hp32")
     rec = json.loads((tmp_path / "r" / model_tag(name) / "quant_int8_hp32.json")
                      .read_text())
