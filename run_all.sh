@@ -52,7 +52,7 @@ while [ $# -gt 0 ]; do
       esac
       shift 2 ;;
     --model|--weights|--preprocess|--inputs|--calib-inputs|--labels)
-      [ $# -ge 2 ] && [ -n "$2" ] || { echo "run_all.sh: $1 needs a value" >&2; exit 2; }
+      if [ $# -lt 2 ] || [ -z "$2" ]; then echo "run_all.sh: $1 needs a value" >&2; exit 2; fi
       case "$1" in  # a flag is its environment variable (the stages read the same)
         --model) MODEL="$2" ;;
         --weights) WEIGHTS="$2" ;;
@@ -262,7 +262,8 @@ mkdir -p "$LOG_DIR"
 
 # The command that reruns this run from stage $1 (printed on Ctrl-C and on a failed stage).
 resume_cmd() {
-  local c="bash $(printf '%q' "$PWD/run_all.sh") --stage $1"
+  local c
+  c="bash $(printf '%q' "$PWD/run_all.sh") --stage $1"
   [ "$stop_stage" = 8 ] || c+=" --stop-stage $stop_stage"
   [ -z "$limit" ] || c+=" --limit $limit"
   [ "$all_variants" = 0 ] || c+=" --all-variants"

@@ -21,12 +21,18 @@ LOG_TAIL_LINES = 20
 
 
 def _stage_of(log_text: str) -> str | None:
-    """The last ``Stage N: what`` run_all.sh started in a log (the failing stage)."""
+    """The last ``Stage N: what`` run_all.sh started in a log (the failing stage).
+
+    A run that failed before its first stage (run_all.sh's own checks: arguments, the model's
+    kind, which builds the model once) is ``"setup (before stage 0)"``; a log with neither is None.
+    """
     started = None
     for line in log_text.splitlines():
         m = re.match(r"^Stage (\d+): (?!finished)(.*)$", line)
         if m:
             started = f"stage {m.group(1)} ({m.group(2).split(':')[0]})"
+    if started is None and re.search(r"^run_all\.sh: ", log_text, re.M):
+        return "setup (before stage 0)"
     return started
 
 

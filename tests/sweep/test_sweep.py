@@ -360,6 +360,16 @@ def test_task_stops_at_the_failing_step_and_names_it(tmp_path, monkeypatch):
     assert Path(r["log"]).is_file() and not (ROOT / "never").exists()
 
 
+def test_failing_stage_named_from_the_log():
+    """The last stage run_all.sh started; a failure in its own checks is the setup."""
+    log = "Stage 0: data: x\nStage 0: finished\nStage 1: PyTorch reference: y\n  | boom\n"
+    assert task._stage_of(log) == "stage 1 (PyTorch reference)"
+    setup = ("run_all.sh: MODEL=m:f: the factory m.f() raised RuntimeError: no (fix the factory)\n")
+    assert task._stage_of(setup) == "setup (before stage 0)"
+    assert "RuntimeError: no" in task._cause(setup)
+    assert task._stage_of("Traceback (most recent call last):\n") is None
+
+
 @pytest.mark.slow  # starts a process
 def test_task_timeout_and_environment_errors_are_its_own(tmp_path, monkeypatch):
     monkeypatch.setenv("PIPELINE_ROOT", str(ROOT))
@@ -650,7 +660,8 @@ def test_sweep_on_local_ray_two_models_one_failing(tmp_path):
                                         "ort_fp16.json"}
     # the failure is isolated and named: model, stage, cause, log and the command to rerun
     b = by_id[broken]
-    assert b["status"] == "failed" and b["failed_stage"].startswith("stage 1")
+    # the factory raises when run_all.sh first builds the model (its kind check, before stage 0)
+    assert b["status"] == "failed" and b["failed_stage"] == "setup (before stage 0)", b
     assert "fails on purpose" in b["error"] and Path(b["log"]).is_file()
     assert shlex.split(b["rerun_command"])[:1] == [f"MODEL={BROKEN}"]
     assert f"{broken}: failed" in p.stdout
