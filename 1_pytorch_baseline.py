@@ -172,6 +172,15 @@ def main(args: argparse.Namespace) -> dict:
             size_mb=sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6)
     if not spec.classifier:
         rec["outputs"] = {k: list(v.shape) for k, v in outputs.items()}
+    # A reference holding NaN/Inf makes every later parity meaningless: refused, and the earlier
+    # reference and row stay as they were.
+    bad = {k: int((~np.isfinite(v)).sum()) for k, v in outputs.items()
+           if np.issubdtype(v.dtype, np.floating) and not np.isfinite(v).all()}
+    if bad:
+        listed = ", ".join(f"{k}: {n} of {outputs[k].size}" for k, n in bad.items())
+        raise StageError(f"--model {args.model}: PyTorch's outputs hold NaN/Inf ({listed}) on "
+                         f"{len(data)} samples: no reference written (an earlier one is kept); "
+                         "check the model's weights and the inputs' preprocessing")
     # The reference and the row that describes it are written together, at the very end, so an
     # interrupted run never leaves a reference that disagrees with its row.
     if save_ref:

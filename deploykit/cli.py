@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import stat
 import sys
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -270,11 +271,17 @@ def require(path: Path, producer: str) -> Path:
         path: an artifact this stage reads.
         producer: the command that writes it, e.g. ``"2_export_onnx.py"``.
     Raises:
-        StageError: ``path`` does not exist.
+        StageError: ``path`` does not exist, or is a FIFO, device or socket (reading one blocks
+            until a writer appears, or never ends: refused before anything opens it).
     """
     path = Path(path)
     if not path.exists():
         raise StageError(f"{path} missing: run {producer} first")
+    mode = path.stat().st_mode
+    if stat.S_ISFIFO(mode) or stat.S_ISCHR(mode) or stat.S_ISBLK(mode) or stat.S_ISSOCK(mode):
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+        raise StageError(f"{path} is {kind}, not a regular file: pass the file itself (copy a "
+                         f"stream to a file first; {producer} writes it); nothing was read")
     return path
 
 

@@ -241,7 +241,7 @@ def load_npz(path: Path | str, keys: Sequence[str] | None, producer: str, *,
             the file (or how to write it), named in the error. flag: the option that named
             the file (``--inputs``), named in the error. feed: the arrays are model inputs
             with samples on axis 0: each must be numeric (bool/int/float), non-empty, of rank
-            >= 1, and all must hold the same number of samples. data: the file's bytes,
+            >= 1, finite (no NaN/Inf), and all must hold the same number of samples. data: the file's bytes,
             already read (parsed instead of reading ``path``; ``path`` is still named).
     Returns:
         ``{key: array}``.
@@ -278,6 +278,10 @@ def load_npz(path: Path | str, keys: Sequence[str] | None, producer: str, *,
         if "header" in what.lower() and "max_header_size" in what:
             raise StageError(f"{label}: array {key!r} has an oversized .npy header ({what[:120]}"
                              f"): not loaded; rewrite it with np.savez ({producer})") from e
+        if "allow_pickle" in what and key is None:  # np.load itself: neither zip nor .npy
+            raise StageError(f"{label} is not an .npz file (no zip archive, no .npy header; "
+                             "numpy would read it as a pickle, not loaded): write it with "
+                             f"np.savez(path, <name>=array, ...) ({producer})") from e
         if "allow_pickle" in what:
             raise StageError(f"{label}: array {key!r} is an object array (pickled Python objects,"
                              " not loaded: allow_pickle=False): save plain numeric arrays, e.g. "
@@ -298,7 +302,8 @@ def load_npz(path: Path | str, keys: Sequence[str] | None, producer: str, *,
 
 def check_feed(arrays: dict[str, np.ndarray], label: str, producer: str) -> None:
     """Check model inputs read from ``label``: numeric (bool/int/float), non-empty, rank >= 1,
-    the same number of samples (axis 0) in every array.
+    finite (a float array with NaN/Inf is refused), the same number of samples (axis 0) in every
+    array.
 
     Raises:
         StageError: naming ``label``, the array and the fix (``producer``: how to rewrite it).
@@ -315,6 +320,12 @@ def check_feed(arrays: dict[str, np.ndarray], label: str, producer: str) -> None
         if v.size == 0:
             raise StageError(f"{label}: array {k!r} is empty (shape {list(v.shape)}): save at "
                              f"least one sample ({producer})")
+        if v.dtype.kind in "fc" and not np.isfinite(v).all():
+            bad = ~np.isfinite(v.reshape(len(v), -1)).all(axis=1)
+            raise StageError(f"{label}: array {k!r} holds NaN/Inf in {int(bad.sum())} of {len(v)} "
+                             f"samples (first: sample {int(np.argmax(bad))}): a reference, a "
+                             "calibration or a parity on them is meaningless; drop or fix those "
+                             f"samples ({producer})")
     counts = {k: len(v) for k, v in arrays.items()}
     if len(set(counts.values())) > 1:
         listed = ", ".join(f"{k}: {n}" for k, n in counts.items())

@@ -84,3 +84,19 @@ class RawCounts(nn.Module):
 def raw_counts():
     torch.manual_seed(0)
     return RawCounts()
+
+
+class LogNet(nn.Module):
+    """log of its input: finite outputs on positive samples, NaN on negative ones."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(torch.log(x).mean((2, 3)))
+
+
+def log_net():
+    torch.manual_seed(0)
+    return LogNet()

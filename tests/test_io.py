@@ -89,6 +89,8 @@ def _npz(path, **arrays):
     ({"x": np.float32(1.0)}, r"array 'x' is a scalar: save samples with the batch on axis 0"),
     ({"x": np.zeros((4, 3), np.float32), "m": np.zeros((3, 3), np.float32)},
      r"arrays disagree on the number of samples \(axis 0; x: 4, m: 3\)"),
+    ({"x": np.array([[0, 1], [np.nan, 2], [3, np.inf]], np.float32)},
+     r"array 'x' holds NaN/Inf in 2 of 3 samples \(first: sample 1\)"),
 ])
 def test_load_npz_refuses_inputs_that_are_not_numeric_samples(tmp_path, arrays, message):
     p = _npz(tmp_path / "bad.npz", **arrays)
@@ -105,6 +107,11 @@ def test_load_npz_names_wrong_keys_npy_files_and_huge_headers(tmp_path):
     np.save(tmp_path / "one.npy", np.zeros(2))
     with pytest.raises(StageError, match=r"one\.npy is a single \.npy array, not an \.npz"):
         load_npz(tmp_path / "one.npy", None, "np.savez")
+    # bytes that are neither a zip nor .npy (numpy would unpickle them): named as such
+    (tmp_path / "text.npz").write_bytes(b"not an archive, " * 8)
+    with pytest.raises(StageError, match=r"text\.npz is not an \.npz file \(no zip archive, no "
+                                         r"\.npy header"):
+        load_npz(tmp_path / "text.npz", None, "np.savez")
     # an .npz whose member has a 200 kB header (numpy refuses > 10000 bytes unless told)
     import zipfile
     hdr = "{'descr': '<f4', 'fortran_order': False, 'shape': (2,), " + " " * 200_000 + "}\n"
@@ -127,6 +134,36 @@ def test_a_fifo_device_or_folder_is_refused_before_it_is_opened(tmp_path, kind):
         load_npz(path, None, "np.savez", flag="--inputs")
     with pytest.raises(StageError, match="not a regular file"):
         check_regular_file(path, "--labels-csv")
+
+
+def test_a_fifo_as_onnx_or_labels_is_refused_never_opened(tmp_path):
+    """require() (every artifact a stage reads: stage 3's and lint's --onnx) and --labels refuse
+    a FIFO before opening it; opening would block the process until a writer appears."""
+    import threading
+
+    from deploykit.cli import require
+    from deploykit.data.user import load_labels
+    from deploykit.onnx.graph import load_onnx
+
+    fifo = tmp_path / "fp32.onnx"
+    os.mkfifo(fifo)
+    with pytest.raises(StageError, match=r"fp32\.onnx is a FIFO, not a regular file"):
+        require(fifo, "2_export_onnx.py")
+    with pytest.raises(StageError, match=r"--labels .*labels\.npy is a FIFO \(named pipe\)"):
+        os.mkfifo(tmp_path / "labels.npy")
+        load_labels(tmp_path / "labels.npy", 4, "--labels")
+    got = []
+
+    def _load():  # a daemon thread: a regression blocks it, never the test process
+        try:
+            load_onnx(fifo)
+        except StageError as e:
+            got.append(str(e))
+
+    t = threading.Thread(target=_load, daemon=True)
+    t.start()
+    t.join(20)
+    assert not t.is_alive() and got and "FIFO" in got[0]
 
 
 # ------------------------------------------------------------------------ leftovers

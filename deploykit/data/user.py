@@ -17,7 +17,7 @@ from typing import Sequence
 import numpy as np
 
 from deploykit.errors import StageError, UsageError
-from deploykit.io import load_npz
+from deploykit.io import check_regular_file, load_npz
 
 SYNTHETIC_KEY = "meta:synthetic"
 
@@ -125,8 +125,8 @@ def load_labels(path: Path | str, n: int, flag: str = "--labels") -> np.ndarray:
     Raises:
         StageError: unreadable file. UsageError: not integers, negative, or fewer than ``n``.
     """
-    path = Path(path)
-    if not path.is_file():
+    path = check_regular_file(Path(path), flag)
+    if not path.exists():
         raise UsageError(f"{flag} {path}: no such file")
     try:
         if path.suffix == ".npy":

@@ -118,3 +118,30 @@ def test_fp16_range_audit_on_synthetic_inputs_only_warns(tmp_path):
     rec = json.loads((tmp_path / "r" / "tests.custom_models-raw_counts" / "export.json"
                       ).read_text())
     assert rec["files"]["fp16"]["status"] == "pass" and rec["check_inputs"] == "real"
+
+
+@pytest.mark.slow
+def test_nan_inputs_or_outputs_never_replace_a_good_reference(tmp_path):
+    """NaN in --inputs is refused when read; finite inputs on which the model gives NaN are
+    refused after the run: either way the earlier reference and row stay byte for byte."""
+    env = dict(os.environ, ARTIFACTS=str(tmp_path / "a"), RESULTS=str(tmp_path / "r"),
+               PYTHONPATH=str(ROOT))
+    model = "tests.custom_models:log_net"
+    r = np.random.default_rng(0)
+    good = r.uniform(0.5, 2.0, (6, 4, 8, 8)).astype(np.float32)
+    np.savez(tmp_path / "good.npz", x=good)
+    fast = ["--model", model, "--iters", "2", "--warmup", "0"]
+    run_stage(["1_pytorch_baseline.py", *fast, "--inputs", str(tmp_path / "good.npz")], env)
+    ref = tmp_path / "a" / "tests.custom_models-log_net" / "ref_outputs.npz"
+    row = tmp_path / "r" / "tests.custom_models-log_net" / "pytorch_fp32_cpu.json"
+    before = ref.read_bytes(), row.read_bytes()
+    nan = good.copy()
+    nan[2, 0, 0, 0] = np.nan
+    np.savez(tmp_path / "nan.npz", x=nan)
+    np.savez(tmp_path / "neg.npz", x=-good)
+    for name, needle in (("nan.npz", "holds NaN/Inf in 1 of 6 samples (first: sample 2)"),
+                         ("neg.npz", "PyTorch's outputs hold NaN/Inf")):
+        p = run_stage(["1_pytorch_baseline.py", *fast, "--inputs", str(tmp_path / name)], env,
+                      check=False)
+        assert p.returncode == 1 and needle in p.stderr, p.stderr
+        assert (ref.read_bytes(), row.read_bytes()) == before
