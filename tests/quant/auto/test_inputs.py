@@ -25,7 +25,7 @@ def test_tuning_npz_is_checked_like_calibration_data(tmp_path):
     cases = {"key": ({"image": good}, r"keys \['image'\].*inputs are \['x'\]"),
              "shape": ({"x": good[:, :, :8, :8]}, r"does not fit"),
              "dtype": ({"x": good.astype(np.float64)}, r"float64 but the model takes float32"),
-             "nan": ({"x": nan}, r"1 NaN .*samples \[1\]"),
+             "nan": ({"x": nan}, r"holds NaN/Inf in 1 of 4 samples \(first: sample 1\)"),
              "empty": ({"x": good[:0]}, r"array 'x' is empty \(shape \[0, 3, 16, 16\]\)")}
     for name, (arrays, msg) in cases.items():
         path = tmp_path / f"{name}.npz"
