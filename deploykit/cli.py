@@ -279,7 +279,8 @@ def require(path: Path, producer: str) -> Path:
         raise StageError(f"{path} missing: run {producer} first")
     mode = path.stat().st_mode
     if stat.S_ISFIFO(mode) or stat.S_ISCHR(mode) or stat.S_ISBLK(mode) or stat.S_ISSOCK(mode):
-        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+        kind = ("a FIFO" if stat.S_ISFIFO(mode) else
+                "a socket" if stat.S_ISSOCK(mode) else "a device")
         raise StageError(f"{path} is {kind}, not a regular file: pass the file itself (copy a "
                          f"stream to a file first; {producer} writes it); nothing was read")
     return path

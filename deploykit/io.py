@@ -241,8 +241,9 @@ def load_npz(path: Path | str, keys: Sequence[str] | None, producer: str, *,
             the file (or how to write it), named in the error. flag: the option that named
             the file (``--inputs``), named in the error. feed: the arrays are model inputs
             with samples on axis 0: each must be numeric (bool/int/float), non-empty, of rank
-            >= 1, finite (no NaN/Inf), and all must hold the same number of samples. data: the file's bytes,
-            already read (parsed instead of reading ``path``; ``path`` is still named).
+            >= 1, finite (no NaN/Inf), and all must hold the same number of samples.
+            data: the file's bytes, already read (parsed instead of reading ``path``; ``path``
+            is still named).
     Returns:
         ``{key: array}``.
     Raises:
