@@ -30,21 +30,6 @@ from tests.helpers.qdq_models import depthwise_models
 from tests.helpers.quant_models import _modelopt_int4, gemm_model, matmul_model
 from tests.helpers.stages import ROOT, load_stage, run_stage  # noqa: F401 (re-exported)
 
-# ModelOpt patches ONNX Runtime's calibrators when it is imported (why stage 5 runs it in a child
-# process), and several tests import it in this process: the tests of our own ORT
-# quantize_static recipes run first, before any of them (pytest runs items in this order).
-_ORT_QUANTIZER_TESTS = ("test_ort_static.py", "test_bias_correction.py",
-                        "test_act_calibration.py", "test_mixed_precision.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    first = [i for i in items if i.path.name in _ORT_QUANTIZER_TESTS
-             and i.path.parent.name == "quant"]
-    if first:
-        rest = [i for i in items if i not in first]
-        items[:] = first + rest
-
-
 MODEL = "efficientnet_lite0"
 SAMPLE = sorted(DEFAULT_DATA.glob("*.JPEG"))
 torch = pytest.importorskip("torch")

@@ -89,6 +89,7 @@ def scratch(tmp_path_factory) -> tuple[Path, dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("readme")  # later commands use what earlier ones made: one worker, in order
 @pytest.mark.parametrize("cmd,marker", COMMANDS, ids=[c[:60] for c, _ in COMMANDS])
 def test_readme_command(cmd, marker, scratch):
     repo, env = scratch

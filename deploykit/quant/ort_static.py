@@ -83,6 +83,9 @@ def quantize(fp32: str | Path, out: str | Path, calib_x: np.ndarray, *,
         ``Path(out)``.
     Raises:
         ValueError: unknown type or method names.
+
+    When ModelOpt has been imported in this process (it patches ORT's calibrators), the
+    quantization runs in a fresh child process instead (same arguments, same result).
     """
     import onnx
     from onnxruntime.quantization import (CalibrationMethod, QuantFormat, QuantType,
@@ -102,9 +105,18 @@ def quantize(fp32: str | Path, out: str | Path, calib_x: np.ndarray, *,
              "OpTypesToExcludeOutputQuantization": list(no_output_quantization)}
     if symmetric_activation is not None:
         extra["ActivationSymmetric"] = symmetric_activation
-    if "modelopt" in sys.modules:  # it patched ORT's calibrators: our ranges would be wrong
-        raise RuntimeError("ModelOpt is imported in this process and patches ONNX Runtime's "
-                           "calibrators: run ORT's quantize_static in a process of its own")
+    if "modelopt" in sys.modules:
+        # ModelOpt patches ORT's calibrators and QDQ registry when it quantizes
+        # (modelopt/onnx/quantization/ort_patching.py, patch_ort_modules; ort_utils.configure_ort)
+        # and never undoes it: ORT's own recipe runs in a fresh process, where nothing is patched.
+        return _in_fresh_process(fp32, out, calib_x, per_channel=per_channel,
+                                 activation_type=activation_type, weight_type=weight_type,
+                                 op_types=op_types, nodes_to_exclude=tuple(nodes_to_exclude),
+                                 method=method, reduce_range=reduce_range,
+                                 quantize_bias=quantize_bias,
+                                 symmetric_activation=symmetric_activation,
+                                 no_output_quantization=tuple(no_output_quantization),
+                                 batch=batch)
     quantize_static(str(fp32), str(out), NpzReader(name, calib_x, batch),
                     quant_format=QuantFormat.QDQ,
                     op_types_to_quantize=list(op_types) if op_types else None,
@@ -112,6 +124,38 @@ def quantize(fp32: str | Path, out: str | Path, calib_x: np.ndarray, *,
                     activation_type=types[activation_type], weight_type=types[weight_type],
                     nodes_to_exclude=list(nodes_to_exclude), calibrate_method=methods[method],
                     extra_options=extra)
+    return Path(out)
+
+
+def _in_fresh_process(fp32, out, calib_x, **kwargs) -> Path:
+    """:func:`quantize` run by a fresh Python interpreter (no ModelOpt patches in it): the
+    calibration array and the arguments travel in a temporary folder.
+
+    Raises:
+        RuntimeError: the child failed (its last error line is quoted)."""
+    import json
+    import os
+    import subprocess
+    import tempfile
+
+    root = str(Path(__file__).resolve().parents[2])
+    code = ("import json, sys, numpy as np\n"
+            "from deploykit.quant.ort_static import quantize\n"
+            "a = json.load(open(sys.argv[1]))\n"
+            "quantize(a.pop('fp32'), a.pop('out'), np.load(sys.argv[2]), **a)\n")
+    with tempfile.TemporaryDirectory(prefix="ort-quantize-") as d:
+        args = dict(kwargs, fp32=str(fp32), out=str(out),
+                    op_types=None if kwargs["op_types"] is None else list(kwargs["op_types"]))
+        Path(d, "args.json").write_text(json.dumps(args))
+        np.save(Path(d, "calib.npy"), np.asarray(calib_x, np.float32))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [root, *filter(None, [os.environ.get("PYTHONPATH")])]))
+        p = subprocess.run([sys.executable, "-c", code, str(Path(d, "args.json")),
+                            str(Path(d, "calib.npy"))], env=env, capture_output=True, text=True)
+    if p.returncode != 0:
+        last = (p.stderr.strip().splitlines() or [f"exit {p.returncode}"])[-1]
+        raise RuntimeError(f"ORT quantize_static (run in a fresh process, ModelOpt being "
+                           f"imported here) failed: {last}")
     return Path(out)
 
 
