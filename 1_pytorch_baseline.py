@@ -31,7 +31,8 @@ import time
 import numpy as np
 from deploykit.layout import ref_outputs_path
 from deploykit.layout import ref_logits_path
-from deploykit.cli import add_shared_args, check_positive, cli, require, stage_parser
+from deploykit.cli import add_shared_args, check_positive, cli, stage_parser
+from deploykit.io import require
 from deploykit.errors import StageError, UsageError
 from deploykit.evaluate import EvalData, classifier_data, custom_data, evaluate, summary_line
 from deploykit.io import atomic_path, check_writable

@@ -39,7 +39,8 @@ import numpy as np
 from deploykit.layout import calib_path, fp32_onnx_path, ref_outputs_path
 from deploykit.data.user import load_inputs, reference_inputs, shared_samples
 from deploykit.io import load_npz
-from deploykit.cli import add_shared_args, check_positive, cli, require, stage_parser
+from deploykit.cli import add_shared_args, check_positive, cli, stage_parser
+from deploykit.io import require
 from deploykit.data.images import normalize
 from deploykit.data.splits import load_split, load_splits
 from deploykit.errors import StageError, UsageError

@@ -35,7 +35,8 @@ from pathlib import Path
 from deploykit.layout import calib_path, fp32_onnx_path, variant_onnx_path
 from deploykit.io import check_writable, load_npz
 from deploykit.lock import lock_folders
-from deploykit.cli import add_shared_args, cli, require, stage_parser
+from deploykit.cli import add_shared_args, cli, stage_parser
+from deploykit.io import require
 from deploykit.errors import StageError
 from deploykit.io import atomic_path, file_size_mb, sha256_file, write_json
 from deploykit.layout import ROOT, model_artifacts, model_results

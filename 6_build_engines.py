@@ -29,7 +29,8 @@ import json
 import sys
 import time
 from deploykit.variants import VARIANTS
-from deploykit.cli import add_shared_args, cli, require, stage_parser
+from deploykit.cli import add_shared_args, cli, stage_parser
+from deploykit.io import require
 from deploykit.errors import StageError, UsageError
 from deploykit.layout import engines_dir, variant_onnx_path
 from deploykit.trt.detect import detect_with_loader_fix, find_trtexec, jetson_info

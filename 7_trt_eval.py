@@ -39,7 +39,8 @@ from pathlib import Path
 import numpy as np
 from deploykit.layout import ref_outputs_path
 from deploykit.layout import fp32_onnx_path, ref_logits_path
-from deploykit.cli import add_shared_args, check_positive, cli, require, stage_parser
+from deploykit.cli import add_shared_args, check_positive, cli, stage_parser
+from deploykit.io import require
 from deploykit.errors import StageError, UsageError
 from deploykit.evaluate import (
     base_record,

@@ -7,12 +7,13 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import stat
 import sys
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from deploykit.errors import StageError, UsageError
+from deploykit.io import disk_full_error
+from deploykit.layout import artifacts_dir, results_dir
 from deploykit.models import PREPROCESS_ENV, preprocess_arg
 
 
@@ -43,10 +44,11 @@ def cli(get_args_parser: Callable[[], Any], main: Callable[[Any], Any]) -> None:
     except StageError as e:
         print(f"{parser.prog}: FAILED: {e}", file=sys.stderr)
         sys.exit(1)
+    except BrokenPipeError:  # the reader went away (| head): no traceback (Python docs, signal)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
     except OSError as e:
-        from deploykit.io import disk_full_error
-
-        full = disk_full_error(e)
+        full = disk_full_error(e, (artifacts_dir(), results_dir()))
         if full is None:
             raise
         print(f"{parser.prog}: FAILED: {full}", file=sys.stderr)
@@ -262,28 +264,6 @@ def check_positive(args: Any, *names: str, allow_zero: Sequence[str] = ()) -> No
         low = 0 if n in allow_zero else 1
         if v is not None and v < low:
             raise UsageError(f"--{n.replace('_', '-')} must be >= {low} (got {v})")
-
-
-def require(path: Path, producer: str) -> Path:
-    """Return ``path`` if it exists, else raise StageError naming the stage that makes it.
-
-    Args:
-        path: an artifact this stage reads.
-        producer: the command that writes it, e.g. ``"2_export_onnx.py"``.
-    Raises:
-        StageError: ``path`` does not exist, or is a FIFO, device or socket (reading one blocks
-            until a writer appears, or never ends: refused before anything opens it).
-    """
-    path = Path(path)
-    if not path.exists():
-        raise StageError(f"{path} missing: run {producer} first")
-    mode = path.stat().st_mode
-    if stat.S_ISFIFO(mode) or stat.S_ISCHR(mode) or stat.S_ISBLK(mode) or stat.S_ISSOCK(mode):
-        kind = ("a FIFO" if stat.S_ISFIFO(mode) else
-                "a socket" if stat.S_ISSOCK(mode) else "a device")
-        raise StageError(f"{path} is {kind}, not a regular file: pass the file itself (copy a "
-                         f"stream to a file first; {producer} writes it); nothing was read")
-    return path
 
 
 def progress_bar(iterable: Iterable | None = None, desc: str = "", total: int | None = None,

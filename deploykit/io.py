@@ -20,9 +20,7 @@ from pathlib import Path
 from typing import Any, Sequence
 import numpy as np
 
-from deploykit.cli import require
 from deploykit.errors import StageError
-from deploykit.layout import artifacts_dir, results_dir
 
 
 def check_writable(*folders: Path | str) -> None:
@@ -77,18 +75,18 @@ def _write_failure(path: Path, e: OSError) -> StageError:
                       f"{keep}: {fix}, then rerun")
 
 
-def disk_full_error(e: OSError) -> StageError | None:
+def disk_full_error(e: OSError, folders: Sequence[Path] = ()) -> StageError | None:
     """A :class:`StageError` for an ``OSError`` that means the disk (or quota, or file-size
-    limit) is full, naming the file (``e.filename``; else the ARTIFACTS and RESULTS folders)
-    and the free space; None for other errors. Used by :func:`deploykit.cli.cli` for writes
-    outside :func:`atomic_path`."""
+    limit) is full, naming the file (``e.filename``; else ``folders``, the ARTIFACTS and RESULTS
+    folders) and the free space; None for other errors. Used by :func:`deploykit.cli.cli` for
+    writes outside :func:`atomic_path`."""
     if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         return None
     if e.filename:
         return _write_failure(Path(e.filename), e)
 
     where = []
-    for d in dict.fromkeys((artifacts_dir(), results_dir())):
+    for d in dict.fromkeys(Path(f) for f in folders):
         with contextlib.suppress(OSError, StopIteration):
             usage = shutil.disk_usage(next(p for p in (d, *d.parents) if p.is_dir()))
             where.append(f"{d}: {usage.free / 1e6:.0f} MB free")
@@ -212,7 +210,7 @@ def check_regular_file(path: Path | str, flag: str | None = None) -> Path:
         ``Path(path)``.
     Raises:
         StageError: ``path`` is a folder, FIFO, device or socket (named, with the fix). A
-            missing path is left to the caller (:func:`deploykit.cli.require` names its producer).
+            missing path is left to the caller (:func:`require` names its producer).
     """
     path = Path(path)
     try:
@@ -223,6 +221,29 @@ def check_regular_file(path: Path | str, flag: str | None = None) -> Path:
         kind = next((k for test, k in _FILE_KINDS if test(mode)), "not a regular file")
         raise StageError(f"{flag + ' ' if flag else ''}{path} is {kind}, not a regular file: "
                          "pass the file itself (copy a stream to a file first); nothing was read")
+    return path
+
+
+def require(path: Path | str, producer: str) -> Path:
+    """Return ``path`` if it exists, else raise StageError naming the stage that makes it.
+
+    Args:
+        path: an artifact this stage reads (a file, or a folder).
+        producer: the command that writes it, e.g. ``"2_export_onnx.py"``.
+    Returns:
+        ``Path(path)``.
+    Raises:
+        StageError: ``path`` does not exist, or is a FIFO, device or socket (reading one blocks
+            until a writer appears, or never ends: refused before anything opens it).
+    """
+    path = Path(path)
+    if not path.exists():
+        raise StageError(f"{path} missing: run {producer} first")
+    mode = path.stat().st_mode
+    kind = next((k for test, k in _FILE_KINDS if test(mode) and test is not stat.S_ISDIR), None)
+    if kind:
+        raise StageError(f"{path} is {kind}, not a regular file: pass the file itself (copy a "
+                         f"stream to a file first; {producer} writes it); nothing was read")
     return path
 
 

@@ -141,13 +141,13 @@ def test_a_fifo_as_onnx_or_labels_is_refused_never_opened(tmp_path):
     a FIFO before opening it; opening would block the process until a writer appears."""
     import threading
 
-    from deploykit.cli import require
+    from deploykit.io import require
     from deploykit.data.user import load_labels
     from deploykit.onnx.graph import load_onnx
 
     fifo = tmp_path / "fp32.onnx"
     os.mkfifo(fifo)
-    with pytest.raises(StageError, match=r"fp32\.onnx is a FIFO, not a regular file"):
+    with pytest.raises(StageError, match=r"fp32\.onnx is a FIFO \(named pipe\), not a regular file"):
         require(fifo, "2_export_onnx.py")
     with pytest.raises(StageError, match=r"--labels .*labels\.npy is a FIFO \(named pipe\)"):
         os.mkfifo(tmp_path / "labels.npy")

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Sequence
 import numpy as np
 
-from deploykit.cli import progress_bar, require
+from deploykit.cli import progress_bar
+from deploykit.io import require
 from deploykit.data.images import load_image_rgb, preprocess_image
 from deploykit.errors import StageError, UsageError
 from deploykit.io import atomic_path, load_json, load_npz, sha256_file

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 import numpy as np
 
-from deploykit.cli import require
+from deploykit.io import require
 from deploykit.errors import StageError
 
 

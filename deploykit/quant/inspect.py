@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from deploykit.checks.fp16 import RangeStat, UNDERFLOW_MASS_SHARE
-from deploykit.cli import require
+from deploykit.io import require
 from deploykit.errors import UsageError
 from deploykit.feeds import feed_plan, load_feed
 from deploykit.numerics import FP16_MAX, FP16_MIN_NORMAL, FP16_MIN_SUBNORMAL

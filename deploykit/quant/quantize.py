@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 import numpy as np
 from deploykit.quant import modelopt_runner
-from deploykit.cli import require
+from deploykit.io import require
 from deploykit.errors import StageError, UsageError
 from deploykit.io import check_regular_file, file_size_mb, load_npz, sha256_file, write_json
 from deploykit.layout import ROOT, model_results

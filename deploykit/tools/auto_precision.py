@@ -66,7 +66,8 @@ from pathlib import Path
 import numpy as np
 
 from deploykit.layout import calib_path, fp32_onnx_path
-from deploykit.cli import HelpFormatter, add_shared_args, check_positive, require, stage_parser
+from deploykit.cli import HelpFormatter, add_shared_args, check_positive, stage_parser
+from deploykit.io import require
 from deploykit.envinfo import device_info, versions
 from deploykit.errors import StageError, UsageError
 from deploykit.evaluate import classifier_data

@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 from deploykit.variants import VARIANTS
-from deploykit.cli import check_positive, require
+from deploykit.cli import check_positive
+from deploykit.io import require
 from deploykit.errors import StageError, UsageError
 from deploykit.io import atomic_path, file_size_mb
 from deploykit.layout import engine_paths, engines_dir, fp32_onnx_path, variant_onnx_path

@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 import numpy as np
 
-from deploykit.cli import require
+from deploykit.io import require
 from deploykit.io import atomic_path, load_json, write_json
 from deploykit.layout import model_artifacts
 from deploykit.quant.auto.search import cosine_error, fmt_metrics
