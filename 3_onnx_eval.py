@@ -43,13 +43,13 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shlex
 import sys
 import time
 from pathlib import Path
 
 from deploykit.layout import ref_outputs_path
 from deploykit.layout import fp32_onnx_path, ref_logits_path
+from deploykit.commands import script_command
 from deploykit.cli import add_shared_args, check_positive, cli, stage_parser
 from deploykit.io import require
 from deploykit.errors import StageError, UsageError
@@ -66,6 +66,7 @@ from deploykit.evaluate import (
 from deploykit.feeds import load_feed
 from deploykit.install import rejected_reason
 from deploykit.io import check_writable, file_size_mb
+from deploykit.lock import lock_folders
 from deploykit.layerwise.diff import diff_command, run_layer_diff
 from deploykit.layerwise.quant_backend import quant_backend_table, render_quant_backend
 from deploykit.layerwise.report import render_table
@@ -143,6 +144,8 @@ def main(args: argparse.Namespace) -> dict:
     check_writable(model_results(args.model))
     check_positive(args, "limit", "batch_size", "latency_batch", "iters")
     check_positive(args, "warmup", "threads", allow_zero=("warmup", "threads"))
+    # one writer per folder, held until this process exits (a second writer is refused)
+    lock_folders(model_artifacts(args.model), model_results(args.model))
     spec = model_spec(args.model)
     why = rejected_reason(args.onnx) if not Path(args.onnx).exists() else None
     if why is not None:  # stage 2 refused this file (an FP16 candidate): a skipped row, exit 0
@@ -256,9 +259,9 @@ def _blame_backend(args, rec: dict, cc: dict, onnx_path: Path) -> None:
         f"quantization, changing the result ({cc['reason']}"
         + (f"; cause: {cc['cause']}" if cc.get("cause") else "") + ")")
     fix = ["--x64-quant-precision"] if cc.get("cause") else ["--opt-level", "disable"]
-    argv = ["python", "3_onnx_eval.py", "--model", args.model, "--onnx", str(onnx_path),
+    argv = ["--model", args.model, "--onnx", str(onnx_path),
             "--tag", f"{args.tag}_{'x64' if cc.get('cause') else 'noopt'}", *fix]
-    rec["next_step"] = " ".join(shlex.quote(a) for a in argv)
+    rec["next_step"] = script_command("3_onnx_eval.py", argv, args.model)
     write_result(args.model, args.tag, rec)
     print(f"WARNING: row {args.tag} stays {rec['status'].upper()} (it measures what this ORT "
           f"session computes); the graph's own numerics: {rec['next_step']}", file=sys.stderr)

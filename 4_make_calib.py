@@ -46,7 +46,8 @@ from deploykit.data.splits import load_split, load_splits
 from deploykit.errors import StageError, UsageError
 from deploykit.io import (atomic_path, remove_leftovers, report_leftovers, sha256_file,
                           write_json)
-from deploykit.layout import model_results, splits_path
+from deploykit.layout import model_artifacts, model_results, splits_path
+from deploykit.lock import lock_folders
 from deploykit.models import ModelSpec, example_inputs, model_spec
 from deploykit.onnx.graph import graph_inputs, load_onnx
 from deploykit.quant.calibration import calibration_reference, validate_calibration
@@ -191,6 +192,8 @@ def main(args: argparse.Namespace) -> dict:
     started = time.time()
     check_positive(args, "limit")
     spec = model_spec(args.model)
+    # one writer per folder, held until this process exits (a second writer is refused)
+    lock_folders(model_artifacts(args.model), model_results(args.model))
     onnx_path = require(Path(args.onnx or fp32_onnx_path(args.model)), "2_export_onnx.py")
     inputs = model_inputs(onnx_path)
     data, fields = (classifier_data(args, spec, inputs) if spec.classifier

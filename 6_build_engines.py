@@ -32,7 +32,8 @@ from deploykit.variants import VARIANTS
 from deploykit.cli import add_shared_args, cli, stage_parser
 from deploykit.io import require
 from deploykit.errors import StageError, UsageError
-from deploykit.layout import engines_dir, variant_onnx_path
+from deploykit.layout import engines_dir, model_artifacts, model_results, variant_onnx_path
+from deploykit.lock import lock_folders
 from deploykit.trt.detect import detect_with_loader_fix, find_trtexec, jetson_info
 from deploykit.trt.rules import (
     DEFAULT_VARIANTS,
@@ -104,6 +105,8 @@ def main(args: argparse.Namespace) -> None:
     if args.dry_run:
         dry_run(args, names)
         return
+    # one writer per folder, held until this process exits (a second writer is refused)
+    lock_folders(model_artifacts(args.model), model_results(args.model))
     trtexec, how = find_trtexec()
     if trtexec is None:
         reason = f"{how}; engines not built (set TRTEXEC=/path/to/trtexec on a GPU machine)"

@@ -56,6 +56,7 @@ from deploykit.io import check_writable, file_size_mb, load_json
 from deploykit.layerwise.diff import diff_command, run_layer_diff
 from deploykit.layerwise.report import render_table
 from deploykit.layout import check_row_tag, engine_paths, model_artifacts, model_results
+from deploykit.lock import lock_folders
 from deploykit.models import model_spec
 from deploykit.results import check_source, provenance, write_result
 from deploykit.runners import TrtRunner
@@ -178,6 +179,8 @@ def main(args) -> dict | None:
     check_writable(model_results(args.model))
     check_positive(args, "iters", "batch_size", "latency_batch", "limit")
     check_positive(args, "warmup", allow_zero=("warmup",))
+    # one writer per folder, held until this process exits (a second writer is refused)
+    lock_folders(model_artifacts(args.model), model_results(args.model))
     # The engine file is checked before TensorRT, so a wrong path is named on any machine and
     # writes no row; a variant that stage 6 did not build on purpose is reported as skipped.
     variant = variant_of_file(args.engine)

@@ -40,7 +40,6 @@ could not be measured at all (no session, a run that raised) is ``failed`` with 
 from __future__ import annotations
 
 import dataclasses
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -48,6 +47,7 @@ from typing import Any, Callable
 import numpy as np
 
 from deploykit.cli import progress_bar
+from deploykit.commands import script_command
 from deploykit.checks.input_probe import probe_input_convention
 from deploykit.compare import match_outputs, parity, row_tolerance, row_verdict, topk_accuracy
 from deploykit.data.images import normalize
@@ -150,8 +150,8 @@ def custom_data(ref_path: Path, limit: int | None = None, inputs: Path | None = 
                     synthetic=bool(z[SYNTHETIC_KEY]) if SYNTHETIC_KEY in z else y is None)
     if inputs:
         check_same_inputs(inputs, data.feed, "--inputs",
-                          f"python 1_pytorch_baseline.py --model {shlex.quote(model)} "
-                          f"--inputs {shlex.quote(str(inputs))}")
+                          script_command("1_pytorch_baseline.py",
+                                         ["--model", model, "--inputs", str(inputs)], model))
     elif data.synthetic:
         print(f"WARNING: {SYNTHETIC_NOTE}: this row's parity is measured on them",
               file=sys.stderr)

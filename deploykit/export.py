@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shlex
 import sys
 import warnings
 from pathlib import Path
@@ -16,6 +15,7 @@ from deploykit.checks.export import (
     other_paths,
 )
 from deploykit.checks.lint import DEFAULT_EXAMPLE_BATCH
+from deploykit.commands import this_command
 from deploykit.io import load_npz
 from deploykit.data.images import normalize
 from deploykit.data.splits import load_split
@@ -206,18 +206,9 @@ def export_inputs(args, spec, shapes, model=None
     return feed, other_paths(feed, seed=1), False
 
 
-def _env_prefix() -> str:
-    """``VAR=value `` for the settings that decide where a stage reads and writes (ARTIFACTS,
-    RESULTS: a run_all.sh smoke run points them at its own folders) and what a factory model
-    needs (PREPROCESS, PYTHONPATH), shell-quoted, so a printed command reruns the same stage."""
-    keep = ("ARTIFACTS", "RESULTS", "PREPROCESS") + (
-        ("PYTHONPATH",) if ":" in os.environ.get("MODEL", "") or any(
-            ":" in a for a in sys.argv[1:]) else ())
-    return "".join(f"{k}={shlex.quote(os.environ[k])} " for k in keep if os.environ.get(k))
-
-
 def fp16_fix_command(keep: list[str]) -> str:
-    """This stage's command line with ``--fp16-keep-fp32`` set to ``keep``."""
+    """This stage's command line with ``--fp16-keep-fp32`` set to ``keep``, pasteable from any
+    folder (:func:`deploykit.commands.this_command`)."""
     argv, skip = [], False
     for a in sys.argv[1:]:
         if skip:
@@ -229,8 +220,7 @@ def fp16_fix_command(keep: list[str]) -> str:
         if a.startswith("--fp16-keep-fp32="):
             continue
         argv.append(a)
-    return _env_prefix() + shlex.join(["python", Path(sys.argv[0]).name, *argv,
-                                       "--fp16-keep-fp32", ",".join(keep)])
+    return this_command([*argv, "--fp16-keep-fp32", ",".join(keep)])
 
 
 _ORT_NODE = re.compile(r"(?:in|of) node \(([^)]*)\)")
@@ -286,7 +276,8 @@ def _node_io_types(path: Path, node_name: str) -> str:
 
 
 def no_fp16_command() -> str:
-    """This stage's command line with ``--no-fp16`` (FP32 only) instead of any FP16 flag."""
+    """This stage's command line with ``--no-fp16`` (FP32 only) instead of any FP16 flag,
+    pasteable from any folder (:func:`deploykit.commands.this_command`)."""
     argv, skip = [], False
     for a in sys.argv[1:]:
         if skip:
@@ -298,7 +289,7 @@ def no_fp16_command() -> str:
         if a.startswith(("--fp16-keep-fp32=", "--min-cosine-fp16=")) or a == "--no-fp16":
             continue
         argv.append(a)
-    return _env_prefix() + shlex.join(["python", Path(sys.argv[0]).name, *argv, "--no-fp16"])
+    return this_command([*argv, "--no-fp16"])
 
 
 def fp16_rejected_warning(results: list[dict], final: Path, results_json: Path,

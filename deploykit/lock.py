@@ -53,6 +53,29 @@ def _holder(fd: int) -> str:
     return f"pid {pid}, started {info.get('started', '?')}, command: {cmd}"
 
 
+def _holder_pid(fd: int) -> int | None:
+    """The pid the holder wrote into its lock file (None when not written yet)."""
+    try:
+        text = os.pread(fd, 4096, 0).decode(errors="replace")
+    except OSError:
+        return None
+    pid = dict(ln.split("=", 1) for ln in text.splitlines() if "=" in ln).get("pid", "")
+    return int(pid) if pid.isdigit() else None
+
+
+def _ancestors() -> set[int]:
+    """The pids of this process's parent, its parent, ... (from /proc; empty when unreadable)."""
+    out, pid = set(), os.getppid()
+    while pid > 1 and pid not in out:
+        out.add(pid)
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            pid = int(stat.rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    return out
+
+
 def _open_lock(folder: Path) -> int:
     """Open (create) ``folder/LOCK_NAME`` without following a symlink."""
     path = folder / LOCK_NAME
@@ -68,7 +91,10 @@ def _open_lock(folder: Path) -> int:
 def lock_folders(*folders: Path | str, argv: Sequence[str] | None = None) -> list[Path]:
     """Take this process's writer lock on each folder, held until the process exits.
 
-    A folder already locked by this process is skipped (a stage may call this twice).
+    A folder already locked by this process is skipped (a stage may call this twice), and so
+    is one locked by an ancestor of this process (a stage that runs another stage as a child
+    process: the parent's lock already keeps every other writer out). A lock of a process that
+    is gone is no lock: the kernel released it when that process ended.
     Takes them in the order given, without waiting; when one is held by another process the
     locks taken by this call are released and the stage is refused.
 
@@ -92,6 +118,11 @@ def lock_folders(*folders: Path | str, argv: Sequence[str] | None = None) -> lis
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            if _holder_pid(fd) in _ancestors():
+                # a stage started by the writer that holds the folder (stage 5b runs stage 3,
+                # stage 5 runs auto_precision.py): the parent already keeps others out
+                os.close(fd)
+                continue
             holder = _holder(fd)
             os.close(fd)
             for k in taken:

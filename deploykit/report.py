@@ -186,7 +186,7 @@ def stale_section(rows: list[dict]) -> str:
     if not stale:
         return ""
     out = ["\nStale rows (measured against files that have changed since; left out of the "
-           "summary and the best-row choice; rerun the commands, in the repository root):\n"]
+           "summary and the best-row choice; each command pastes from any folder):\n"]
     for r in stale:
         for why in stale_reasons(r):
             out.append(f"- {r['tag']}: {why}")

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from deploykit.commands import from_record, rerun_record
 from deploykit.envinfo import device_info, git_sha, versions
 from deploykit.io import sha256_file, write_json
 from deploykit.layout import (ROOT, artifacts_dir, check_row_tag, model_results,
@@ -57,6 +58,7 @@ def provenance(args: Any, inputs: Sequence[Path | str] = (), started: float | No
     return {
         "args": {k: v for k, v in vars(args).items()} if args is not None else {},
         "command": " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).name] + sys.argv[1:]),
+        "rerun": rerun_record(),
         "versions": versions(),
         "device": device_info(torch_device),
         "git_sha": git_sha(),
@@ -183,10 +185,18 @@ def _entry(e: Any) -> dict | None:
 
 
 def rerun_command(prov: Any) -> str | None:
-    """The shell-quoted command that repeats the run recorded in ``prov`` (a ``provenance``
-    block): ``python <script> <args>``, with ``ARTIFACTS=...``/``RESULTS=...`` in front when the
-    run's ARTIFACTS, or this process's RESULTS, is not the default. None when not recorded."""
-    cmd = prov.get("command") if isinstance(prov, dict) else None
+    """The pasteable command that repeats the run recorded in ``prov`` (a ``provenance``
+    block), from any folder: ``cd <root> && ARTIFACTS=... RESULTS=... [PYTHONPATH=...] python
+    <root>/<script> <args>`` (:mod:`deploykit.commands`: the run's environment, absolute paths,
+    every word shell-quoted). A row written before ``rerun`` was recorded gets its ``command``
+    with the repository root to ``cd`` into and ARTIFACTS (the recorded one) / RESULTS (this
+    process's). None when nothing is recorded."""
+    if not isinstance(prov, dict):
+        return None
+    line = from_record(prov.get("rerun"))
+    if line:
+        return line
+    cmd = prov.get("command")
     if not isinstance(cmd, str) or not cmd:
         return None
     if cmd.split(" ", 1)[0].endswith(".py"):
@@ -197,7 +207,7 @@ def rerun_command(prov: Any) -> str | None:
         env.append(f"ARTIFACTS={shlex.quote(root)}")
     if results_dir().resolve() != (ROOT / "results").resolve():
         env.append(f"RESULTS={shlex.quote(str(results_dir().resolve()))}")
-    return " ".join(env + [cmd])
+    return f"cd {shlex.quote(str(ROOT))} && " + " ".join(env + [cmd])
 
 
 def source_block(output: Path | str | None, made_by: Sequence[str | None],

@@ -27,7 +27,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from deploykit.envinfo import device_info
-from deploykit.errors import StageError, UsageError
+from deploykit.errors import StageError, UsageError, out_of_memory_message
 from deploykit.timing import MAX_SECONDS, Timing, cuda_event_loop, try_extra, wall_loop
 from deploykit.trt.parsers import PLAN_HEADER_BYTES, classify_plan_load_error, parse_layer_info
 
@@ -100,6 +100,14 @@ class NullRunner(Runner):
 
     def describe(self):
         return {"backend": self.backend, "device": "cpu"}
+
+
+def _batch_of(feed: dict) -> int | None:
+    """Samples per call of ``feed`` (axis 0 of its first array; None when it has none)."""
+    for a in feed.values():
+        shape = getattr(a, "shape", None)
+        return int(shape[0]) if shape else None
+    return None
 
 
 def harness_overhead_ms(iters: int = 200) -> float:
@@ -188,7 +196,14 @@ class TorchRunner(Runner):
             return (self.model if model is None else model)(*args)
 
     def infer(self, feed):
-        out = self._forward(self._args(feed))
+        try:
+            out = self._forward(self._args(feed))
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            oom = out_of_memory_message(e, _batch_of(feed), f"PyTorch ({self.device}) running "
+                                        "the model")
+            if oom:
+                raise StageError(oom) from e
+            raise
         if isinstance(out, dict):  # named outputs: the keys, in order (as the exporters flatten)
             names, outs = [str(k) for k in out], list(out.values())
         else:
@@ -215,8 +230,15 @@ class TorchRunner(Runner):
         with ``compile``, ``torch.compile``'s module (extra ``compile``)."""
         args = self._args(feed)
         cuda = self.device.type == "cuda"
-        wall = wall_loop(lambda: self._forward(args), warmup, iters, self.sync if cuda else None,
-                         max_seconds=self.max_seconds)
+        try:
+            wall = wall_loop(lambda: self._forward(args), warmup, iters,
+                             self.sync if cuda else None, max_seconds=self.max_seconds)
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            oom = out_of_memory_message(e, _batch_of(feed), f"PyTorch ({self.device}) timing "
+                                        "the model")
+            if oom:
+                raise StageError(oom) from e
+            raise
         t = Timing(wall, "time.perf_counter around forward() on device-resident inputs"
                    + (" + torch.cuda.synchronize" if cuda else ""))
         if cuda:
@@ -490,6 +512,9 @@ class OrtRunner(Runner):
         except Exception as e:  # noqa: BLE001 - ORT's Fail / RuntimeException / InvalidArgument
             import re
 
+            oom = out_of_memory_message(e, _batch_of(feed), f"onnxruntime running {self.label}")
+            if oom:
+                raise StageError(oom) from e
             node = re.search(r"node\. Name:'([^']*)'", str(e))
             raise StageError(f"onnxruntime failed running {self.label}"
                              + (f" at node {node[1]!r}" if node else "")

@@ -2,6 +2,7 @@
 features named before anything is exported, and the FP16 candidate's failure messages."""
 from __future__ import annotations
 
+import shlex
 import sys
 
 import numpy as np
@@ -11,6 +12,7 @@ from onnx import TensorProto, helper
 
 from deploykit.checks.base import check_result
 from deploykit.errors import StageError, UsageError
+from deploykit.layout import ROOT
 from deploykit.export import (
     check_batch_statistics,
     fp16_candidate_error,
@@ -111,15 +113,20 @@ def test_fp16_candidate_error_names_the_node_and_the_mixed_input_types(tmp_path)
 def test_fp16_rejected_warning_first_line_and_commands(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["2_export_onnx.py", "--model", "a b:c",
                                       "--fp16-keep-fp32", "n1", "--min-cosine-fp16", "0.99"])
-    for var in ("ARTIFACTS", "RESULTS", "PREPROCESS", "PYTHONPATH"):
+    for var in ("ARTIFACTS", "RESULTS", "PREPROCESS", "PYTHONPATH", "MODEL"):
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.chdir(tmp_path)
     skip = no_fp16_command()
-    assert skip == "python 2_export_onnx.py --model 'a b:c' --no-fp16"
+    # pasteable from any folder: cd into the root, absolute script, every word quoted
+    words = shlex.split(skip)
+    assert words[:3] == ["cd", str(ROOT), "&&"]
+    assert words[-4:] == [str(ROOT / "2_export_onnx.py"), "--model", "a b:c", "--no-fp16"]
+    assert f"PYTHONPATH={tmp_path}" in words  # where the factory's module was found
     # where the stage ran (a smoke run's folders) and the factory's import path travel with it
     monkeypatch.setenv("ARTIFACTS", "/x/my art/smoke")
     monkeypatch.setenv("PYTHONPATH", "/u/mods")
-    assert no_fp16_command() == ("ARTIFACTS='/x/my art/smoke' PYTHONPATH=/u/mods python "
-                                 "2_export_onnx.py --model 'a b:c' --no-fp16")
+    words = shlex.split(no_fp16_command())
+    assert "ARTIFACTS=/x/my art/smoke" in words and f"PYTHONPATH=/u/mods:{tmp_path}" in words
     monkeypatch.delenv("ARTIFACTS")
     monkeypatch.delenv("PYTHONPATH")
     rows = [check_result("batch_parity", "fail", "ORT CPU EP (...blind to FP16 overflow): bad"),

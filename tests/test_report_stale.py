@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from deploykit.io import write_json
+from deploykit.layout import ROOT
 from deploykit.report import (artifacts_warning, is_stale, load_rows, render_markdown,
                               stale_reasons,
                               stale_section, summary, table_rows)
@@ -70,9 +71,10 @@ def test_changed_reference_or_calibration_makes_a_row_stale_and_names_the_rerun(
     assert why.startswith(f"the calibration data the file evaluated was made from {calib} "
                           "has changed")
     # the producer first, then this row's own command, shell-quoted as recorded
-    assert why.endswith("rerun python 5_quantize.py --model m int8 && ARTIFACTS=/art/a RESULTS="
-                        f"{(tmp_path / 'r').resolve()} python 3_onnx_eval.py --tag ort_int8 "
-                        "--onnx 'a b.onnx'")
+    # (a row written before the full rerun record: its command, run in the repository root)
+    assert why.endswith(f"rerun python 5_quantize.py --model m int8 && cd {ROOT} && "
+                        f"ARTIFACTS=/art/a RESULTS={(tmp_path / 'r').resolve()} python "
+                        "3_onnx_eval.py --tag ort_int8 --onnx 'a b.onnx'")
     assert not is_stale(loaded["ort_int8b"]) and not is_stale(loaded["ort_old"])
     ref.write_bytes(b"stage 1 rerun with other weights")
     rows = load_rows(folder)

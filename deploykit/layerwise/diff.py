@@ -315,16 +315,17 @@ def diff_command(model: str, a_onnx: Path | str, b_onnx: Path | str, precision: 
             tolerance class. classifier: feed ``--n`` eval images of ``--model`` (else random
             inputs of the model's shapes). ep: ORT EP of side B.
     Returns:
-        one command line, every argument quoted with :func:`shlex.quote`.
+        one command line that pastes from any folder
+        (:func:`deploykit.commands.script_command`: ``cd`` into the root, this run's
+        environment, absolute paths, every argument quoted with :func:`shlex.quote`).
     """
-    import shlex
-
+    from deploykit.commands import script_command
 
     if engine is None and Path(a_onnx).resolve() == Path(b_onnx).resolve():
-        argv = ["python", "layerwise.py", "torch-vs-onnx", "--model", model, "--onnx",
+        argv = ["torch-vs-onnx", "--model", model, "--onnx",
                 str(b_onnx), "--n", str(n), "--out-dir", str(out_dir)]
-        return " ".join(shlex.quote(a) for a in argv)
-    argv = ["python", "layerwise.py", "diff", str(a_onnx), str(b_onnx)]
+        return script_command("layerwise.py", argv, model)
+    argv = ["diff", str(a_onnx), str(b_onnx)]
     if classifier:
         argv += ["--model", model, "--n", str(n)]
     prec = str(precision).lower()[:4]
@@ -335,4 +336,4 @@ def diff_command(model: str, a_onnx: Path | str, b_onnx: Path | str, precision: 
     elif ep != "cpu":
         argv += ["--ep-b", ep]
     argv += ["--out-dir", str(out_dir)]
-    return " ".join(shlex.quote(a) for a in argv)
+    return script_command("layerwise.py", argv, model)

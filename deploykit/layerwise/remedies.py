@@ -3,6 +3,7 @@ flags that exist in the installed TensorRT version.
 """
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 from deploykit.checks.fp16 import keep_fp32_nodes
@@ -37,7 +38,7 @@ def fp16_remedy_command(layer: str, onnx_path: Path | str) -> list[str]:
     dst = onnx_path.with_name(fp16)
     art = onnx_path.parent.parent
     calib = art / "calib.npz"
-    inputs = f" --inputs {calib}" if calib.exists() else ""
+    inputs = ["--inputs", str(calib)] if calib.exists() else []
     keep = [layer]
     if src.exists():  # the layer's consumers too, or its output is cast back to FP16 for them
 
@@ -45,8 +46,10 @@ def fp16_remedy_command(layer: str, onnx_path: Path | str) -> list[str]:
         node = next((n for n in m.graph.node if n.name == layer), None)
         if node is not None:
             keep = keep_fp32_nodes(m, [o for o in node.output if o]) or keep
-    return [f"python export_checks.py fp16 {src} -o {dst} --keep-fp32 {','.join(keep)}{inputs}",
-            f"bash 6_build_engines.sh --model {art.name} fp16"]
+    # every word shell-quoted: a path with spaces or $(...) pastes back as one argument
+    return [shlex.join(["python", "export_checks.py", "fp16", str(src), "-o", str(dst),
+                        "--keep-fp32", ",".join(keep), *inputs]),
+            shlex.join(["bash", "6_build_engines.sh", "--model", art.name, "fp16"])]
 
 
 def trt_remedies(layer: str, onnx_path: Path | str, precision: str,

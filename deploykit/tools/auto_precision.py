@@ -72,7 +72,8 @@ from deploykit.envinfo import device_info, versions
 from deploykit.errors import StageError, UsageError
 from deploykit.evaluate import classifier_data
 from deploykit.io import check_writable, load_json, sha256_file
-from deploykit.layout import model_artifacts
+from deploykit.layout import model_artifacts, model_results
+from deploykit.lock import lock_folders
 from deploykit.models import model_spec
 from deploykit.onnx.graph import graph_inputs, load_onnx
 from deploykit.quant.auto.inputs import base_qdq, tuning_data
@@ -137,6 +138,14 @@ def _paths(args) -> tuple[Path, Path]:
     return fp32, work
 
 
+def _lock(args, *folders: Path) -> None:
+    """One writer per folder (:func:`deploykit.lock.lock_folders`): the model's artifacts and
+    results folders and the folders this command writes, held until the process exits; a
+    second writer is refused at once (exit 1), naming the holder. Stage 5 runs this tool as its
+    child: its own lock covers it."""
+    lock_folders(model_artifacts(args.model), model_results(args.model), *folders)
+
+
 def _fp32_reference(fp32: Path, data, work: Path, digest: str, batch: int, what: str
                     ) -> dict[str, np.ndarray]:
     key = hashlib.sha256(f"{sha256_file(fp32)}:{digest}:{MODE}".encode()).hexdigest()[:20]
@@ -151,8 +160,9 @@ def cmd_search(args: argparse.Namespace) -> dict:
     check_positive(args, "batch", "tune_images")
     budget = budget_from_args(args)
     fp32, work = _paths(args)
-    require(fp32, "2_export_onnx.py")
     outputs = record_paths(args.model, args.out_dir)
+    _lock(args, work, outputs["json"].parent)
+    require(fp32, "2_export_onnx.py")
     check_writable(work, outputs["json"].parent)
     data, tuning = tuning_data(args.model, fp32, args.tune_npz, args.tune_images, args.seed)
     if args.qdq:
@@ -239,9 +249,10 @@ def cmd_verify(args: argparse.Namespace) -> dict:
     started = time.time()
     check_positive(args, "batch")
     outputs = record_paths(args.model, args.out_dir)
+    fp32, work = _paths(args)
+    _lock(args, work, outputs["json"].parent)
     rec = load_json(require(outputs["json"], "auto_precision.py search "
                             "(5_quantize.sh int8_auto runs both)"))
-    fp32, work = _paths(args)
     onnx_path = require(Path(args.onnx), "5_quantize.sh int8_auto")
     budget = Budget(**rec["budget"])
     t = rec["tuning"]
@@ -398,6 +409,7 @@ def get_args_parser() -> argparse.ArgumentParser:
 
 def main(args: argparse.Namespace):
     if args.cmd == "publish":
+        lock_folders(args.dst)  # one writer per folder (stage 5, its parent, already holds it)
         for k, v in publish(args.src, args.dst, args.failed).items():
             if v.exists():
                 print(f"{k}: {v}")

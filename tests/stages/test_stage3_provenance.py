@@ -12,7 +12,7 @@ from deploykit.io import sha256_file
 from deploykit.layout import model_results
 from deploykit.results import staleness
 from tests.helpers import provenance as P
-from tests.helpers.stages import load_stage
+from tests.helpers.stages import ROOT, load_stage
 
 FAST = ["--iters", "2", "--warmup", "0", "--model", P.MODEL]
 
@@ -54,7 +54,8 @@ def test_rows_record_reference_file_and_source(dirs, capsys):
     (why,) = staleness(row)
     assert why.startswith("the PyTorch reference") and "has changed" in why
     # the command to paste: this run's ARTIFACTS/RESULTS, then the stage with its flags
-    assert f"rerun ARTIFACTS={dirs / 'a'} RESULTS={dirs / 'r'} python 3_onnx_eval.py" in why
+    art = (dirs / "a").resolve()
+    assert f"rerun cd {ROOT} && ARTIFACTS={art} " in why and f" {ROOT / '3_onnx_eval.py'} --onnx " in why
 
 
 def test_a_file_made_from_another_fp32_is_measured_and_flagged(dirs, capsys):
@@ -64,7 +65,8 @@ def test_a_file_made_from_another_fp32_is_measured_and_flagged(dirs, capsys):
     rec = _run(fp16, "ort_fp16", "--precision", "FP16")
     err = capsys.readouterr().err
     assert f"WARNING: {fp16} is stale: it was made from an fp32.onnx" in err
-    assert "remake it: RESULTS=" in err and "python 2_export_onnx.py --model" in err
+    # (the helper's export.json records only "command": run in the repository root)
+    assert f"remake it: cd {ROOT} && " in err and "python 2_export_onnx.py --model" in err
     assert "re-exported since" in rec["stale_source"] and rec["parity"] is not None
     why = staleness(rec)
     assert why and "2_export_onnx.py" in why[0] and why[0].index("2_export") < why[0].index(
