@@ -85,7 +85,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--onnx", type=Path, required=True, help="ONNX file to evaluate")
     p.add_argument("--tag", required=True,
                    help="row id, e.g. ort_fp32 (results/<model>/<tag>.json)")
-    add_shared_args(p, "model", "inputs")
+    add_shared_args(p, "model", "inputs", "logits_output")
     p.add_argument("--precision", default="auto",
                    help="FP32/FP16/INT8/INT4 label for the report (auto: read from the file)")
     p.add_argument("--ep", default=os.environ.get("ORT_EP", "cpu"), choices=sorted(ORT_EPS),

@@ -76,7 +76,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("diff", help="layer-wise comparison of two ONNX runs (or TensorRT)",
                        epilog="exit status, like diff(1): 0 no divergent layer (or TensorRT "
                               "skipped), 1 a divergent layer was found (after the table; "
-                              "--exit-zero: 0) or a runtime failure, 2 usage error")
+                              "--exit-zero: 0), a final output missing from one side or "
+                              "NaN/Inf outputs (FAILED: line, whatever --exit-zero) or a "
+                              "runtime failure, 2 usage error")
     d.add_argument("a", type=Path, help="reference ONNX (FP32, ORT)")
     d.add_argument("b", type=Path, help="candidate ONNX (FP16, Q/DQ, same file on another EP, "
                    "or the ONNX of --engine-b)")
