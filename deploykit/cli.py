@@ -260,7 +260,8 @@ def add_shared_args(parser: argparse.ArgumentParser, *names: str) -> argparse.Ar
     """Add the shared flags ``names`` (keys of ``_SHARED_FLAGS``: ``model``, ``weights``,
     ``random_init``, ``input_shape``, ``limit``, ``batch_size``, ``latency_batch``, ``warmup``,
     ``iters``, ``max_seconds``, ``threads``, ``preprocess``, ``inputs``, ``labels``,
-    ``calib_inputs``, ``logits_output``) to ``parser`` and return it. ``model`` brings ``--preprocess`` with it: a
+    ``calib_inputs``, ``logits_output``) to ``parser`` and return it. ``model`` brings
+    ``--preprocess`` with it: a
     ``package.module:factory`` model's spec depends on it in every stage.
 
     Raises:

@@ -130,7 +130,8 @@ def _pipeline_rows(tmp_path):
     within the default budget) of files in this run's ARTIFACTS folder."""
     onnx = tmp_path / "a" / MODEL / "onnx"
     onnx.mkdir(parents=True)
-    ref, fp32, int8 = tmp_path / "a" / MODEL / "ref_logits.npz", onnx / "fp32.onnx", onnx / "int8.onnx"
+    ref = tmp_path / "a" / MODEL / "ref_logits.npz"
+    fp32, int8 = onnx / "fp32.onnx", onnx / "int8.onnx"
     for p in (ref, fp32, int8):
         p.write_bytes(p.name.encode())
     root = str((tmp_path / "a").resolve())
