@@ -49,7 +49,7 @@ from deploykit.runners import TorchRunner
 def get_args_parser() -> argparse.ArgumentParser:
     p = stage_parser(__doc__)
     add_shared_args(p, "model", "weights", "random_init", "input_shape", "inputs",
-                    "labels")
+                    "labels", "logits_output")
     p.add_argument("--device", default=os.environ.get("TORCH_DEVICE", "cpu"),
                    help="cpu or cuda[:i] (default from $TORCH_DEVICE)")
     add_shared_args(p, "batch_size", "limit", "latency_batch", "warmup", "iters",

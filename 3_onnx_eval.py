@@ -72,7 +72,7 @@ from deploykit.layerwise.quant_backend import quant_backend_table, render_quant_
 from deploykit.layerwise.report import render_table
 from deploykit.layout import check_row_tag, model_artifacts, model_results
 from deploykit.models import model_spec
-from deploykit.onnx.graph import detect_precision, load_onnx
+from deploykit.onnx.graph import detect_precision, load_onnx, precision_note
 from deploykit.quant.cross_check import X64_QUANT_PRECISION, backend_cross_check
 from deploykit.results import check_source, provenance, write_result
 from deploykit.runners import ORT_EPS, OrtRunner
@@ -87,7 +87,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--onnx", type=Path, required=True, help="ONNX file to evaluate")
     p.add_argument("--tag", required=True,
                    help="row id, e.g. ort_fp32 (results/<model>/<tag>.json)")
-    add_shared_args(p, "model", "inputs")
+    add_shared_args(p, "model", "inputs", "logits_output")
     p.add_argument("--precision", default="auto",
                    help="FP32/FP16/INT8/INT4 label for the report (auto: read from the file)")
     p.add_argument("--ep", default=os.environ.get("ORT_EP", "cpu"), choices=sorted(ORT_EPS),
@@ -151,19 +151,24 @@ def main(args: argparse.Namespace) -> dict:
     if why is not None:  # stage 2 refused this file (an FP16 candidate): a skipped row, exit 0
         return _skip_rejected(args, why, started)
     onnx_path = require(args.onnx, "2_export_onnx.py / 5_quantize.sh (whichever makes it)")
-    precision = (detect_precision(load_onnx(onnx_path, external=False))
-                 if args.precision == "auto" else args.precision)
+    graph = load_onnx(onnx_path, external=False)
+    precision = detect_precision(graph) if args.precision == "auto" else args.precision
+    # Q/DQ nodes that quantize no MAC (a dead pair): the file computes in float, said and kept
+    qdq_note = precision_note(graph) if args.precision == "auto" else None
+    if qdq_note:
+        print(f"WARNING: {onnx_path.name}: {qdq_note}", file=sys.stderr)
+    del graph
     art = model_artifacts(args.model)
     variant = variant_of_file(onnx_path)
     # What a derived file (FP16, Q/DQ) was made from: its producer's record, matched by hash.
     # A stale source (fp32.onnx re-exported since) is still measured (the file was given), but
     # said and recorded: the report marks the row stale.
     source, stale, warn = check_source(args.model, onnx_path, fp32_onnx_path(args.model),
-                                       derived=precision != "FP32")
+                                       derived=precision != "FP32" or qdq_note is not None)
     if warn:
         print(warn, file=sys.stderr)
     base = dict(onnx=str(onnx_path), variant=variant.name if variant else None,
-                stale_source=stale)
+                stale_source=stale, qdq_without_int8_macs=qdq_note)
     # Inputs are checked before any session exists, so a mismatch never overwrites a good row.
     if spec.classifier:
         if args.inputs:

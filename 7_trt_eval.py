@@ -78,7 +78,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     p = stage_parser(__doc__, prog="7_trt_eval.py")
     p.add_argument("--engine", required=True, type=Path, help="TensorRT plan file")
     p.add_argument("--tag", required=True, help="results row id (results/<model>/<tag>.json)")
-    add_shared_args(p, "model", "inputs")
+    add_shared_args(p, "model", "inputs", "logits_output")
     p.add_argument("--precision", default=None,
                    help="label for the row (default: the precision of the engine's variant, "
                         "from its file name)")

@@ -21,8 +21,10 @@ Stale rows: a row whose recorded SHA-256 of the reference, the file or engine ev
 the fp32.onnx / calibration data the file was made from no longer matches the file on disk is
 marked ``STALE`` in the status column, listed under "Stale rows" with the command(s) to rerun
 (shell-quoted, upstream first), and left out of the summary counts and the best-row choice
-(``deploykit.report.stale_reasons``). Rows without these hashes (older runs) are unknown, not
-stale. Rows measured in different ARTIFACTS folders get a ``WARNING:`` naming both.
+(``deploykit.report.stale_reasons``); so is an ok/warn row of a derived file (FP16, Q/DQ,
+engine) that no current producer record names, or whose recorded file is gone from this
+ARTIFACTS folder: never the row to ship. Rows without these hashes (older runs) are unknown,
+not stale. Rows measured in different ARTIFACTS folders get a ``WARNING:`` naming both.
 """
 from __future__ import annotations
 

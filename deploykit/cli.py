@@ -142,6 +142,12 @@ _SHARED_FLAGS: dict[str, tuple[tuple[str, ...], Callable[[], dict]]] = {
         type=Path, default=None, metavar="NPZ",
         help="models with their own data: calibration samples keyed like --inputs (never the "
              "evaluation samples)")),
+    "logits_output": (("--logits-output",), lambda: dict(
+        type=logits_output_arg, default=_env_logits_output(), metavar="NAME|INDEX",
+        help="models with several outputs (e.g. (features, logits) or a dict): the output "
+             "that holds the logits, by name or graph-order index; accuracy, top-1 agreement "
+             "and the row's cosine come from it, and the row names it (default from "
+             "$LOGITS_OUTPUT, else the first output)")),
     "limit": (("--limit",), lambda: dict(
         type=int, default=None, help="use the first N evaluation images only (smoke runs)")),
     "batch_size": (("--batch-size",), lambda: dict(
@@ -164,6 +170,25 @@ _SHARED_FLAGS: dict[str, tuple[tuple[str, ...], Callable[[], dict]]] = {
         help="intra-op CPU threads of the backend (0 = its default; at most the CPUs this "
              "process may use)")),
 }
+
+
+def logits_output_arg(text: str) -> str | int:
+    """``--logits-output`` value: an output index (digits, >= 0) or an output name.
+
+    Raises:
+        argparse.ArgumentTypeError: empty or blank (exit 2).
+    """
+    t = text.strip()
+    if not t:
+        raise argparse.ArgumentTypeError("empty: give the output's name (e.g. logits) or its "
+                                         "index in the graph's outputs (e.g. 1)")
+    return int(t) if t.isdigit() else t
+
+
+def _env_logits_output() -> str | int | None:
+    """``$LOGITS_OUTPUT`` as :func:`logits_output_arg` reads it (None when unset or empty)."""
+    v = os.environ.get("LOGITS_OUTPUT", "").strip()
+    return logits_output_arg(v) if v else None
 
 
 def _seconds_arg(text: str) -> float:
@@ -237,7 +262,8 @@ def add_shared_args(parser: argparse.ArgumentParser, *names: str) -> argparse.Ar
     """Add the shared flags ``names`` (keys of ``_SHARED_FLAGS``: ``model``, ``weights``,
     ``random_init``, ``input_shape``, ``limit``, ``batch_size``, ``latency_batch``, ``warmup``,
     ``iters``, ``max_seconds``, ``threads``, ``preprocess``, ``inputs``, ``labels``,
-    ``calib_inputs``) to ``parser`` and return it. ``model`` brings ``--preprocess`` with it: a
+    ``calib_inputs``, ``logits_output``) to ``parser`` and return it. ``model`` brings
+    ``--preprocess`` with it: a
     ``package.module:factory`` model's spec depends on it in every stage.
 
     Raises:

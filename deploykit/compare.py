@@ -360,6 +360,7 @@ class TensorStat:
     count: int = 0
     ref_abs_max: float = 0.0
     nonfinite_b: int = 0
+    nonfinite_a: int = 0
     mismatch: str | None = None
     exact: bool | None = None
 
@@ -382,6 +383,7 @@ class TensorStat:
             return
         a64, b64 = a.astype(np.float64), b.astype(np.float64)
         self.nonfinite_b += int((~np.isfinite(b64) & np.isfinite(a64)).sum())
+        self.nonfinite_a += int((~np.isfinite(a64)).sum())
         per_sample = a64.ndim >= 2 and a64.shape[0] == n_batch
         cos = cosine_rows(a64, b64) if per_sample else cosine_rows(
             a64.reshape(1, -1), b64.reshape(1, -1))
@@ -415,6 +417,9 @@ class TensorStat:
                "rel_err": rel, "ref_abs_max": self.ref_abs_max}
         if self.nonfinite_b:
             res["note"] = f"{self.nonfinite_b} NaN/Inf values where the reference is finite"
+            res["nonfinite_b"] = self.nonfinite_b
+        if self.nonfinite_a:
+            res["nonfinite_a"] = self.nonfinite_a  # the reference itself is NaN/Inf there
         return res
 
 

@@ -72,6 +72,8 @@ class EvalData:
     Feed data (``feed`` set, models with their own inputs): ``{input name: array}`` with the
     batch on axis 0; ``ref`` is ``{output name: array}`` or None; ``y`` the ``--labels`` (int64
     ``[N]``) or None; ``synthetic`` True for seeded N(0,1) samples (no ``--inputs``).
+    ``logits_output`` (``--logits-output``): the output that holds the logits (accuracy,
+    top-1 agreement, the headline parity), a name or a graph-order index; None: the first.
     """
 
     x_u8: np.ndarray | None = None
@@ -84,6 +86,7 @@ class EvalData:
     ref: Any = None
     preprocessing: dict | None = None
     synthetic: bool = False
+    logits_output: str | int | None = None  # --logits-output: name or graph index (None: first)
 
     @property
     def classifier(self) -> bool:
@@ -273,7 +276,74 @@ def output_pairs(data: EvalData, outputs: dict[str, np.ndarray]
         one reference is :data:`LOGITS`.
     """
     ref_names = [LOGITS] if data.classifier else list(data.ref or {})
-    return match_outputs(ref_names, list(outputs))
+    pairs = match_outputs(ref_names, list(outputs))
+    sel = select_logits_output(data, outputs)
+    if sel is not None and sel[1] is not None:  # the chosen output takes its reference's pair
+        pairs = [(rn, sel[0], sel[2]) if rn == sel[1] else (rn, on, how)
+                 for rn, on, how in pairs]
+    return pairs
+
+
+def select_logits_output(data: EvalData, outputs: dict[str, np.ndarray]
+                         ) -> tuple[str, str | None, str, str | None] | None:
+    """The output ``data.logits_output`` (``--logits-output NAME|INDEX``) chooses, and the
+    reference output it is compared with: matched by name first, then by index.
+
+    A NAME that is an output of the run is taken (compared with the reference output of that
+    name, else the one at its index); a NAME only the reference has (e.g. stage 1 stored
+    ``logits``, stage 2 exported ``output``) takes the run's output at that reference's index,
+    with a warning naming both. An INDEX takes the run's output at that graph-order position.
+    A classifier's reference is always its ``logits``.
+
+    Returns:
+        ``(output name, reference name or None, "name" | "index", warning or None)``; None
+        when no ``--logits-output`` was given.
+    Raises:
+        UsageError: the name is neither an output nor a reference output, or the index is
+            out of range (the message lists the outputs).
+    """
+    sel = data.logits_output
+    if sel is None:
+        return None
+    names = list(outputs)
+    refs = [LOGITS] if data.classifier else list(data.ref or {})
+    listed = ", ".join(f"{i}: {n}" for i, n in enumerate(names))
+
+    def ref_of(on: str, i: int) -> tuple[str | None, str]:
+        if data.classifier:
+            return LOGITS, "name" if on == LOGITS else "index"
+        if on in refs:
+            return on, "name"
+        return (refs[i], "index") if i < len(refs) else (None, "index")
+
+    if isinstance(sel, int):
+        if not 0 <= sel < len(names):
+            raise UsageError(f"--logits-output {sel}: the model has {len(names)} output(s) "
+                             f"({listed}): give an index 0..{len(names) - 1} or a name")
+        on = names[sel]
+        rn, how = ref_of(on, sel)
+        warn = None if how == "name" or rn is None else (
+            f"WARNING: --logits-output {sel}: output {on!r} (index {sel}) is compared with the "
+            f"reference's {rn!r} (index {sel}: no reference output is named {on!r})")
+        return on, rn, how, warn
+    if sel in names:
+        rn, how = ref_of(sel, names.index(sel))
+        warn = None if how == "name" or rn is None else (
+            f"WARNING: --logits-output {sel!r}: the reference has no output of that name; "
+            f"output {sel!r} is compared with the reference's {rn!r} (same index "
+            f"{names.index(sel)})")
+        return sel, rn, how, warn
+    if sel in refs and refs.index(sel) < len(names):
+        i = refs.index(sel)
+        return names[i], sel, "index", (
+            f"WARNING: --logits-output {sel!r}: the model has no output of that name (its "
+            f"outputs: {listed}); output {names[i]!r} (index {i}) is taken, the one at the "
+            f"index of the reference's {sel!r}")
+    raise UsageError(f"--logits-output {sel!r}: no output of the model"
+                     + (" or of the reference" if refs and not data.classifier else "")
+                     + f" has that name (outputs: {listed}"
+                     + (f"; reference: {', '.join(refs)}" if refs and not data.classifier
+                        else "") + "): give one of these names or an index")
 
 
 def output_warning(data: EvalData, outputs: dict[str, np.ndarray]) -> str | None:
@@ -344,7 +414,9 @@ def score(data: EvalData, outputs: dict[str, np.ndarray]) -> dict:
     if missing:
         raise StageError(f"the model's outputs {list(outputs)} have no match (by name or "
                          f"index) for the reference's {missing}: export them, or rerun stage 1")
-    first = outputs[pairs[0][1]] if data.classifier else next(iter(outputs.values()))
+    sel = select_logits_output(data, outputs)
+    first = (outputs[pairs[0][1]] if data.classifier else
+             outputs[sel[0]] if sel else next(iter(outputs.values())))
     out: dict[str, Any] = {"n_images": len(data), "accuracy": None, "reason_accuracy": None,
                            "parity": None, "parity_outputs": None,
                            "nonfinite_outputs": nonfinite_outputs(data, outputs),
@@ -352,6 +424,14 @@ def score(data: EvalData, outputs: dict[str, np.ndarray]) -> dict:
                            "outputs": list(outputs),
                            "output_used": pairs[0][1] if data.classifier else
                            ({rn: on for rn, on, _ in pairs} or None)}
+    if sel or (not data.classifier and len(outputs) > 1):  # which output holds the logits
+        out["logits_output"] = {"output": sel[0] if sel else next(iter(outputs)),
+                                "reference": sel[1] if sel else (
+                                    pairs[0][0] if pairs else None),
+                                "selected_by": (f"--logits-output {data.logits_output}"
+                                                if sel else "default (the first output)"),
+                                "matched_by": sel[2] if sel else (
+                                    pairs[0][2] if pairs else None)}
     if data.classifier:
         out["accuracy"] = topk_accuracy(first, data.y)
         if data.ref is not None:
@@ -373,7 +453,9 @@ def score(data: EvalData, outputs: dict[str, np.ndarray]) -> dict:
         if data.ref is not None:
             out["parity_outputs"] = {rn: parity(data.ref[rn], outputs[on])
                                      for rn, on, _ in pairs}
-            out["parity"] = next(iter(out["parity_outputs"].values()))
+            out["parity"] = (out["parity_outputs"][sel[1]] if sel and sel[1] is not None
+                             and sel[1] in out["parity_outputs"] else
+                             next(iter(out["parity_outputs"].values())))
     return out
 
 
@@ -508,10 +590,15 @@ def evaluate(runner: Runner, data: EvalData, *, stage: str, precision: str, mode
     desc = runner.describe()
     if getattr(args, "max_seconds", None) is not None:  # the stage's --max-seconds (0: none)
         runner.max_seconds = args.max_seconds or float("inf")
+    if getattr(args, "logits_output", None) is not None and data.logits_output is None:
+        data.logits_output = args.logits_output  # the caller's data: its later checks agree
     t0 = time.perf_counter()
     raw = run_outputs(runner, data, batch_size, progress=f"{tag}")
     t1 = time.perf_counter()
-    if output_warning(data, raw):
+    sel = select_logits_output(data, raw)
+    if sel and sel[3]:
+        print(sel[3], file=sys.stderr)
+    elif output_warning(data, raw):
         print(output_warning(data, raw), file=sys.stderr)
     outputs = logits_first(data, raw)
     b, _ = batch_plan(len(data), batch_size, runner.batch_range)

@@ -286,6 +286,9 @@ def table_rows(rows: list[dict]) -> list[dict]:
         if r.get("synthetic_inputs"):
             status += _PART + ("SYNTHETIC INPUTS: parity on seeded N(0,1) samples, latency and "
                                "structure only (give stage 1 --inputs NPZ)")
+        if r.get("qdq_without_int8_macs"):
+            status += _PART + ("Q/DQ NODES BUT NO INT8 MAC: the file computes in float "
+                               "(qdq_without_int8_macs in the row)")
         if r.get("fp16_computed_in"):
             status += _PART + ("FP16 graph computed in "
                                f"{r['fp16_computed_in'].split(' (')[0]} here")

@@ -18,8 +18,9 @@ from typing import Any, Sequence
 from deploykit.commands import from_record, rerun_record
 from deploykit.envinfo import device_info, git_sha, versions
 from deploykit.io import sha256_file, write_json
-from deploykit.layout import (ROOT, artifacts_dir, check_row_tag, model_results,
+from deploykit.layout import (ROOT, artifacts_dir, check_row_tag, fp32_onnx_path, model_results,
                               result_sidecars, results_dir, safe_name)
+from deploykit.variants import EXPORT, INT4, QUANT, VARIANTS
 
 
 _HASHES: dict[tuple, str] = {}
@@ -341,8 +342,13 @@ def staleness(row: dict) -> list[str]:
     the ``stale_source`` it was measured with; each names the command(s) to rerun,
     shell-quoted, upstream first.
 
+    Also stale: a recorded file of this ARTIFACTS folder that is gone (removed, or set aside as
+    ``fp16.stale.onnx`` by a re-export), and an ``ok``/``warn`` row of a derived file (FP16,
+    Q/DQ, engine) that no current producer record names (:func:`unrecorded_reason`).
+
     A row without ``measured_against`` (written before it was recorded) and a recorded file that
-    is not here (another machine's row) are unknown, not stale: nothing is said.
+    is not here (another machine's row, another ARTIFACTS folder) are unknown, not stale:
+    nothing is said.
 
     Returns:
         the reasons (empty: not stale, or unknown).
@@ -363,6 +369,12 @@ def staleness(row: dict) -> list[str]:
             now = file_sha256(p) if p.is_file() else None
         except OSError:
             now = None
+        if now is None and not p.exists() and _here(row, p):
+            out.append(f"{ROLES.get(role, role)} {p} is gone since this row was measured "
+                       "(removed or set aside by a rerun): rerun "
+                       + " && ".join(([] if role == "reference" else
+                                      [_producer(row)]) + [this]))
+            continue
         if now is None or now == ent["sha256"]:
             continue
         cmds = (made_by if role in ("fp32", "calibration") else
@@ -374,4 +386,78 @@ def staleness(row: dict) -> list[str]:
             r.startswith((ROLES["fp32"], ROLES["onnx"])) for r in out):
         out.append(f"measured a stale file: {row['stale_source']}: rerun "
                    + " && ".join(made_by + [this]))
+    if not out:
+        why = unrecorded_reason(row)
+        if why:
+            out.append(why)
     return out
+
+
+def _here(row: dict, path: Path) -> bool:
+    """True when ``path`` belongs to this run's ARTIFACTS folder and ``row`` was measured in it
+    (so a missing file was removed, not merely made on another machine)."""
+    if row.get("_source"):  # results/gpu/...: another machine's row
+        return False
+    root = artifacts_root()
+    if row_artifacts_root(row) != root:
+        return False
+    try:
+        return path.absolute().is_relative_to(Path(root))
+    except (OSError, ValueError):
+        return False
+
+
+def _producer(row: dict) -> str:
+    """The shell-quoted command that (re)makes the file a row evaluated, from its variant
+    (:data:`deploykit.variants.VARIANTS`), or the list of producer stages when it has none."""
+    model = shlex.quote(str(row.get("model") or "M"))
+    v = VARIANTS.get(str(row.get("variant") or ""))
+    if v is None:
+        return ("the stage that makes it (python 2_export_onnx.py, bash 5_quantize.sh, "
+                "python 5b_quantize_int4.py or bash 6_build_engines.sh)")
+    if row.get("backend") == "TensorRT":
+        return f"bash 6_build_engines.sh --model {model} {v.name}"
+    return {EXPORT: f"python 2_export_onnx.py --model {model}",
+            QUANT: f"bash 5_quantize.sh --model {model} {v.name}",
+            INT4: f"python 5b_quantize_int4.py --model {model}"}.get(
+        v.producer, f"python {v.producer} --model {model}")
+
+
+def unrecorded_reason(row: dict) -> str | None:
+    """Why an ``ok``/``warn`` row of a derived file (FP16, INT8/INT4 Q/DQ, a TensorRT engine; a
+    file with Q/DQ nodes whose row says ``qdq_without_int8_macs``) cannot be recommended: no
+    current producer record (``export.json``, ``quant_<variant>.json``, ``trt_build_<variant>
+    .json``, :func:`source_of`) names the file it evaluated, so which fp32.onnx and calibration
+    data it was made from is unknown (a file copied from another run, or measured before a
+    re-export replaced the records). None when a record names it, or when that cannot be told
+    here (no ``measured_against.evaluated``, the file changed or is not here, the row is the
+    fp32.onnx itself, another machine's row, or not ok/warn).
+
+    Returns:
+        the reason, ending with the commands to rerun (the producer, then this row's stage).
+    """
+    if row.get("_source") or row.get("status") not in ("ok", "warn"):
+        return None
+    derived = (row.get("backend") == "TensorRT" or str(row.get("precision") or "FP32") != "FP32"
+               or bool(row.get("qdq_without_int8_macs")))
+    against = row.get("measured_against")
+    ent = _entry(against.get("evaluated")) if isinstance(against, dict) else None
+    if not derived or ent is None or not isinstance(row.get("model"), str):
+        return None
+    p = Path(ent["path"])
+    try:
+        if not p.is_file() or file_sha256(p) != ent["sha256"]:
+            return None  # changed or gone: said by staleness() itself
+        if p.resolve() == fp32_onnx_path(row["model"]).resolve():
+            return None
+        if source_of(row["model"], p) is not None:
+            return None
+    except OSError:
+        return None
+    this = rerun_command(row.get("provenance")) or f"the stage of row {row.get('tag')}"
+    return (f"no current record in {model_results(row['model'])} (export.json, "
+            "quant_<variant>.json, trt_build_<variant>.json) names the file evaluated "
+            f"{p} (sha256 {ent['sha256'][:12]}) as its output: which fp32.onnx and calibration "
+            "data it was made from is unknown (copied from another run, or its record was "
+            f"replaced by a rerun); remake it so it is recorded: rerun {_producer(row)} && "
+            f"{this}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 
 import numpy as np
@@ -14,7 +15,8 @@ from onnx import helper, numpy_helper
 
 from deploykit.errors import UsageError
 from deploykit.evaluate import (
-    base_record, batch_plan, diagnose, EvalData, evaluate, latency, run_outputs, summary_line,
+    base_record, batch_plan, diagnose, EvalData, evaluate, latency, run_outputs, score,
+    summary_line,
 )
 from deploykit.results import write_result
 from deploykit.runners import OrtRunner, Runner, TorchRunner
@@ -343,3 +345,91 @@ def test_labels_out_of_range_and_few_classes():
     line = summary_line({"backend": "ORT", "precision": "FP32", "device": "cpu",
                          "accuracy": rec["accuracy"], "n_images": 4})
     assert "top-1 75.00% on 4 images" in line and "top-5" not in line
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 19: a model whose first output is auxiliary: --logits-output chooses the logits
+# --------------------------------------------------------------------------------------------
+def _two_output_model(path, names=("features", "logits")):
+    """x [N, 4] -> (features = x @ F [N, 8], logits = x @ L [N, 5]), seeded weights."""
+    rng = np.random.default_rng(0)
+    g = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "F"], [names[0]], name="feat"),
+         helper.make_node("MatMul", ["x", "L"], [names[1]], name="head")], "g",
+        [helper.make_tensor_value_info("x", 1, ["N", 4])],
+        [helper.make_tensor_value_info(n, 1, ["N", w]) for n, w in zip(names, (8, 5))],
+        [numpy_helper.from_array(rng.standard_normal((4, 8)).astype(np.float32), "F"),
+         numpy_helper.from_array(rng.standard_normal((4, 5)).astype(np.float32), "L")])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8),
+              str(path))
+    return path
+
+
+def _two_output_data(path, ref_names=("features", "logits")):
+    """Own-data samples with the model's true outputs as the reference and the logits' argmax
+    as labels, so top-1 is 100 % on the logits and not on the features."""
+    x = np.random.default_rng(1).standard_normal((16, 4)).astype(np.float32)
+    with OrtRunner(path) as r:
+        out = r.infer({"x": x})
+    feats, logits = out[list(out)[0]], out[list(out)[1]]
+    return EvalData(feed={"x": x}, ref=dict(zip(ref_names, (feats, logits))),
+                    y=logits.argmax(1).astype(np.int64))
+
+
+def _eval_sel(path, data, sel, capsys):
+    with OrtRunner(path) as r:
+        rec, _ = evaluate(r, data, stage="3_onnx_eval", precision="FP32", model="review:two",
+                          tag="ort_two", args=argparse.Namespace(logits_output=sel),
+                          started=time.time(), iters=3, warmup=1, write=False)
+    return rec, capsys.readouterr().err
+
+
+def test_logits_output_chooses_the_output_accuracy_and_parity_come_from(tmp_path, capsys):
+    m = _two_output_model(tmp_path / "two.onnx")
+    default, _ = _eval_sel(m, _two_output_data(m), None, capsys)
+    # the default is unchanged: the first output (here the features) is scored, and named
+    assert default["logits_output"]["output"] == "features"
+    assert "default" in default["logits_output"]["selected_by"]
+    for sel in ("logits", 1):
+        rec, err = _eval_sel(m, _two_output_data(m), sel, capsys)
+        assert rec["accuracy"]["top1"] == 100.0 != default["accuracy"]["top1"]
+        assert rec["parity"] == rec["parity_outputs"]["logits"]
+        assert rec["logits_output"] == {"output": "logits", "reference": "logits",
+                                        "selected_by": f"--logits-output {sel}",
+                                        "matched_by": "name"}
+        assert "WARNING" not in err
+
+
+def test_logits_output_matches_by_index_with_a_warning_naming_both(tmp_path, capsys):
+    """Stage 2 exported (output_0, output_1) while the reference stores (features, logits)."""
+    m = _two_output_model(tmp_path / "two.onnx", names=("output_0", "output_1"))
+    rec, err = _eval_sel(m, _two_output_data(m), "logits", capsys)
+    assert rec["logits_output"]["output"] == "output_1"
+    assert rec["logits_output"]["matched_by"] == "index"
+    assert rec["accuracy"]["top1"] == 100.0
+    (warn,) = [ln for ln in err.splitlines() if "--logits-output" in ln]
+    assert "'output_1' (index 1)" in warn and "reference's 'logits'" in warn
+
+
+@pytest.mark.parametrize("sel, needle", [("nope", "no output of the model or of the reference "
+                                          "has that name (outputs: 0: features, 1: logits"),
+                                         (2, "the model has 2 output(s)")])
+def test_logits_output_that_names_nothing_is_a_usage_error(tmp_path, sel, needle):
+    m = _two_output_model(tmp_path / "two.onnx")
+    data = _two_output_data(m)
+    data.logits_output = sel
+    with OrtRunner(m) as r:
+        out = r.infer(data.feed)
+    with pytest.raises(UsageError, match=re.escape(needle)):
+        score(data, out)
+
+
+def test_logits_output_flag_reads_names_indices_and_the_environment(monkeypatch):
+    stage = load_stage("3_onnx_eval")
+    args = ["--onnx", "x.onnx", "--tag", "t"]
+    assert stage.get_args_parser().parse_args(args).logits_output is None
+    assert stage.get_args_parser().parse_args(args + ["--logits-output", "1"]).logits_output == 1
+    monkeypatch.setenv("LOGITS_OUTPUT", "logits")
+    assert stage.get_args_parser().parse_args(args).logits_output == "logits"
+    with pytest.raises(SystemExit):
+        stage.get_args_parser().parse_args(args + ["--logits-output", " "])

@@ -46,6 +46,14 @@ def files(tmp_path, monkeypatch):
     return f
 
 
+def _record(folder, name, output):
+    """A stage 5 record (``quant_<variant>.json``) whose ``source.output`` names ``output``."""
+    write_json(folder / name, {"stage": "5_quantize", "status": "ok",
+                               "source": {"output": _entry(output), "fp32": None,
+                                          "calibration": None, "onnx": None,
+                                          "made_by": ["python 5_quantize.py --model m int8"]}})
+
+
 def _write(rows, tmp_path):
     folder = tmp_path / "r" / MODEL
     for r in rows:
@@ -64,6 +72,8 @@ def test_changed_reference_or_calibration_makes_a_row_stale_and_names_the_rerun(
             _row("ort_old", None, agree=99.9)]  # a committed row without hashes: unknown
     rows[2].pop("measured_against")
     folder = _write(rows, tmp_path)
+    for name in ("int8", "int8b"):  # the producer records that name both files
+        _record(folder, f"quant_{name}.json", files[f"{name}.onnx"])
     assert not any(is_stale(r) for r in load_rows(folder))
     calib.write_bytes(b"rewritten by a stage 4 rerun")
     loaded = {r["tag"]: r for r in load_rows(folder)}
@@ -111,3 +121,78 @@ def test_rows_of_two_artifacts_folders_are_named(files, tmp_path):
     assert "/art/a (ort_a)" in warn and "/art/b (ort_b)" in warn and "gpu" not in warn
     assert artifacts_warning(MODEL, rows[:1] + rows[2:]) is None
     assert warn in render_markdown(MODEL, rows[:2], None)
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 19: a row whose file no current record names, or whose recorded file is gone, is
+# never the row to ship
+# --------------------------------------------------------------------------------------------
+def _pipeline_rows(tmp_path):
+    """A PyTorch reference row, an ORT FP32 row (10 ms) and a faster INT8 ``warn`` row (2 ms,
+    within the default budget) of files in this run's ARTIFACTS folder."""
+    onnx = tmp_path / "a" / MODEL / "onnx"
+    onnx.mkdir(parents=True)
+    ref = tmp_path / "a" / MODEL / "ref_logits.npz"
+    fp32, int8 = onnx / "fp32.onnx", onnx / "int8.onnx"
+    for p in (ref, fp32, int8):
+        p.write_bytes(p.name.encode())
+    root = str((tmp_path / "a").resolve())
+    pt = _row("pytorch_fp32_cpu", {"reference": _entry(ref)}, backend="PyTorch",
+              precision="FP32", root=root)
+    f32 = _row("ort_fp32", {"reference": _entry(ref), "evaluated": _entry(fp32)},
+               precision="FP32", agree=100.0, root=root, variant="fp32")
+    f32["latency"]["end_to_end_ms"]["p50_ms"] = 10.0
+    i8 = _row("ort_int8", {"reference": _entry(ref), "evaluated": _entry(int8)}, agree=99.5,
+              root=root, variant="int8", status_reason="logits cosine_mean 0.97 < 0.98")
+    i8["status"] = "warn"
+    i8["latency"]["end_to_end_ms"]["p50_ms"] = 2.0
+    return [pt, f32, i8], int8
+
+
+def _ship(rows):
+    from deploykit.verdict import Budget, verdicts
+
+    (v,) = verdicts(rows, Budget())
+    return v["ship"]["tag"] if v["ship"] else None, v
+
+
+def test_a_warn_row_of_a_file_no_record_names_is_stale_and_never_shipped(files, tmp_path):
+    rows, int8 = _pipeline_rows(tmp_path)
+    folder = _write(rows, tmp_path)
+    loaded = load_rows(folder)
+    ship, v = _ship(loaded)
+    assert ship == "ort_fp32", ship  # not the faster INT8 row: nothing says what it came from
+    (why,) = stale_reasons(next(r for r in loaded if r["tag"] == "ort_int8"))
+    assert f"names the file evaluated {int8}" in why
+    # the stage that remakes it (and records it), then this row's own command
+    assert why.index("bash 5_quantize.sh --model m int8") < why.index("3_onnx_eval.py --tag")
+    j = dict((r["tag"], j) for r, j in v["judged"])["ort_int8"]
+    assert not j.eligible and j.why.startswith("stale: no current record")
+    md = render_markdown(MODEL, loaded, None)
+    assert "- ort_int8: no current record" in md and "ship `ort_int8`" not in md
+    assert not is_stale(next(r for r in loaded if r["tag"] == "ort_fp32"))
+    # once stage 5's record names the file, the same row is current and the faster one ships
+    _record(folder, "quant_int8.json", int8)
+    ship, _ = _ship(load_rows(folder))
+    assert ship == "ort_int8"
+    # after a re-quantization the record names another file: the row is stale again
+    _record(folder, "quant_int8.json", files["int8b.onnx"])
+    ship, _ = _ship(load_rows(folder))
+    assert ship == "ort_fp32"
+
+
+def test_a_row_whose_file_was_set_aside_is_stale_not_unknown(files, tmp_path):
+    """A re-export whose FP16 check failed moves fp16.onnx to fp16.stale.onnx: the row of the
+    old file must not stay 'unknown' (and shippable) because its file is no longer there."""
+    rows, int8 = _pipeline_rows(tmp_path)
+    folder = _write(rows, tmp_path)
+    _record(folder, "quant_int8.json", int8)
+    assert _ship(load_rows(folder))[0] == "ort_int8"
+    int8.rename(int8.with_name("int8.stale.onnx"))
+    loaded = load_rows(folder)
+    assert _ship(loaded)[0] == "ort_fp32"
+    (why,) = stale_reasons(next(r for r in loaded if r["tag"] == "ort_int8"))
+    assert why.startswith(f"the file evaluated {int8} is gone") and "5_quantize.sh" in why
+    # the same file path recorded by another ARTIFACTS folder's row stays unknown
+    other = dict(rows[2], provenance=dict(rows[2]["provenance"], artifacts_root="/art/other"))
+    assert staleness(other) == []

@@ -83,7 +83,8 @@ def run_layer_diff(a_onnx: Path | str, b_onnx: Path | str, feed: dict[str, np.nd
                    b_trt: bool = False, trt_build: dict | None = None,
                    tolerances: dict[str, float] | None = None, precision: str | None = None,
                    batch: int | None = None, opt_level: str = "all",
-                   out_dir: Path | str | None = None, title: str | None = None) -> dict:
+                   out_dir: Path | str | None = None, title: str | None = None,
+                   output_map: dict[str, str] | None = None) -> dict:
     """Compare every intermediate tensor of two runs of an ONNX graph and name the first
     divergent layer.
 
@@ -106,13 +107,17 @@ def run_layer_diff(a_onnx: Path | str, b_onnx: Path | str, feed: dict[str, np.nd
             static batch is fed exactly that many (:func:`feed_plan`).
         opt_level: ORT graph optimisation level for both sides.
         out_dir: if given, write ``layerwise.json``/``.md``/``.png`` there.
+        output_map: ``{B output name: A output name}`` for files whose output names differ
+            (``--map-output``): B's output is compared with A's under A's name.
     Returns:
         dict with ``status`` (``ok``/``skipped``), ``tolerances``, ``layers`` (one row per
         reference node in topological order: ``index``, ``node``, ``op_type``, ``tensor``,
         ``b_tensor``, ``status`` pass/fail/unmatched, metrics, ``inputs_agreed``),
         ``first_divergent`` (row + ``inputs_agreed`` + ``verdict`` + node ``detail``) or None,
         ``origins`` (failing nodes whose inputs all agreed), ``final_outputs`` (unmarked runs),
-        ``note`` and, for TensorRT, ``remedies``.
+        ``note``, for TensorRT, ``remedies``, and ``failure``: the one-line reason the diff
+        must fail although no layer may diverge (:func:`failure_reason`: a final output
+        missing from one side, non-finite values), or None.
     Raises:
         StageError: a model cannot be loaded or run. UsageError: bad tolerance/precision.
     """
@@ -154,7 +159,12 @@ def run_layer_diff(a_onnx: Path | str, b_onnx: Path | str, feed: dict[str, np.nd
     else:
         b_final_iter = ort_activations(b_onnx, feed, ep=ep_b, batch=batch, opt_level=opt_level,
                                        mark_all=False)
-    result["final_outputs"] = compare_outputs(a_final, collect_outputs(b_final_iter), tol)
+    output_map = dict(output_map or {})
+    b_final = {output_map.get(k, k): v for k, v in collect_outputs(b_final_iter).items()}
+    result["final_outputs"] = compare_outputs(a_final, b_final, tol)
+    result["final_missing"] = {"in_b": [k for k in a_final if k not in b_final],
+                               "in_a": [k for k in b_final if k not in a_final],
+                               "a_outputs": list(a_final), "b_outputs": list(b_final)}
 
     # Marked runs, compared chunk by chunk so memory stays at one chunk of activations.
     a_iter = ort_activations(a_model, feed, ep=ep_a, batch=batch, opt_level=opt_level)
@@ -164,6 +174,8 @@ def run_layer_diff(a_onnx: Path | str, b_onnx: Path | str, feed: dict[str, np.nd
     b_alias_inv: dict[str, list[str]] = {}
     for t, r in b_alias.items():
         b_alias_inv.setdefault(r, []).append(t)
+    for b_out_name, a_out_name in output_map.items():  # --map-output: B's name for A's tensor
+        b_alias_inv.setdefault(a_out_name, []).insert(0, b_out_name)
     stats: dict[str, TensorStat] = {}
     b_of: dict[str, str | None] = {}
     for (a_out, n), (b_out, _) in zip(a_iter, b_iter):
@@ -187,10 +199,57 @@ def run_layer_diff(a_onnx: Path | str, b_onnx: Path | str, feed: dict[str, np.nd
         result["remedies"] = trt_remedies(result["first_divergent"]["node"], b_onnx, precision,
                                           result["b"].get("tensorrt"), b_engine)
     result["status"] = "ok"
+    result["failure"] = failure_reason(result)
     result["wall_time_s"] = round(time.time() - t0, 3)
     if out_dir:
         write_reports(result, out_dir, title)
     return result
+
+
+def failure_reason(result: dict) -> str | None:
+    """Why a finished diff must exit non-zero whatever its per-layer rows say: one line, or
+    None.
+
+    In this order: a final output of one side that the other does not have (the deployed
+    model's result was never compared; names both sides' outputs and the fix); the first
+    layer, in topological order, whose output holds NaN/Inf on either side (naming the side:
+    a NaN reference means the inputs or A are broken, not B); a final output of B that is
+    NaN/Inf although every marked layer is finite (a fused kernel of the unmarked graph).
+
+    Args:
+        result: :func:`run_layer_diff`'s dict (``layers``, ``final_outputs``,
+            ``final_missing``, ``a``/``b``; ``--map-output`` already applied).
+    """
+    a, b = Path(result["a"]["onnx"]).name, Path(result["b"]["onnx"]).name
+    miss = result.get("final_missing") or {}
+    in_b, in_a = miss.get("in_b") or [], miss.get("in_a") or []
+    if in_b or in_a:
+        side, src, other, dst, names, have = (
+            ("A", a, "B", b, in_b, miss.get("b_outputs")) if in_b else
+            ("B", b, "A", a, in_a, miss.get("a_outputs")))
+        # the --map-output pair that matches them: B's unmatched name = A's unmatched name
+        pair = f"{in_a[0] if in_a else 'B_NAME'}={in_b[0] if in_b else 'A_NAME'}"
+        more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+        return (f"final output {names[0]!r} of {side} ({src}){more} is missing from {other} "
+                f"({dst}, outputs: {', '.join(have or []) or 'none'}): the deployed result was "
+                "never compared; export both with the same output names, or pass "
+                f"--map-output {pair}")
+    for r in result.get("layers") or []:
+        na, nb = r.get("nonfinite_a") or 0, r.get("nonfinite_b") or 0
+        if na or nb:
+            where = ("in both A (the reference) and B" if na and nb else
+                     "in A, the reference itself: check the inputs (NaN in the feed?) and "
+                     f"{a}" if na else f"in B ({b}) where the reference is finite")
+            return (f"first non-finite layer: {r['node']} ({r['op_type']}), output "
+                    f"{r['tensor']!r} holds NaN/Inf {where}; every later comparison is "
+                    "meaningless")
+    for name, f in (result.get("final_outputs") or {}).items():
+        if f.get("nonfinite_b") or f.get("nonfinite_a"):
+            side = f"B ({b})" if f.get("nonfinite_b") else f"A ({a}, the reference)"
+            return (f"final output {name!r} of {side} holds NaN/Inf in the unmarked run "
+                    "(fusions intact) although every marked layer is finite: a fused kernel "
+                    "makes it; rerun with --opt-level disable to confirm")
+    return None
 
 
 def _backend_check(result: dict, a_onnx: Path, b_onnx: Path, feed: dict[str, np.ndarray],

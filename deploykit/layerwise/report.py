@@ -34,6 +34,8 @@ def render_table(result: dict, max_rows: int | None = None) -> str:
         return "\n".join(lines + ["", f"**Skipped:** {result.get('reason')}", ""])
     fd = result.get("first_divergent")
     lines.append("")
+    if result.get("failure"):
+        lines += [f"**FAILED:** {result['failure']}.", ""]
     if fd:
         lines.append(f"**First divergent layer:** `{fd['node']}` ({fd['op_type']}, tensor "
                      f"`{fd['tensor']}`), cosine_min {fmt_value(fd.get('cosine_min'))}, inputs agreed: "
@@ -49,7 +51,7 @@ def render_table(result: dict, max_rows: int | None = None) -> str:
             lines.append(f"- other layers whose inputs agreed but output failed: "
                          f"{', '.join('`%s`' % o for o in result['origins'][1:6])}"
                          + (" ..." if len(result["origins"]) > 6 else ""))
-    else:
+    elif not result.get("failure"):
         lines.append("**No divergent layer:** every compared tensor is within tolerance.")
     for r in result.get("remedies", []):
         lines.append(f"- try: `{r}`")

@@ -77,20 +77,63 @@ def onnx_opset(model, domain: str = "") -> int:
     return max((o.version for o in model.opset_import if o.domain in doms), default=0)
 
 
+#: Operators that compute on quantized data themselves (no Q/DQ pair needed around them).
+QLINEAR_OPS = ("QLinearConv", "QLinearMatMul", "ConvInteger", "MatMulInteger")
+
+
 def detect_precision(model) -> str:
-    """Precision label of an ONNX model: ``INT4`` (4-bit quantized data), ``INT8`` (any Q/DQ or
-    QLinear node), ``FP16`` (most float initializers are float16) or ``FP32``."""
+    """Precision label of an ONNX model, decided by what computes, not by which ops appear.
+
+    ``INT4``: 4-bit quantized initializers. ``INT8``: at least one MAC node (Conv,
+    ConvTranspose, Gemm, MatMul) with 8-bit quantized input and weight
+    (:func:`deploykit.quant.macs.mac_summary`), or a QLinear/Integer op. A file whose Q/DQ
+    nodes quantize no MAC (a dead QuantizeLinear->DequantizeLinear pair, Q/DQ on tensors that
+    feed no MAC op) computes in float and gets the float label: ``FP16`` (most float
+    initializers are float16) or ``FP32``; :func:`precision_note` says why.
+
+    Args:
+        model: an ``onnx.ModelProto``.
+    Returns:
+        ``"INT4"``, ``"INT8"``, ``"FP16"`` or ``"FP32"``.
+    """
     from onnx import TensorProto
 
     ops = {n.op_type for n in model.graph.node}
     inits = list(model.graph.initializer)
     if any(t.data_type in (TensorProto.INT4, TensorProto.UINT4) for t in inits):
         return "INT4"
-    if ops & {"QuantizeLinear", "DequantizeLinear", "QLinearConv", "QLinearMatMul"}:
+    if ops & set(QLINEAR_OPS):
+        return "INT8"
+    if ops & {"QuantizeLinear", "DequantizeLinear"} and _int8_mac_nodes(model):
         return "INT8"
     n16 = sum(t.data_type == TensorProto.FLOAT16 for t in inits)
     n32 = sum(t.data_type == TensorProto.FLOAT for t in inits)
     return "FP16" if n16 > n32 else "FP32"
+
+
+def _int8_mac_nodes(model) -> int:
+    """Number of MAC nodes whose input and weight both come from 8-bit DequantizeLinear."""
+    from deploykit.quant.macs import int8_mac_nodes  # quant.macs builds on this module
+
+    return len(int8_mac_nodes(model))
+
+
+def precision_note(model) -> str | None:
+    """Why a model with Q/DQ nodes is not labelled INT8 by :func:`detect_precision` (None when
+    it has no Q/DQ node, is INT4, or quantizes at least one MAC): the count of Q/DQ nodes and
+    of MAC nodes, all computing in float, with the fix. Worded like stage 5's "0 of N
+    MatMul/Conv/Gemm quantized" warning (:func:`deploykit.quant.record.unquantized_warning`)."""
+    qdq = sum(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in model.graph.node)
+    if not qdq or detect_precision(model) in ("INT8", "INT4"):
+        return None
+    from deploykit.quant.macs import MAC_OPS
+
+    n_mac = sum(n.op_type in MAC_OPS for n in model.graph.node)
+    return (f"{qdq} QuantizeLinear/DequantizeLinear node(s) but 0 of {n_mac} MatMul/Conv/Gemm "
+            "quantized (no MAC has INT8 input and weight: a dead Q/DQ pair, or Q/DQ on tensors "
+            f"that feed no MAC op): the file computes in float, labelled "
+            f"{detect_precision(model)}, not INT8; requantize it (5_quantize.sh) or pass "
+            "--precision INT8 to judge it as INT8 anyway")
 
 
 def constants(model) -> dict[str, np.ndarray]:

@@ -102,11 +102,27 @@ def mac_table(model) -> list[dict]:
                 macs = int(np.prod(y)) * int(a[-1])
         except (IndexError, TypeError):
             macs = None
-        dq_in = [prod.get(i) for i in n.input[:2]]
-        int8 = len(dq_in) == 2 and all(d is not None and d.op_type == "DequantizeLinear"
-                                       and _dq_is_int8(d, consts, prod) for d in dq_in)
-        rows.append({"name": n.name, "op_type": n.op_type, "macs": macs, "int8": bool(int8)})
+        rows.append({"name": n.name, "op_type": n.op_type, "macs": macs,
+                     "int8": _is_int8_mac(n, consts, prod)})
     return rows
+
+
+def _is_int8_mac(n, consts: dict, prod: dict) -> bool:
+    """True when MAC node ``n``'s data input and weight (inputs 0 and 1) both come from 8-bit
+    DequantizeLinear nodes."""
+    dq_in = [prod.get(i) for i in n.input[:2]]
+    return len(dq_in) == 2 and all(d is not None and d.op_type == "DequantizeLinear"
+                                   and _dq_is_int8(d, consts, prod) for d in dq_in)
+
+
+def int8_mac_nodes(model) -> list[str]:
+    """Names of the MAC nodes (:data:`MAC_OPS`) that compute in INT8 (input and weight from
+    8-bit DequantizeLinear, as :func:`mac_table` decides), without shape inference: what
+    :func:`deploykit.onnx.graph.detect_precision` asks. A Q/DQ pair that feeds no MAC node
+    adds none."""
+    consts, prod = constants(model), producers(model)
+    return [n.name for n in model.graph.node
+            if n.op_type in MAC_OPS and _is_int8_mac(n, consts, prod)]
 
 
 def mac_summary(model) -> dict:

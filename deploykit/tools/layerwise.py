@@ -32,6 +32,8 @@ Rerun alone, e.g.::
 Exit status of ``diff``, like diff(1): 0 when no layer diverges (also when TensorRT is
 skipped), 1 when a divergent layer is found (the table and verdict are printed and written
 first; ``--exit-zero`` makes it 0) or on a runtime failure (``FAILED:`` line), 2 usage error.
+A final output missing from one side and NaN/Inf outputs (the first non-finite layer is named)
+are failures: exit 1 with a ``FAILED:`` line, ``--exit-zero`` or not.
 The other subcommands: 0 ok, 1 runtime failure, 2 usage error.
 
 """
@@ -74,7 +76,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("diff", help="layer-wise comparison of two ONNX runs (or TensorRT)",
                        epilog="exit status, like diff(1): 0 no divergent layer (or TensorRT "
                               "skipped), 1 a divergent layer was found (after the table; "
-                              "--exit-zero: 0) or a runtime failure, 2 usage error")
+                              "--exit-zero: 0), a final output missing from one side or "
+                              "NaN/Inf outputs (FAILED: line, whatever --exit-zero) or a "
+                              "runtime failure, 2 usage error")
     d.add_argument("a", type=Path, help="reference ONNX (FP32, ORT)")
     d.add_argument("b", type=Path, help="candidate ONNX (FP16, Q/DQ, same file on another EP, "
                    "or the ONNX of --engine-b)")
@@ -103,6 +107,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     d.add_argument("--map-input", action="append", metavar="B_NAME=A_NAME",
                    help="B's input B_NAME takes A's input A_NAME (files whose input names "
                         "differ; repeatable)")
+    d.add_argument("--map-output", action="append", metavar="B_NAME=A_NAME",
+                   help="B's output B_NAME is compared with A's output A_NAME (files whose "
+                        "output names differ; repeatable)")
     add_inputs(d)
 
     qb = sub.add_parser("quant-backend", help="per layer: quantization error (float vs Q/DQ "
@@ -141,12 +148,32 @@ def get_args_parser() -> argparse.ArgumentParser:
 
 
 def exit_status(args, res) -> int:
-    """The exit status of a finished command: 1 for a ``diff`` that found a divergent layer
-    (unless ``--exit-zero``), else 0."""
-    if getattr(args, "cmd", None) == "diff" and isinstance(res, dict) \
-            and res.get("first_divergent") and not getattr(args, "exit_zero", False):
+    """The exit status of a finished command: 1 for a ``diff`` with a ``failure`` (a final
+    output missing from one side, NaN/Inf outputs: whatever ``--exit-zero`` says) or that found
+    a divergent layer (unless ``--exit-zero``), else 0."""
+    if getattr(args, "cmd", None) != "diff" or not isinstance(res, dict):
+        return 0
+    if res.get("failure"):
+        return 1
+    if res.get("first_divergent") and not getattr(args, "exit_zero", False):
         return 1
     return 0
+
+
+def parse_output_map(pairs: list[str] | None) -> dict[str, str]:
+    """``--map-output B_NAME=A_NAME`` values as ``{B name: A name}``.
+
+    Raises:
+        UsageError: a value without ``=`` or with an empty side.
+    """
+    out = {}
+    for p in pairs or []:
+        b, sep, a = p.partition("=")
+        if not sep or not a or not b:
+            raise UsageError(f"--map-output {p!r}: give B_NAME=A_NAME (B's output name, then "
+                             "A's, e.g. --map-output logits=output)")
+        out[b] = a
+    return out
 
 
 def cli_main(args) -> dict:
@@ -173,7 +200,7 @@ def main(args) -> dict:
                 "fp16": args.trt_fp16 or None, "int8": args.trt_int8 or None},
             tolerances={"atol": args.atol, "rtol": args.rtol, "min_cosine": args.min_cosine},
             precision=args.precision, batch=batch, opt_level=args.opt_level,
-            out_dir=args.out_dir)
+            out_dir=args.out_dir, output_map=parse_output_map(args.map_output))
         print(render_table(res, max_rows=args.max_rows))
         if res.get("status") == "skipped":
             print(f"SKIPPED: {res['reason']}", file=sys.stderr)
@@ -181,6 +208,8 @@ def main(args) -> dict:
             print(f"wrote {', '.join(res.get('files', {}).values())}")
         if res.get("first_divergent"):
             print(f"DIVERGENT: {res.get('verdict')}", file=sys.stderr)
+        if res.get("failure"):
+            print(f"FAILED: {res['failure']}", file=sys.stderr)
         return res
     if args.cmd == "export-check":  # the checks live in export_checks.py
 

@@ -224,3 +224,84 @@ def test_qdq_divergence_blamed_on_ort_optimiser_when_unoptimised_run_agrees(cnn_
     # Without the simulated optimiser fault the check does not run and blames nobody.
     monkeypatch.setattr(layerwise_diff, "ort_activations", real)
     assert run_layer_diff(path, q, feed).get("backend_check") is None
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 19: NaN outputs and a final output missing from one side are failures (exit 1)
+# --------------------------------------------------------------------------------------------
+def _mm_model(path, head="Identity", out="y", w_scale=1.0):
+    """``out = head(relu(x @ W))``, x float32 [N, 4], W [4, 3] seeded (times ``w_scale``);
+    ``head="Sqrt"`` of ``relu(..) - 100``: NaN everywhere."""
+    from onnx import helper
+
+    w = (np.random.default_rng(0).standard_normal((4, 3)) * w_scale).astype(np.float32)
+    nodes = [onnx.helper.make_node("MatMul", ["x", "W"], ["h"], name="mm"),
+             onnx.helper.make_node("Relu", ["h"], ["r"], name="relu")]
+    inits = [numpy_helper.from_array(w, "W")]
+    if head == "Sqrt":
+        inits.append(numpy_helper.from_array(np.array(100, np.float32), "c"))
+        nodes += [helper.make_node("Sub", ["r", "c"], ["rc"], name="shift"),
+                  helper.make_node("Sqrt", ["rc"], [out], name="head")]
+    else:
+        nodes.append(helper.make_node("Identity", ["r"], [out], name="head"))
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", 1, ["N", 4])],
+                          [helper.make_tensor_value_info(out, 1, ["N", 3])], inits)
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8),
+              str(path))
+    return path
+
+
+def _diff_cli(capsys, *argv):
+    """``layerwise.py diff ...`` in this process: (exit status, stderr)."""
+    from deploykit.tools.layerwise import cli_main, get_args_parser
+
+    args = get_args_parser().parse_args(["diff", *map(str, argv)])
+    try:
+        cli_main(args)
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().err
+
+
+def test_diff_fails_when_the_final_output_is_missing_from_one_side_or_nan(tmp_path, capsys):
+    a = _mm_model(tmp_path / "a.onnx")
+    # B: the same layers, then a head that makes every output NaN, under another output name:
+    # every compared layer agreed and the NaN output was never compared (exit 0 before)
+    b = _mm_model(tmp_path / "b.onnx", head="Sqrt", out="logits")
+    code, err = _diff_cli(capsys, a, b, "--input-shape", "x:4,4", "--exit-zero")
+    assert code == 1, err
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("FAILED:")]
+    assert "final output 'y' of A (a.onnx) is missing from B (b.onnx, outputs: logits)" in line
+    assert line.endswith("--map-output logits=y")
+    # the fix it names: now the NaN output is compared, and its first non-finite layer named
+    code, err = _diff_cli(capsys, a, b, "--input-shape", "x:4,4", "--map-output", "logits=y")
+    assert code == 1
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("FAILED:")]
+    assert line.startswith("FAILED: first non-finite layer: head (Identity), output 'y' holds "
+                           "NaN/Inf in B (b.onnx)")
+    # the same files without the fault pass, so the failure is the fault's
+    good = _mm_model(tmp_path / "good.onnx", out="logits")
+    code, err = _diff_cli(capsys, a, good, "--input-shape", "x:4,4", "--map-output", "logits=y")
+    assert code == 0 and "FAILED" not in err, err
+
+
+def test_diff_names_a_nan_reference_as_the_reference_not_the_candidate(tmp_path):
+    a = _mm_model(tmp_path / "a.onnx")
+    feed = {"x": np.full((4, 4), np.nan, np.float32)}
+    res = run_layer_diff(a, a, feed)
+    assert res["failure"].startswith("first non-finite layer: mm (MatMul), output 'h' holds "
+                                     "NaN/Inf in A, the reference itself")
+
+
+def test_failure_reason_names_a_final_output_nan_only_without_marking():
+    from deploykit.layerwise.diff import failure_reason
+
+    res = {"a": {"onnx": "/x/a.onnx"}, "b": {"onnx": "/x/b.onnx"},
+           "layers": [{"node": "mm", "op_type": "MatMul", "tensor": "h", "status": "pass"}],
+           "final_missing": {"in_a": [], "in_b": [], "a_outputs": ["y"], "b_outputs": ["y"]},
+           "final_outputs": {"y": {"status": "fail", "nonfinite_b": 12}}}
+    assert failure_reason(res).startswith("final output 'y' of B (b.onnx) holds NaN/Inf in "
+                                          "the unmarked run")
+    res["final_outputs"]["y"] = {"status": "pass"}
+    assert failure_reason(res) is None

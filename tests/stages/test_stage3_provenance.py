@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 
+import numpy as np
 import pytest
 
 from deploykit.io import sha256_file
@@ -93,3 +94,27 @@ def test_overwriting_a_row_of_another_artifacts_folder_warns(dirs, monkeypatch, 
     err = capsys.readouterr().err
     assert f"was measured in ARTIFACTS={(dirs / 'a').resolve()}" in err
     assert f"measured in ARTIFACTS={(dirs / 'b').resolve()}" in err
+
+
+def test_a_file_whose_qdq_quantizes_no_mac_is_measured_as_float_and_said(dirs, capsys):
+    """Issue 19: a dead QuantizeLinear->DequantizeLinear pair made stage 3 call a float file
+    INT8 (judged in the loose INT8 band); the label now follows the quantized MACs."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    P.reference()
+    fp32, _ = P.export_pair()
+    m = onnx.load(str(fp32))
+    m.graph.initializer.extend([numpy_helper.from_array(np.array(0.1, np.float32), "qs")])
+    m.graph.node.extend([helper.make_node("QuantizeLinear", ["x", "qs"], ["xq"], name="q"),
+                         helper.make_node("DequantizeLinear", ["xq", "qs"], ["xd"], name="dq")])
+    del m.opset_import[:]
+    m.opset_import.extend([helper.make_opsetid("", 19)])
+    dead = fp32.with_name("dead_qdq.onnx")
+    onnx.save(m, str(dead))
+    rec = _run(dead, "ort_dead_qdq")
+    err = capsys.readouterr().err
+    assert rec["precision"] == "FP32" and rec["tolerance"]["band"] == "fp32"
+    assert "0 of 1 MatMul/Conv/Gemm quantized" in rec["qdq_without_int8_macs"]
+    assert "WARNING: dead_qdq.onnx: 2 QuantizeLinear/DequantizeLinear node(s)" in err
+    assert "WARNING: no record in" in err  # still a derived file of unknown source

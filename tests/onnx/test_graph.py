@@ -1,0 +1,68 @@
+"""deploykit.onnx.graph.detect_precision / precision_note: the precision label follows the MACs
+that compute in INT8 (deploykit.quant.macs), not the presence of Q/DQ nodes. Small graphs built
+here: a float MatMul with a dead Q/DQ pair, with Q/DQ on a tensor that feeds no MAC op, with
+Q/DQ on the activation only, and the INT8 MatMul they are not."""
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from deploykit.onnx.graph import detect_precision, precision_note
+
+
+def _model(kind: str, fp16: bool = False):
+    """``y = relu(x) @ W`` (x [N, 4], W [4, 3]) plus the Q/DQ nodes of ``kind``."""
+    ft = TensorProto.FLOAT16 if fp16 else TensorProto.FLOAT
+    dt = np.float16 if fp16 else np.float32
+    w = np.random.default_rng(0).standard_normal((4, 3)).astype(dt)
+    inits = [numpy_helper.from_array(np.array(0.05, dt), "s"),
+             numpy_helper.from_array(np.array(0, np.uint8), "zp")]
+    nodes = []
+    act, weight = "x", "W"
+    if kind == "dead":  # x -> Q -> DQ -> nothing
+        nodes += [helper.make_node("QuantizeLinear", ["x", "s", "zp"], ["xq"], name="q"),
+                  helper.make_node("DequantizeLinear", ["xq", "s", "zp"], ["dead"], name="dq")]
+    if kind in ("no_mac", "act_only", "int8"):  # x -> Q -> DQ -> Relu (not a MAC op)
+        nodes += [helper.make_node("QuantizeLinear", ["x", "s", "zp"], ["xq"], name="q"),
+                  helper.make_node("DequantizeLinear", ["xq", "s", "zp"], ["xd"], name="dq")]
+        act = "xd"
+    nodes.append(helper.make_node("Relu", [act], ["r"], name="relu"))
+    mm_in = "r"
+    if kind in ("act_only", "int8"):  # Q/DQ on the MatMul's data input
+        nodes += [helper.make_node("QuantizeLinear", ["r", "s", "zp"], ["rq"], name="q2"),
+                  helper.make_node("DequantizeLinear", ["rq", "s", "zp"], ["rd"], name="dq2")]
+        mm_in = "rd"
+    if kind == "int8":  # int8 weight with its DequantizeLinear
+        wq = np.clip(np.round(w.astype(np.float32) / 0.05), -127, 127).astype(np.int8)
+        inits += [numpy_helper.from_array(wq, "Wq"),
+                  numpy_helper.from_array(np.array(0, np.int8), "wzp")]
+        nodes.append(helper.make_node("DequantizeLinear", ["Wq", "s", "wzp"], ["Wd"], name="wdq"))
+        weight = "Wd"
+    else:
+        inits.append(numpy_helper.from_array(w, "W"))
+    nodes.append(helper.make_node("MatMul", [mm_in, weight], ["y"], name="mm"))
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", ft, ["N", 4])],
+                          [helper.make_tensor_value_info("y", ft, ["N", 3])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 19)], ir_version=9)
+
+
+@pytest.mark.parametrize("kind", ["dead", "no_mac", "act_only"])
+def test_qdq_without_a_quantized_mac_is_not_int8(kind):
+    m = _model(kind)
+    assert detect_precision(m) == "FP32"
+    note = precision_note(m)
+    assert note.startswith(f"{2 if kind != 'act_only' else 4} QuantizeLinear/Dequantize")
+    assert "0 of 1 MatMul/Conv/Gemm quantized" in note and "labelled FP32, not INT8" in note
+    # the file runs (a real graph ORT accepts), and the label stays float in FP16 too
+    x = np.ones((2, 4), np.float32)
+    ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x})
+    assert detect_precision(_model(kind, fp16=True)) == "FP16"
+
+
+def test_a_quantized_matmul_is_int8_and_a_float_model_has_no_note():
+    m = _model("int8")
+    assert detect_precision(m) == "INT8" and precision_note(m) is None
+    assert detect_precision(_model("float")) == "FP32" and precision_note(_model("float")) is None
