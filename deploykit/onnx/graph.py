@@ -81,6 +81,48 @@ def onnx_opset(model, domain: str = "") -> int:
 QLINEAR_OPS = ("QLinearConv", "QLinearMatMul", "ConvInteger", "MatMulInteger")
 
 
+MAC_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
+
+
+INT8_TYPES = ("int8", "uint8")
+
+
+def dq_is_int8(dq, consts: dict, prod: dict) -> bool:
+    """True when DequantizeLinear ``dq`` dequantizes 8-bit integers (int8/uint8): its constant
+    input's dtype, else its zero point's, else the output type of the QuantizeLinear feeding
+    it (uint8 when it has neither, ONNX's default)."""
+    x = dq.input[0]
+    if x in consts:
+        return consts[x].dtype.name in INT8_TYPES
+    if len(dq.input) > 2 and dq.input[2] in consts:
+        return consts[dq.input[2]].dtype.name in INT8_TYPES
+    q = prod.get(x)
+    if q is not None and q.op_type == "QuantizeLinear":
+        if len(q.input) > 2 and q.input[2] in consts:
+            return consts[q.input[2]].dtype.name in INT8_TYPES
+        od = attr(q, "output_dtype", 0)
+        return od in (0, 2, 3)  # unset (uint8), UINT8, INT8 (onnx.TensorProto)
+    return False
+
+
+def is_int8_mac(n, consts: dict, prod: dict) -> bool:
+    """True when MAC node ``n``'s data input and weight (inputs 0 and 1) both come from 8-bit
+    DequantizeLinear nodes."""
+    dq_in = [prod.get(i) for i in n.input[:2]]
+    return len(dq_in) == 2 and all(d is not None and d.op_type == "DequantizeLinear"
+                                   and dq_is_int8(d, consts, prod) for d in dq_in)
+
+
+def int8_mac_nodes(model) -> list[str]:
+    """Names of the MAC nodes (:data:`MAC_OPS`) that compute in INT8 (input and weight from
+    8-bit DequantizeLinear, as :func:`deploykit.quant.macs.mac_table` decides), without shape inference: what
+    :func:`detect_precision` asks. A Q/DQ pair that feeds no MAC node
+    adds none."""
+    consts, prod = constants(model), producers(model)
+    return [n.name for n in model.graph.node
+            if n.op_type in MAC_OPS and is_int8_mac(n, consts, prod)]
+
+
 def detect_precision(model) -> str:
     """Precision label of an ONNX model, decided by what computes, not by which ops appear.
 
@@ -104,18 +146,11 @@ def detect_precision(model) -> str:
         return "INT4"
     if ops & set(QLINEAR_OPS):
         return "INT8"
-    if ops & {"QuantizeLinear", "DequantizeLinear"} and _int8_mac_nodes(model):
+    if ops & {"QuantizeLinear", "DequantizeLinear"} and int8_mac_nodes(model):
         return "INT8"
     n16 = sum(t.data_type == TensorProto.FLOAT16 for t in inits)
     n32 = sum(t.data_type == TensorProto.FLOAT for t in inits)
     return "FP16" if n16 > n32 else "FP32"
-
-
-def _int8_mac_nodes(model) -> int:
-    """Number of MAC nodes whose input and weight both come from 8-bit DequantizeLinear."""
-    from deploykit.quant.macs import int8_mac_nodes  # quant.macs builds on this module
-
-    return len(int8_mac_nodes(model))
 
 
 def precision_note(model) -> str | None:
@@ -126,8 +161,6 @@ def precision_note(model) -> str | None:
     qdq = sum(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in model.graph.node)
     if not qdq or detect_precision(model) in ("INT8", "INT4"):
         return None
-    from deploykit.quant.macs import MAC_OPS
-
     n_mac = sum(n.op_type in MAC_OPS for n in model.graph.node)
     return (f"{qdq} QuantizeLinear/DequantizeLinear node(s) but 0 of {n_mac} MatMul/Conv/Gemm "
             "quantized (no MAC has INT8 input and weight: a dead Q/DQ pair, or Q/DQ on tensors "

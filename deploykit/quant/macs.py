@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from deploykit.onnx.graph import attr, constants, producers
-
-
-MAC_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
-
-
-INT8_TYPES = ("int8", "uint8")
+# MAC_OPS, INT8_TYPES and int8_mac_nodes are graph queries (deploykit.onnx.graph); here for the
+# modules that count MACs
+from deploykit.onnx.graph import (INT8_TYPES, MAC_OPS, attr, constants,  # noqa: F401
+                                   int8_mac_nodes, is_int8_mac, producers)
 
 
 # --------------------------------------------------------------------------------------------
@@ -45,24 +42,6 @@ def _shapes_at_batch_1(model) -> dict[str, list[int]]:
     for t in m.graph.initializer:
         out[t.name] = list(t.dims)
     return out
-
-
-def _dq_is_int8(dq, consts: dict, prod: dict) -> bool:
-    """True when DequantizeLinear ``dq`` dequantizes 8-bit integers (int8/uint8): its constant
-    input's dtype, else its zero point's, else the output type of the QuantizeLinear feeding
-    it (uint8 when it has neither, ONNX's default)."""
-    x = dq.input[0]
-    if x in consts:
-        return consts[x].dtype.name in INT8_TYPES
-    if len(dq.input) > 2 and dq.input[2] in consts:
-        return consts[dq.input[2]].dtype.name in INT8_TYPES
-    q = prod.get(x)
-    if q is not None and q.op_type == "QuantizeLinear":
-        if len(q.input) > 2 and q.input[2] in consts:
-            return consts[q.input[2]].dtype.name in INT8_TYPES
-        od = attr(q, "output_dtype", 0)
-        return od in (0, 2, 3)  # unset (uint8), UINT8, INT8 (onnx.TensorProto)
-    return False
 
 
 def mac_table(model) -> list[dict]:
@@ -103,26 +82,8 @@ def mac_table(model) -> list[dict]:
         except (IndexError, TypeError):
             macs = None
         rows.append({"name": n.name, "op_type": n.op_type, "macs": macs,
-                     "int8": _is_int8_mac(n, consts, prod)})
+                     "int8": is_int8_mac(n, consts, prod)})
     return rows
-
-
-def _is_int8_mac(n, consts: dict, prod: dict) -> bool:
-    """True when MAC node ``n``'s data input and weight (inputs 0 and 1) both come from 8-bit
-    DequantizeLinear nodes."""
-    dq_in = [prod.get(i) for i in n.input[:2]]
-    return len(dq_in) == 2 and all(d is not None and d.op_type == "DequantizeLinear"
-                                   and _dq_is_int8(d, consts, prod) for d in dq_in)
-
-
-def int8_mac_nodes(model) -> list[str]:
-    """Names of the MAC nodes (:data:`MAC_OPS`) that compute in INT8 (input and weight from
-    8-bit DequantizeLinear, as :func:`mac_table` decides), without shape inference: what
-    :func:`deploykit.onnx.graph.detect_precision` asks. A Q/DQ pair that feeds no MAC node
-    adds none."""
-    consts, prod = constants(model), producers(model)
-    return [n.name for n in model.graph.node
-            if n.op_type in MAC_OPS and _is_int8_mac(n, consts, prod)]
 
 
 def mac_summary(model) -> dict:
