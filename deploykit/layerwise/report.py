@@ -20,6 +20,14 @@ def fmt_value(v: Any, spec: str = ".6f") -> str:
     return str(v)
 
 
+def failing_final_outputs(result: dict) -> list[str]:
+    """Names of the final outputs (unmarked runs: what the deployed model returns) that are
+    out of tolerance (``status`` ``fail``) in a :func:`deploykit.layerwise.diff.run_layer_diff`
+    result."""
+    return [k for k, v in (result.get("final_outputs") or {}).items()
+            if v.get("status") == "fail"]
+
+
 def render_table(result: dict, max_rows: int | None = None) -> str:
     """Markdown: summary, first divergent layer, final outputs and the per-layer table."""
     tol = result.get("tolerances", {})
@@ -51,6 +59,12 @@ def render_table(result: dict, max_rows: int | None = None) -> str:
             lines.append(f"- other layers whose inputs agreed but output failed: "
                          f"{', '.join('`%s`' % o for o in result['origins'][1:6])}"
                          + (" ..." if len(result["origins"]) > 6 else ""))
+    elif not result.get("failure") and failing_final_outputs(result):
+        bad = failing_final_outputs(result)
+        lines.append(f"**No divergent layer when every layer is marked, but the final output "
+                     f"{', '.join('`%s`' % k for k in bad)} is out of tolerance** in the unmarked "
+                     "run (fusions intact): a fused kernel of the deployed graph computes it "
+                     "differently; rerun with --opt-level disable to confirm.")
     elif not result.get("failure"):
         lines.append("**No divergent layer:** every compared tensor is within tolerance.")
     for r in result.get("remedies", []):

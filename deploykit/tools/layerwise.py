@@ -49,7 +49,7 @@ from deploykit.errors import StageError, UsageError
 from deploykit.feeds import feed_plan, input_shape_batch, load_feed, match_inputs
 from deploykit.layerwise.diff import run_layer_diff
 from deploykit.layerwise.quant_backend import quant_backend_table, render_quant_backend
-from deploykit.layerwise.report import render_table
+from deploykit.layerwise.report import failing_final_outputs, render_table
 from deploykit.layerwise.torch_vs_onnx import torch_vs_onnx
 from deploykit.models import build_model, example_inputs
 from deploykit.onnx.graph import load_onnx
@@ -149,15 +149,15 @@ def get_args_parser() -> argparse.ArgumentParser:
 
 def exit_status(args, res) -> int:
     """The exit status of a finished command: 1 for a ``diff`` with a ``failure`` (a final
-    output missing from one side, NaN/Inf outputs: whatever ``--exit-zero`` says) or that found
-    a divergent layer (unless ``--exit-zero``), else 0."""
+    output missing from one side, NaN/Inf outputs: whatever ``--exit-zero`` says), or that found
+    a divergent layer or a final output out of tolerance (unless ``--exit-zero``), else 0."""
     if getattr(args, "cmd", None) != "diff" or not isinstance(res, dict):
         return 0
     if res.get("failure"):
         return 1
-    if res.get("first_divergent") and not getattr(args, "exit_zero", False):
-        return 1
-    return 0
+    if getattr(args, "exit_zero", False):
+        return 0
+    return 1 if res.get("first_divergent") or failing_final_outputs(res) else 0
 
 
 def parse_output_map(pairs: list[str] | None) -> dict[str, str]:
@@ -208,6 +208,10 @@ def main(args) -> dict:
             print(f"wrote {', '.join(res.get('files', {}).values())}")
         if res.get("first_divergent"):
             print(f"DIVERGENT: {res.get('verdict')}", file=sys.stderr)
+        elif failing_final_outputs(res) and not res.get("failure"):
+            print(f"DIVERGENT: final output {', '.join(failing_final_outputs(res))} out of "
+                  "tolerance in the unmarked run although no marked layer diverges (a fused "
+                  "kernel); rerun with --opt-level disable to confirm", file=sys.stderr)
         if res.get("failure"):
             print(f"FAILED: {res['failure']}", file=sys.stderr)
         return res

@@ -305,3 +305,27 @@ def test_failure_reason_names_a_final_output_nan_only_without_marking():
                                           "the unmarked run")
     res["final_outputs"]["y"] = {"status": "pass"}
     assert failure_reason(res) is None
+
+
+def test_a_final_output_out_of_tolerance_fails_the_diff_though_no_marked_layer_diverges():
+    """The deployed (unmarked) output is what ships: out of tolerance there is a divergence
+    even when every marked layer agrees (a fused kernel), exit 1 unless --exit-zero."""
+    from types import SimpleNamespace
+
+    from deploykit.layerwise.report import render_table
+    from deploykit.tools.layerwise import exit_status
+
+    res = {"a": {"onnx": "/x/a.onnx", "backend": "ORT"}, "b": {"onnx": "/x/b.onnx",
+                                                               "backend": "ORT"},
+           "layers": [{"index": 0, "node": "mm", "op_type": "MatMul", "tensor": "h",
+                       "status": "pass", "inputs_agreed": True}],
+           "first_divergent": None, "failure": None,
+           "final_outputs": {"y": {"status": "fail", "cosine_min": 0.5, "max_abs_err": 3.0}}}
+    diff = SimpleNamespace(cmd="diff", exit_zero=False)
+    assert exit_status(diff, res) == 1
+    assert exit_status(SimpleNamespace(cmd="diff", exit_zero=True), res) == 0
+    assert "final output `y` is out of tolerance" in render_table(res)
+    assert "No divergent layer:** every" not in render_table(res)
+    res["final_outputs"]["y"]["status"] = "pass"
+    assert exit_status(diff, res) == 0
+    assert "No divergent layer:** every compared tensor" in render_table(res)
