@@ -3,10 +3,14 @@ flags that exist in the installed TensorRT version.
 """
 from __future__ import annotations
 
-import shlex
+import contextlib
+import json
+import os
 from pathlib import Path
 
 from deploykit.checks.fp16 import keep_fp32_nodes
+from deploykit.commands import run_env, script_argv, shell_line
+from deploykit.layout import model_tag, results_dir
 from deploykit.onnx.graph import load_onnx
 from deploykit.trt.rules import TRT_RULES
 from deploykit.variants import get_variant
@@ -46,10 +50,28 @@ def fp16_remedy_command(layer: str, onnx_path: Path | str) -> list[str]:
         node = next((n for n in m.graph.node if n.name == layer), None)
         if node is not None:
             keep = keep_fp32_nodes(m, [o for o in node.output if o]) or keep
-    # every word shell-quoted: a path with spaces or $(...) pastes back as one argument
-    return [shlex.join(["python", "export_checks.py", "fp16", str(src), "-o", str(dst),
-                        "--keep-fp32", ",".join(keep), *inputs]),
-            shlex.join(["bash", "6_build_engines.sh", "--model", art.name, "fp16"])]
+    # pasteable from any folder (deploykit.commands): the model's name, not its folder's tag
+    # and in the artifacts folder that holds the file
+    model = _model_name(art)
+    env = {**run_env(model), "ARTIFACTS": str(art.parent.resolve()), "MODEL": model}
+    return [shell_line(script_argv("export_checks.py", ["fp16", str(src), "-o", str(dst),
+                                                        "--keep-fp32", ",".join(keep), *inputs]),
+                       env),
+            shell_line(script_argv("6_build_engines.sh", ["--model", model, "fp16"]), env)]
+
+
+def _model_name(art: Path) -> str:
+    """The model whose artifacts folder is ``art``: ``$MODEL`` when its tag is the folder's
+    name, else the ``model`` of its export record (``<RESULTS>/<tag>/export.json``), else the
+    folder's name (a ``pkg.module:factory`` model's folder is ``pkg.module-factory``)."""
+    env = os.environ.get("MODEL")
+    if env and model_tag(env) == art.name:
+        return env
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        rec = json.loads((results_dir() / art.name / "export.json").read_text())
+        if isinstance(rec.get("model"), str) and model_tag(rec["model"]) == art.name:
+            return rec["model"]
+    return art.name
 
 
 def trt_remedies(layer: str, onnx_path: Path | str, precision: str,

@@ -41,11 +41,11 @@ def test_trt_fp16_remedy_command_writes_the_fp16_variant_the_pipeline_uses(user_
     conv = next(n.name for n in bad.graph.node if n.op_type == "Conv")
     onnx.save(convert_fp16(bad)[0], str(onnx_dir / "fp16.onnx"))
     remedies = trt_remedies(conv, onnx_dir / "fp16.onnx", "fp16", "11.0.0")
-    line = next(r for r in remedies if "export_checks.py fp16" in r)
-    cmd = line[line.index("python export_checks.py"):line.index("  # then:")]
+    line = next(r for r in remedies if "export_checks.py' fp16" in r or "export_checks.py fp16" in r)
+    cmd = line[line.index("cd "):line.index("  # then:")]
     assert "autocast" not in line
-    p = subprocess.run(cmd, shell=True, cwd=ROOT, capture_output=True, text=True,
-                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    p = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)))  # pasted in another folder
     assert p.returncode == 0, p.stdout + p.stderr
     out = onnx_dir / "fp16.onnx"
     fixed = onnx.load(str(out))
@@ -56,11 +56,11 @@ def test_trt_fp16_remedy_command_writes_the_fp16_variant_the_pipeline_uses(user_
     res = run_layer_diff(onnx_dir / "fp32.onnx", out, {"input": x})
     assert res["final_outputs"]["output"]["status"] == "pass"
     build = next(r for r in remedies if "6_build_engines.sh" in r).split("# then: ")[1]
-    p = subprocess.run(build.replace("bash 6_build_engines.sh",
-                                     "bash 6_build_engines.sh --dry-run --trt-version 11.0.0"),
-                       shell=True, cwd=ROOT, capture_output=True, text=True,
-                       env=dict(os.environ, ARTIFACTS=str(tmp_path / "a"),
-                                RESULTS=str(tmp_path / "r")))
+    assert build.endswith("6_build_engines.sh --model mymodel fp16"), build
+    p = subprocess.run(build.replace("6_build_engines.sh --model",
+                                     "6_build_engines.sh --dry-run --trt-version 11.0.0 --model"),
+                       shell=True, cwd=tmp_path, capture_output=True, text=True,
+                       env=dict(os.environ, RESULTS=str(tmp_path / "r")))  # ARTIFACTS: the line's
     assert p.returncode == 0 and str(out) in p.stdout, p.stdout + p.stderr
 
 
