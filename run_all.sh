@@ -522,8 +522,17 @@ if [ "$stage" = 0 ] && [ "$stop_stage" = 8 ] && [ -d "$RES_DIR" ] && \
   echo "previous results of $MODEL moved to $prev"
 fi
 
+# what the reference pass (stage 1) runs on
+if [ "$custom" = 1 ]; then
+  eval_data="${INPUTS:-synthetic samples of INPUT_SHAPE (latency only)}"
+  data0="not applicable ($MODEL has its own data)"
+else
+  eval_data="eval split"
+  data0="${VAL_ROOT:-data/imagenet-sample-1k} -> $ART_ROOT/splits.json + cache"
+fi
+
 if want 0; then
-  begin 0 "prepare data: ${VAL_ROOT:-data/imagenet-sample-1k} -> $ART_ROOT/splits.json + cache"
+  begin 0 "prepare data: $data0"
   if classifier_only; then
     run 0_prepare_data python 0_prepare_data.py --model "$MODEL" "${lim[@]}" "${tune[@]}"
   fi
@@ -531,7 +540,7 @@ if want 0; then
 fi
 
 if want 1; then
-  begin 1 "PyTorch FP32 baseline: eval split -> $ART/ref_{logits,outputs}.npz, $RES_DIR/pytorch_fp32_cpu.json"
+  begin 1 "PyTorch FP32 baseline: $eval_data -> $ART/ref_{logits,outputs}.npz, $RES_DIR/pytorch_fp32_cpu.json"
   run 1_pytorch_baseline python 1_pytorch_baseline.py --model "$MODEL" "${lim[@]}" "${timing[@]}" \
     "${shape_args[@]}" "${data_args[@]}" "${weights[@]}"
   end 1

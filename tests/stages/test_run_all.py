@@ -374,6 +374,7 @@ def test_run_all_own_data_flags_paths_and_kind(tmp_path):
     assert p.returncode == 0, p.stderr
     assert f"(own-data: no preprocessing carried" in p.stdout
     assert f"not applicable: {own} has its own data ({user / 'eval.npz'})" in p.stdout
+    assert f"Stage 0: prepare data: not applicable ({own} has its own data)" in p.stdout
     p = subprocess.run(["bash", str(ROOT / "run_all.sh"), "--model", own, "--inputs",
                         "missing.npz"], cwd=user, env=_env(tmp_path), capture_output=True,
                        text=True, timeout=300)
