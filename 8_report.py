@@ -33,7 +33,7 @@ import csv
 import sys
 import time
 from pathlib import Path
-from deploykit.cli import add_shared_args, cli, stage_parser
+from deploykit.cli import add_shared_args, cli, number_in, stage_parser
 from deploykit.errors import StageError
 from deploykit.io import atomic_path, check_writable, load_json
 from deploykit.layout import model_results, results_dir
@@ -60,36 +60,15 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-gpu-rows", action="store_true",
                    help="leave out the GPU rows of results/gpu/<model>/ (shown by default)")
     b = Budget()
-    p.add_argument("--min-agreement", type=_percent, default=b.min_agreement, metavar="PCT",
+    p.add_argument("--min-agreement", type=number_in(0, 100, "a percentage"),
+                   default=b.min_agreement, metavar="PCT",
                    help="verdict budget: top-1 agreement with the PyTorch FP32 logits, %% "
                    "(default %(default)g)")
-    p.add_argument("--max-top1-drop", type=_points, default=b.max_top1_drop, metavar="POINTS",
+    p.add_argument("--max-top1-drop", type=number_in(0, 100, "a number of top-1 points"),
+                   default=b.max_top1_drop, metavar="POINTS",
                    help="verdict budget: top-1 points below the PyTorch FP32 row "
                    "(default %(default)g)")
     return p
-
-
-def _percent(text: str) -> float:
-    """``--min-agreement``: a number in 0..100 (exit 2 otherwise)."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a percentage 0..100 (got {text!r})") from None
-    if not 0 <= v <= 100:
-        raise argparse.ArgumentTypeError(f"must be a percentage 0..100 (got {text})")
-    return v
-
-
-def _points(text: str) -> float:
-    """``--max-top1-drop``: a finite number of top-1 points >= 0 (exit 2 otherwise)."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number of points >= 0 (got {text!r})") \
-            from None
-    if not 0 <= v <= 100:
-        raise argparse.ArgumentTypeError(f"must be a number of points 0..100 (got {text})")
-    return v
 
 
 def main(args: argparse.Namespace) -> Path:

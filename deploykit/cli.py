@@ -278,6 +278,27 @@ def add_shared_args(parser: argparse.ArgumentParser, *names: str) -> argparse.Ar
     return parser
 
 
+def number_in(low: float, high: float, what: str = "a number") -> Callable[[str], float]:
+    """An argparse ``type`` for a bounded float flag: a finite number in ``low..high``, else a
+    usage error (exit 2) naming the flag, e.g. ``argument --min-agreement: must be a percentage
+    0..100 (got 120)``.
+
+    Args:
+        low, high: the inclusive bounds. what: the value's kind in the message.
+    """
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what} {low:g}..{high:g} (got {text!r})") \
+                from None
+        if not low <= v <= high:  # NaN fails too
+            raise argparse.ArgumentTypeError(f"must be {what} {low:g}..{high:g} (got {text})")
+        return v
+    parse.__name__ = f"{what} {low:g}..{high:g}"  # argparse's own messages name the type
+    return parse
+
+
 def check_positive(args: Any, *names: str, allow_zero: Sequence[str] = ()) -> None:
     """Raise :class:`UsageError` unless each numeric flag ``names`` of ``args`` is >= 1 (or >= 0
     for those in ``allow_zero``); None values are skipped.

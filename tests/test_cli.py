@@ -208,3 +208,18 @@ def test_a_full_disk_outside_atomic_writes_names_the_file_and_free_space(tmp_pat
 
     with pytest.raises(OSError):  # other OS errors are not disguised as a full disk
         _run_cli(other, monkeypatch, capsys)
+
+
+def test_number_in_refuses_out_of_range_nan_and_text_naming_the_flag(capsys):
+    import argparse
+
+    from deploykit.cli import number_in
+
+    p = argparse.ArgumentParser(prog="x")
+    p.add_argument("--pct", type=number_in(0, 100, "a percentage"))
+    assert p.parse_args(["--pct", "99.5"]).pct == 99.5
+    for bad in ("120", "-0.1", "nan", "ten"):
+        with pytest.raises(SystemExit) as e:
+            p.parse_args(["--pct", bad])
+        assert e.value.code == 2
+        assert "argument --pct: must be a percentage 0..100" in capsys.readouterr().err
