@@ -22,7 +22,6 @@ from deploykit.cli import (  # noqa: F401
     int_at_least,
     model_arg,
     progress_bar,
-    require,
     stage_parser,
     usable_cpus,
 )
@@ -76,6 +75,7 @@ from deploykit.io import (  # noqa: F401
     file_size_mb,
     load_json,
     load_npz,
+    require,
     sha256_file,
     write_json,
 )

@@ -110,3 +110,30 @@ def test_no_module_over_the_line_limit():
     big = {str(p.relative_to(ROOT)): n for p in files
            if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert big == {}, f"modules over {MAX_LINES} lines (split by concern): {big}"
+
+
+def test_every_name_imported_from_the_package_exists():
+    """``from deploykit.x import name`` in any first-party file (root scripts, package, tests,
+    benchmarks) names something ``deploykit.x`` has: a name moved between modules must be moved
+    in every importer (common.py re-exports dozens)."""
+    import importlib
+
+    files = [*ROOT.glob("*.py"), *PACKAGE.rglob("*.py"), *(ROOT / "tests").rglob("*.py"),
+             *(ROOT / "benchmarks").rglob("*.py")]
+    missing, checked = [], 0
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not (isinstance(node, ast.ImportFrom) and not node.level and node.module
+                    and node.module.split(".")[0] == "deploykit"):
+                continue
+            mod = importlib.import_module(node.module)
+            for a in node.names:
+                checked += 1
+                if a.name != "*" and not hasattr(mod, a.name):
+                    try:  # a submodule: from deploykit.quant import graph
+                        importlib.import_module(f"{node.module}.{a.name}")
+                    except ImportError:
+                        missing.append(f"{path.relative_to(ROOT)}:{node.lineno} "
+                                       f"{node.module}.{a.name}")
+    assert checked > 500
+    assert missing == [], missing
