@@ -39,8 +39,8 @@ from deploykit.io import atomic_path, check_writable
 from deploykit.layout import check_row_tag, model_artifacts, model_results, splits_path
 from deploykit.data.user import (LABELS_KEY, SYNTHETIC_KEY, SYNTHETIC_NOTE, input_names,
                                  load_inputs, load_labels)
-from deploykit.models import (build_model, example_inputs, forward_error, model_spec,
-                              parse_input_shapes)
+from deploykit.models import (RANDOM_INIT_NOTE, build_model, example_inputs, forward_error,
+                              model_spec, parse_input_shapes)
 from deploykit.results import measured_against, write_result
 from deploykit.runners import TorchRunner
 
@@ -173,6 +173,9 @@ def main(args: argparse.Namespace) -> dict:
             size_mb=sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6)
     if not spec.classifier:
         rec["outputs"] = {k: list(v.shape) for k, v in outputs.items()}
+    if args.random_init:  # a score of random weights is no accuracy claim
+        rec["accuracy"] = None
+        rec["reason_accuracy"] = RANDOM_INIT_NOTE
     # A reference holding NaN/Inf makes every later parity meaningless: refused, and the earlier
     # reference and row stay as they were.
     bad = {k: int(np.count_nonzero(~np.isfinite(v))) for k, v in outputs.items()

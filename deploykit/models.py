@@ -514,6 +514,25 @@ def build_model(name: str, weights: Path | str | None = None, pretrained: bool =
                         if f.suffix in (".pth", ".pt", ".bin", ".ckpt", ".safetensors"))
         raise UsageError(f"--weights {weights} is a folder: give the state-dict file itself"
                          + (f" (found there: {', '.join(inside[:5])})" if inside else ""))
+    if not pretrained and weights is None and spec.source != "custom":
+        # Random init is seeded: every stage (1, 2, ...) builds the same random model, so the
+        # ONNX export of stage 2 is compared with the reference stage 1 computed.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(RANDOM_INIT_SEED)
+            return _build(name, spec, None, False)
+    return _build(name, spec, weights, pretrained)
+
+
+#: seed of ``--random-init`` weights (any fixed value: the same model in every stage)
+RANDOM_INIT_SEED = 0
+#: what a row or report says of a model with ``--random-init`` weights
+RANDOM_INIT_NOTE = "random weights (--random-init): no accuracy claim, parity and latency only"
+
+
+def _build(name: str, spec: "ModelSpec", weights: Path | None, pretrained: bool):
+    """:func:`build_model` after the argument checks."""
+    import torch
+
     if spec.source == "timm-offline":
         return build_efficientnet_lite0(weights, pretrained), spec
     if spec.source == "custom":

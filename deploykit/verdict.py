@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from deploykit.models import RANDOM_INIT_NOTE
 from deploykit.results import staleness
 from deploykit.sweep.report import judge as budget_judge
 from deploykit.sweep.report import p50_ms, parity, reference_row, top1
@@ -159,7 +160,9 @@ def budget_text(budget: Budget, ref: dict | None) -> str:
             f"rows without labels: mean cosine >= {budget.min_cosine:g}. Set with "
             "`8_report.py --min-agreement PCT --max-top1-drop POINTS`. Ship = the fastest row "
             "within budget (batch-1 end-to-end p50); failed, skipped, not-run, invalid or stale "
-            "rows and reruns' records are never chosen; PyTorch rows are the reference.")
+            "rows and reruns' records are never chosen; PyTorch rows are the reference."
+            + (f" The reference has {RANDOM_INIT_NOTE}: no row's top-1 is an accuracy claim."
+               if (ref or {}).get("weights") == "random-init" else ""))
 
 
 def _speedup(r: dict, base: dict | None) -> float | None:

@@ -352,3 +352,20 @@ def test_factory_module_in_the_current_folder_is_found(tmp_path, monkeypatch):
     finally:
         models_mod.custom_spec.cache_clear()
         models_mod._factory_model.cache_clear()
+
+
+def test_random_init_is_the_same_model_in_every_stage_and_leaves_the_rng_alone():
+    """Stage 1 and stage 2 each build the --random-init model: unseeded, stage 2 exported
+    another model than the reference (an FP32 ORT row then failed with cosine -0.05)."""
+    import torch
+
+    from deploykit.models import build_model
+
+    for name in ("resnet10t", "resnet18"):  # timm, torchvision
+        torch.manual_seed(123)
+        state = torch.get_rng_state()
+        a, _ = build_model(name, pretrained=False)
+        b, _ = build_model(name, pretrained=False)
+        assert torch.equal(torch.get_rng_state(), state)
+        sa, sb = a.state_dict(), b.state_dict()
+        assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)

@@ -196,3 +196,13 @@ def test_a_row_whose_file_was_set_aside_is_stale_not_unknown(files, tmp_path):
     # the same file path recorded by another ARTIFACTS folder's row stays unknown
     other = dict(rows[2], provenance=dict(rows[2]["provenance"], artifacts_root="/art/other"))
     assert staleness(other) == []
+
+
+def test_budget_line_says_when_the_reference_has_random_weights():
+    from deploykit.sweep.spec import Budget
+    from deploykit.verdict import budget_text
+
+    ref = {"tag": "pytorch_fp32_cpu", "accuracy": None}
+    assert "random weights" not in budget_text(Budget(), ref)
+    text = budget_text(Budget(), {**ref, "weights": "random-init"})
+    assert "random weights (--random-init): no accuracy claim" in text
