@@ -47,6 +47,7 @@ from deploykit.data.splits import (
 )
 from deploykit.errors import StageError, UsageError
 from deploykit.io import check_writable, write_json
+from deploykit.lock import lock_folders
 from deploykit.layout import DEFAULT_DATA, artifacts_dir, model_results, splits_path
 from deploykit.models import model_spec
 from deploykit.results import provenance
@@ -105,6 +106,7 @@ def main(args: argparse.Namespace) -> dict:
                          "--preprocess mean=..,std=..,crop=..")
     # Check the output folders before the long preprocessing, not after it.
     check_writable(artifacts_dir(), model_results(args.model))
+    lock_folders(artifacts_dir(), model_results(args.model))  # one writer per folder
     unread: list[str] = []
     items, layout = list_images(root, args.labels_csv, args.allow_class_subset, unread)
     if unread:

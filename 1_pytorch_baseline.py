@@ -36,6 +36,7 @@ from deploykit.io import require
 from deploykit.errors import StageError, UsageError
 from deploykit.evaluate import EvalData, classifier_data, custom_data, evaluate, summary_line
 from deploykit.io import atomic_path, check_writable
+from deploykit.lock import lock_folders
 from deploykit.layout import check_row_tag, model_artifacts, model_results, splits_path
 from deploykit.data.user import (LABELS_KEY, SYNTHETIC_KEY, SYNTHETIC_NOTE, input_names,
                                  load_inputs, load_labels)
@@ -123,6 +124,7 @@ def main(args: argparse.Namespace) -> dict:
 
     check_positive(args, "batch_size", "latency_batch", "iters", "limit")
     check_writable(model_artifacts(args.model), model_results(args.model))
+    lock_folders(model_artifacts(args.model), model_results(args.model))  # one writer per folder
     check_positive(args, "warmup", "threads", allow_zero=("warmup", "threads"))
     if args.tag is not None:  # checked now, not after the evaluation
         check_row_tag(args.model, args.tag, stage="1_pytorch_baseline")

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Sequence
 
 from deploykit.errors import StageError
+from deploykit.io import check_writable
 
 LOCK_NAME = ".deploykit.lock"
 
@@ -104,7 +105,8 @@ def lock_folders(*folders: Path | str, argv: Sequence[str] | None = None) -> lis
     Returns:
         the lock files now held.
     Raises:
-        StageError (exit 1): a folder is locked by another writer; the message names it, the
+        StageError (exit 1): a folder cannot be created or written (:func:`deploykit.io.check_writable`),
+            or is locked by another writer; the message names it, the
             holder (pid, start time, command line from /proc) and the fix.
     """
     taken: list[str] = []
@@ -113,7 +115,7 @@ def lock_folders(*folders: Path | str, argv: Sequence[str] | None = None) -> lis
         key = str(folder)
         if key in _HELD:
             continue
-        folder.mkdir(parents=True, exist_ok=True)
+        check_writable(folder)  # created when missing; a one-line error when it cannot be
         fd = _open_lock(folder)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

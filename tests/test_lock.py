@@ -83,3 +83,13 @@ def test_symlinked_lock_file_is_refused_not_followed(tmp_path):
     with pytest.raises(StageError, match="symlink"):
         lock_folders(tmp_path)
     assert target.read_text() == "keep"
+
+
+def test_a_folder_that_cannot_be_created_is_one_line_not_a_traceback(tmp_path):
+    from deploykit.errors import StageError
+    from deploykit.lock import lock_folders
+
+    (tmp_path / "file").write_text("")
+    with pytest.raises(StageError, match=r"cannot create .*file/sub .*point ARTIFACTS / RESULTS "
+                                         "at a writable folder"):
+        lock_folders(tmp_path / "file" / "sub")

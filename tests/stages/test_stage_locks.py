@@ -1,4 +1,4 @@
-"""One writer per folder (issue 20): stages 3, 4, 6, 7 and auto_precision.py take the same
+"""One writer per folder (issue 20): stages 0, 1, 3, 4, 6, 7 and auto_precision.py take the same
 per-folder lock as stages 2 and 5: a second writer of a held artifacts or results folder is
 refused at once (exit 1) naming the holder, and the holder's files survive; a child the holder
 starts, and a writer after a killed holder, are not refused."""
@@ -19,6 +19,8 @@ HOLD = ("import sys, time; from deploykit.lock import lock_folders; "
         "lock_folders(*sys.argv[1:]); print('held', flush=True); time.sleep(120)")
 
 WRITERS = {
+    "0_prepare_data": ["0_prepare_data.py", "--model", MODEL],
+    "1_pytorch_baseline": ["1_pytorch_baseline.py", "--model", MODEL],
     "3_onnx_eval": ["3_onnx_eval.py", "--model", MODEL, "--onnx", "x.onnx", "--tag", "ort_x"],
     "4_make_calib": ["4_make_calib.py", "--model", MODEL],
     "6_build_engines": ["6_build_engines.py", "--model", MODEL, "fp16"],
@@ -52,7 +54,7 @@ def test_second_writer_is_refused_naming_the_holder(tmp_path, stage):
              res / "trt_build_fp16.json": b"{}"}
     for f, b in first.items():
         f.write_bytes(b)
-    held = res if stage in ("3_onnx_eval", "7_trt_eval") else art
+    held = res if stage in ("0_prepare_data", "3_onnx_eval", "7_trt_eval") else art
     holder = _hold(held)
     try:
         p = subprocess.run([sys.executable, *WRITERS[stage]], cwd=ROOT, env=_env(tmp_path),
