@@ -275,7 +275,8 @@ resume_cmd() {
   [ -z "${WEIGHTS:-}" ] || envs+=" WEIGHTS=$(printf '%q' "$WEIGHTS")"
   [ -z "${VAL_ROOT:-}" ] || envs+=" VAL_ROOT=$(printf '%q' "$VAL_ROOT")"
   local var
-  for var in INPUT_SHAPE PREPROCESS INPUTS CALIB_INPUTS LABELS; do
+  for var in INPUT_SHAPE PREPROCESS LOGITS_OUTPUT INPUTS CALIB_INPUTS LABELS ALLOW_CLASS_SUBSET \
+             EPS CALIB_BATCH CALIB_STATS_CHECK AUTO_ARGS; do
     [ -z "${!var:-}" ] || envs+=" $var=$(printf '%q' "${!var}")"
   done
   echo "$envs $c"

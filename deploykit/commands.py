@@ -24,8 +24,9 @@ from typing import Any, Mapping, Sequence
 from deploykit.layout import ROOT, artifacts_dir, results_dir
 
 # Environment variables the Python stages read (besides ARTIFACTS/RESULTS, always recorded).
-ENV_KEYS = ("MODEL", "PYTHONPATH", "PREPROCESS", "VAL_ROOT", "WEIGHTS", "TORCH_DEVICE",
-            "ORT_EP", "EPS", "ALLOW_CLASS_SUBSET", "CALIB_BATCH", "TRTEXEC")
+ENV_KEYS = ("MODEL", "PYTHONPATH", "PREPROCESS", "LOGITS_OUTPUT", "VAL_ROOT", "WEIGHTS",
+            "TORCH_DEVICE", "ORT_EP", "EPS", "ALLOW_CLASS_SUBSET", "CALIB_BATCH",
+            "CALIB_STATS_CHECK", "AUTO_ARGS", "TRTEXEC")
 _PATH_KEYS = ("ARTIFACTS", "RESULTS", "VAL_ROOT", "WEIGHTS")
 _PATH_SUFFIXES = (".onnx", ".npz", ".npy", ".plan", ".engine", ".json", ".csv", ".md", ".pt",
                   ".pth", ".txt", ".log", ".yaml", ".yml", ".toml", ".py")

@@ -49,3 +49,17 @@ def test_run_env_has_artifacts_results_and_no_pythonpath_for_a_named_model(tmp_p
     # a file name that does not exist yet still names the file beside the run, not the root
     assert shlex.split(line)[-3:] == ["diff", os.path.abspath("a.onnx"),
                                       os.path.abspath("b.onnx")]
+
+
+def test_rerun_environment_keeps_every_setting_that_changes_the_result(monkeypatch):
+    """A pasted rerun that dropped LOGITS_OUTPUT measured the auxiliary head instead of the
+    logits; CALIB_STATS_CHECK / AUTO_ARGS / ALLOW_CLASS_SUBSET change stage 0/5 likewise."""
+    from deploykit.commands import run_env
+
+    for k, v in {"LOGITS_OUTPUT": "1", "CALIB_STATS_CHECK": "0", "ALLOW_CLASS_SUBSET": "1",
+                 "AUTO_ARGS": "--min-agreement 99 --min-cosine 0.998"}.items():
+        monkeypatch.setenv(k, v)
+    env = run_env("efficientnet_lite0")
+    assert env["LOGITS_OUTPUT"] == "1" and env["CALIB_STATS_CHECK"] == "0"
+    assert env["ALLOW_CLASS_SUBSET"] == "1"
+    assert env["AUTO_ARGS"] == "--min-agreement 99 --min-cosine 0.998"
