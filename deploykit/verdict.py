@@ -106,8 +106,10 @@ def judge_row(r: dict, ref: dict | None, budget: Budget) -> Judgement:
         why = _first_line(r.get("status_reason") or r.get("reason"))
         return Judgement(False, False, f"{st}" + (f": {why}" if why else ""))
     reasons = staleness(r)  # the files on disk are no longer what the row measured
-    if reasons:
-        return Judgement(False, False, "stale: " + "; ".join(reasons))
+    if reasons:  # the commands that remake it are in the report's Stale rows section, whole
+        return Judgement(False, False, "stale: " + "; ".join(x.split(": rerun ", 1)[0]
+                                                            for x in reasons)
+                         + " (the commands that remake it: Stale rows, below)")
     if p50_ms(r) is None:
         return Judgement(False, False, "no batch-1 latency")
     ok, why = budget_judge(r, ref, budget)
@@ -225,7 +227,8 @@ def render_verdicts(vs: list[dict], budget: Budget) -> str:
             lines.append(f"- **{g}: no row to ship**: none of its {len(measured)} measured "
                          "rows is within budget (below).")
         else:
-            lines.append(f"- **{g}: no row to ship**: no row of it ran (below).")
+            lines.append(f"- **{g}: no row to ship**: no row of it is eligible (failed, "
+                         "skipped, not run or stale: below).")
         p_ship, s_ship = (p50_ms(ship), _size(ship)) if ship is not None else (None, None)
         rest = []
         for r, j in measured:
@@ -257,5 +260,18 @@ def render_verdicts(vs: list[dict], budget: Budget) -> str:
                 by_why.setdefault(j.why, []).append(r["tag"])
         for why, tags in by_why.items():
             lines.append(f"  - not eligible ({len(tags)}): " + ", ".join(f"`{t}`" for t in tags)
-                         + f": {why[:300]}")
+                         + f": {_clip(why, 300)}")
     return "\n".join(lines) + "\n\n"
+
+
+def _clip(text: str, n: int) -> str:
+    """``text`` cut to at most about ``n`` characters at a clause or word boundary, with an
+    ellipsis (the whole text is in the row's JSON and REPORT.csv)."""
+    if len(text) <= n:
+        return text
+    cut = text[:n]
+    for sep in ("; ", ", ", " "):
+        i = cut.rfind(sep)
+        if i > n // 2:
+            return cut[:i] + " ..."
+    return cut + " ..."

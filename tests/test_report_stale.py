@@ -206,3 +206,22 @@ def test_budget_line_says_when_the_reference_has_random_weights():
     assert "random weights" not in budget_text(Budget(), ref)
     text = budget_text(Budget(), {**ref, "weights": "random-init"})
     assert "random weights (--random-init): no accuracy claim" in text
+
+
+def test_the_verdict_names_why_a_row_is_stale_but_leaves_its_commands_whole_to_stale_rows(
+        monkeypatch):
+    """A rerun command cut at a fixed width left an unbalanced quote in the Verdict."""
+    import deploykit.verdict as verdict
+    from deploykit.sweep.spec import Budget
+
+    cmd = "cd /repo && PYTHONPATH='/tmp/it'\"'\"'s $(touch x)' python 3_onnx_eval.py"
+    monkeypatch.setattr(verdict, "staleness", lambda r: [
+        f"the reference /a/ref.npz has changed since this row was measured: rerun {cmd}"])
+    j = verdict.judge_row({"tag": "ort_fp32", "status": "ok"}, None, Budget())
+    assert not j.eligible
+    assert j.why == ("stale: the reference /a/ref.npz has changed since this row was measured "
+                     "(the commands that remake it: Stale rows, below)")
+    long = "; ".join(f"reason {i} with words" for i in range(40))
+    clipped = verdict._clip(long, 100)
+    assert len(clipped) <= 104 and clipped.endswith(" ...") and "; reason" in clipped
+    assert verdict._clip("short", 100) == "short"

@@ -358,7 +358,8 @@ def test_a_failed_or_rerun_row_is_never_shipped_and_a_device_without_eligible_ro
     assert "  - not eligible (1): `ort_int8_hp32`: failed: cosine_min 0.2 < 0.9" in md
     assert "a rerun's record (ort_fp16.failed.json)" in md
     trt = _verdict_line(md, "TensorRT")
-    assert trt == "- **TensorRT: no row to ship**: no row of it ran (below)."
+    assert trt == ("- **TensorRT: no row to ship**: no row of it is eligible (failed, skipped, "
+                   "not run or stale: below).")
     lines = [ln for ln in md.splitlines() if skip in ln and "not eligible" in ln]
     assert lines == [f"  - not eligible (3): `trt_fp32`, `trt_fp16`, `trt_int8`: skipped: {skip}"]
 
