@@ -56,7 +56,7 @@ def cli(get_args_parser: Callable[[], Any], main: Callable[[Any], Any]) -> None:
     except MemoryError as e:
         sizing = [f"--{n.replace('_', '-')} {getattr(args, n)}" for n in
                   ("batch_size", "latency_batch", "limit") if getattr(args, n, None)]
-        print(f"{parser.prog}: FAILED: out of memory ({e or 'MemoryError'}); "
+        print(f"{parser.prog}: FAILED: out of memory ({str(e) or 'MemoryError, no details'}); "
               + (f"this run asked for {', '.join(sizing)}: lower the batch sizes" if sizing
                  else "close other programs or use a machine with more memory")
               + ". Files written before stay as they were (each is written whole or not at "

@@ -733,10 +733,29 @@ def forward_error(model_name: str, model, feed: dict[str, np.ndarray], e: Except
     shape_error = mismatch or isinstance(e, (TypeError, RuntimeError))
     msg = (f"--model {model_name}: forward() fails on {given} "
            f"({type(e).__name__}: {first}){where}{exp if shape_error else ''}")
+    wide = _float_inputs_wider_than_model(model, feed)
+    if wide and isinstance(e, (TypeError, RuntimeError)):  # a dtype, not a shape, problem
+        return UsageError(f"--model {model_name}: forward() fails on {given} ({type(e).__name__}: "
+                          f"{first}): input {', '.join(wide)} is wider than the model's "
+                          f"parameters: cast it (x.astype(np.float32)) in {flag}")
     if shape_error:
         return UsageError(f"{msg}; give one {flag} per forward() argument, in order, with the "
                           "model's input shape (the batch first) and dtype")
     return StageError(f"{msg}; the model's own code raised: fix it (the line above), then rerun")
+
+
+def _float_inputs_wider_than_model(model, feed: dict[str, np.ndarray]) -> list[str]:
+    """Names (``name (float64)``) of float inputs of a wider dtype than the model's first float
+    parameter (a float64 ``.npz`` fed to a float32 model)."""
+    import torch
+
+    p = next((t for t in model.parameters() if t.is_floating_point()), None) if hasattr(
+        model, "parameters") else None
+    if p is None:
+        return []
+    width = torch.finfo(p.dtype).bits
+    return [f"{k} ({v.dtype})" for k, v in feed.items()
+            if np.issubdtype(v.dtype, np.floating) and np.dtype(v.dtype).itemsize * 8 > width]
 
 
 def _main(argv: Sequence[str] | None = None) -> int:

@@ -62,6 +62,13 @@ def test_out_of_memory_is_a_message_naming_the_batch_flags(monkeypatch, capsys):
     assert "--latency-batch 100000" in err and "lower the batch sizes" in err
     assert "Traceback" not in err
 
+    def bare(args):  # a MemoryError with no text (allocators raise it so): no empty "()"
+        raise MemoryError()
+
+    _cli(bare, ["--batch-size", "36"], monkeypatch)
+    err = capsys.readouterr().err
+    assert "out of memory (MemoryError, no details); this run asked for --batch-size 36" in err
+
 
 def test_ctrl_c_of_a_stage_is_a_message_and_exit_130(monkeypatch, capsys):
     def main(args):

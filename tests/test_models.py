@@ -369,3 +369,23 @@ def test_random_init_is_the_same_model_in_every_stage_and_leaves_the_rng_alone()
         assert torch.equal(torch.get_rng_state(), state)
         sa, sb = a.state_dict(), b.state_dict()
         assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_a_float64_input_is_named_as_a_dtype_problem_with_the_cast():
+    """A float64 .npz was blamed on the first layer's channels."""
+    import torch
+
+    from deploykit.errors import UsageError
+    from deploykit.models import forward_error
+
+    m = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3))
+    for dtype, wide in ((np.float64, True), (np.float32, False)):
+        x = np.zeros((2, 1 if not wide else 3, 8, 8), dtype)  # float32: a real channel error
+        try:
+            m(torch.from_numpy(x))
+        except RuntimeError as e:
+            err = forward_error("my:f", m, {"x": x}, e, flag="--inputs")
+        assert isinstance(err, UsageError)
+        assert ("input x (float64) is wider than the model's parameters: cast it "
+                "(x.astype(np.float32)) in --inputs" in str(err)) == wide
+        assert ("expects 3 channels on axis 1" in str(err)) == (not wide)
