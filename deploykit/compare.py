@@ -309,6 +309,42 @@ def row_verdict(precision: str, parities: dict[str, dict] | None,
     return {"status": status, "status_reason": "; ".join(failed + warn) or None,
             "tolerance": {"band": band, "bounds": bounds}}
 
+def row_parities(rec: dict) -> dict[str, dict] | None:
+    """``{output name: parity}`` a row is judged on: its ``parity_outputs``, else its
+    ``parity`` under the output it compared (``output_used``); None without parity."""
+    if rec.get("parity_outputs"):
+        return rec["parity_outputs"]
+    if rec.get("parity"):
+        return {rec.get("output_used") or "output": rec["parity"]}
+    return None
+
+
+_STATUS_RANK = {"ok": 0, "warn": 1, "failed": 2}
+
+
+def rejudge_row(rec: dict) -> dict:
+    """A row read back (stage 8) whose recorded ``ok``/``warn`` is better than its own parity
+    allows under :data:`ROW_TOLERANCES` (a row written before a row's status followed its
+    parity, or by a tool that did not judge it): ``status`` and ``status_reason`` become the
+    parity's verdict, with a note that the report re-judged it. Other rows are returned as they
+    are. Updates ``rec`` in place and returns it."""
+    if rec.get("status") not in ("ok", "warn") or not isinstance(rec.get("precision"), str):
+        return rec
+    pars = row_parities(rec)
+    if not pars and not rec.get("nonfinite_outputs"):
+        return rec
+    try:
+        v = row_verdict(rec["precision"], pars, rec.get("nonfinite_outputs"))
+    except (TypeError, ValueError, AttributeError):  # a row of another shape: left alone
+        return rec
+    if _STATUS_RANK[v["status"]] > _STATUS_RANK[rec["status"]]:
+        was = rec.get("status_reason") or rec.get("reason")
+        rec.update(status=v["status"], status_reason=(
+            f"{v['status_reason']} (re-judged by the report from the row's parity: the row "
+            f"says {rec['status']}; rerun its stage)" + (f"; {was}" if was else "")))
+    return rec
+
+
 #: One backend against another on the same graph (a Q/DQ model on ORT optimised vs unoptimised,
 #: or on two EPs), read by ``layerwise.py quant-backend`` and the stage-3 backend cross-check.
 #: A backend reproduces a Q/DQ graph when every tensor stays, on average, well within one

@@ -49,7 +49,8 @@ import numpy as np
 from deploykit.cli import progress_bar
 from deploykit.commands import script_command
 from deploykit.checks.input_probe import probe_input_convention
-from deploykit.compare import match_outputs, parity, row_tolerance, row_verdict, topk_accuracy
+from deploykit.compare import (match_outputs, parity, row_parities, row_tolerance, row_verdict,
+                               topk_accuracy)
 from deploykit.data.images import normalize
 from deploykit.data.splits import align_reference, load_split
 from deploykit.errors import StageError, UsageError
@@ -471,12 +472,7 @@ def judge(rec: dict, next_step: str | None = None) -> dict:
     Returns:
         ``rec``, updated in place.
     """
-    if rec.get("parity_outputs"):
-        pars = rec["parity_outputs"]
-    elif rec.get("parity"):
-        pars = {rec.get("output_used") or "output": rec["parity"]}
-    else:
-        pars = None
+    pars = row_parities(rec)
     if not pars and not rec.get("nonfinite_outputs"):
         return rec
     v = row_verdict(rec["precision"], pars, rec.get("nonfinite_outputs"))

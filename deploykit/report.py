@@ -6,6 +6,7 @@ import io
 import json
 import sys
 from pathlib import Path
+from deploykit.compare import rejudge_row
 from deploykit.evaluate import primary_latency
 from deploykit.io import atomic_path
 from deploykit.layout import model_tag, results_dir
@@ -145,7 +146,7 @@ def load_rows(folder: Path) -> list[dict]:
                 rec, dict) else "?", "?", "", tag, status="invalid",
                 reason=f"{f.name}: {problem}; rerun the stage that wrote it")
         rec["_file"] = f.name
-        rows.append(rec)
+        rows.append(rejudge_row(rec))  # a row's status follows its parity, also an old row's
     # The Q/DQ health check of the file a row ran (stages 5/5b record it in quant_<variant>.json).
     for rec in rows:
         q = folder / f"quant_{_variant(rec)}.json"

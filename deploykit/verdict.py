@@ -260,7 +260,7 @@ def render_verdicts(vs: list[dict], budget: Budget) -> str:
                 by_why.setdefault(j.why, []).append(r["tag"])
         for why, tags in by_why.items():
             lines.append(f"  - not eligible ({len(tags)}): " + ", ".join(f"`{t}`" for t in tags)
-                         + f": {_clip(why, 300)}")
+                         + f": {_clip(why, 450)}")
     return "\n".join(lines) + "\n\n"
 
 

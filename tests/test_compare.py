@@ -176,3 +176,23 @@ def test_row_verdict_fails_on_nonfinite_outputs_and_judges_every_output():
     v = row_verdict("FP32", {"a": good, "b": {"cosine_min": float("nan"), "cosine_mean": 1.0}})
     assert v["status"] == "failed" and "b cosine_min nan (not finite)" in v["status_reason"]
     assert row_verdict("FP32", None)["status"] == "ok"
+
+
+def test_an_old_row_saying_ok_against_its_own_parity_is_rejudged_failed():
+    """The committed GPU rows (written before a row's status followed parity) said ok at 0.1 %
+    agreement; the report judges every row it reads by its parity."""
+    from deploykit.compare import rejudge_row
+
+    bad = {"status": "ok", "precision": "INT8", "status_reason": "ok; BACKEND DISAGREEMENT",
+           "parity": {"cosine_mean": 0.03, "cosine_min": -0.2, "top1_agreement": 0.1}}
+    r = rejudge_row(dict(bad))
+    assert r["status"] == "failed"
+    assert r["status_reason"].startswith("output cosine_mean 0.03 < 0.9 (INT8 failed bound)")
+    assert "re-judged by the report from the row's parity: the row says ok" in r["status_reason"]
+    assert r["status_reason"].endswith("; ok; BACKEND DISAGREEMENT")
+    good = dict(bad, parity={"cosine_mean": 0.9999, "cosine_min": 0.999, "top1_agreement": 99.9})
+    assert rejudge_row(dict(good))["status"] == "ok"
+    skipped = dict(bad, status="skipped")  # only ok/warn rows are re-judged, never made better
+    assert rejudge_row(dict(skipped))["status"] == "skipped"
+    failed = dict(good, status="failed")
+    assert rejudge_row(dict(failed))["status"] == "failed"
