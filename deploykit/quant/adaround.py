@@ -493,12 +493,13 @@ def adaround(fp32: onnx.ModelProto, qmodel: onnx.ModelProto, x: np.ndarray,
         log["seconds"] = round(time.time() - t1, 2)
         logs.append(log)
         if progress:
-            progress(f"adaround {L.node:24s} {L.op}{'/dw' if L.attrs.get('group', 1) > 1 else ''}"
-                     f" P={log['positions']:5d} B={log['batch']:4d} loss nearest {log['loss_nearest']:.5g} -> "
-                     f"adaround {log['loss_adaround']:.5g}"
+            kind = L.op + ("/dw" if L.attrs.get("group", 1) > 1 else "")
+            progress(f"adaround {L.node:24s} {kind} P={log['positions']:5d} B={log['batch']:4d}"
+                     f" loss nearest {log['loss_nearest']:.5g} -> adaround "
+                     f"{log['loss_adaround']:.5g}"
                      f"{' (kept nearest)' if log['kept_nearest'] else ''}"
-                     f" changed {log['changed_pct']:.1f}% binary {log['h_binary_pct']:.0f}% [{log['seconds']:.1f}s, capture "
-                     f"{log['capture_s']:.1f}s]")
+                     f" changed {log['changed_pct']:.1f}% binary {log['h_binary_pct']:.0f}%"
+                     f" [{log['seconds']:.1f}s, capture {log['capture_s']:.1f}s]")
     secs = time.time() - t0
     if progress:
         progress(f"adaround: {len(logs)} layers, {sum(r['kept_nearest'] for r in logs)} kept "
