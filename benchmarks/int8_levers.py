@@ -34,8 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import common  # noqa: E402
-from deploykit.quant import (act_calibration, bias_correction, equalization, graph,  # noqa: E402
-                             metrics, mixed_precision, ort_static)
+from deploykit.quant import (act_calibration, adaround, bias_correction, equalization,  # noqa: E402
+                             graph, metrics, mixed_precision, ort_static)
 
 MODEL = os.environ.get("INT8Q_MODEL", "efficientnet_lite0")  # real Lite0 weights only
 ART = Path(common.model_artifacts(MODEL))
@@ -148,7 +148,9 @@ def base_fp(name: str) -> Path:
 
 
 def with_levers(out: Path, base: Path, calib: str | None = None, bc_passes: int = 0,
-                float_nodes=(), fp_path: Path = FP32) -> dict:
+                float_nodes=(), fp_path: Path = FP32, ada: bool = False) -> dict:
+    """Levers in this order: float nodes, activation ranges, AdaRound (weights rounded on the
+    calibration images with those ranges), bias correction (measured on the rounded weights)."""
     onnx = _onnx()
     fp = onnx.load(str(fp_path))
     q = onnx.load(str(base))
@@ -159,6 +161,11 @@ def with_levers(out: Path, base: Path, calib: str | None = None, bc_passes: int 
     if calib:
         q, rec = act_calibration.calibrate(fp, q, data()["calib"], calib)
         info["act_calibration"] = calib
+    if ada:
+        q, alog = adaround.adaround(fp, q, data()["calib"], ADA_CFG)
+        info["adaround"] = {"mode": alog["mode"], "seconds": alog["seconds"],
+                            "config": alog["config"], "skipped": alog["skipped"],
+                            "layers": alog["layers"]}
     if bc_passes:
         q, log = bias_correction.bias_correct(fp, q, data()["calib"])
         info["bias_correction"] = {"mode": "sequential", "layers": len(log),
@@ -207,14 +214,18 @@ def _(out):
     return {"quantize_static": {"op_types": ["Conv", "Gemm", "Clip", "Relu"]}}
 
 
-def _lever(base, calib=None, bc=False, float_from=None):
+def _lever(base, calib=None, bc=False, float_from=None, ada=False):
     def f(out):
         fl = ()
         if float_from:
             fl = json.loads((OUTDIR / f"search_{float_from}.json").read_text())["float_nodes"]
         return with_levers(out, cached_base(base), calib=calib, bc_passes=int(bc),
-                           float_nodes=fl, fp_path=base_fp(base))
+                           float_nodes=fl, fp_path=base_fp(base), ada=ada)
     return f
+
+
+# AdaRound (Nagel et al. 2020) settings of the recipes below; INT8Q_ADA_ITERS overrides iters
+ADA_CFG = adaround.Config(iters=int(os.environ.get("INT8Q_ADA_ITERS", 500)))
 
 
 def _tag(m):
@@ -388,6 +399,21 @@ for _b in BASES:
                              (" + bias correction" if _bc else "") +
                              ", + the nodes of search_" + _b + ".json kept float (<= 10 % MACs)",
                              _lever(_b, _m, _bc, float_from=_b))
+
+
+# AdaRound: on the all-INT8 base, and before bias correction on the best points (same float
+# nodes and activation ranges as mp_cg_mse_bc / mp_cg_percentile99_999_bc)
+RECIPES["ort_cg_ar"] = ("ort_cg + AdaRound (weights rounded on the calibration images, "
+                        "sequential, Nagel et al. 2020)", _lever("cg", ada=True))
+RECIPES["ort_cg_ar_bc"] = ("ort_cg + AdaRound + bias correction", _lever("cg", None, True,
+                                                                         ada=True))
+for _m in ("mse", "percentile:99.999"):
+    RECIPES[f"mp_cg_{_tag(_m)}_ar_bc"] = (
+        f"ort_cg + {_m} ranges + AdaRound + bias correction, + the nodes of search_cg.json kept "
+        "float (<= 10 % MACs)", _lever("cg", _m, True, float_from="cg", ada=True))
+    RECIPES[f"mp_cg_{_tag(_m)}_ar"] = (
+        f"ort_cg + {_m} ranges + AdaRound, + the nodes of search_cg.json kept float "
+        "(<= 10 % MACs)", _lever("cg", _m, False, float_from="cg", ada=True))
 
 
 # ------------------------------------------------------------------------------------------
