@@ -204,7 +204,9 @@ def main(args: argparse.Namespace) -> dict:
         base["fp16_computed_in"] = "FP32 (ORT CPU EP: Casts around ops without FP16 kernels)"
     next_step = diff_command(args.model, fp32_onnx_path(args.model), onnx_path, precision,
                              model_results(args.model) / f"layerwise_{args.tag}",
-                             classifier=spec.classifier, ep=args.ep)
+                             classifier=spec.classifier, ep=args.ep,
+                             inputs=args.inputs or (ref_outputs_path(args.model)
+                                                    if not spec.classifier else None))
     with runner:
         if data.classifier:
             data.input_name = runner.input_names[0]

@@ -238,7 +238,9 @@ def main(args) -> dict | None:
     onnx_b = args.onnx or (art / "onnx" / variant.onnx_file if variant else args.engine)
     next_step = diff_command(args.model, fp32_onnx_path(args.model), onnx_b, _precision(args),
                              model_results(args.model) / f"layerwise_{args.tag}",
-                             classifier=spec.classifier, engine=args.engine)
+                             classifier=spec.classifier, engine=args.engine,
+                             inputs=getattr(args, "inputs", None) or (
+                                 ref_outputs_path(args.model) if not spec.classifier else None))
     with TrtRunner(args.engine, args.device, dla_core=dla_core) as r:
         if data.classifier:
             data.input_name = r.input_names[0]

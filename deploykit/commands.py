@@ -96,6 +96,8 @@ def run_env(model: str | None = None, cwd: Path | str | None = None) -> dict[str
         if not v or k == "PYTHONPATH":
             continue
         env[k] = str(Path(os.path.abspath(cwd / v))) if k in _PATH_KEYS else v
+    if model and "MODEL" in env:  # the command's model, not env.sh's default beside it
+        env["MODEL"] = str(model)
     pp = [str(Path(os.path.abspath(cwd / e))) for e in
           os.environ.get("PYTHONPATH", "").split(os.pathsep) if e]
     if _is_factory(model) and str(cwd.resolve()) not in pp and str(cwd) not in pp:

@@ -20,6 +20,23 @@ from deploykit.onnx.graph import graph_inputs, load_onnx, static_batch
 # --------------------------------------------------------------------------------------------
 # Inputs for the CLI
 # --------------------------------------------------------------------------------------------
+#: key prefix of the inputs in stage 1's reference file of a model with its own data
+#: (``ref_outputs.npz``: ``in:<input>``, ``out:<output>``, ``meta:*``)
+REF_INPUT_PREFIX = "in:"
+
+
+def _reference_input_keys(npz: Path | str) -> list[str] | None:
+    """The ``in:*`` keys when ``npz`` is stage 1's reference file (so its outputs and metadata
+    are not read as inputs), else None (every key). An unreadable file is left to
+    :func:`deploykit.io.load_npz`, which names the problem."""
+    try:
+        with np.load(npz) as z:
+            keys = [k for k in z.files if k.startswith(REF_INPUT_PREFIX)]
+    except Exception:  # noqa: BLE001 - load_npz gives the one-line error
+        return None
+    return keys or None
+
+
 def load_feed(npz: Path | str | None, model: str | None, n: int, onnx_path: Path | str,
               input_shapes: Sequence[str] | None = None, seed: int = 0, flag: str = "--inputs"
               ) -> dict[str, np.ndarray]:
@@ -48,8 +65,10 @@ def load_feed(npz: Path | str | None, model: str | None, n: int, onnx_path: Path
     ins = graph_inputs(m)
     names = [name for name, _, _ in ins]
     if npz:
-        feed = load_npz(npz, None, "np.savez(path, <input name>=array, ...)", flag=flag,
-                        feed=True)
+        feed = load_npz(npz, _reference_input_keys(npz), "np.savez(path, <input name>=array, "
+                        "...)", flag=flag, feed=True)
+        # stage 1's reference of a model with its own data (ref_outputs.npz): its inputs
+        feed = {k.removeprefix(REF_INPUT_PREFIX): v for k, v in feed.items()}
         missing = [k for k in names if k not in feed]
         if missing and not (len(names) == 1 and len(feed) == 1):
             raise UsageError(f"{flag} {npz}: keys {sorted(feed)} lack model inputs {missing}: "

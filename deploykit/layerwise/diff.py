@@ -363,7 +363,8 @@ def _attach_verdict(result: dict, a_model, b_model, rows: list[dict]) -> None:
 
 def diff_command(model: str, a_onnx: Path | str, b_onnx: Path | str, precision: str,
                  out_dir: Path | str, *, classifier: bool = True, ep: str = "cpu",
-                 engine: Path | str | None = None, n: int = 8) -> str:
+                 engine: Path | str | None = None, n: int = 8,
+                 inputs: Path | str | None = None) -> str:
     """The shell-quoted ``layerwise.py`` command that names the first layer where ``b_onnx``
     (or the TensorRT ``engine`` built from it) leaves the reference ``a_onnx``: the first
     diagnostic of a row whose parity failed. When both files are the same (the FP32 ONNX
@@ -372,7 +373,10 @@ def diff_command(model: str, a_onnx: Path | str, b_onnx: Path | str, precision: 
     Args:
         precision: the row's precision label (``FP16``, ``INT8``...), mapped to the diff's
             tolerance class. classifier: feed ``--n`` eval images of ``--model`` (else random
-            inputs of the model's shapes). ep: ORT EP of side B.
+            inputs of the model's shapes, or ``inputs``). ep: ORT EP of side B.
+        inputs: a model with its own data: the ``.npz`` its rows ran on (stage 1's
+            ``ref_outputs.npz`` serves: :func:`deploykit.feeds.load_feed` reads its ``in:*``
+            inputs); None: random inputs.
     Returns:
         one command line that pastes from any folder
         (:func:`deploykit.commands.script_command`: ``cd`` into the root, this run's
@@ -380,11 +384,12 @@ def diff_command(model: str, a_onnx: Path | str, b_onnx: Path | str, precision: 
     """
     from deploykit.commands import script_command
 
+    feed = ["--inputs", str(inputs)] if inputs is not None and not classifier else []
     if engine is None and Path(a_onnx).resolve() == Path(b_onnx).resolve():
         argv = ["torch-vs-onnx", "--model", model, "--onnx",
-                str(b_onnx), "--n", str(n), "--out-dir", str(out_dir)]
+                str(b_onnx), "--n", str(n), "--out-dir", str(out_dir), *feed]
         return script_command("layerwise.py", argv, model)
-    argv = ["diff", str(a_onnx), str(b_onnx)]
+    argv = ["diff", str(a_onnx), str(b_onnx), *feed]
     if classifier:
         argv += ["--model", model, "--n", str(n)]
     prec = str(precision).lower()[:4]

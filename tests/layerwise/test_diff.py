@@ -329,3 +329,30 @@ def test_a_final_output_out_of_tolerance_fails_the_diff_though_no_marked_layer_d
     res["final_outputs"]["y"]["status"] = "pass"
     assert exit_status(diff, res) == 0
     assert "No divergent layer:** every compared tensor" in render_table(res)
+
+
+def test_the_printed_diff_of_an_own_data_model_runs_on_its_reference_inputs(tmp_path):
+    """The next step of a failed own-data row diagnosed on random inputs; it now names stage
+    1's reference file, whose in:* arrays load_feed reads as the feed."""
+    import shlex
+
+    from deploykit.feeds import load_feed
+    from deploykit.layerwise.diff import diff_command
+
+    ref = tmp_path / "ref_outputs.npz"
+    x = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
+    np.savez(ref, **{"in:x": x, "out:y": x[:, :2], "meta:synthetic": np.array(False)})
+    cmd = diff_command("pkg.m:f", tmp_path / "fp32.onnx", tmp_path / "fp16.onnx", "FP16",
+                       tmp_path / "out", classifier=False, inputs=ref)
+    words = shlex.split(cmd)
+    assert words[words.index("--inputs") + 1] == str(ref)
+    assert "--inputs" not in diff_command("efficientnet_lite0", tmp_path / "a.onnx",
+                                          tmp_path / "b.onnx", "FP16", tmp_path / "o",
+                                          classifier=True, inputs=ref)
+    m = onnx.helper.make_model(onnx.helper.make_graph(
+        [onnx.helper.make_node("Relu", ["x"], ["y"])], "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", 4])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 4])]))
+    onnx.save(m, tmp_path / "m.onnx")
+    feed = load_feed(ref, None, 8, tmp_path / "m.onnx")
+    assert list(feed) == ["x"] and np.array_equal(feed["x"], x)
