@@ -405,9 +405,15 @@ def _load_checkpoint(path: Path):
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unpickling error is reported the same way
-        raise StageError(f"cannot load checkpoint {path} ({type(e).__name__}: {e}): --weights "
-                         "takes a state dict saved with torch.save(model.state_dict(), PATH)"
-                         ) from e
+        # torch's own text runs over many lines (and advises weights_only=False, i.e. running
+        # the file's pickled code): its first line only
+        first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")[:200]
+        if "Weights only load failed" in first:
+            first = ("torch.load(weights_only=True) refused it: not a file of tensors, or not a "
+                     "torch checkpoint at all")
+        raise StageError(f"cannot load checkpoint {path} ({type(e).__name__}: {first}): "
+                         "--weights takes a state dict saved with "
+                         "torch.save(model.state_dict(), PATH)") from e
     for key in ("state_dict", "model", "model_state_dict"):
         if isinstance(obj, dict) and key in obj and isinstance(obj[key], dict):
             obj = obj[key]

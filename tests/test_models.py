@@ -389,3 +389,18 @@ def test_a_float64_input_is_named_as_a_dtype_problem_with_the_cast():
         assert ("input x (float64) is wider than the model's parameters: cast it "
                 "(x.astype(np.float32)) in --inputs" in str(err)) == wide
         assert ("expects 3 channels on axis 1" in str(err)) == (not wide)
+
+
+def test_a_garbage_weights_file_is_one_short_line(tmp_path):
+    """torch's own message ran over several lines and advised weights_only=False."""
+    from deploykit.errors import StageError
+    from deploykit.models import _load_checkpoint
+
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"\x08\x01not a checkpoint" * 10)
+    with pytest.raises(StageError) as e:
+        _load_checkpoint(bad)
+    msg = str(e.value)
+    assert len(msg.splitlines()) == 1 and "weights_only` set to `False`" not in msg
+    assert msg.endswith("--weights takes a state dict saved with "
+                        "torch.save(model.state_dict(), PATH)")
