@@ -42,7 +42,7 @@ from deploykit.data.user import (LABELS_KEY, SYNTHETIC_KEY, SYNTHETIC_NOTE, inpu
                                  load_inputs, load_labels)
 from deploykit.models import (RANDOM_INIT_NOTE, build_model, example_inputs, forward_error,
                               model_spec, parse_input_shapes)
-from deploykit.results import measured_against, write_result
+from deploykit.results import measured_against, weights_sha256, write_result
 from deploykit.runners import TorchRunner
 
 
@@ -175,6 +175,7 @@ def main(args: argparse.Namespace) -> dict:
             size_mb=sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6)
     if not spec.classifier:
         rec["outputs"] = {k: list(v.shape) for k, v in outputs.items()}
+    rec["weights_sha256"] = weights_sha256(model)  # stage 3 checks fp32.onnx came from them
     if args.random_init:  # a score of random weights is no accuracy claim
         rec["accuracy"] = None
         rec["reason_accuracy"] = RANDOM_INIT_NOTE

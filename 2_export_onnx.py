@@ -63,7 +63,7 @@ from deploykit.io import (check_writable, file_size_mb, remove_leftovers, report
                           sha256_file, write_json)
 from deploykit.layout import model_artifacts, model_results
 from deploykit.models import build_model, forward_error, parse_input_shapes
-from deploykit.results import provenance
+from deploykit.results import provenance, weights_sha256
 from deploykit.runners import TorchRunner
 from deploykit.tools.export_checks import split_names
 from deploykit.export import (
@@ -149,7 +149,8 @@ def main(args: argparse.Namespace) -> dict:
     record: dict = {"stage": "2_export_onnx", "model": args.model, "exporter": args.exporter,
                     "opset": opset, "example_batch": EXAMPLE_BATCH, "n_check": n,
                     "check_inputs": "real" if real else "synthetic (seeded N(0,1))",
-                    "fp16_keep_fp32": keep, "files": {}}
+                    "fp16_keep_fp32": keep, "weights_sha256": weights_sha256(model),
+                    "files": {}}
     cand_dir = Path(tempfile.mkdtemp(dir=onnx_dir, prefix=f".stage2-pid{os.getpid()}-"))
     try:
         cand = {k: cand_dir / p.name for k, p in final.items()}

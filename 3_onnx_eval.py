@@ -74,7 +74,7 @@ from deploykit.layout import check_row_tag, model_artifacts, model_results
 from deploykit.models import model_spec
 from deploykit.onnx.graph import detect_precision, load_onnx, precision_note
 from deploykit.quant.cross_check import X64_QUANT_PRECISION, backend_cross_check
-from deploykit.results import check_source, provenance, write_result
+from deploykit.results import check_source, provenance, weights_mismatch, write_result
 from deploykit.runners import ORT_EPS, OrtRunner
 from deploykit.variants import variant_of_file
 
@@ -229,6 +229,14 @@ def main(args: argparse.Namespace) -> dict:
                 raise
             raise StageError(f"onnxruntime failed to run {onnx_path}: {msg}") from e
     path = model_results(args.model) / f"{args.tag}.json"
+    mismatch = weights_mismatch(args.model, ref_path)
+    if mismatch:  # no parity can hold: say why before anyone debugs the ONNX
+        rec["weights_mismatch"] = mismatch
+        if rec["status"] != "ok":
+            rec["status_reason"] = rec["reason"] = (f"{rec['status_reason']}; likely cause: "
+                                                    f"{mismatch}")
+        write_result(args.model, args.tag, rec)
+        print(f"WARNING: {mismatch}", file=sys.stderr)
     print(f"{summary_line(rec)} -> {path}")
     if verdict_warning(rec):
         print(verdict_warning(rec), file=sys.stderr)

@@ -335,6 +335,47 @@ def row_source(source: dict | None) -> dict | None:
     return {"record": source.get("record"), "made_by": list(source.get("made_by") or [])}
 
 
+def weights_sha256(model) -> str:
+    """SHA-256 of a module's weights: every ``state_dict`` entry's name, dtype, shape and bytes,
+    in order. Stage 1 records it in its row and stage 2 in ``export.json``, so a later stage can
+    tell an ONNX exported from other weights than the PyTorch reference
+    (:func:`weights_mismatch`)."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        if not isinstance(t, torch.Tensor):
+            continue
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        flat = t.detach().cpu().contiguous().reshape(-1)  # 0-d too (BatchNorm's counter)
+        h.update(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"")
+    return h.hexdigest()
+
+
+def weights_mismatch(model: str, reference: Path | str) -> str | None:
+    """Why ``fp32.onnx`` and the PyTorch reference ``reference`` cannot be compared: stage 2
+    (``export.json``) exported other weights (:func:`weights_sha256`) than the
+    stage-1 row that wrote ``reference`` ran; None when they match or either is not recorded."""
+    folder = model_results(model)
+    exp, ref_row = _read_row(folder / "export.json"), None
+    for f in sorted(folder.glob("*.json")):
+        rec = _read_row(f)
+        if (rec and rec.get("stage") == "1_pytorch_baseline"
+                and rec.get("reference") == str(reference)):
+            ref_row = rec
+            break
+    a = (exp or {}).get("weights_sha256")
+    b = (ref_row or {}).get("weights_sha256")
+    if not (isinstance(a, str) and isinstance(b, str)) or a == b:
+        return None
+    return (f"fp32.onnx was exported (stage 2, export.json: weights {a[:12]}) from other "
+            f"weights than the PyTorch reference {Path(reference).name} (stage 1, row "
+            f"{ref_row.get('tag')}: weights {b[:12]}): rerun 2_export_onnx.py with the "
+            "reference's weights (--weights / the factory), then this stage")
+
+
 def staleness(row: dict) -> list[str]:
     """Why ``row`` no longer describes the files now on disk: one line per recorded file
     (``measured_against``) whose SHA-256 differs from the file at its path now (reference
