@@ -27,6 +27,7 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 from deploykit.layout import ref_outputs_path
@@ -171,7 +172,8 @@ def main(args: argparse.Namespace) -> dict:
             started=started, inputs=inputs,
             batch_size=args.batch_size, latency_batch=args.latency_batch, warmup=args.warmup,
             iters=args.iters, write=False, variant=None,
-            weights="random-init" if args.random_init else (args.weights or "default"),
+            weights="random-init" if args.random_init else (
+                str(Path(args.weights).resolve()) if args.weights else "default"),
             size_mb=sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6)
     if not spec.classifier:
         rec["outputs"] = {k: list(v.shape) for k, v in outputs.items()}

@@ -74,7 +74,8 @@ from deploykit.layout import check_row_tag, model_artifacts, model_results
 from deploykit.models import model_spec
 from deploykit.onnx.graph import detect_precision, load_onnx, precision_note
 from deploykit.quant.cross_check import X64_QUANT_PRECISION, backend_cross_check
-from deploykit.results import check_source, provenance, weights_mismatch, write_result
+from deploykit.results import (check_source, provenance, reference_row, weights_mismatch,
+                               write_result)
 from deploykit.runners import ORT_EPS, OrtRunner
 from deploykit.variants import variant_of_file
 
@@ -206,7 +207,8 @@ def main(args: argparse.Namespace) -> dict:
                              model_results(args.model) / f"layerwise_{args.tag}",
                              classifier=spec.classifier, ep=args.ep,
                              inputs=args.inputs or (ref_outputs_path(args.model)
-                                                    if not spec.classifier else None))
+                                                    if not spec.classifier else None),
+                             weights=(reference_row(args.model, ref_path) or {}).get("weights"))
     with runner:
         if data.classifier:
             data.input_name = runner.input_names[0]

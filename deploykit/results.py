@@ -354,18 +354,23 @@ def weights_sha256(model) -> str:
     return h.hexdigest()
 
 
+def reference_row(model: str, reference: Path | str) -> dict | None:
+    """The stage-1 row that wrote the PyTorch reference file ``reference`` (its ``weights``:
+    ``default``, ``random-init`` or the ``--weights`` path; its ``weights_sha256``), or None."""
+    for f in sorted(model_results(model).glob("*.json")):
+        rec = _read_row(f)
+        if (rec and rec.get("stage") == "1_pytorch_baseline"
+                and rec.get("reference") == str(reference)):
+            return rec
+    return None
+
+
 def weights_mismatch(model: str, reference: Path | str) -> str | None:
     """Why ``fp32.onnx`` and the PyTorch reference ``reference`` cannot be compared: stage 2
     (``export.json``) exported other weights (:func:`weights_sha256`) than the
     stage-1 row that wrote ``reference`` ran; None when they match or either is not recorded."""
-    folder = model_results(model)
-    exp, ref_row = _read_row(folder / "export.json"), None
-    for f in sorted(folder.glob("*.json")):
-        rec = _read_row(f)
-        if (rec and rec.get("stage") == "1_pytorch_baseline"
-                and rec.get("reference") == str(reference)):
-            ref_row = rec
-            break
+    exp, ref_row = _read_row(model_results(model) / "export.json"), reference_row(model,
+                                                                                 reference)
     a = (exp or {}).get("weights_sha256")
     b = (ref_row or {}).get("weights_sha256")
     if not (isinstance(a, str) and isinstance(b, str)) or a == b:

@@ -364,7 +364,7 @@ def _attach_verdict(result: dict, a_model, b_model, rows: list[dict]) -> None:
 def diff_command(model: str, a_onnx: Path | str, b_onnx: Path | str, precision: str,
                  out_dir: Path | str, *, classifier: bool = True, ep: str = "cpu",
                  engine: Path | str | None = None, n: int = 8,
-                 inputs: Path | str | None = None) -> str:
+                 inputs: Path | str | None = None, weights: str | None = None) -> str:
     """The shell-quoted ``layerwise.py`` command that names the first layer where ``b_onnx``
     (or the TensorRT ``engine`` built from it) leaves the reference ``a_onnx``: the first
     diagnostic of a row whose parity failed. When both files are the same (the FP32 ONNX
@@ -377,6 +377,8 @@ def diff_command(model: str, a_onnx: Path | str, b_onnx: Path | str, precision: 
         inputs: a model with its own data: the ``.npz`` its rows ran on (stage 1's
             ``ref_outputs.npz`` serves: :func:`deploykit.feeds.load_feed` reads its ``in:*``
             inputs); None: random inputs.
+        weights: the PyTorch reference's weights (its stage-1 row's ``weights``: a path, or
+            ``random-init``; ``default``/None: the model's own), for ``torch-vs-onnx``.
     Returns:
         one command line that pastes from any folder
         (:func:`deploykit.commands.script_command`: ``cd`` into the root, this run's
@@ -386,8 +388,10 @@ def diff_command(model: str, a_onnx: Path | str, b_onnx: Path | str, precision: 
 
     feed = ["--inputs", str(inputs)] if inputs is not None and not classifier else []
     if engine is None and Path(a_onnx).resolve() == Path(b_onnx).resolve():
+        own = (["--random-init"] if weights == "random-init" else
+               ["--weights", str(weights)] if weights and weights != "default" else [])
         argv = ["torch-vs-onnx", "--model", model, "--onnx",
-                str(b_onnx), "--n", str(n), "--out-dir", str(out_dir), *feed]
+                str(b_onnx), "--n", str(n), "--out-dir", str(out_dir), *feed, *own]
         return script_command("layerwise.py", argv, model)
     argv = ["diff", str(a_onnx), str(b_onnx), *feed]
     if classifier:

@@ -130,6 +130,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("torch-vs-onnx", help="PyTorch modules vs the exported ONNX nodes")
     t.add_argument("--onnx", type=Path, required=True)
     t.add_argument("--weights", type=Path, help="state dict (default: the model's weights)")
+    t.add_argument("--random-init", action="store_true",
+                   help="the seeded random weights of stage 1/2's --random-init")
     add_inputs(t)
     t.set_defaults(n=2)
 
@@ -234,7 +236,8 @@ def main(args) -> dict:
         return res
     if not args.model:
         raise UsageError(f"{args.cmd} needs --model NAME (the PyTorch model that was exported)")
-    model, spec = build_model(args.model, args.weights)
+    model, spec = build_model(args.model, args.weights,
+                              pretrained=not getattr(args, "random_init", False))
     if args.inputs or args.input_shape or not spec.classifier:
         feed = load_feed(args.inputs, None, args.n, args.onnx, args.input_shape)
     else:

@@ -356,3 +356,22 @@ def test_the_printed_diff_of_an_own_data_model_runs_on_its_reference_inputs(tmp_
     onnx.save(m, tmp_path / "m.onnx")
     feed = load_feed(ref, None, 8, tmp_path / "m.onnx")
     assert list(feed) == ["x"] and np.array_equal(feed["x"], x)
+
+
+def test_the_printed_torch_vs_onnx_uses_the_reference_weights(tmp_path):
+    """A row of a model run with --weights printed a diagnostic that loaded the model's default
+    (hub) weights: it failed offline, and online it would blame the wrong thing."""
+    import shlex
+
+    from deploykit.layerwise.diff import diff_command
+
+    onnx_path = tmp_path / "fp32.onnx"
+    w = tmp_path / "my w.pt"
+
+    def words(weights):
+        return shlex.split(diff_command("resnet10t", onnx_path, onnx_path, "FP32", tmp_path / "o",
+                                        classifier=True, weights=weights))
+
+    assert words(str(w))[-2:] == ["--weights", str(w)]
+    assert words("random-init")[-1] == "--random-init"
+    assert "--weights" not in words("default") and "--random-init" not in words(None)
