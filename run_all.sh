@@ -106,6 +106,14 @@ if [[ "${MODEL:-}" == *:* ]]; then
   export PYTHONPATH="$abs_pp"
 fi
 [ -z "${PREPROCESS:-}" ] || export PREPROCESS
+# Folders given relative to where the user stands stay there (the stages resolve them so too);
+# unset, ARTIFACTS/RESULTS default to the repository's artifacts/ and results/.
+for var in ARTIFACTS RESULTS VAL_ROOT; do
+  val="${!var:-}"
+  if [ -n "$val" ]; then
+    case "$val" in /*) ;; *) printf -v "$var" '%s' "$user_dir/$val"; export "${var?}" ;; esac
+  fi
+done
 cd "$(dirname "$0")"
 if [ -z "${PIPELINE_ROOT:-}" ] || ! python -c 'import torch, onnxruntime' 2>/dev/null; then
   echo "run_all.sh: environment not set up: run  source env.sh  first" >&2

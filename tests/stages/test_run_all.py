@@ -379,6 +379,11 @@ def test_run_all_own_data_flags_paths_and_kind(tmp_path):
                         "missing.npz"], cwd=user, env=_env(tmp_path), capture_output=True,
                        text=True, timeout=300)
     assert p.returncode == 2 and "INPUTS=missing.npz: no such file" in p.stderr
+    # ARTIFACTS / RESULTS given relative are taken from where the user stands, as the stages do
+    p = subprocess.run(["bash", str(ROOT / "run_all.sh"), "--stage", "8", "--stop-stage", "8"],
+                       cwd=user, env={**_env(tmp_path), "ARTIFACTS": "rel a", "RESULTS": "rel r"},
+                       capture_output=True, text=True, timeout=300)
+    assert f"(artifacts: {user / 'rel a'}, results: {user / 'rel r'})" in p.stdout, p.stdout
     # a classifier refuses the own-data settings instead of dropping them
     p = _run_all(_env(tmp_path), "--inputs", str(user / "eval.npz"))
     assert p.returncode == 2 and "INPUTS is for models with their own data" in p.stderr
