@@ -476,7 +476,9 @@ run() {
   fi
   stop_ticker
   cur_cmd=""
-  log_text "$log" | grep -E '(^|: )(SKIPPED|WARNING)' | head -n 3 | cut -c1-300 | sed 's/^/  /' || true
+  # a long line (a pasteable command in it) is cut visibly, pointing at the log that has it whole
+  log_text "$log" | grep -E '(^|: )(SKIPPED|WARNING)' | head -n 3 \
+    | awk -v lf="$log" '{ if (length($0) > 300) print "  " substr($0, 1, 300) " ... (whole line in " lf ")"; else print "  " $0 }' || true
   log_text "$log" | grep -v -E '(^|: )(SKIPPED|WARNING)' | tail -n 3 | sed 's/^/  /' || true
 }
 
