@@ -29,6 +29,7 @@ usage() {
   echo "         images to a tuning split, so every row of the run is on the smaller eval split;"
   echo "         stage 5 adds int8_auto: auto_precision.py search + ModelOpt + verify; budget via"
   echo "         AUTO_ARGS, see 5_quantize.sh)"
+  echo "         --random-init (seeded random weights in stages 1-2: latency and parity only)"
   echo "         --model M (= MODEL=M), --weights F (= WEIGHTS), --preprocess SPEC (= PREPROCESS:"
   echo "         mean=..,std=..[,resize=..,crop=..,interpolation=..] for a factory's ImageNet"
   echo "         classifier), --inputs NPZ --calib-inputs NPZ --labels FILE (= INPUTS,"
@@ -38,6 +39,7 @@ usage() {
 
 stage=0
 stop_stage=8
+random_init=0
 all_variants=0
 limit=""
 tune_fraction=""  # --auto-precision: fraction of the eval images moved to the tuning split
@@ -63,6 +65,7 @@ while [ $# -gt 0 ]; do
       esac
       shift 2 ;;
     --all-variants) all_variants=1; shift ;;
+    --random-init) random_init=1; shift ;;
     --auto-precision) tune_fraction=0.25; shift ;;
     --auto-precision=*) tune_fraction="${1#--auto-precision=}"; shift ;;
     -h|--help) usage; exit 0 ;;
@@ -184,6 +187,10 @@ if [ -n "${WEIGHTS:-}" ]; then
   [ -f "$WEIGHTS" ] || { echo "run_all.sh: WEIGHTS=$WEIGHTS: no such file" >&2; exit 2; }
   weights=(--weights "$WEIGHTS")
 fi
+if [ "$random_init" = 1 ]; then  # seeded random weights in stages 1 and 2: latency only
+  [ -z "${WEIGHTS:-}" ] || { echo "run_all.sh: --random-init and WEIGHTS/--weights: give one" >&2; exit 2; }
+  weights=(--random-init)
+fi
 # A model with its own data: --inputs (its evaluation samples; --labels for accuracy) and
 # --calib-inputs, or INPUT_SHAPE="name:1,3,224,224 other:1,16:int64" for synthetic samples.
 custom=0
@@ -275,6 +282,7 @@ resume_cmd() {
   [ "$stop_stage" = 8 ] || c+=" --stop-stage $stop_stage"
   [ -z "$limit" ] || c+=" --limit $limit"
   [ "$all_variants" = 0 ] || c+=" --all-variants"
+  [ "$random_init" = 0 ] || c+=" --random-init"
   [ -z "$tune_fraction" ] || c+=" --auto-precision=$tune_fraction"
   # every value shell-quoted: the line pastes back as the same arguments and runs nothing else
   local envs

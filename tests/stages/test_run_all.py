@@ -384,6 +384,11 @@ def test_run_all_own_data_flags_paths_and_kind(tmp_path):
                        cwd=user, env={**_env(tmp_path), "ARTIFACTS": "rel a", "RESULTS": "rel r"},
                        capture_output=True, text=True, timeout=300)
     assert f"(artifacts: {user / 'rel a'}, results: {user / 'rel r'})" in p.stdout, p.stdout
+    # --random-init (seeded random weights in stages 1-2) and a checkpoint: one or the other
+    w = user / "w.pt"
+    w.write_bytes(b"x")
+    p = _run_all(_env(tmp_path), "--random-init", "--weights", str(w))
+    assert p.returncode == 2 and "--random-init and WEIGHTS/--weights: give one" in p.stderr
     # a classifier refuses the own-data settings instead of dropping them
     p = _run_all(_env(tmp_path), "--inputs", str(user / "eval.npz"))
     assert p.returncode == 2 and "INPUTS is for models with their own data" in p.stderr
