@@ -29,6 +29,8 @@ def _reference_input_keys(npz: Path | str) -> list[str] | None:
     """The ``in:*`` keys when ``npz`` is stage 1's reference file (so its outputs and metadata
     are not read as inputs), else None (every key). An unreadable file is left to
     :func:`deploykit.io.load_npz`, which names the problem."""
+    if not Path(npz).is_file():  # a FIFO or device would block np.load: load_npz refuses it
+        return None
     try:
         with np.load(npz) as z:
             keys = [k for k in z.files if k.startswith(REF_INPUT_PREFIX)]

@@ -65,6 +65,21 @@ def test_readme_commands_are_runnable_as_written():
 @pytest.fixture(scope="module")
 def scratch(tmp_path_factory) -> tuple[Path, dict]:
     """A copy of the tracked tree with a small data folder, and the environment to run in."""
+    # Under pytest-xdist every README command must run on one worker (xdist_group "readme",
+    # --dist loadgroup): a second worker building its own scratch means the group was split
+    # (pytest 9.2 with xdist 3.8.0 did so), and the commands would not see each other's files.
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        stamp = tmp_path_factory.getbasetemp().parent / "readme-worker"
+        try:
+            fd = os.open(stamp, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            os.write(fd, worker.encode())
+            os.close(fd)
+        except FileExistsError:
+            first = stamp.read_text()
+            assert first == worker, (f"README commands split across xdist workers ({first}, "
+                                     f"{worker}): --dist loadgroup did not keep xdist_group "
+                                     "'readme' together (pytest / pytest-xdist versions?)")
     dst = tmp_path_factory.mktemp("readme") / "repo"
     files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
                            check=True).stdout.splitlines()

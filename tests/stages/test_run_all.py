@@ -185,9 +185,12 @@ def _wait_for(path: Path, timeout: float = 120.0) -> None:
 @pytest.mark.slow
 def test_second_run_refuses_naming_the_first_and_ctrl_c_names_stage_and_resume(tmp_path):
     env = _env(tmp_path)
+    # SIGINT as a terminal delivers it: pytest-xdist workers ignore SIGINT and a child inherits
+    # an ignored signal (bash cannot even trap it then), so the run restores the default
     first = subprocess.Popen(["bash", "run_all.sh", "--stop-stage", "1"], cwd=ROOT, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             start_new_session=True)
+                             start_new_session=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         lock = tmp_path / "a" / ".run_all.lock"
         _wait_for(lock / "owner")
