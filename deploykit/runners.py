@@ -195,14 +195,19 @@ class TorchRunner(Runner):
             # not ``model or self.model``: truth-testing a module calls __len__ (Sequential)
             return (self.model if model is None else model)(*args)
 
+    def _raise_oom(self, e: BaseException, feed, doing: str) -> None:
+        """Raise StageError (:func:`deploykit.errors.out_of_memory_message`) when ``e`` is an
+        out-of-memory error of ``doing`` the model on ``feed``; return otherwise."""
+        oom = out_of_memory_message(e, _batch_of(feed), f"PyTorch ({self.device}) {doing} the "
+                                    "model")
+        if oom:
+            raise StageError(oom) from e
+
     def infer(self, feed):
         try:
             out = self._forward(self._args(feed))
         except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
-            oom = out_of_memory_message(e, _batch_of(feed), f"PyTorch ({self.device}) running "
-                                        "the model")
-            if oom:
-                raise StageError(oom) from e
+            self._raise_oom(e, feed, "running")
             raise
         if isinstance(out, dict):  # named outputs: the keys, in order (as the exporters flatten)
             names, outs = [str(k) for k in out], list(out.values())
@@ -233,11 +238,8 @@ class TorchRunner(Runner):
         try:
             wall = wall_loop(lambda: self._forward(args), warmup, iters,
                              self.sync if cuda else None, max_seconds=self.max_seconds)
-        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
-            oom = out_of_memory_message(e, _batch_of(feed), f"PyTorch ({self.device}) timing "
-                                        "the model")
-            if oom:
-                raise StageError(oom) from e
+        except (RuntimeError, MemoryError) as e:
+            self._raise_oom(e, feed, "timing")
             raise
         t = Timing(wall, "time.perf_counter around forward() on device-resident inputs"
                    + (" + torch.cuda.synchronize" if cuda else ""))
