@@ -28,6 +28,7 @@ import numpy as np
 
 from deploykit.envinfo import device_info
 from deploykit.errors import StageError, UsageError, out_of_memory_message
+from deploykit.torch_cpu import CPU_CHUNK, forward_cpu_layout, infer_in_chunks
 from deploykit.timing import MAX_SECONDS, Timing, cuda_event_loop, try_extra, wall_loop
 from deploykit.trt.parsers import PLAN_HEADER_BYTES, classify_plan_load_error, parse_layer_info
 
@@ -172,6 +173,11 @@ class TorchRunner(Runner):
         self.output_names = list(output_names)
         self.input_names = list(input_names)
         self.outputs_named = False
+        # CPU: channels-last weights and 4-D inputs (oneDNN's native layout), tried on the first
+        # call and dropped for good when the model cannot take it (e.g. ``x.view`` of a
+        # conv output); see :data:`CPU_CHUNK` for the chunking.
+        self.channels_last: bool | None = None if self.device.type == "cpu" else False
+        self.chunked: bool | None = None
 
     def sync(self) -> None:
         """Wait for the device (no-op on the CPU)."""
@@ -191,9 +197,8 @@ class TorchRunner(Runner):
         return out
 
     def _forward(self, args, model=None):
-        with self.torch.inference_mode():
-            # not ``model or self.model``: truth-testing a module calls __len__ (Sequential)
-            return (self.model if model is None else model)(*args)
+        # not ``model or self.model``: truth-testing a module calls __len__ (Sequential)
+        return forward_cpu_layout(self, args, self.model if model is None else model)
 
     def _raise_oom(self, e: BaseException, feed, doing: str) -> None:
         """Raise StageError (:func:`deploykit.errors.out_of_memory_message`) when ``e`` is an
@@ -204,6 +209,10 @@ class TorchRunner(Runner):
             raise StageError(oom) from e
 
     def infer(self, feed):
+        if self.device.type == "cpu" and self.chunked is not False:
+            out = infer_in_chunks(self, feed, _batch_of(feed))
+            if out is not None:
+                return out
         try:
             out = self._forward(self._args(feed))
         except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
@@ -296,6 +305,9 @@ class TorchRunner(Runner):
         else:
             d["device_name"] = _host_name()
             d["threads"] = torch.get_num_threads()
+            d["memory_format"] = {True: "channels_last", False: "contiguous (NCHW)",
+                                  None: "not run yet"}[self.channels_last]
+            d["cpu_chunk"] = CPU_CHUNK if self.chunked else None
         return d
 
 
