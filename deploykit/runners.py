@@ -179,6 +179,13 @@ class TorchRunner(Runner):
         self.channels_last: bool | None = None if self.device.type == "cpu" else False
         self.chunked: bool | None = None
 
+    def close(self) -> None:
+        """Give the module back in its own (contiguous) layout: the caller may export it."""
+        if self.channels_last:
+            with self.torch.no_grad():
+                self.model.to(memory_format=self.torch.contiguous_format)
+            self.channels_last = None
+
     def sync(self) -> None:
         """Wait for the device (no-op on the CPU)."""
         if self.device.type == "cuda":

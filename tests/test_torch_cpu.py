@@ -27,9 +27,13 @@ def test_channels_last_chunks_give_the_plain_logits_within_fp32_rounding():
     np.testing.assert_allclose(out, ref, rtol=0, atol=1e-5)
     assert r.channels_last is True and r.chunked is True
     assert r.describe()["memory_format"] == "channels_last"
-    # the module stays usable by autograd (export traces it later)
+    # the module stays usable by autograd, and close() gives it back in its own layout
+    # (stage 2 exports it after its parity run)
     y = net(torch.from_numpy(x[:2]).requires_grad_())
     y.sum().backward()
+    r.close()
+    assert net[0].weight.is_contiguous()
+    assert not net[0].weight.is_contiguous(memory_format=torch.channels_last)
 
 
 class _ViewNet(torch.nn.Module):
