@@ -180,11 +180,11 @@ class TorchRunner(Runner):
         self.chunked: bool | None = None
 
     def close(self) -> None:
-        """Give the module back in its own (contiguous) layout: the caller may export it."""
+        """Give the module back in its own (contiguous) layout: the caller may export it
+        (``describe()`` still says what ran)."""
         if self.channels_last:
             with self.torch.no_grad():
                 self.model.to(memory_format=self.torch.contiguous_format)
-            self.channels_last = None
 
     def sync(self) -> None:
         """Wait for the device (no-op on the CPU)."""
