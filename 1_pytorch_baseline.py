@@ -41,8 +41,9 @@ from deploykit.lock import lock_folders
 from deploykit.layout import check_row_tag, model_artifacts, model_results, splits_path
 from deploykit.data.user import (LABELS_KEY, SYNTHETIC_KEY, SYNTHETIC_NOTE, input_names,
                                  load_inputs, load_labels)
-from deploykit.models import (RANDOM_INIT_NOTE, build_model, example_inputs, forward_error,
-                              model_spec, parse_input_shapes)
+from deploykit.model_errors import forward_error
+from deploykit.models import (RANDOM_INIT_NOTE, build_model, example_inputs, model_spec,
+                              parse_input_shapes)
 from deploykit.results import measured_against, weights_sha256, write_result
 from deploykit.runners import TorchRunner
 

@@ -62,7 +62,8 @@ from deploykit.lock import lock_folders
 from deploykit.io import (check_writable, file_size_mb, remove_leftovers, report_leftovers,
                           sha256_file, write_json)
 from deploykit.layout import model_artifacts, model_results
-from deploykit.models import build_model, forward_error, parse_input_shapes
+from deploykit.model_errors import forward_error
+from deploykit.models import build_model, parse_input_shapes
 from deploykit.results import provenance, weights_sha256
 from deploykit.runners import TorchRunner
 from deploykit.tools.export_checks import split_names
@@ -107,6 +108,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-tracer-warnings", action="store_true",
                    help="accept TracerWarnings of the legacy exporter (values frozen at trace "
                         "time) after checking each line it names")
+    p.add_argument("--true-fp16-samples", type=int, default=2,
+                   help="samples the onnx.reference run of the FP16 file takes at most (one "
+                        "at a time; a smoke run takes 1)")
     p.add_argument("--true-fp16-budget-s", type=float, default=60.0,
                    help="seconds for the onnx.reference run of the FP16 file (true FP16 "
                         "arithmetic, one sample at a time, at most 2); 0 skips it")
@@ -178,6 +182,7 @@ def main(args: argparse.Namespace) -> dict:
                 r16 = fp16_checks(m32, cand["fp16"], feed, ref, args.min_cosine_fp16,
                                   converter_warnings=conv_warn, real_inputs=real, keep_fp32=keep,
                                   true_fp16_budget_s=args.true_fp16_budget_s,
+                                  true_fp16_samples=args.true_fp16_samples,
                                   trained=not args.random_init)
                 bp = check_batch_parity({b: cache[("b", b)] for b in (1, n) if ("b", b) in cache},
                                         {b: {k: v[:b] for k, v in feed.items()} for b in (1, n)

@@ -129,15 +129,18 @@ MODEL_TAG="$(python -m deploykit.layout tag "$MODEL")"
 # What kind of model: an ImageNet classifier (the real images are its data in every stage) or a
 # model with its own data (--inputs / INPUT_SHAPE); a bad name or factory stops here (its line).
 kind_rc=0
-kind_out="$(python -m deploykit.models kind "$MODEL" 2>&1)" || kind_rc=$?
+kind_out="$(python -m deploykit.models kind "$MODEL" --with-spec 2>&1)" || kind_rc=$?
 if [ "$kind_rc" != 0 ]; then
   echo "run_all.sh: $kind_out" | head -n 3 >&2
   [[ "$kind_out" != *"unknown model"* ]] || echo "  use mobilenet_v3_small, efficientnet_lite0," \
     "a torchvision or timm classifier name or package.module:factory (README, Models)" >&2
   exit "$kind_rc"
 fi
-model_kind="${kind_out%%$'\t'*}"
-kind_note="${kind_out#*$'\t'}"
+# its last line (a factory's module may print while it is imported)
+IFS=$'\t' read -r model_kind kind_note model_spec_json <<<"${kind_out##*$'\n'}"
+# the stages take the spec from here instead of building a factory's model (or importing
+# torchvision/timm) again each (deploykit.models.SPEC_ENV)
+[ -z "$model_spec_json" ] || export PIPELINE_MODEL_SPEC="$model_spec_json"
 # Artifacts and results roots, absolute and exported so every stage uses the same ones. A smoke
 # run (--limit) gets folders of its own: it never replaces or moves a full run's files.
 ART_ROOT="${ARTIFACTS:-artifacts}"
@@ -174,7 +177,8 @@ SMOKE_VARIANT=int8_hp32  # the one INT8 variant of a smoke run (ModelOpt, fp32 s
 if [ -n "$limit" ]; then
   lim=(--limit "$limit"); timing=(--warmup 2 --iters 20)
   # the true-FP16 run of stage 2 on one small batch only (its time bound)
-  smoke_export=(--true-fp16-budget-s 10 --check-images "$(( limit < 64 ? (limit < 2 ? 2 : limit) : 64 ))")
+  smoke_export=(--true-fp16-budget-s 10 --true-fp16-samples 1
+                --check-images "$(( limit < 64 ? (limit < 2 ? 2 : limit) : 64 ))")
 fi
 # WEIGHTS=/path/state_dict.pth: a local checkpoint instead of the model's default weights.
 weights=()
@@ -609,9 +613,15 @@ if want 5; then
         "${variants[@]}" | sed "s/\b$SMOKE_VARIANT\b //")(--all-variants makes them too)"
       variants=("$SMOKE_VARIANT")
     fi
-    for v in "${variants[@]}"; do
-      [ "$v" != int4 ] || continue
-      run "5_quantize_$v" bash 5_quantize.sh --model "$MODEL" "$v"
+    # every ModelOpt variant in one stage-5 process (the calibration file read, checked and
+    # planned once; variants that differ only in their high-precision dtype share one
+    # calibration), then each file's ORT row
+    quant_variants=()
+    for v in "${variants[@]}"; do [ "$v" = int4 ] || quant_variants+=("$v"); done
+    if [ "${#quant_variants[@]}" -gt 0 ]; then
+      run 5_quantize bash 5_quantize.sh --model "$MODEL" "${quant_variants[@]}"
+    fi
+    for v in "${quant_variants[@]}"; do
       if [ "$v" = int4_cli_broken ]; then
         # Reproduces ModelOpt 0.47.0's INT4 axis bug on purpose: ORT must refuse to run it.
         run_expect_failure "3_onnx_eval_$v" python 3_onnx_eval.py --model "$MODEL" \

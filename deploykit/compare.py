@@ -46,9 +46,13 @@ def cosine_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     b = np.asarray(b, np.float64)
     a = a.reshape(len(a), -1) if a.ndim > 1 else a.reshape(1, -1)
     b = b.reshape(len(b), -1) if b.ndim > 1 else b.reshape(1, -1)
-    na, nb = np.linalg.norm(a, axis=1), np.linalg.norm(b, axis=1)
+    # row dot products without temporaries (einsum); float64 throughout
+    with np.errstate(invalid="ignore", over="ignore"):
+        na = np.sqrt(np.einsum("ij,ij->i", a, a))
+        nb = np.sqrt(np.einsum("ij,ij->i", b, b))
+        dot = np.einsum("ij,ij->i", a, b)
     with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where((na == 0) & (nb == 0), 1.0, (a * b).sum(1) / np.maximum(na * nb, 1e-300))
+        return np.where((na == 0) & (nb == 0), 1.0, dot / np.maximum(na * nb, 1e-300))
 
 
 def parity(ref: np.ndarray, out: np.ndarray) -> dict[str, float]:
@@ -400,9 +404,14 @@ class TensorStat:
     mismatch: str | None = None
     exact: bool | None = None
 
-    def update(self, a: np.ndarray, b: np.ndarray, n_batch: int) -> None:
+    def update(self, a: np.ndarray, b: np.ndarray, n_batch: int, dtype_b: str | None = None
+               ) -> None:
+        """Add one chunk: ``a`` (reference) and ``b`` ``[n_batch, ...]`` (or without a batch
+        axis); ``dtype_b``: ``b``'s dtype as produced, when the caller passes it converted
+        (float64 arrays are used as they are, without a copy)."""
         a, b = np.asarray(a), np.asarray(b)
-        self.shape_a, self.shape_b, self.dtype_b = tuple(a.shape), tuple(b.shape), str(b.dtype)
+        self.shape_a, self.shape_b = tuple(a.shape), tuple(b.shape)
+        self.dtype_b = dtype_b or str(b.dtype)
         if a.shape != b.shape:
             if a.size == b.size:
                 b = b.reshape(a.shape)  # e.g. TensorRT's [N, C] vs [N, C, 1, 1]
@@ -417,9 +426,12 @@ class TensorStat:
             eq = bool(diff.max() == 0 or step_ok)
             self.exact = eq if self.exact is None else (self.exact and eq)
             return
-        a64, b64 = a.astype(np.float64), b.astype(np.float64)
-        self.nonfinite_b += int((~np.isfinite(b64) & np.isfinite(a64)).sum())
-        self.nonfinite_a += int((~np.isfinite(a64)).sum())
+        # no copy when the caller converted them already (quant_backend: once per tensor)
+        a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        fin_a, fin_b = np.isfinite(a64), np.isfinite(b64)
+        if not (fin_a.all() and fin_b.all()):
+            self.nonfinite_b += int((~fin_b & fin_a).sum())
+            self.nonfinite_a += int((~fin_a).sum())
         per_sample = a64.ndim >= 2 and a64.shape[0] == n_batch
         cos = cosine_rows(a64, b64) if per_sample else cosine_rows(
             a64.reshape(1, -1), b64.reshape(1, -1))

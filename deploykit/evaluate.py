@@ -26,7 +26,9 @@ Row schema (``results/<model>/<tag>.json``; every field present, None when it do
     and the fp32.onnx / calibration data / ONNX a derived file was made from:
     deploykit.results.measured_against), source {record, made_by} of a derived file (None:
     not derived, or unknown), stale_source (why the derived file's recorded source is not the
-    current fp32.onnx, or None), provenance (with artifacts_root).
+    current fp32.onnx, or None), first_look {n, n_total, decided ("failed" or None), seed,
+    alpha, reasons} when the accuracy pass began with a first look (:mod:`deploykit.sequential`;
+    None otherwise: ``n_images`` is then every sample), provenance (with artifacts_root).
 
 Status of a measured row (:func:`judge`): its parity with the PyTorch reference under the
 precision's band of :data:`deploykit.compare.ROW_TOLERANCES`: ``failed`` (non-finite outputs, or
@@ -60,6 +62,7 @@ from deploykit.models import ModelSpec
 from deploykit.results import (measured_against, provenance, result_record, row_source,
                                write_result)
 from deploykit.runners import Runner, harness_overhead_ms
+from deploykit.sequential import ALPHA, FIRST_LOOK_SEED, failed_beyond_doubt, first_look_indices
 
 
 @dataclasses.dataclass
@@ -106,6 +109,19 @@ class EvalData:
             self, feed={k: v[lo:hi] for k, v in self.feed.items()},
             y=None if self.y is None else self.y[lo:hi],
             ref=None if self.ref is None else {k: v[lo:hi] for k, v in self.ref.items()})
+
+    def take(self, idx: np.ndarray) -> "EvalData":
+        """The samples at indices ``idx`` (int ``[k]``), in that order, with their reference
+        and labels."""
+        idx = np.asarray(idx, np.int64)
+        if self.classifier:
+            return dataclasses.replace(self, x_u8=self.x_u8[idx], y=self.y[idx],
+                                       files=[self.files[i] for i in idx],
+                                       ref=None if self.ref is None else self.ref[idx])
+        return dataclasses.replace(
+            self, feed={k: v[idx] for k, v in self.feed.items()},
+            y=None if self.y is None else self.y[idx],
+            ref=None if self.ref is None else {k: v[idx] for k, v in self.ref.items()})
 
     def batch(self, idx: np.ndarray) -> dict[str, np.ndarray]:
         """The feed for sample indices ``idx`` (normalised here, outside any timed region)."""
@@ -551,7 +567,7 @@ def base_record(stage: str, precision: str, model: str, tag: str, runner_desc: d
                 "harness_overhead_ms": None, "size_mb": None, "status_reason": None,
                 "next_step": None, "tolerance": None, "diagnostics": {},
                 "timings_s": {}, "measured_against": {}, "source": None,
-                "stale_source": None})
+                "stale_source": None, "first_look": None})
     rec.update(fields)
     return rec
 
@@ -561,7 +577,7 @@ def evaluate(runner: Runner, data: EvalData, *, stage: str, precision: str, mode
              latency_batch: int = 1, warmup: int = 20, iters: int = 200,
              write: bool = True, next_step: str | None = None,
              reference: Path | None = None, evaluated: Path | None = None,
-             source: dict | None = None,
+             source: dict | None = None, first_look: int = 0,
              **fields) -> tuple[dict, dict[str, np.ndarray]]:
     """Run ``data`` through ``runner``, score it, time it, and write the row.
 
@@ -578,10 +594,16 @@ def evaluate(runner: Runner, data: EvalData, *, stage: str, precision: str, mode
             hashed into ``measured_against`` (:func:`deploykit.results.measured_against`).
         source: the derived file's :func:`deploykit.results.source_of` (its recorded fp32.onnx,
             calibration data, ONNX), or None.
+        first_look: samples of a first look (:mod:`deploykit.sequential`; 0: none): a row they
+            prove ``failed`` beyond doubt is measured on them only, ``first_look`` in the row
+            says so (``decided: "failed"``, the reasons); any other row runs every sample.
+            Only with a reference to compare with.
         fields: extra row fields (``variant``, ``size_mb``, ``preprocessing``, ...).
     Returns:
         ``(record, outputs)`` with ``outputs`` every model output over all samples (a
-        classifier's compared output first, :func:`logits_first`).
+        classifier's compared output first, :func:`logits_first`); over the first look's
+        samples only when it decided the row (``rec["first_look"]["decided"]``;
+        :func:`evaluated_data` gives those samples).
     """
     desc = runner.describe()
     if getattr(args, "max_seconds", None) is not None:  # the stage's --max-seconds (0: none)
@@ -589,7 +611,12 @@ def evaluate(runner: Runner, data: EvalData, *, stage: str, precision: str, mode
     if getattr(args, "logits_output", None) is not None and data.logits_output is None:
         data.logits_output = args.logits_output  # the caller's data: its later checks agree
     t0 = time.perf_counter()
-    raw = run_outputs(runner, data, batch_size, progress=f"{tag}")
+    look = first_look_indices(len(data), first_look) if data.ref is not None else None
+    early = None
+    if look is None:
+        raw = run_outputs(runner, data, batch_size, progress=f"{tag}")
+    else:
+        raw, data, early = _first_look_pass(runner, data, look, batch_size, precision, tag)
     t1 = time.perf_counter()
     sel = select_logits_output(data, raw)
     if sel and sel[3]:
@@ -608,11 +635,19 @@ def evaluate(runner: Runner, data: EvalData, *, stage: str, precision: str, mode
     if latency_batch not in (1, lat1):
         rec["latency_batch"] = latency(runner, data, latency_batch, warmup, iters)
     rec["harness_overhead_ms"] = harness_overhead_ms()
+    if look is not None:
+        rec["first_look"] = early or {"n": len(look), "n_total": len(data), "decided": None,
+                                      "seed": FIRST_LOOK_SEED}
     # Where the stage's time went (s), for benchmarks/profile_run.py.
     rec["timings_s"] = {"inference": round(t1 - t0, 3),
                         "latency": round(time.perf_counter() - t1, 3)}
     rec.update(fields)
     judge(rec, next_step)
+    if early:
+        rec["status_reason"] = rec["reason"] = (
+            f"{rec['status_reason']} (decided on a first look at {early['n']} of "
+            f"{early['n_total']} samples, seeded random: failed beyond doubt at alpha "
+            f"{early['alpha']:g}, first_look in the row; --full-eval measures every sample)")
     rec["measured_against"] = measured_against(reference, evaluated, source)
     rec["source"] = row_source(source)
     input_convention_hint(rec, runner, data)
@@ -624,6 +659,51 @@ def evaluate(runner: Runner, data: EvalData, *, stage: str, precision: str, mode
         # ok row (which measured another file, or was judged by no verdict).
         write_result(model, tag, rec, keep_good=rec["status"] == "ok")
     return rec, outputs
+
+
+def _first_look_pass(runner: Runner, data: EvalData, look: np.ndarray, batch_size: int,
+                     precision: str, tag: str
+                     ) -> tuple[dict[str, np.ndarray], EvalData, dict | None]:
+    """The accuracy pass with a first look (:mod:`deploykit.sequential`): the ``look`` samples
+    first; when they prove the row ``failed`` beyond doubt the pass stops there, else the other
+    samples run and the outputs come back in the split's order (each sample computed once).
+
+    Returns:
+        ``(outputs, data, early)``: the outputs of ``data`` (the first look's samples when it
+        decided, else the whole split), and the row's ``first_look`` block when it decided
+        (None otherwise).
+    """
+    n_total = len(data)
+    head = data.take(look)
+    print(f"{tag}: first look on {len(look)} of {n_total} samples (seeded random); the rest "
+          "run unless they prove the row failed beyond doubt", file=sys.stderr)
+    raw_head = run_outputs(runner, head, batch_size, progress=f"{tag} first look")
+    sc = score(head, logits_first(head, raw_head))
+    reasons = failed_beyond_doubt(precision, row_parities(sc), sc.get("nonfinite_outputs"),
+                                  len(look))
+    if reasons:
+        print(f"{tag}: failed beyond doubt on the first look ({'; '.join(reasons)}): the other "
+              f"{n_total - len(look)} samples are not run (--full-eval runs them)",
+              file=sys.stderr)
+        return raw_head, head, {"n": len(look), "n_total": n_total, "decided": "failed",
+                                "seed": FIRST_LOOK_SEED, "alpha": ALPHA, "reasons": reasons}
+    rest = np.setdiff1d(np.arange(n_total), look)
+    raw_rest = run_outputs(runner, data.take(rest), batch_size, progress=f"{tag}")
+    order = np.argsort(np.concatenate([look, rest]), kind="stable")
+    raw = {k: np.concatenate([v, raw_rest[k]])[order] for k, v in raw_head.items()}
+    return raw, data, None
+
+
+def evaluated_data(data: EvalData, rec: dict) -> EvalData:
+    """The samples of ``data`` that the row ``rec`` was measured on: the first look's
+    (:func:`deploykit.sequential.first_look_indices`, in the order :func:`evaluate` returned
+    their outputs) when it decided the row, else ``data`` itself. Diagnostics that compare a
+    row's outputs with another run (the backend cross-check) take these samples."""
+    look = rec.get("first_look") or {}
+    if not look.get("decided"):
+        return data
+    idx = first_look_indices(look["n_total"], look["n"], look.get("seed", FIRST_LOOK_SEED))
+    return data.take(idx)
 
 
 def diagnose(rec: dict, name: str, fn: Callable[[], dict]) -> dict | None:
@@ -665,7 +745,9 @@ def summary_line(rec: dict) -> str:
     if acc:
         bits.append(f"top-1 {acc['top1']:.2f}%"
                     + (f" top-5 {acc['top5']:.2f}%" if acc.get("top5") is not None else "")
-                    + f" on {rec['n_images']} images")
+                    + f" on {rec['n_images']} images"
+                    + (f" (first look of {rec['first_look']['n_total']})"
+                       if (rec.get("first_look") or {}).get("decided") else ""))
     if len(rec.get("outputs") or ()) > 1 and isinstance(rec.get("output_used"), str):
         bits.append(f"output {rec['output_used']!r} of {len(rec['outputs'])}")
     if par:

@@ -51,6 +51,9 @@ def check_export_args(args: argparse.Namespace) -> None:
                          f"opsets {low}..{top} here")
     if args.true_fp16_budget_s < 0:
         raise UsageError("--true-fp16-budget-s must be >= 0")
+    if getattr(args, "true_fp16_samples", 1) < 1:
+        raise UsageError("--true-fp16-samples must be >= 1 (--true-fp16-budget-s 0 skips the "
+                         "run)")
     if args.no_fp16 and args.fp16_keep_fp32:
         raise UsageError("--fp16-keep-fp32 with --no-fp16: there is no FP16 file")
 

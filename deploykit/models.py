@@ -87,6 +87,9 @@ def model_spec(name: str) -> ModelSpec:
     """
     if name in MODEL_TABLE:
         return MODEL_TABLE[name]
+    given = spec_from_env(name)
+    if given is not None:
+        return given
     if ":" in name:
         return custom_spec(name, os.environ.get(PREPROCESS_ENV) or None)
     import torchvision
@@ -107,6 +110,41 @@ def model_spec(name: str) -> ModelSpec:
     crop = t.crop_size[0] if isinstance(t.crop_size, (list, tuple)) else t.crop_size
     return ModelSpec(name, "torchvision", tuple(t.mean), tuple(t.std), int(resize), int(crop),
                      interp)
+
+
+#: A spec computed once for the stages of one ``run_all.sh`` run (``python -m deploykit.models kind
+#: MODEL --with-spec``): ``{"model", "preprocess", "spec"}`` as JSON. A factory's spec builds the
+#: model (import, factory call, one forward: seconds for a ResNet-18); torchvision and timm names
+#: import their package. run_all.sh exports it; a stage run on its own computes the spec itself.
+SPEC_ENV = "PIPELINE_MODEL_SPEC"
+
+
+def spec_json(spec: ModelSpec) -> str:
+    """``spec`` as the :data:`SPEC_ENV` value, valid for its model and the current
+    ``$PREPROCESS``."""
+    import json
+
+    return json.dumps({"model": spec.name, "preprocess": os.environ.get(PREPROCESS_ENV) or None,
+                       "spec": dataclasses.asdict(spec)}, separators=(",", ":"))
+
+
+def spec_from_env(name: str) -> ModelSpec | None:
+    """The spec :data:`SPEC_ENV` holds for ``name``, or None when it is unset, malformed, for
+    another model or for another ``$PREPROCESS`` (the caller then computes it)."""
+    import json
+
+    text = os.environ.get(SPEC_ENV)
+    if not text:
+        return None
+    try:
+        d = json.loads(text)
+        if d["model"] != name or d["preprocess"] != (os.environ.get(PREPROCESS_ENV) or None):
+            return None
+        f = dict(d["spec"])
+        f["mean"], f["std"] = tuple(f["mean"]), tuple(f["std"])
+        return ModelSpec(**f)
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def timm_spec(name: str) -> ModelSpec | None:
@@ -685,89 +723,11 @@ def example_inputs(spec: ModelSpec, input_shapes, batch: int = 1, seed: int = 0
     return out
 
 
-def first_layer_expectation(model) -> tuple[str, str, int, int] | None:
-    """What the model's first weight layer reads: ``(module name, type, axis, size)`` for a
-    Conv (channels on axis 1) or a Linear (features on the last axis, ``axis`` -1); None when
-    the first such layer is another kind (or there is none)."""
-    import torch
-
-    for name, m in model.named_modules():
-        if isinstance(m, torch.nn.modules.conv._ConvNd):
-            return name or type(m).__name__, type(m).__name__, 1, int(m.in_channels)
-        if isinstance(m, torch.nn.Linear):
-            return name or type(m).__name__, type(m).__name__, -1, int(m.in_features)
-        if isinstance(m, (torch.nn.Embedding, torch.nn.RNNBase, torch.nn.MultiheadAttention)):
-            return None
-    return None
-
-
-def forward_error(model_name: str, model, feed: dict[str, np.ndarray], e: Exception,
-                  flag: str = "--input-shape", given: Sequence[str] | None = None
-                  ) -> Exception:
-    """A one-line error for a ``forward()`` that raised on the stage's inputs: the inputs given
-    (``given``: the ``--input-shape`` values as typed; else the feed's name:shape:dtype, at the
-    batch the stage ran), the exception's first line, the user's source line, and what the
-    model's first layer expects where that can be read (:func:`first_layer_expectation`).
-
-    Returns (to be raised):
-        UsageError for a ``TypeError``/``RuntimeError`` (wrong shape, dtype or argument count:
-        the inputs given do not fit) or when the first layer contradicts the shape given;
-        StageError for any other exception (the model's own code failed: fix it).
-    """
-    import traceback
-
-    n = len(next(iter(feed.values()))) if feed else 0
-    given = (f"{flag} {' '.join(given)} (run at batch {n})" if given else "the inputs " + ", ".join(
-        f"{k}:{','.join(str(d) for d in v.shape)}:{v.dtype}" for k, v in feed.items()))
-    first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")[:300]
-    repo = Path(__file__).resolve().parents[1]  # our stage scripts are not the user's code
-    frames = [f for f in traceback.extract_tb(e.__traceback__)
-              if f"{Path('torch') / 'nn'}" not in f.filename
-              and "site-packages" not in f.filename and "deploykit" not in f.filename
-              and Path(f.filename).resolve().parent != repo]
-    where = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
-    exp, mismatch = "", False
-    fl = first_layer_expectation(model)
-    if fl is not None and len(feed) == 1:
-        name, kind, axis, size = fl
-        shape = next(iter(feed.values())).shape
-        got = shape[axis] if len(shape) > max(axis, 0) and len(shape) >= 2 else None
-        mismatch = got is not None and got != size
-        exp = (f"; the first layer {name} ({kind}) expects {size} "
-               f"{'channels on axis 1' if axis == 1 else 'features on the last axis'}"
-               + (f", the input has {got}" if mismatch else ""))
-    shape_error = mismatch or isinstance(e, (TypeError, RuntimeError))
-    msg = (f"--model {model_name}: forward() fails on {given} "
-           f"({type(e).__name__}: {first}){where}{exp if shape_error else ''}")
-    wide = _float_inputs_wider_than_model(model, feed)
-    if wide and isinstance(e, (TypeError, RuntimeError)):  # a dtype, not a shape, problem
-        return UsageError(f"--model {model_name}: forward() fails on {given} ({type(e).__name__}: "
-                          f"{first}): input {', '.join(wide)} is wider than the model's "
-                          f"parameters: cast it (x.astype(np.float32)) in {flag}")
-    if shape_error:
-        return UsageError(f"{msg}; give one {flag} per forward() argument, in order, with the "
-                          "model's input shape (the batch first) and dtype")
-    return StageError(f"{msg}; the model's own code raised: fix it (the line above), then rerun")
-
-
-def _float_inputs_wider_than_model(model, feed: dict[str, np.ndarray]) -> list[str]:
-    """Names (``name (float64)``) of float inputs of a wider dtype than the model's first float
-    parameter (a float64 ``.npz`` fed to a float32 model)."""
-    import torch
-
-    p = next((t for t in model.parameters() if t.is_floating_point()), None) if hasattr(
-        model, "parameters") else None
-    if p is None:
-        return []
-    width = torch.finfo(p.dtype).bits
-    return [f"{k} ({v.dtype})" for k, v in feed.items()
-            if np.issubdtype(v.dtype, np.floating) and np.dtype(v.dtype).itemsize * 8 > width]
-
-
 def _main(argv: Sequence[str] | None = None) -> int:
-    """``python -m deploykit.models kind MODEL``: print ``classifier`` (an ImageNet classifier:
-    the real images are its data) or ``own-data`` (a model with its own inputs), a tab, and where
-    its preprocessing came from (or why there is none); for run_all.sh. Errors: one line on
+    """``python -m deploykit.models kind MODEL [--with-spec]``: print ``classifier`` (an ImageNet
+    classifier: the real images are its data) or ``own-data`` (a model with its own inputs), a
+    tab, and where its preprocessing came from (or why there is none); with ``--with-spec`` a
+    tab and :func:`spec_json`; for run_all.sh. Errors: one line on
     stderr, exit 2 (unknown name, bad factory or ``$PREPROCESS``) or 1 (the factory raised)."""
     import argparse
     import sys
@@ -775,6 +735,8 @@ def _main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m deploykit.models")
     p.add_argument("what", choices=("kind",))
     p.add_argument("model")
+    p.add_argument("--with-spec", action="store_true",
+                   help=f"also print, after a second tab, the spec as ${SPEC_ENV} takes it")
     args = p.parse_args(argv)
     try:
         spec = model_spec(args.model)
@@ -785,7 +747,8 @@ def _main(argv: Sequence[str] | None = None) -> int:
         print(f"MODEL={args.model}: {e}", file=sys.stderr)
         return 1
     kind = "classifier" if spec.classifier else "own-data"
-    print(f"{kind}\t{spec.preprocessing_from or spec.source}")
+    note = " ".join(str(spec.preprocessing_from or spec.source).split())  # one field
+    print(f"{kind}\t{note}" + (f"\t{spec_json(spec)}" if args.with_spec else ""))
     return 0
 
 

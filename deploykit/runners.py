@@ -550,14 +550,16 @@ class OrtRunner(Runner):
             return b, b
         return 1, None
 
-    def infer(self, feed):
-        """Outputs of one ``run`` on ``feed`` (floating outputs as float32).
+    def infer(self, feed, native: bool = False):
+        """Outputs of one ``run`` on ``feed`` (floating outputs as float32, or in the dtype ORT
+        returned them with ``native``: e.g. float16 tensors of an FP16 graph, for callers that
+        convert them themselves).
 
         Raises:
             StageError: the feed does not fit the model (:meth:`check_feed`), or ORT fails.
         """
         outs = self._run(self.session, self.check_feed(feed))
-        return {n: (o.astype(np.float32) if np.issubdtype(o.dtype, np.floating)
+        return {n: (o.astype(np.float32) if not native and np.issubdtype(o.dtype, np.floating)
                     and o.dtype != np.float32 else o)
                 for n, o in zip(self.output_names, outs)}
 

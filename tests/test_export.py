@@ -1,4 +1,4 @@
-"""deploykit.export (stage 2's procedure) and deploykit.models.forward_error: the model
+"""deploykit.export (stage 2's procedure) and deploykit.model_errors.forward_error: the model
 features named before anything is exported, and the FP16 candidate's failure messages."""
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from deploykit.export import (
     fp16_rejected_warning,
     no_fp16_command,
 )
-from deploykit.models import forward_error
+from deploykit.model_errors import forward_error
 
 torch = pytest.importorskip("torch")
 nn = torch.nn

@@ -376,7 +376,7 @@ def test_a_float64_input_is_named_as_a_dtype_problem_with_the_cast():
     import torch
 
     from deploykit.errors import UsageError
-    from deploykit.models import forward_error
+    from deploykit.model_errors import forward_error
 
     m = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3))
     for dtype, wide in ((np.float64, True), (np.float32, False)):

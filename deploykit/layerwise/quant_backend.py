@@ -97,6 +97,13 @@ def _channel_cosines(acc: np.ndarray) -> dict:
             "channels_lost": lost[:50].tolist(), "n_channels_lost": int(lost.size)}
 
 
+def _shown_dtype(x: np.ndarray) -> str:
+    """The dtype a tensor is reported with: float32 for every float tensor (what
+    :meth:`deploykit.runners.OrtRunner.infer` returns), else its own."""
+    dt = np.asarray(x).dtype
+    return "float32" if np.issubdtype(dt, np.floating) else str(dt)
+
+
 def quant_backend_table(fp32_onnx: Path | str, qdq_onnx: Path | str, feed: dict[str, np.ndarray],
                         *, ep: str = "cpu", opt_level: str = "all",
                         disabled_optimizers: Sequence[str] = (), batch: int | None = None,
@@ -141,12 +148,19 @@ def quant_backend_table(fp32_onnx: Path | str, qdq_onnx: Path | str, feed: dict[
     for t, r in alias.items():
         alias_inv.setdefault(r, []).append(t)
 
-    def run(model, backend: bool, mark_all: bool = True):
+    def run(model, backend: bool, mark_all: bool = True, native: bool = False):
         return ort_activations(model, feed, ep=ep if backend else "cpu", batch=batch,
                                opt_level=opt_level if backend else "disable", mark_all=mark_all,
-                               disabled_optimizers=disabled_optimizers if backend else ())
+                               disabled_optimizers=disabled_optimizers if backend else (),
+                               native=native)
 
-    f_it, q0_it, q1_it = run(a_model, False), run(q_model, False), run(q_model, True)
+    def as64(x):  # every float tensor in float64 once (the statistics' arithmetic)
+        return np.asarray(x, np.float64) if np.issubdtype(np.asarray(x).dtype, np.floating) \
+            else x
+
+    # tensors as ORT returns them (an FP16 graph's stay float16): converted once, below
+    f_it, q0_it, q1_it = (run(a_model, False, native=True), run(q_model, False, native=True),
+                          run(q_model, True, native=True))
     quant: dict[str, TensorStat] = {}
     backend: dict[str, TensorStat] = {}
     chan: dict[str, np.ndarray] = {}  # per channel (axis 1): [sum a*b, sum a*a, sum b*b]
@@ -159,14 +173,18 @@ def quant_backend_table(fp32_onnx: Path | str, qdq_onnx: Path | str, feed: dict[
             b = b_of[name]
             if b is None or b not in q0 or b not in q1:
                 continue
-            quant.setdefault(name, TensorStat()).update(a, q0[b], n)
-            backend.setdefault(name, TensorStat()).update(q0[b], q1[b], n)
-            a64, b64 = np.asarray(a, np.float64), np.asarray(q0[b], np.float64)
+            a64, b64, c64 = as64(a), as64(q0[b]), as64(q1[b])
+            # the dtype recorded is the one the runs' float32 outputs had before (reports)
+            quant.setdefault(name, TensorStat()).update(a64, b64, n, _shown_dtype(q0[b]))
+            backend.setdefault(name, TensorStat()).update(b64, c64, n, _shown_dtype(q1[b]))
             if a64.ndim >= 2 and a64.shape == b64.shape and a64.shape[0] == n \
                     and np.issubdtype(np.asarray(a).dtype, np.floating):
-                fa = np.moveaxis(a64, 1, 0).reshape(a64.shape[1], -1)
-                fb = np.moveaxis(b64, 1, 0).reshape(b64.shape[1], -1)
-                acc = np.stack([(fa * fb).sum(1), (fa * fa).sum(1), (fb * fb).sum(1)])
+                # per channel (axis 1) over samples and positions, without temporaries
+                fa = a64.reshape(a64.shape[0], a64.shape[1], -1)
+                fb = b64.reshape(fa.shape)
+                acc = np.stack([np.einsum("ncp,ncp->c", fa, fb),
+                                np.einsum("ncp,ncp->c", fa, fa),
+                                np.einsum("ncp,ncp->c", fb, fb)])
                 chan[name] = chan[name] + acc if name in chan else acc
     inits = {t.name for t in a_model.graph.initializer}
     rows = []

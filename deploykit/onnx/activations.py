@@ -101,7 +101,7 @@ def _ort_session(model_or_path, ep: str, tmp: Path, opt_level: str,
 # --------------------------------------------------------------------------------------------
 def ort_activations(model_or_path, feed: dict[str, np.ndarray], *, ep: str = "cpu",
                     batch: int | None = None, opt_level: str = "all", mark_all: bool = True,
-                    disabled_optimizers: Sequence[str] = ()
+                    disabled_optimizers: Sequence[str] = (), native: bool = False
                     ) -> Iterator[tuple[dict[str, np.ndarray], int]]:
     """Yield ``(tensors, n_samples)`` per chunk of ``feed`` from ONNX Runtime.
 
@@ -114,6 +114,9 @@ def ort_activations(model_or_path, feed: dict[str, np.ndarray], *, ep: str = "cp
             float16 inputs.
         mark_all: expose every intermediate tensor (else only the model's outputs).
         disabled_optimizers: ORT graph optimizers to switch off (e.g. WeightBiasQuantization).
+        native: tensors in the dtype ORT returns (float16 stays float16) instead of float32
+            (:meth:`deploykit.runners.OrtRunner.infer`): for a caller that converts them once
+            itself (saves a pass over every tensor).
     """
     model = model_or_path
     if mark_all:
@@ -129,7 +132,7 @@ def ort_activations(model_or_path, feed: dict[str, np.ndarray], *, ep: str = "cp
             chunk = {k: (v.astype(np.float16) if k in half and v.dtype == np.float32 else v)
                      for k, v in chunk.items() if k in runner.input_names}
             try:
-                yield runner.infer(chunk), n
+                yield runner.infer(chunk, native=native), n
             except Exception as e:  # noqa: BLE001 - ORT raises its own types
                 raise StageError(
                     f"onnxruntime failed on {model_or_path if isinstance(model_or_path, (str, Path)) else 'model'}: {e}") from e

@@ -3,13 +3,15 @@ run of its output.
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import re
 from pathlib import Path
 from typing import Sequence
 import numpy as np
 
 from deploykit.io import load_npz
-from deploykit.errors import UsageError
+from deploykit.errors import StageError, UsageError
 from deploykit.quant.calibration import calibration_plan, deployment_shapes
 from deploykit.runners import ORT_DTYPES, ort_session_options
 
@@ -18,7 +20,13 @@ from deploykit.runners import ORT_DTYPES, ort_session_options
 MODELOPT_MIN_OPSET = 19
 
 
-def modelopt_quantize(argv: Sequence[str], calib_batch: str | int = "all") -> None:
+#: Printed by the child between the fp32 run and its FP16 conversion (:func:`modelopt_quantize`
+#: with ``fp16_output``): the log before it is the fp32 variant's, the whole log the FP16's.
+FP16_MARK = "deploykit: FP16 conversion of the calibrated model (ModelOpt convert_to_f16) -> "
+
+
+def modelopt_quantize(argv: Sequence[str], calib_batch: str | int = "all",
+                      fp16_output: str | Path | None = None) -> None:
     """``python -m modelopt.onnx.quantization ARGV`` (ModelOpt's own argument parser and
     ``quantize()``), with the calibration batch set on its own.
 
@@ -30,8 +38,20 @@ def modelopt_quantize(argv: Sequence[str], calib_batch: str | int = "all") -> No
     seeing the deployment batch (:func:`deployment_shapes`), so the nodes ModelOpt quantizes are
     the same as with its CLI; only the calibration batch differs.
 
+    ``fp16_output``: the same calibration also gives the ``--high_precision_dtype fp16`` file.
+    ModelOpt 0.47.0's INT8 path calibrates and places Q/DQ in FP32 and only then converts the
+    float tensors (``modelopt/onnx/quantization/int8.py`` ``quantize`` ->
+    ``precision_utils._convert_to_runtime_precision`` -> ``modelopt.onnx.autocast.convert_to_f16``,
+    nothing in between reads the dtype). With ``--high_precision_dtype fp32`` in ARGV, that
+    conversion's model and arguments are recorded and the conversion is run once more with
+    ``fp16`` (:func:`fp16_from_fp32_qdq`), written to ``fp16_output``: the file the CLI writes with
+    ``--high_precision_dtype fp16`` (byte-identical on EfficientNet-Lite0 and in
+    tests/quant/test_modelopt.py), for one calibration instead of two.
+
     Raises:
-        UsageError: ``--autotune`` (use ModelOpt's CLI for it).
+        UsageError: ``--autotune`` (use ModelOpt's CLI for it); ``fp16_output`` without
+            ``--quantize_mode int8 --high_precision_dtype fp32``.
+        StageError: ModelOpt did not convert the model (its INT8 path changed).
     """
     import inspect
 
@@ -43,6 +63,11 @@ def modelopt_quantize(argv: Sequence[str], calib_batch: str | int = "all") -> No
     args = get_parser().parse_args(list(argv))
     if args.autotune is not None:
         raise UsageError("--autotune: run python -m modelopt.onnx.quantization directly")
+    if fp16_output is not None and (args.high_precision_dtype != "fp32"
+                                    or args.quantize_mode != "int8"):
+        raise UsageError("--fp16-output needs --quantize_mode int8 --high_precision_dtype fp32 "
+                         "(it converts that run's calibrated model as ModelOpt's fp16 "
+                         "high-precision dtype does)")
     params = inspect.signature(quantize).parameters
     kw = {k: v for k, v in vars(args).items() if k in params and k != "onnx_path"}
     kw["autotune"] = False
@@ -57,7 +82,66 @@ def modelopt_quantize(argv: Sequence[str], calib_batch: str | int = "all") -> No
             kw["calibration_shapes"] = deployment_shapes(args.onnx_path, data)
         print(f"calibration batch {plan['batch_size']} ({len(plan['batches'])} batch(es) of "
               f"{plan['batches'][:4]}); ModelOpt's GEMV rule sees {kw['calibration_shapes']}")
-    quantize(args.onnx_path, **kw)
+    if fp16_output is None:
+        quantize(args.onnx_path, **kw)
+        return
+    with _runtime_precision_call() as seen:
+        quantize(args.onnx_path, **kw)
+    if not seen:
+        raise StageError("ModelOpt never converted the calibrated model to its runtime "
+                         "precision (modelopt.onnx.quantization.int8 changed?): the FP16 file "
+                         "cannot be derived; quantize the variants one by one")
+    print(FP16_MARK + str(fp16_output), flush=True)
+    fp16_from_fp32_qdq(seen[-1], fp16_output, bool(args.use_external_data_format))
+
+
+@contextlib.contextmanager
+def _runtime_precision_call():
+    """Record the model and the arguments of ModelOpt's conversion to the runtime precision
+    (``modelopt.onnx.quantization.int8._convert_to_runtime_precision``, which returns an
+    ``--high_precision_dtype fp32`` model unchanged) while the block runs; yields the list of
+    ``(model, kwargs)`` seen. ModelOpt's own call is left as it is."""
+    from modelopt.onnx.quantization import int8
+
+    real = int8._convert_to_runtime_precision
+    seen: list[tuple] = []
+
+    def spy(model, **kwargs):
+        out = real(model, **kwargs)
+        seen.append((copy.deepcopy(out), kwargs))  # before quantize() goes on with it
+        return out
+
+    int8._convert_to_runtime_precision = spy
+    try:
+        yield seen
+    finally:
+        int8._convert_to_runtime_precision = real
+
+
+def fp16_from_fp32_qdq(call: tuple, dst: str | Path, external: bool = False) -> None:
+    """Write ``dst``: the calibrated INT8 Q/DQ model of an ``--high_precision_dtype fp32`` run,
+    converted to FP16 by ModelOpt's own conversion with the arguments ModelOpt passed it in that
+    run, only the dtype changed (``_convert_to_runtime_precision(model,
+    high_precision_dtype="fp16", ...)``, which calls ``modelopt.onnx.autocast.convert_to_f16``),
+    then saved and checked as ModelOpt's ``quantize()`` does (``save_onnx``, ``onnx.checker``:
+    a failed check is a printed warning there too).
+
+    Args:
+        call: ``(model, kwargs)`` recorded by :func:`_runtime_precision_call`.
+        dst: output path. external: ``--use_external_data_format``.
+    """
+    import onnx
+    from modelopt.onnx.quantization import int8
+    from modelopt.onnx.utils import save_onnx
+
+    model, kwargs = call
+    model16 = int8._convert_to_runtime_precision(model,
+                                                 **{**kwargs, "high_precision_dtype": "fp16"})
+    save_onnx(model16, str(dst), external)
+    try:
+        onnx.checker.check_model(str(dst))
+    except onnx.checker.ValidationError as e:
+        print(f"WARNING: ONNX model checker failed on {dst}: {e}", flush=True)
 
 
 # --------------------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from deploykit.layout import ROOT
+from deploykit.quant.modelopt import FP16_MARK
 
 # The child runs at the repository root (deploykit.layout.ROOT), so the entry point below is a
 # relative path (the displayed command can be pasted into a shell at the repository root).
@@ -56,6 +57,7 @@ class ModelOptRun:
         shown: ``argv`` shell-quoted, with the ``replace`` paths substituted (for records).
         log: the file holding the child's stdout and stderr.
         output: the ``--output_path`` given to ModelOpt.
+        fp16_output: the ``--fp16-output`` file asked for, or None.
     """
 
     status: str
@@ -65,11 +67,31 @@ class ModelOptRun:
     shown: str
     log: Path
     output: Path
+    fp16_output: Path | None = None
 
     @property
     def ok(self) -> bool:
         """True when :attr:`status` is ``"ok"``."""
         return self.status == "ok"
+
+    @property
+    def fp16_status(self) -> str | None:
+        """The FP16 file's status (``"ok"`` when the child exited 0 and wrote it), None when
+        none was asked for."""
+        if self.fp16_output is None:
+            return None
+        return "ok" if self.returncode == 0 and self.fp16_output.exists() else "failed"
+
+    def split_log(self) -> tuple[str, str]:
+        """The log's text up to the FP16 conversion (the fp32 file's part) and all of it (the
+        FP16 file's: it was made by the same calibration, then converted);
+        ``(whole, whole)`` when the log has no conversion mark."""
+        try:
+            text = self.log.read_text(errors="replace")
+        except OSError:
+            return "", ""
+        i = text.find(FP16_MARK)
+        return (text if i < 0 else text[:i]), text
 
     def tail(self, n: int = 20) -> list[str]:
         """The last ``n`` lines of the log (``[]`` when it cannot be read).
@@ -86,7 +108,8 @@ class ModelOptRun:
 
 
 def modelopt_argv(onnx_path: Path | str, output_path: Path | str, flags: Sequence[str],
-                  calib_batch: str | int = "all", python: str | None = None) -> list[str]:
+                  calib_batch: str | int = "all", python: str | None = None,
+                  fp16_output: Path | str | None = None) -> list[str]:
     """The child's command line.
 
     Args:
@@ -96,12 +119,17 @@ def modelopt_argv(onnx_path: Path | str, output_path: Path | str, flags: Sequenc
         calib_batch: the calibration batch (``deploykit.quant.calibration.calibration_plan``'s ``batch_size``,
             or ``"all"``).
         python: the interpreter (default: ``sys.executable``, the one running the caller).
+        fp16_output: also write the ``--high_precision_dtype fp16`` file of the same
+            calibration there (``flags`` say ``--high_precision_dtype fp32``;
+            :func:`deploykit.quant.modelopt.modelopt_quantize`).
     Returns:
-        ``[python, "qdq_tools.py", "modelopt", "--calib-batch", B, "--", "--onnx_path", ...,
-        *flags, "--output_path", ...]``, to be run in :data:`ROOT`.
+        ``[python, "qdq_tools.py", "modelopt", "--calib-batch", B, ["--fp16-output", F,] "--",
+        "--onnx_path", ..., *flags, "--output_path", ...]``, to be run in :data:`ROOT`.
     """
-    return [python or sys.executable, *CHILD_ENTRY, "--calib-batch", str(calib_batch), "--",
-            "--onnx_path", str(onnx_path), *map(str, flags), "--output_path", str(output_path)]
+    extra = [] if fp16_output is None else ["--fp16-output", str(fp16_output)]
+    return [python or sys.executable, *CHILD_ENTRY, "--calib-batch", str(calib_batch), *extra,
+            "--", "--onnx_path", str(onnx_path), *map(str, flags), "--output_path",
+            str(output_path)]
 
 
 def shown_command(argv: Sequence[str], replace: Mapping[Path | str, Path | str] | None = None
@@ -137,7 +165,8 @@ def run_modelopt(onnx_path: Path | str, output_path: Path | str, flags: Sequence
                  log: Path | str, *, calib_batch: str | int = "all",
                  replace: Mapping[Path | str, Path | str] | None = None,
                  python: str | None = None, env: Mapping[str, str] | None = None,
-                 cwd: Path | str | None = None) -> ModelOptRun:
+                 cwd: Path | str | None = None,
+                 fp16_output: Path | str | None = None) -> ModelOptRun:
     """Run ModelOpt's ONNX PTQ in a child process and capture its log.
 
     The child's stdout and stderr are written to a fresh temporary file beside ``log``
@@ -145,7 +174,8 @@ def run_modelopt(onnx_path: Path | str, output_path: Path | str, flags: Sequence
     A failure of the child is not an exception: look at :attr:`ModelOptRun.status`.
 
     Args:
-        onnx_path, output_path, flags, calib_batch, python: see :func:`modelopt_argv`.
+        onnx_path, output_path, flags, calib_batch, python, fp16_output: see
+            :func:`modelopt_argv` (the FP16 file's outcome: :attr:`ModelOptRun.fp16_status`).
         log: where the child's output ends up (its folder must exist and be writable).
         replace: ``{work path: final path}`` for :attr:`ModelOptRun.shown`.
         env: the child's environment (default: this process's).
@@ -158,7 +188,7 @@ def run_modelopt(onnx_path: Path | str, output_path: Path | str, flags: Sequence
         KeyboardInterrupt, SystemExit: passed on after the child was killed and the
             temporary log removed.
     """
-    argv = modelopt_argv(onnx_path, output_path, flags, calib_batch, python)
+    argv = modelopt_argv(onnx_path, output_path, flags, calib_batch, python, fp16_output)
     log = Path(log)
     output = Path(output_path)
     fd, tmp = tempfile.mkstemp(dir=log.parent, prefix=f".tmp-{log.name}.")
@@ -176,4 +206,5 @@ def run_modelopt(onnx_path: Path | str, output_path: Path | str, flags: Sequence
         raise
     status = "ok" if p.returncode == 0 and output.exists() else "failed"
     return ModelOptRun(status=status, returncode=p.returncode, wall_s=wall, argv=tuple(argv),
-                       shown=shown_command(argv, replace), log=log, output=output)
+                       shown=shown_command(argv, replace), log=log, output=output,
+                       fp16_output=None if fp16_output is None else Path(fp16_output))

@@ -185,7 +185,7 @@ def health_check(onnx_path: Path, inputs: dict) -> dict:
 
 
 def quant_record(args: argparse.Namespace, inputs: dict, variant: str, status: str, out: Path,
-                 log: Path, wall_s: float, command: str) -> dict:
+                 log: Path, wall_s: float, command: str, shared: dict | None = None) -> dict:
     """Write ``results/<model>/quant_<variant>.json`` (the fields ``qdq_tools.py
     record-quant`` writes) and return it.
 
@@ -193,6 +193,9 @@ def quant_record(args: argparse.Namespace, inputs: dict, variant: str, status: s
         args: the stage's arguments (provenance). inputs: :func:`main`'s inputs.
         variant, status (``ok``/``failed``), out (the installed file), log, wall_s, command:
             what the record says.
+        shared: ``{"fp32": variant, "fp16": variant}`` when one ModelOpt run made both
+            (:func:`shared_calibration`): recorded as ``shared_calibration`` (``wall_s`` and
+            ``command`` are that run's).
     Returns:
         the record: ``stage``, ``model``, ``variant``, ``status``, ``output``,
         ``wall_time_s``, ``command``, ``log``, ``description``, ``warnings``,
@@ -208,7 +211,13 @@ def quant_record(args: argparse.Namespace, inputs: dict, variant: str, status: s
            "output": str(out), "wall_time_s": wall_s, "command": command, "log": str(log),
            "description": get_variant(variant).description,
            "warnings": log_warnings(log) if log.exists() else [],
-           "calibration": calibration_summary(inputs["calib_rec"])}
+           "calibration": calibration_summary(inputs["calib_rec"]),
+           "shared_calibration": None if shared is None else {
+               **shared, "made_by": (
+                   f"one ModelOpt run with {shared['fp32']}'s flags (--high_precision_dtype "
+                   f"fp32); {shared['fp16']} is its calibrated model after ModelOpt's own FP16 "
+                   "conversion (the step --high_precision_dtype fp16 runs after calibration; "
+                   "the same file as ModelOpt's CLI with that flag)")}}
     if log.exists():
         # the EP ModelOpt's ORT sessions really ran on (a requested CUDA EP that this
         # onnxruntime lacks falls back to the CPU)
@@ -302,7 +311,12 @@ def quantize_all(args, selected, env, eps, src, calib, onnx_dir, res_dir, work, 
               "calib_rec": calib_rec, "eps": eps, "calib_batch": calib_batch}
 
     records, not_made = [], []
+    pairs = shared_calibration(selected)  # {fp16 variant: fp32 variant of the same calibration}
+    made_with = {b: a for a, b in pairs.items()}
+    done: set[str] = set()
     for variant in selected:
+        if variant in done:
+            continue
         v = get_variant(variant)
         auto: list[str] = []
         auto_dir = work / "auto_precision"
@@ -321,60 +335,142 @@ def quantize_all(args, selected, env, eps, src, calib, onnx_dir, res_dir, work, 
                       "(above); nothing was installed", file=sys.stderr)
                 raise SystemExit(p.returncode if p.returncode > 0 else 128 - p.returncode)
             auto = p.stdout.rstrip("\n").split("\n") if p.stdout.strip() else []
+        # a variant whose fp32 twin is also asked for is made by the twin's run (one
+        # calibration, then ModelOpt's FP16 conversion): the twin's ModelOpt flags run
+        base = pairs.get(variant, variant)
+        half = made_with.get(base)  # the FP16 variant made by this run, if any
         try:
-            flags = modelopt_args(variant, str(work_calib), eps, dw, stem, auto)
+            flags = modelopt_args(base, str(work_calib), eps, dw, stem, auto)
         except ValueError as e:
             print(f"{_prog()}: {variant} not made: {str(e).strip(chr(39) + chr(34))}",
                   file=sys.stderr)
             not_made.append(variant)
             continue
-        out = onnx_dir / f"{variant}.onnx"
-        log = work / f"{variant}.quant.log"  # installed beside the file once the status is known
-        tmp = work / f"{variant}.onnx"
-        print(f"Stage 5: quantize {variant}: {src} + {calib} -> {out}")
-        run = modelopt_runner.run_modelopt(
-            work_src, tmp, flags, log, calib_batch=calib_batch,
-            replace={tmp: out, work_src: src, work_calib: calib})
-        status = run.status
-        wall = round(run.wall_s, 1)
-        log_tail = run.tail(20)  # read before the log moves to its final name
-        # int8_auto: measured on the tuning split (it must meet the budget) and the evaluation
-        # split before it replaces anything.
-        verify_failed = False
-        if status == "ok" and v.needs_tuning and subprocess.run(_python_tool(
-                "auto_precision.py", "verify", "--model", model, "--fp32", str(src), "--onnx",
-                str(tmp), "--installed-as", str(out), "--out-dir", str(auto_dir)),
-                cwd=ROOT).returncode != 0:
-            verify_failed, status = True, "failed"
-        if status == "ok":
-            os.replace(tmp, out)
-        else:
-            tmp.unlink(missing_ok=True)
-        # a failed rerun never replaces the record and log of the good file still installed:
-        # they go beside them (quant_<variant>.failed.json, <variant>.quant.failed.log)
-        keep_good = status != "ok" and _record_ok(res_dir / f"quant_{variant}.json")
-        final_log = onnx_dir / (f"{variant}.quant.failed.log" if keep_good
-                                else f"{variant}.quant.log")
-        if log.exists():
-            os.replace(log, final_log)
-        log = final_log
-        if v.needs_tuning and (auto_dir / "auto_precision.json").exists():
-            # results/<model>/auto_precision.* always describe the installed file; a run that
-            # was not installed is published beside them as auto_precision.failed.*
-            publish(auto_dir, res_dir, failed=status != "ok")
-        records.append(quant_record(args, inputs, variant, status, out, log, wall, run.shown))
-        if verify_failed:
-            raise StageError(f"{variant} re-quantized by ModelOpt misses its budget on "
-                                    "the tuning split (auto_precision.py verify, above); "
-                                    f"{out} left as it was")
-        if status != "ok":
-            raise StageError(f"ModelOpt failed on {variant} (exit {run.returncode}); "
-                                    f"last lines of {log}:\n" + "\n".join(log_tail))
-        print(f"  finished {variant} [elapsed={wall}s] -> {out}")
+        out = onnx_dir / f"{base}.onnx"
+        log = work / f"{base}.quant.log"  # installed beside the file once the status is known
+        tmp = work / f"{base}.onnx"
+        tmp16 = None if half is None else work / f"{half}.onnx"
+        replace = {tmp: out, work_src: src, work_calib: calib}
+        print(f"Stage 5: quantize {base}: {src} + {calib} -> {out}"
+              + (f" (and {half}: the same calibration with ModelOpt's FP16 conversion -> "
+                 f"{onnx_dir / f'{half}.onnx'})" if half else "")
+              + f"; ModelOpt calibrates on {inputs['calib_rec']['plan']['n_samples']} samples",
+              flush=True)
+        if tmp16 is not None:
+            replace[tmp16] = onnx_dir / f"{half}.onnx"
+        run = modelopt_runner.run_modelopt(work_src, tmp, flags, log, calib_batch=calib_batch,
+                                           replace=replace, fp16_output=tmp16)
+        made = [(base, run.status, tmp, out)]
+        if half is not None:
+            made.insert(0 if selected.index(half) < selected.index(base) else 1,
+                        (half, run.fp16_status, tmp16, onnx_dir / f"{half}.onnx"))
+        fp32_text, whole_text = run.split_log() if half is not None else (None, None)
+        for name, status, tmp_file, out_file in made:
+            done.add(name)
+            work_log = work / f"{name}.quant.log"
+            if half is not None:  # each file's own part of the shared log
+                work_log.write_text(whole_text if name == half else fp32_text)
+            records.append(_finish(args, inputs, name, status, tmp_file, out_file, work_log,
+                                   run, onnx_dir, res_dir, auto_dir, shared=(
+                                       None if half is None else
+                                       {"fp32": base, "fp16": half})))
     if not_made:
         raise StageError(f"{' '.join(not_made)} not made (reason above); the other "
                                 "requested variants were made")
     return records
+
+
+def shared_calibration(selected: list[str]) -> dict[str, str]:
+    """Pairs of requested variants that one ModelOpt calibration makes: ``{FP16 variant: FP32
+    variant}`` where their ModelOpt recipes differ only in ``--high_precision_dtype`` (fp16,
+    ModelOpt's default, against fp32) and neither needs a search (``needs_tuning``).
+
+    ModelOpt 0.47.0's INT8 path calibrates in FP32 and converts the float tensors to the
+    high-precision dtype last (:func:`deploykit.quant.modelopt.modelopt_quantize`), so the FP16
+    file is the FP32 run's model after that conversion: one calibration instead of two.
+
+    Args:
+        selected: the variants of this run (registry names).
+    Returns:
+        the mapping (empty when no such pair was asked for).
+    """
+    def recipe(name: str) -> tuple[str | None, tuple]:
+        v = get_variant(name)
+        if v.modelopt is None or v.needs_tuning:
+            return None, ()
+        opts: dict[str, tuple[str, ...]] = {}
+        key = None
+        for tok in v.modelopt:
+            if tok.startswith("--"):
+                key = tok
+                opts[key] = ()
+            elif key is not None:
+                opts[key] += (tok,)
+        if opts.get("--quantize_mode") != ("int8",):
+            return None, ()
+        dtype = opts.pop("--high_precision_dtype", ("fp16",))[0]  # ModelOpt's default: fp16
+        return dtype, tuple(sorted(opts.items()))
+
+    by_recipe: dict[tuple, dict[str, str]] = {}
+    for name in selected:
+        dtype, rest = recipe(name)
+        if dtype in ("fp16", "fp32"):
+            by_recipe.setdefault(rest, {}).setdefault(dtype, name)
+    return {d["fp16"]: d["fp32"] for d in by_recipe.values() if "fp16" in d and "fp32" in d}
+
+
+def _finish(args, inputs: dict, variant: str, status: str, tmp: Path, out: Path, log: Path,
+            run, onnx_dir: Path, res_dir: Path, auto_dir: Path, shared: dict | None) -> dict:
+    """One variant after its ModelOpt run: verified (``int8_auto``), installed atomically when
+    it succeeded, its log installed beside it, its record written; raises on failure.
+
+    Returns:
+        the record (:func:`quant_record`).
+    Raises:
+        StageError: ModelOpt failed (the log's last lines), or ``int8_auto`` misses its
+            budget; the installed file is then left as it was.
+    """
+    model = args.model
+    v = get_variant(variant)
+    wall = round(run.wall_s, 1)
+    try:
+        log_tail = log.read_text(errors="replace").splitlines()[-20:]
+    except OSError:
+        log_tail = []
+    # int8_auto: measured on the tuning split (it must meet the budget) and the evaluation
+    # split before it replaces anything.
+    verify_failed = False
+    if status == "ok" and v.needs_tuning and subprocess.run(_python_tool(
+            "auto_precision.py", "verify", "--model", model, "--fp32", str(inputs["src"]),
+            "--onnx", str(tmp), "--installed-as", str(out), "--out-dir", str(auto_dir)),
+            cwd=ROOT).returncode != 0:
+        verify_failed, status = True, "failed"
+    if status == "ok":
+        os.replace(tmp, out)
+    else:
+        tmp.unlink(missing_ok=True)
+    # a failed rerun never replaces the record and log of the good file still installed:
+    # they go beside them (quant_<variant>.failed.json, <variant>.quant.failed.log)
+    keep_good = status != "ok" and _record_ok(res_dir / f"quant_{variant}.json")
+    final_log = onnx_dir / (f"{variant}.quant.failed.log" if keep_good
+                            else f"{variant}.quant.log")
+    if log.exists():
+        os.replace(log, final_log)
+    if v.needs_tuning and (auto_dir / "auto_precision.json").exists():
+        # results/<model>/auto_precision.* always describe the installed file; a run that
+        # was not installed is published beside them as auto_precision.failed.*
+        publish(auto_dir, res_dir, failed=status != "ok")
+    rec = quant_record(args, inputs, variant, status, out, final_log, wall, run.shown,
+                       shared=shared)
+    if verify_failed:
+        raise StageError(f"{variant} re-quantized by ModelOpt misses its budget on "
+                         "the tuning split (auto_precision.py verify, above); "
+                         f"{out} left as it was")
+    if status != "ok":
+        raise StageError(f"ModelOpt failed on {variant} (exit {run.returncode}); "
+                         f"last lines of {final_log}:\n" + "\n".join(log_tail))
+    print(f"  finished {variant} [elapsed={wall}s] -> {out}")
+    return rec
 
 
 def _prog() -> str:
