@@ -326,6 +326,9 @@ def _quant_backend(args, spec, data: EvalData, onnx_path: Path) -> dict:
     feed = (load_feed(None, args.model, n, ref_onnx) if spec.classifier
             else {k: v[:n] for k, v in data.feed.items()})
     out_dir = model_results(args.model) / f"quant_backend_{args.tag}"
+    print(f"quantization vs backend error per layer: every tensor of 3 ORT runs (float, Q/DQ "
+          f"unoptimised, Q/DQ as run) on {len(next(iter(feed.values())))} samples -> {out_dir}",
+          file=sys.stderr, flush=True)
     res = quant_backend_table(ref_onnx, onnx_path, feed, ep=args.ep,
                               opt_level=args.opt_level,
                               disabled_optimizers=args.disable_optimizer,

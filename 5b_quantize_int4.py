@@ -150,6 +150,10 @@ def main(args: argparse.Namespace) -> dict:
     log = out.with_name(out.stem + ".quant.log")
     log.unlink(missing_ok=True)
     t0 = time.time()
+    print(f"int4: ModelOpt {args.calibration_method} on "
+          f"{len(next(iter(data.values()))) if data else 0} calibration samples "
+          f"(the weights of {len(ks)} Gemm/MatMul; bounded by ModelOpt's ORT calibration runs)",
+          flush=True)
     with atomic_path(out) as tmp:
         warnings_kept = run_modelopt(src if args.keep_layout else float_model, tmp, log, data,
                                      args.calibration_method, block, args.eps,

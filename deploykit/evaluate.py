@@ -62,6 +62,7 @@ from deploykit.models import ModelSpec
 from deploykit.results import (measured_against, provenance, result_record, row_source,
                                write_result)
 from deploykit.runners import Runner, harness_overhead_ms
+from deploykit.timing import MIN_ITERS
 from deploykit.sequential import ALPHA, FIRST_LOOK_SEED, failed_beyond_doubt, first_look_indices
 
 
@@ -572,6 +573,12 @@ def base_record(stage: str, precision: str, model: str, tag: str, runner_desc: d
     return rec
 
 
+#: Latency budget (s) of a row failed on its first look (no deployment candidate): at least
+#: :data:`deploykit.timing.MIN_ITERS` timed runs, then at most this long (the row's
+#: ``latency.max_seconds`` says so).
+FAILED_LATENCY_S = 1.0
+
+
 def evaluate(runner: Runner, data: EvalData, *, stage: str, precision: str, model: str,
              tag: str, args: Any, started: float, inputs: list = (), batch_size: int = 64,
              latency_batch: int = 1, warmup: int = 20, iters: int = 200,
@@ -596,8 +603,9 @@ def evaluate(runner: Runner, data: EvalData, *, stage: str, precision: str, mode
             calibration data, ONNX), or None.
         first_look: samples of a first look (:mod:`deploykit.sequential`; 0: none): a row they
             prove ``failed`` beyond doubt is measured on them only, ``first_look`` in the row
-            says so (``decided: "failed"``, the reasons); any other row runs every sample.
-            Only with a reference to compare with.
+            says so (``decided: "failed"``, the reasons) and its latency loop gets
+            :data:`FAILED_LATENCY_S`; any other row runs every sample. Only with a reference to
+            compare with.
         fields: extra row fields (``variant``, ``size_mb``, ``preprocessing``, ...).
     Returns:
         ``(record, outputs)`` with ``outputs`` every model output over all samples (a
@@ -614,6 +622,8 @@ def evaluate(runner: Runner, data: EvalData, *, stage: str, precision: str, mode
     look = first_look_indices(len(data), first_look) if data.ref is not None else None
     early = None
     if look is None:
+        print(f"{tag}: accuracy pass on {len(data)} samples, batch {batch_size}", file=sys.stderr,
+              flush=True)
         raw = run_outputs(runner, data, batch_size, progress=f"{tag}")
     else:
         raw, data, early = _first_look_pass(runner, data, look, batch_size, precision, tag)
@@ -629,6 +639,12 @@ def evaluate(runner: Runner, data: EvalData, *, stage: str, precision: str, mode
                       preprocessing=data.preprocessing, **score(data, outputs))
     rec["outputs"] = list(raw)  # graph order
     lat1 = 1 if runner.batch_range[0] <= 1 else runner.batch_range[0]
+    if early:  # not a deployment candidate: its latency on a shorter budget (>= MIN_ITERS runs)
+        runner.max_seconds = min(runner.max_seconds, FAILED_LATENCY_S)
+        early["latency_budget_s"] = FAILED_LATENCY_S
+    print(f"{tag}: latency at batch {lat1}: {warmup} warm-up + up to {iters} timed runs (at "
+          f"most {runner.max_seconds:g} s, at least {min(iters, MIN_ITERS)} runs)",
+          file=sys.stderr, flush=True)
     rec["latency"] = latency(runner, data, lat1, warmup, iters)
     # latency_batch 1 (the default) is the batch-1 block above, measured at the smallest batch
     # the model takes (its static batch); any other batch is a second measurement.

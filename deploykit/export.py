@@ -132,6 +132,9 @@ def export_fp32(model, example: dict[str, np.ndarray], path: Path, exporter: str
 
     args = tuple(torch.from_numpy(v) for v in example.values())
     names = list(example)
+    print(f"export: torch.onnx.export ({exporter}, opset {opset}, example batch "
+          f"{len(args[0]) if args else 0}, dynamic batch axis) -> {path.name}", file=sys.stderr,
+          flush=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:

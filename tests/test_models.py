@@ -404,3 +404,25 @@ def test_a_garbage_weights_file_is_one_short_line(tmp_path):
     assert len(msg.splitlines()) == 1 and "weights_only` set to `False`" not in msg
     assert msg.endswith("--weights takes a state dict saved with "
                         "torch.save(model.state_dict(), PATH)")
+
+
+def test_the_spec_run_all_hands_its_stages_is_taken_only_for_its_model_and_preprocess(
+        monkeypatch):
+    """PIPELINE_MODEL_SPEC (run_all.sh computes a spec once): a stage takes it for that model
+    and $PREPROCESS without importing anything (the factory named here does not exist); for
+    another model, another $PREPROCESS or a malformed value it computes the spec itself."""
+    from deploykit.models import SPEC_ENV, ModelSpec, model_spec, spec_from_env, spec_json
+
+    spec = ModelSpec("nopkg.nomod:build", "custom", (0.1, 0.2, 0.3), (0.4, 0.5, 0.6), 160, 128,
+                     "bicubic", classifier=True, preprocessing_from="timm pretrained_cfg")
+    monkeypatch.delenv("PREPROCESS", raising=False)
+    monkeypatch.setenv(SPEC_ENV, spec_json(spec))
+    assert model_spec("nopkg.nomod:build") == spec  # nothing imported: the module is not there
+    assert spec_from_env("other.mod:build") is None
+    monkeypatch.setenv("PREPROCESS", "mean=0.5,0.5,0.5,std=0.5,0.5,0.5")
+    assert spec_from_env("nopkg.nomod:build") is None  # the spec was made without it
+    with pytest.raises(UsageError, match="nopkg"):
+        model_spec("nopkg.nomod:build")
+    monkeypatch.delenv("PREPROCESS")
+    monkeypatch.setenv(SPEC_ENV, "{not json")
+    assert spec_from_env("nopkg.nomod:build") is None

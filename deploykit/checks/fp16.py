@@ -162,6 +162,9 @@ def fp16_range_audit(fp32_model, feed: dict[str, np.ndarray], fp16_model=None, *
         m16 = load_onnx(fp16_model) if isinstance(fp16_model, (str, Path)) else fp16_model
         held = fp16_held_tensors(m16)
     feed, batch = feed_plan(feed, [m32], batch)
+    print(f"FP16 range audit: every tensor of the FP32 graph on "
+          f"{len(next(iter(feed.values())))} sample(s), {batch} per ORT run", file=sys.stderr,
+          flush=True)
     prod = producers(m32)
     # Reductions computed in FP16 (their input is held in FP16).
     reds = {n.output[0]: n for n in m32.graph.node if n.op_type in ACCUMULATING_REDUCTIONS

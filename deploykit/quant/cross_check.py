@@ -3,6 +3,7 @@ unoptimised (and the u8s8 saturation cause on CPUs without VNNI).
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 import numpy as np
 
@@ -121,6 +122,11 @@ def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarr
         return pars, worst
 
     head = {k: v[:first] for k, v in outputs.items()}
+    print(f"backend cross-check: {onnx_path.name if hasattr(onnx_path, 'name') else onnx_path} "
+          f"with ORT graph optimisations disabled on {'the first ' if adaptive else ''}{first} "
+          f"of {total} samples" + (" (all of them only when these differ and do not decide)"
+                                   if adaptive and first < total else ""),
+          file=sys.stderr, flush=True)
     ref = run(0, first, opt_level="disable")
     differs = any(cosine_rows(ref[k], head[k]).min() < CROSS_CHECK_MIN_COSINE
                   for k in head if k in ref and ref[k].shape == head[k].shape)

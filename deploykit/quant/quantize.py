@@ -167,6 +167,8 @@ def health_check(onnx_path: Path, inputs: dict) -> dict:
         the check report with ``file``, ``fp32``, ``calib`` and ``summary``, or
         ``{"ok": None, "error", "summary": "check: could not run"}``.
     """
+    print(f"  check {onnx_path.name}: Q/DQ health (scales, weights, bias re-quantization on "
+          f"{HEALTH_CHECK_SAMPLES} calibration samples)", flush=True)
     try:
         rep = check_model(load_onnx(onnx_path), path=onnx_path,
                                     fp32_model=inputs["fp32_model"], calib=inputs["calib_data"],

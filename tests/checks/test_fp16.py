@@ -241,3 +241,50 @@ def test_convert_fp16_keeps_a_uint8_input_and_casts_it_to_fp16():
     (y,) = _ort_runs(m16, {"x": x})
     assert y.dtype == np.float32
     assert np.allclose(y, x.transpose(0, 3, 1, 2) / 255.0, atol=1e-3)
+
+
+def test_reference_conv_and_matmul_on_float16_keep_the_evaluators_arithmetic():
+    """The faster float16 Conv / MatMul of _reference_ops (float32 products rounded once to
+    float16, then the bias in float16) give what onnx.reference's own float16 kernels give:
+    the same inf where a product exceeds 65504, every finite value within one float16 step
+    (only the summation order differs); grouped, depthwise, strided and biased convs."""
+    from onnx.reference import ReferenceEvaluator
+
+    from deploykit.checks.fp16 import _reference_ops
+
+    rng = np.random.default_rng(0)
+
+    def c(name, *shape, scale=1.0):
+        return numpy_helper.from_array((scale * rng.standard_normal(shape)).astype(np.float16),
+                                       name)
+
+    inits = [c("w0", 8, 3, 3, 3), c("b0", 8), c("w1", 8, 1, 3, 3, scale=150.0),
+             c("w2", 8, 4, 1, 1), c("b2", 8, scale=100.0), c("m", 8 * 4 * 4, 5, scale=0.1)]
+    nodes = [helper.make_node("Conv", ["x", "w0", "b0"], ["a"], pads=[1] * 4, strides=[2, 2]),
+             helper.make_node("Conv", ["a", "w1"], ["d"], group=8, pads=[1] * 4),
+             helper.make_node("Conv", ["d", "w2", "b2"], ["g"], group=2),
+             helper.make_node("Flatten", ["a"], ["f"]),
+             helper.make_node("MatMul", ["f", "m"], ["y"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT16,
+                                                                      [2, 3, 8, 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT16, None),
+                           helper.make_tensor_value_info("g", TensorProto.FLOAT16, None)],
+                          inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    x = {"x": (20 * rng.standard_normal((2, 3, 8, 8))).astype(np.float16)}
+    ops = _reference_ops()
+    assert {o.__name__ for o in ops} >= {"Conv", "MatMul"}
+    with np.errstate(all="ignore"):
+        plain = ReferenceEvaluator(m).run(None, x, intermediate=True)
+        fast = ReferenceEvaluator(m, new_ops=ops).run(None, x, intermediate=True)
+    for name in ("a", "d", "g", "y"):
+        p, f = plain[name].astype(np.float64), fast[name].astype(np.float64)
+        assert fast[name].dtype == np.float16
+        assert np.array_equal(np.isinf(p), np.isinf(f)), name
+        assert np.array_equal(np.isnan(p), np.isnan(f)), name
+        ok = np.isfinite(p)
+        step = np.spacing(np.abs(plain[name][ok]).astype(np.float16)).astype(np.float64)
+        assert (np.abs(p[ok] - f[ok]) <= step + 1e-12).all(), name
+    # both cases covered: depthwise products above 65504 beside finite ones
+    assert np.isinf(plain["d"]).any() and np.isfinite(plain["d"]).any()
+    assert np.isfinite(plain["y"]).all()

@@ -51,3 +51,45 @@ def test_default_calibration_batch_makes_entropy_independent_of_order(tmp_path):
     (b0, nodes1), (b1, _) = (quantize(o, 1) for o in orders)
     assert b0 != b1
     assert nodes0 == nodes1 and "Gemm" not in nodes0 and nodes0.get("Conv") == 2
+
+
+@pytest.mark.slow
+def test_fp16_file_of_the_fp32_calibration_is_the_file_modelopts_fp16_run_writes(tmp_path):
+    """One calibration for int8 and int8_hp32 (deploykit.quant.modelopt.modelopt_quantize with
+    fp16_output): the FP16 file derived from the --high_precision_dtype fp32 run is byte for
+    byte the file ModelOpt writes with --high_precision_dtype fp16, and recording the conversion
+    leaves the fp32 run's own file as it is."""
+    pytest.importorskip("modelopt.onnx.quantization")
+    import torch
+
+    from deploykit.errors import UsageError
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU(),
+                              torch.nn.Conv2d(16, 16, 3, padding=1, groups=16), torch.nn.ReLU(),
+                              torch.nn.Conv2d(16, 32, 1), torch.nn.AdaptiveAvgPool2d(1),
+                              torch.nn.Flatten(), torch.nn.Linear(32, 10)).eval()
+    with torch.no_grad():  # tiny weights: the FP16 conversion has subnormals to handle too
+        net[4].weight.mul_(1e-4)
+    src = tmp_path / "fp32.onnx"
+    torch.onnx.export(net, (torch.zeros(1, 3, 8, 8),), str(src), input_names=["x"],
+                      output_names=["y"], opset_version=17, dynamo=False,
+                      dynamic_axes={"x": {0: "N"}, "y": {0: "N"}})
+    np.savez(tmp_path / "c.npz",
+             x=np.random.default_rng(0).standard_normal((16, 3, 8, 8)).astype(np.float32))
+
+    def run(dtype, out, fp16_output=None):
+        modelopt_quantize(
+            ["--onnx_path", str(src), "--quantize_mode", "int8", "--op_types_to_quantize",
+             "Conv", "Gemm", "--high_precision_dtype", dtype, "--calibration_data_path",
+             str(tmp_path / "c.npz"), "--calibration_eps", "cpu", "--output_path", str(out),
+             "--log_level", "ERROR"], "all", fp16_output)
+        return out.read_bytes()
+
+    fp16 = run("fp16", tmp_path / "cli16.onnx")
+    fp32 = run("fp32", tmp_path / "cli32.onnx")
+    shared32 = run("fp32", tmp_path / "s32.onnx", tmp_path / "s16.onnx")
+    assert shared32 == fp32
+    assert (tmp_path / "s16.onnx").read_bytes() == fp16 != fp32
+    with pytest.raises(UsageError, match="high_precision_dtype fp32"):
+        run("fp16", tmp_path / "x.onnx", tmp_path / "x16.onnx")

@@ -411,3 +411,60 @@ def test_record_links_the_file_to_its_fp32_and_calibration_bytes(tiny, monkeypat
     fp32.write_bytes(fp32.read_bytes() + b"\0")
     _, stale, warn = check_source("tiny", out, fp32)
     assert "re-exported since" in stale and warn.startswith(f"WARNING: {out} is stale")
+
+
+def test_variants_differing_only_in_their_high_precision_dtype_share_one_calibration():
+    """int8 and int8_hp32 (the default run), baseline and fp32_only, excl_dw and excl_dw_hp32
+    (flags in another order) are pairs; a lone variant, two fp16 variants and a variant that
+    needs the tuning split are not."""
+    share = quantize.shared_calibration
+    assert share(["baseline", "int8", "int8_hp32"]) == {"int8": "int8_hp32"}
+    assert share(["baseline", "fp32_only", "excl_dw", "excl_dw_hp32"]) == {
+        "baseline": "fp32_only", "excl_dw": "excl_dw_hp32"}
+    assert share(["int8"]) == {} and share(["int8_hp32"]) == {}
+    assert share(["baseline", "excl_dw", "calib_max"]) == {}
+    assert share(["int8", "int8_auto"]) == {}  # int8_auto's flags come from its search
+
+
+def test_a_shared_run_installs_both_files_each_with_its_own_part_of_the_log(tiny, monkeypatch):
+    """One ModelOpt child for int8 and int8_hp32 (a fake one here): both installed, each
+    record says it was made by the shared run, int8_hp32's log ends before the FP16
+    conversion, int8's holds it."""
+    from deploykit.quant.modelopt import FP16_MARK
+
+    calls = []
+
+    def fake(onnx_path, output_path, flags, log, *, calib_batch="all", replace=None,
+             fp16_output=None, **kw):
+        calls.append({"flags": list(flags), "fp16_output": fp16_output})
+        Path(output_path).write_bytes(Path(onnx_path).read_bytes())
+        text = "calibrated\n"
+        if fp16_output is not None:
+            Path(fp16_output).write_bytes(Path(onnx_path).read_bytes())
+            text += f"{FP16_MARK}{fp16_output}\nWARNING: values replaced with 6.0e-08\n"
+        Path(log).write_text(text)
+        argv = modelopt_runner.modelopt_argv(onnx_path, output_path, flags, calib_batch,
+                                             fp16_output=fp16_output)
+        return modelopt_runner.ModelOptRun(
+            status="ok", returncode=0, wall_s=0.5, argv=tuple(argv),
+            shown=modelopt_runner.shown_command(argv, replace), log=Path(log),
+            output=Path(output_path),
+            fp16_output=None if fp16_output is None else Path(fp16_output))
+
+    monkeypatch.setattr(modelopt_runner, "run_modelopt", fake)
+    recs = stage5.main(_args("int8", "int8_hp32"))
+    assert [r["variant"] for r in recs] == ["int8", "int8_hp32"]  # the order asked for
+    assert len(calls) == 1
+    flags = calls[0]["flags"]
+    assert flags[flags.index("--high_precision_dtype") + 1] == "fp32"
+    assert calls[0]["fp16_output"] is not None
+    onnx_dir = tiny / "onnx"
+    assert (onnx_dir / "int8.onnx").exists() and (onnx_dir / "int8_hp32.onnx").exists()
+    assert all(r["shared_calibration"]["fp16"] == "int8" for r in recs)
+    assert "--fp16-output" in recs[0]["command"] and str(onnx_dir / "int8.onnx") in recs[0][
+        "command"]  # the work paths replaced by the installed ones
+    hp16_log = (onnx_dir / "int8.quant.log").read_text()
+    hp32_log = (onnx_dir / "int8_hp32.quant.log").read_text()
+    assert FP16_MARK in hp16_log and FP16_MARK not in hp32_log
+    assert any("replaced with" in w for w in recs[0]["warnings"])
+    assert not any("replaced with" in w for w in recs[1]["warnings"])
