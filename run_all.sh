@@ -118,7 +118,9 @@ for var in ARTIFACTS RESULTS VAL_ROOT; do
   fi
 done
 cd "$(dirname "$0")"
-if [ -z "${PIPELINE_ROOT:-}" ] || ! python -c 'import torch, onnxruntime' 2>/dev/null; then
+# (found, not imported: importing torch alone takes about 2 s)
+if [ -z "${PIPELINE_ROOT:-}" ] || ! python -c 'import importlib.util as u, sys
+sys.exit(not all(u.find_spec(m) for m in ("torch", "onnxruntime")))' 2>/dev/null; then
   echo "run_all.sh: environment not set up: run  source env.sh  first" >&2
   exit 2
 fi
@@ -168,17 +170,22 @@ registry_out="$(python variants.py list --with ort_tag --with trt_tag --with onn
 while IFS=$'\t' read -r v ort_tag trt_tag onnx_file; do
   ORT_TAG[$v]=$ort_tag TRT_TAG[$v]=$trt_tag ONNX_FILE[$v]=$onnx_file
 done <<<"$registry_out"
-# A smoke run shrinks every stage: stage 0 keeps the first N images of each split, so the
-# calibration set, every evaluation and every cross-check are N images; timed loops are short.
+# A smoke run shrinks every stage: stage 0 keeps the first N images of each split, so every
+# evaluation and every cross-check are N images; the calibration set is at most SMOKE_CALIB
+# samples, stage 2 checks at most SMOKE_CHECK images and runs the true-FP16 check on one sample;
+# timed loops are short; stage 5 makes one INT8 variant (the smoke line says what it leaves out).
 lim=()
 timing=()
 smoke_export=()
+smoke_calib=()
 SMOKE_VARIANT=int8_hp32  # the one INT8 variant of a smoke run (ModelOpt, fp32 scales)
+SMOKE_CALIB=32
+SMOKE_CHECK=32
 if [ -n "$limit" ]; then
   lim=(--limit "$limit"); timing=(--warmup 2 --iters 20)
-  # the true-FP16 run of stage 2 on one small batch only (its time bound)
   smoke_export=(--true-fp16-budget-s 10 --true-fp16-samples 1
-                --check-images "$(( limit < 64 ? (limit < 2 ? 2 : limit) : 64 ))")
+                --check-images "$(( limit < SMOKE_CHECK ? (limit < 2 ? 2 : limit) : SMOKE_CHECK ))")
+  smoke_calib=(--limit "$(( limit < SMOKE_CALIB ? limit : SMOKE_CALIB ))")
 fi
 # WEIGHTS=/path/state_dict.pth: a local checkpoint instead of the model's default weights.
 weights=()
@@ -229,6 +236,7 @@ EOF
   else  # synthetic calibration: stage 4 warns that the INT8 rows are latency-only
     n_random="${limit:-64}"
     [ "$n_random" -le 64 ] || n_random=64
+    [ -z "$limit" ] || [ "$n_random" -le "$SMOKE_CALIB" ] || n_random=$SMOKE_CALIB
     calib_args=(--random "$n_random")
   fi
 else
@@ -445,6 +453,9 @@ trap 'on_interrupt Ctrl-C 130' INT
 trap 'on_interrupt terminated 143' TERM
 trap 'stop_ticker; release_lock' EXIT
 take_lock
+# Seconds per command of this run, one "name<TAB>seconds" line each (benchmarks/profile_run.py)
+TIMES="$LOG_DIR/times.tsv"
+: > "$TIMES"
 
 # A log without progress-bar updates (tqdm's \r lines) and exporter chatter.
 log_text() { tr '\r' '\n' < "$1" | grep -v -E '^[[:space:]]*$|^\[torch\.onnx\]| [0-9]+/[0-9]+ \[' || true; }
@@ -472,12 +483,15 @@ open_log() {
 # Run one command of a stage; on failure print its log tail and stop the pipeline. On success
 # print skip reasons and warnings (first 3), then the last 3 lines.
 run() {
-  local name="$1" log="$LOG_DIR/$1.log" rc=0; shift
+  local name="$1" log="$LOG_DIR/$1.log" rc=0 t0; shift
   cur_cmd="$(quote_args "$@")"
   open_log "$log"
   start_ticker "$log" "$name"
+  t0="$(date +%s.%N)"
   "$@" >&8 2>&1 || rc=$?
   exec 8>&-
+  printf '%s\t%s\n' "$name" "$(awk -v a="$t0" -v b="$(date +%s.%N)" \
+    'BEGIN { printf "%.1f", b - a }')" >> "$TIMES" 2>/dev/null || true
   if [ "$rc" != 0 ]; then
     stop_ticker
     echo "  FAILED: $cur_cmd" >&2
@@ -534,6 +548,13 @@ want() { [ "$stage" -le "$1" ] && [ "$stop_stage" -ge "$1" ]; }
 
 echo "run_all.sh: model=$MODEL ($model_kind: $kind_note) stages $stage..$stop_stage $(date -u +%FT%TZ)" \
   "(artifacts: $ART_ROOT, results: $RES_ROOT${limit:+; smoke run on $limit images})"
+if [ -n "$limit" ]; then
+  echo "run_all.sh: smoke run: what it leaves out of a full run: every image after the first" \
+    "$limit of each split; calibration beyond $SMOKE_CALIB samples; stage-2 checks beyond" \
+    "$SMOKE_CHECK images and the true-FP16 run beyond one sample; timed loops beyond 2 + 20" \
+    "runs; INT8 variants but $SMOKE_VARIANT and INT4 (unless --all-variants). Its rows are no" \
+    "accuracy figures: rerun without --limit for those"
+fi
 
 # A full run replaces the model's results: rows of an earlier run (other variants, another
 # machine) must not mix into this run's report. They are moved, not deleted.
@@ -591,9 +612,10 @@ if want 4; then
   begin 4 "calibration data: calib split -> $ART/calib.npz"
   if have 4_make_calib.py; then
     if [ "$custom" = 1 ]; then
-      run 4_make_calib python 4_make_calib.py --model "$MODEL" "${calib_args[@]}" "${lim[@]}"
+      run 4_make_calib python 4_make_calib.py --model "$MODEL" "${calib_args[@]}" \
+        "${smoke_calib[@]}"
     else
-      run 4_make_calib python 4_make_calib.py --model "$MODEL"
+      run 4_make_calib python 4_make_calib.py --model "$MODEL" "${smoke_calib[@]}"
     fi
   fi
   end 4
@@ -609,8 +631,9 @@ if want 5; then
     mapfile -t variants <<<"$variants_out"
     if [ -n "$limit" ] && [ "$all_variants" = 0 ] && [ -z "$tune_fraction" ]; then
       # a smoke run makes one INT8 variant: say what it leaves out
-      echo "  smoke run (--limit $limit): $SMOKE_VARIANT only; left out: $(printf '%s ' \
-        "${variants[@]}" | sed "s/\b$SMOKE_VARIANT\b //")(--all-variants makes them too)"
+      echo "  smoke run (--limit $limit): $SMOKE_VARIANT only, calibrated on at most" \
+        "$SMOKE_CALIB samples; left out: $(printf '%s ' "${variants[@]}" |
+        sed "s/\b$SMOKE_VARIANT\b //")(--all-variants makes them too)"
       variants=("$SMOKE_VARIANT")
     fi
     # every ModelOpt variant in one stage-5 process (the calibration file read, checked and

@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
 """Where a pipeline run spends its time: runs ``run_all.sh`` (any arguments) in a scratch
-ARTIFACTS/RESULTS, then prints the wall time of every stage and, inside stages 1, 3 and 5, of
-every step: each ModelOpt quantization, and for each results row its inference pass, latency
-loop and diagnostics (``timings_s`` of the row).
+ARTIFACTS/RESULTS, then prints the wall time of every stage, of every command run_all.sh ran
+(its ``logs/<model>/times.tsv``) and, inside them, of every step: each ModelOpt run (the
+``wall_time_s`` of each ``quant_<variant>.json``; variants that share one calibration share
+one run), and for each results row its inference pass, latency loop and diagnostics
+(``timings_s`` of the row).
 
 Usage (project root, after ``source env.sh``):
     python benchmarks/profile_run.py -- MODEL=efficientnet_lite0            # the default run
-    python benchmarks/profile_run.py --limit-run -- MODEL=efficientnet_lite0  # + --limit 32
+    python benchmarks/profile_run.py --limit-run -- MODEL=efficientnet_lite0  # + --limit 64
+    python benchmarks/profile_run.py --limit-run 32 -- MODEL=mypkg.nets:build PYTHONPATH=$PWD
     # a run made elsewhere: its console output and its results folder
     MODEL=efficientnet_lite0 bash run_all.sh 2>&1 | tee run.log
     python benchmarks/profile_run.py --parse run.log --results results --command "..."
@@ -34,7 +37,8 @@ from deploykit.io import write_json  # noqa: E402
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)
-    p.add_argument("--limit-run", action="store_true", help="profile `run_all.sh --limit 32`")
+    p.add_argument("--limit-run", type=int, nargs="?", const=64, default=None, metavar="N",
+                   help="profile the smoke run `run_all.sh --limit N` (N default 64)")
     p.add_argument("--keep", type=Path, default=None,
                    help="scratch folder to use and keep (default: a temporary one)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/profile_run.json"),
@@ -44,6 +48,9 @@ def main() -> None:
                         "and stderr) instead of starting one; needs --results")
     p.add_argument("--results", type=Path, default=None,
                    help="with --parse: the RESULTS folder of that run")
+    p.add_argument("--logs", type=Path, default=None,
+                   help="with --parse: that run's logs folder (ARTIFACTS/logs, "
+                        "ARTIFACTS/smoke/logs): the per-command times.tsv")
     p.add_argument("--command", default="run_all.sh",
                    help="with --parse: the command that made the run (recorded)")
     p.add_argument("env", nargs="*", type=env_assignment,
@@ -59,19 +66,20 @@ def main() -> None:
         m = re.search(r"^run_all\.sh: finished \[elapsed=([\d.]+)s\]", log, re.M)
         stages = parse_stages(log)
         total = float(m.group(1)) if m else sum(stages.values())
-        report(args, [args.command], log, total, args.results, load=None)
+        report(args, [args.command], log, total, args.results, load=None, times_root=args.logs)
         return
     scratch = args.keep or Path(tempfile.mkdtemp(prefix="profile-"))
     env = dict(os.environ, ARTIFACTS=str(scratch / "artifacts"), RESULTS=str(scratch / "results"))
     env.update(kv.split("=", 1) for kv in args.env)
-    cmd = ["bash", "run_all.sh"] + (["--limit", "32"] if args.limit_run else [])
+    cmd = ["bash", "run_all.sh"] + (["--limit", str(args.limit_run)] if args.limit_run else [])
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     total = time.perf_counter() - t0
     log = proc.stdout + proc.stderr
     if proc.returncode:
         sys.exit(f"run_all.sh failed (rc={proc.returncode}):\n{log[-3000:]}")
-    report(args, args.env + cmd, log, total, Path(env["RESULTS"]))
+    art = Path(env["ARTIFACTS"]) / ("smoke" if args.limit_run else "")
+    report(args, args.env + cmd, log, total, Path(env["RESULTS"]), times_root=art / "logs")
 
 
 def parse_stages(log: str) -> dict[int, float]:
@@ -80,11 +88,26 @@ def parse_stages(log: str) -> dict[int, float]:
             for m in re.finditer(r"^Stage (\d): finished \[elapsed=([\d.]+)s\]", log, re.M)}
 
 
+def command_times(root: Path | None) -> dict[str, float]:
+    """``{command name: seconds}`` from every ``times.tsv`` under ``root`` (run_all.sh writes
+    one line per command it ran); empty when there is none."""
+    out: dict[str, float] = {}
+    for f in sorted(root.rglob("times.tsv")) if root and root.exists() else []:
+        for line in f.read_text().splitlines():
+            name, _, sec = line.partition("\t")
+            try:
+                out[name] = float(sec)
+            except ValueError:
+                continue
+    return out
+
+
 def report(args, cmd: list[str], log: str, total: float, res_root: Path,
-           load: tuple | None | str = "now") -> None:
-    """Write and print the profile: stage times, ModelOpt times, each row's ``timings_s``;
-    ``load``: the load average to record ("now": this machine's, None: unknown, e.g. a run
-    profiled afterwards with --parse)."""
+           load: tuple | None | str = "now", times_root: Path | None = None) -> None:
+    """Write and print the profile: stage times, command times (``times_root``'s
+    ``times.tsv``), ModelOpt times (the quant records'; the console's ``finished`` lines when
+    there are none), each row's ``timings_s``; ``load``: the load average to record ("now":
+    this machine's, None: unknown, e.g. a run profiled afterwards with --parse)."""
     load = os.getloadavg() if load == "now" else load
     stages = parse_stages(log)
     quant = {m.group(1): float(m.group(2))
@@ -97,14 +120,24 @@ def report(args, cmd: list[str], log: str, total: float, res_root: Path,
             continue
         if isinstance(r, dict) and r.get("timings_s"):
             rows[r["tag"]] = r["timings_s"]
+        if isinstance(r, dict) and r.get("stage") == "5_quantize" and r.get("wall_time_s"):
+            shared = r.get("shared_calibration") or {}
+            quant.pop(r["variant"], None)  # the record's figure, not the console's
+            if shared.get("fp16") == r["variant"]:
+                continue  # made by its fp32 twin's run: counted there, once
+            name = r["variant"] + (f" (+ {shared['fp16']}, one calibration)" if shared else "")
+            quant[name] = float(r["wall_time_s"])
+    commands = command_times(times_root)
     out = {"machine": device_info(), "date_utc": time.strftime("%Y-%m-%d"),
            "command": " ".join(cmd), "total_s": round(total, 1), "stages_s": stages,
-           "modelopt_s": quant, "rows_s": rows, "load_average": load}
+           "commands_s": commands, "modelopt_s": quant, "rows_s": rows, "load_average": load}
     write_json(args.out, out)
     print(f"{' '.join(cmd)}: {total:.0f} s in all"
           + (f" (load average {load[0]:.1f} at the end)" if load else ""))
     for k, v in sorted(stages.items()):
         print(f"  stage {k}: {v:6.0f} s")
+    for k, v in commands.items():
+        print(f"    command {k}: {v:.1f} s")
     for k, v in quant.items():
         print(f"    ModelOpt {k}: {v:.1f} s")
     for tag, t in rows.items():

@@ -285,6 +285,58 @@ def _contribution_bounds(node, w: np.ndarray, x_lo: float, x_hi: float
     return np.minimum(lo, hi), np.maximum(lo, hi)
 
 
+def _output_change(y: np.ndarray, d: np.ndarray, cax: int, bounds, lo_out, hi_out, s_out,
+                   tol_steps: float) -> tuple[np.ndarray, float, np.ndarray, bool]:
+    """How a bias change ``d`` (per channel, axis ``cax``) moves a node's output through its
+    clip chain and output quantizer, on the pre-activations ``y`` (float64 ``[N, C, ...]``).
+
+    Only the channels whose bias changes can move; they are simulated alone, and the
+    per-sample cosine of the whole output is assembled from the unchanged channels' part
+    (identical in both runs) and the changed ones'.
+
+    Returns:
+        ``(per-channel max change in output steps [C], share of output elements that change by
+        more than tol_steps, per-sample output cosine [N], True when the change makes an output
+        NaN that was not)``.
+    """
+    C = y.shape[cax]
+    lo = lo_out.reshape(()) if np.size(lo_out) == 1 else lo_out
+    hi = hi_out.reshape(()) if np.size(hi_out) == 1 else hi_out
+    f0 = _apply_chain(y, bounds, lo, hi)
+    n = len(f0)
+    flat0 = f0.reshape(n, -1)
+    norm0 = np.einsum("ij,ij->i", flat0, flat0)
+    sel = np.flatnonzero(d != 0)
+    ch = np.zeros(C)
+    if not sel.size:
+        return ch, 0.0, np.ones(n), False
+    shape = [1] * y.ndim
+    shape[cax] = -1
+
+    def pick(a, idx):  # the channels idx of a per-channel array (a scalar stays one)
+        return a if np.size(a) == 1 else np.asarray(a).reshape(-1)[idx].reshape(shape)
+
+    ys, f0s = np.take(y, sel, axis=cax), np.take(f0, sel, axis=cax)
+    with np.errstate(invalid="ignore"):
+        f1s = _apply_chain(ys + d[sel].reshape(shape), bounds, pick(lo, sel), pick(hi, sel))
+        step = pick(s_out, sel)
+        steps = np.abs(np.rint(f1s / step) - np.rint(f0s / step))
+    steps = np.where(np.isnan(steps), np.inf, steps)
+    ch[sel] = channel_rows(steps, cax).max(1)
+    frac = float((steps > tol_steps).sum()) / y.size
+    f1z = np.nan_to_num(f1s, nan=0.0).reshape(n, -1)
+    f0z = f0s.reshape(n, -1)
+    same = norm0 - np.einsum("ij,ij->i", f0z, f0z)  # the unchanged channels' part
+    dot = same + np.einsum("ij,ij->i", f0z, f1z)
+    norm1 = same + np.einsum("ij,ij->i", f1z, f1z)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        cos = np.where((norm0 == 0) & (norm1 == 0), 1.0,
+                       dot / np.maximum(np.sqrt(np.maximum(norm0, 0) * np.maximum(norm1, 0)),
+                                        1e-300))
+    nonfinite = bool(np.isnan(f1s).any() and not np.isnan(f0).any())
+    return ch, frac, cos, nonfinite
+
+
 def check_bias_requant(model, consts: dict | None = None, activations: dict | None = None,
                        tol_steps: float = TOL_STEPS) -> tuple[list[Finding], list[dict]]:
     """Nodes whose output ORT's bias re-quantization changes by more than ``tol_steps``.
@@ -344,23 +396,12 @@ def check_bias_requant(model, consts: dict | None = None, activations: dict | No
         if activations is not None and n.output[0] in activations:
             y = np.asarray(activations[n.output[0]], np.float64)
             cax = 1 if n.op_type in ("Conv", "ConvTranspose") else y.ndim - 1
-            shape = [1] * y.ndim
-            shape[cax] = -1
-            f0 = _apply_chain(y, bounds, lo_out.reshape(()) if lo_out.size == 1 else lo_out,
-                              hi_out.reshape(()) if hi_out.size == 1 else hi_out)
-            with np.errstate(invalid="ignore"):
-                f1 = _apply_chain(y + d.reshape(shape), bounds,
-                                  lo_out.reshape(()) if lo_out.size == 1 else lo_out,
-                                  hi_out.reshape(()) if hi_out.size == 1 else hi_out)
-                steps = np.abs(np.rint(f1 / s_out_c) - np.rint(f0 / s_out_c))
-            steps = np.where(np.isnan(steps), np.inf, steps)
-            ch = channel_rows(steps, cax).max(1)
-            cos = cosine_rows(f0, np.nan_to_num(f1, nan=0.0))
+            ch, frac, cos, nonfinite = _output_change(
+                y, d, cax, bounds, lo_out, hi_out, s_out_c, tol_steps)
             row.update(basis="calibration", n_samples=int(len(y)),
                        max_change_steps=float(ch.max()) if ch.size else 0.0,
-                       frac_elements_changed=float((steps > tol_steps).mean()),
-                       output_cosine_min=float(cos.min()),
-                       nonfinite_output=bool(np.isnan(f1).any() and not np.isnan(f0).any()))
+                       frac_elements_changed=frac, output_cosine_min=float(cos.min()),
+                       nonfinite_output=nonfinite)
         else:
             wq_in = scale_zero_point(consts, dq_in)
             x_dtype = qdq_int_dtype(model, dq_in, consts, prod)

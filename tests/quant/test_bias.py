@@ -17,3 +17,31 @@ def test_simulated_bias_is_what_ort_computes():
     assert q[0] == -2 ** 31 and q[1] != -29995 and abs(q[1] + 29995) <= 16
     assert abs(eff[1] + 3.0) < 0.01 and abs(eff[2] - 0.25) < 0.01
     assert abs(eff[2] - 0.25) < 0.01
+
+
+def test_output_change_on_the_changed_channels_alone_equals_the_whole_tensor_simulation():
+    """check_bias_requant simulates only the channels whose bias changes and assembles the
+    output cosine from the rest: every figure equals the simulation of the whole tensor
+    (channels with d == 0 unchanged, a NaN bias, a ReLU6 chain and the output clamp)."""
+    from deploykit.compare import cosine_rows
+    from deploykit.quant.bias import _apply_chain, _output_change
+    from deploykit.quant.qdq import channel_rows
+
+    rng = np.random.default_rng(3)
+    y = rng.standard_normal((6, 10, 5, 5)) * 3
+    d = np.zeros(10)
+    d[[1, 4, 7]] = [0.9, -2.5, np.nan]
+    bounds, lo, hi, s = [(0.0, 6.0)], np.array(0.0), np.array(255 * 0.02), 0.02
+    ch, frac, cos, nonfinite = _output_change(y, d, 1, bounds, lo, hi, s, 1.0)
+    f0 = _apply_chain(y, bounds, lo.reshape(()), hi.reshape(()))
+    with np.errstate(invalid="ignore"):
+        f1 = _apply_chain(y + d.reshape(1, -1, 1, 1), bounds, lo.reshape(()), hi.reshape(()))
+        steps = np.abs(np.rint(f1 / s) - np.rint(f0 / s))
+    steps = np.where(np.isnan(steps), np.inf, steps)
+    assert np.array_equal(ch, channel_rows(steps, 1).max(1))
+    assert ch[[0, 2, 3]].max() == 0 and ch[4] > 1 and np.isinf(ch[7])
+    assert frac == float((steps > 1.0).mean())
+    assert np.allclose(cos, cosine_rows(f0, np.nan_to_num(f1, nan=0.0)), rtol=0, atol=1e-12)
+    assert nonfinite is True
+    none = _output_change(y, np.zeros(10), 1, bounds, lo, hi, s, 1.0)
+    assert not none[0].any() and none[1] == 0.0 and (none[2] == 1).all() and none[3] is False

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from deploykit.evaluate import EvalData, run_outputs
-from deploykit.quant.cross_check import CROSS_CHECK_FIRST, backend_cross_check, first_look_verdict
+from deploykit.quant.cross_check import (CROSS_CHECK_FIRST, CROSS_CHECK_PEEK, backend_cross_check,
+                                         first_look_verdict)
 from deploykit.runners import OrtRunner
 
 from tests.helpers.auto_models import _save
@@ -41,9 +42,9 @@ def _qdq_classifier(w_scale, path):
 @pytest.mark.parametrize("broken", [True, False])
 def test_adaptive_cross_check_escalates_exactly_when_the_backend_differs(broken, tmp_path):
     """Classifier cross-check (stage 3's): a backend disagreement (WeightBiasQuantization on a
-    tiny weight channel under a large bias) is seen on the first 128 samples, beyond doubt
+    tiny weight channel under a large bias) is seen on the first 32 samples, beyond doubt
     there (no rerun of the rest), and measured on all 200 when asked for exactly 200; a model
-    the backend runs faithfully stops after 128."""
+    the backend runs faithfully stops after 128 (agreement is never decided on 32)."""
     q = _qdq_classifier([1e-12, 0.01] if broken else [0.01, 0.01], tmp_path / "q.onnx")
     rng = np.random.default_rng(1)
     x = rng.integers(0, 256, (200, 3, 4, 4), dtype=np.uint8)
@@ -55,10 +56,11 @@ def test_adaptive_cross_check_escalates_exactly_when_the_backend_differs(broken,
         main = run_outputs(r, data, 64)
     cc = backend_cross_check(q, data, main, batch=64)
     assert cc["adaptive"] and cc["disagreement"] is broken
-    assert cc["n"] == CROSS_CHECK_FIRST and cc["decided_on_first_look"] is broken
+    assert cc["n"] == (CROSS_CHECK_PEEK if broken else CROSS_CHECK_FIRST)
+    assert cc["decided_on_first_look"] is broken
     if broken:
         assert cc["top1_unoptimized"] == 100.0 and cc["top1_main"] < 90
-        assert "128 of 200 images, decided on the first look" in cc["reason"]
+        assert "32 of 200 images, decided on the first look" in cc["reason"]
         exact = backend_cross_check(q, data, main, n=200, batch=64)
         assert exact["n"] == 200 and not exact["adaptive"] and exact["disagreement"]
         assert "(200 images)" in exact["reason"]

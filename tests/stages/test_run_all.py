@@ -123,7 +123,9 @@ def test_run_all_end_to_end(tmp_path):
         assert f"Stage {n}: finished" in p.stdout
     md = (tmp_path / "r" / "smoke" / "efficientnet_lite0" / "REPORT.md").read_text()  # --limit
     # a smoke run makes one INT8 variant and says what it left out
-    assert "smoke run (--limit 64): int8_hp32 only; left out: baseline int8" in p.stdout
+    assert ("smoke run (--limit 64): int8_hp32 only, calibrated on at most 32 samples; left "
+            "out: baseline int8") in p.stdout
+    assert "what it leaves out of a full run" in p.stdout
     for row in ("| PyTorch | FP32 |", "| ORT | FP16 |", "| ORT | INT8 | ort_int8_hp32 |"):
         assert row in md, row
     for row in ("| ORT | INT8 | ort_int8 |", "| ORT | INT4 | ort_int4 |"):
