@@ -27,7 +27,8 @@ Row schema (``results/<model>/<tag>.json``; every field present, None when it do
     deploykit.results.measured_against), source {record, made_by} of a derived file (None:
     not derived, or unknown), stale_source (why the derived file's recorded source is not the
     current fp32.onnx, or None), first_look {n, n_total, decided ("failed" or None), seed,
-    alpha, reasons} when the accuracy pass began with a first look (:mod:`deploykit.sequential`;
+    and when decided alpha (per look), look (the first look's size), peek (the earlier look's
+    inside it; n is one of the two), reasons} when the accuracy pass began with a first look (:mod:`deploykit.sequential`;
     None otherwise: ``n_images`` is then every sample), provenance (with artifacts_root).
 
 Status of a measured row (:func:`judge`): its parity with the PyTorch reference under the
@@ -63,7 +64,8 @@ from deploykit.results import (measured_against, provenance, result_record, row_
                                write_result)
 from deploykit.runners import Runner, harness_overhead_ms
 from deploykit.timing import MIN_ITERS
-from deploykit.sequential import ALPHA, FIRST_LOOK_SEED, failed_beyond_doubt, first_look_indices
+from deploykit.sequential import (ALPHA, FIRST_LOOK_SEED, LOOK_ALPHA, decided_indices,
+                                  failed_beyond_doubt, first_look_indices, look_schedule)
 
 
 @dataclasses.dataclass
@@ -663,7 +665,8 @@ def evaluate(runner: Runner, data: EvalData, *, stage: str, precision: str, mode
         rec["status_reason"] = rec["reason"] = (
             f"{rec['status_reason']} (decided on a first look at {early['n']} of "
             f"{early['n_total']} samples, seeded random: failed beyond doubt at alpha "
-            f"{early['alpha']:g}, first_look in the row; --full-eval measures every sample)")
+            f"{early['alpha']:g} per look, {ALPHA:g} over both, first_look in the row; "
+            "--full-eval measures every sample)")
     rec["measured_against"] = measured_against(reference, evaluated, source)
     rec["source"] = row_source(source)
     input_convention_hint(rec, runner, data)
@@ -680,46 +683,53 @@ def evaluate(runner: Runner, data: EvalData, *, stage: str, precision: str, mode
 def _first_look_pass(runner: Runner, data: EvalData, look: np.ndarray, batch_size: int,
                      precision: str, tag: str
                      ) -> tuple[dict[str, np.ndarray], EvalData, dict | None]:
-    """The accuracy pass with a first look (:mod:`deploykit.sequential`): the ``look`` samples
-    first; when they prove the row ``failed`` beyond doubt the pass stops there, else the other
-    samples run and the outputs come back in the split's order (each sample computed once).
+    """The accuracy pass with a first look (:mod:`deploykit.sequential`): the looks of
+    :func:`deploykit.sequential.look_schedule` (a random :data:`~deploykit.sequential.FIRST_PEEK`
+    of the ``look`` samples, then all of them), each judged at
+    :data:`~deploykit.sequential.LOOK_ALPHA`; when one proves the row ``failed`` beyond doubt the
+    pass stops there, else the other samples run. Each sample is computed once.
 
     Returns:
-        ``(outputs, data, early)``: the outputs of ``data`` (the first look's samples when it
-        decided, else the whole split), and the row's ``first_look`` block when it decided
-        (None otherwise).
+        ``(outputs, data, early)``: the outputs of ``data`` (the deciding look's samples, in
+        increasing index order, when one decided; else the whole split, in its order), and the
+        row's ``first_look`` block when a look decided (None otherwise).
     """
-    n_total = len(data)
-    head = data.take(look)
-    print(f"{tag}: first look on {len(look)} of {n_total} samples (seeded random); the rest "
-          "run unless they prove the row failed beyond doubt", file=sys.stderr)
-    raw_head = run_outputs(runner, head, batch_size, progress=f"{tag} first look")
-    sc = score(head, logits_first(head, raw_head))
-    reasons = failed_beyond_doubt(precision, row_parities(sc), sc.get("nonfinite_outputs"),
-                                  len(look))
-    if reasons:
-        print(f"{tag}: failed beyond doubt on the first look ({'; '.join(reasons)}): the other "
-              f"{n_total - len(look)} samples are not run (--full-eval runs them)",
-              file=sys.stderr)
-        return raw_head, head, {"n": len(look), "n_total": n_total, "decided": "failed",
-                                "seed": FIRST_LOOK_SEED, "alpha": ALPHA, "reasons": reasons}
-    rest = np.setdiff1d(np.arange(n_total), look)
-    raw_rest = run_outputs(runner, data.take(rest), batch_size, progress=f"{tag}")
-    order = np.argsort(np.concatenate([look, rest]), kind="stable")
-    raw = {k: np.concatenate([v, raw_rest[k]])[order] for k, v in raw_head.items()}
-    return raw, data, None
+    n_total, looks = len(data), look_schedule(len(data), len(look))
+    print(f"{tag}: first look on {len(look)} of {n_total} samples (seeded random"
+          + (f", {len(looks[0])} of them first" if len(looks) > 1 else "")
+          + "); the rest run unless they prove the row failed beyond doubt", file=sys.stderr)
+    done, raw = np.empty(0, np.int64), {}
+    for idx in [*looks, np.arange(n_total)]:
+        new = np.setdiff1d(idx, done)
+        got = run_outputs(runner, data.take(new), batch_size,
+                          progress=f"{tag}" + (" first look" if len(idx) < n_total else ""))
+        order = np.argsort(np.concatenate([done, new]), kind="stable")
+        raw = {k: np.concatenate([raw[k], v] if raw else [v])[order] for k, v in got.items()}
+        done = np.sort(np.concatenate([done, new]))
+        if len(done) == n_total:
+            return raw, data, None
+        part = data.take(done)
+        sc = score(part, logits_first(part, raw))
+        reasons = failed_beyond_doubt(precision, row_parities(sc), sc.get("nonfinite_outputs"),
+                                      len(done), LOOK_ALPHA)
+        if reasons:
+            print(f"{tag}: failed beyond doubt on {len(done)} samples of the first look "
+                  f"({'; '.join(reasons)}): the other {n_total - len(done)} samples are not run "
+                  "(--full-eval runs them)", file=sys.stderr)
+            return raw, part, {"n": len(done), "n_total": n_total, "decided": "failed",
+                               "seed": FIRST_LOOK_SEED, "alpha": LOOK_ALPHA, "look": len(look),
+                               "peek": len(looks[0]) if len(looks) > 1 else None,
+                               "reasons": reasons}
+    raise AssertionError("unreachable: the last pass covers every sample")
 
 
 def evaluated_data(data: EvalData, rec: dict) -> EvalData:
-    """The samples of ``data`` that the row ``rec`` was measured on: the first look's
-    (:func:`deploykit.sequential.first_look_indices`, in the order :func:`evaluate` returned
-    their outputs) when it decided the row, else ``data`` itself. Diagnostics that compare a
+    """The samples of ``data`` that the row ``rec`` was measured on: the deciding look's
+    (:func:`deploykit.sequential.decided_indices`, in the order :func:`evaluate` returned their
+    outputs) when a first look decided the row, else ``data`` itself. Diagnostics that compare a
     row's outputs with another run (the backend cross-check) take these samples."""
-    look = rec.get("first_look") or {}
-    if not look.get("decided"):
-        return data
-    idx = first_look_indices(look["n_total"], look["n"], look.get("seed", FIRST_LOOK_SEED))
-    return data.take(idx)
+    idx = decided_indices(rec.get("first_look"))
+    return data if idx is None else data.take(idx)
 
 
 def diagnose(rec: dict, name: str, fn: Callable[[], dict]) -> dict | None:

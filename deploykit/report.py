@@ -646,8 +646,15 @@ def render_markdown(model: str, rows: list[dict], data: dict | None,
             buf.write(f" {data['n_tune']} more images (disjoint from both) form the tuning split "
                       "of the mixed-precision search (int8_auto); the evaluation split is smaller "
                       "by as many.")
-        fewer = sorted({r["n_images"] for r in rows if r.get("n_images")
-                        and r["n_images"] != data.get("n_eval")})
+        short = [r for r in rows if r.get("n_images") and r["n_images"] != data.get("n_eval")]
+        looked = [r for r in short if ((r.get("first_look") or {}).get("decided"))]
+        fewer = sorted({r["n_images"] for r in short if r not in looked})
+        if looked:
+            tags = ", ".join(f"`{r['tag']}`" for r in looked)
+            sizes = ", ".join(sorted({str(r["n_images"]) for r in looked}))
+            buf.write(f" {tags}: failed beyond doubt on a first look at {sizes} "
+                      "seeded-random images, not run on the rest (3_onnx_eval.py --full-eval "
+                      "measures every image).")
         if fewer:
             buf.write(f" Some rows ran on fewer images ({', '.join(map(str, fewer))}: "
                       "--limit): compare rows with the same image count only.")

@@ -15,7 +15,12 @@ under :data:`deploykit.compare.ROW_TOLERANCES`:
   per-sample values and for a sample drawn without replacement from the finite split
   (W. Hoeffding, "Probability inequalities for sums of bounded random variables", JASA 58,
   1963, Theorem 1 and Section 6), so the chance that the whole split would not have failed is
-  below ``alpha`` (:data:`ALPHA`, 1e-4).
+  below ``alpha``.
+
+Stage 3 looks twice before the rest: :data:`FIRST_PEEK` samples (a collapse shows there),
+then the :data:`FIRST_LOOK` samples they are part of, each look at ``ALPHA / 2``, so that the
+chance of a wrong early ``failed`` over both looks stays below :data:`ALPHA` (1e-4; Bonferroni:
+the chance of either of two events is at most the sum of theirs).
 
 Nothing here ever decides ``ok`` or ``warn`` early: a row that may pass is measured on every
 sample. Stage 3 uses it (``--full-eval`` measures every sample whatever the first look shows).
@@ -31,29 +36,67 @@ from deploykit.compare import row_tolerance
 #: Samples of the first look (the backend cross-check's first look has the same size).
 FIRST_LOOK = 128
 
+#: Samples of the earlier look inside the first one (a random part of it).
+FIRST_PEEK = 32
+
 #: Chance, at most, that a row decided ``failed`` on the first look would not have failed on
-#: the whole split (Hoeffding's bound; see the module docstring).
+#: the whole split (Hoeffding's bound; see the module docstring), over both looks.
 ALPHA = 1e-4
+
+#: The chance each of the two looks (:data:`FIRST_PEEK`, :data:`FIRST_LOOK`) is judged at.
+LOOK_ALPHA = ALPHA / 2
 
 #: Seed of the first look's sample (the same images every run, every backend).
 FIRST_LOOK_SEED = 0
 
 
-def first_look_indices(n_total: int, n: int = FIRST_LOOK, seed: int = FIRST_LOOK_SEED
-                       ) -> np.ndarray | None:
+def first_look_indices(n_total: int, n: int = FIRST_LOOK, seed: int = FIRST_LOOK_SEED,
+                       peek: int = 0) -> np.ndarray | None:
     """The sample indices of the first look: ``n`` of ``range(n_total)`` drawn without
-    replacement by a seeded generator, in increasing order.
+    replacement by a seeded generator, in increasing order; with ``peek``, the first ``peek``
+    of that draw (a random part of the same look), in increasing order.
 
     Args:
         n_total: samples in the split. n: samples to look at first. seed: generator seed.
+        peek: 0 for the whole look, else the size of the earlier look inside it (``<= n``).
     Returns:
-        int64 ``[n]`` sorted indices, or None when a first look would save nothing
-        (``n_total <= 2 * n``: the split is at most two looks long) or ``n <= 0``.
+        int64 ``[n]`` (or ``[peek]``) sorted indices, or None when a first look would save
+        nothing (``n_total <= 2 * n``: the split is at most two looks long) or ``n <= 0``.
     """
     if n <= 0 or n_total <= 2 * n:
         return None
-    rng = np.random.default_rng(seed)
-    return np.sort(rng.choice(n_total, size=n, replace=False)).astype(np.int64)
+    draw = np.random.default_rng(seed).choice(n_total, size=n, replace=False)
+    return np.sort(draw[:peek] if peek > 0 else draw).astype(np.int64)
+
+
+def look_schedule(n_total: int, n: int = FIRST_LOOK, seed: int = FIRST_LOOK_SEED
+                  ) -> list[np.ndarray]:
+    """The nested looks of a first look of ``n`` samples: ``[peek, look]`` (a random
+    :data:`FIRST_PEEK` of the look, then the whole look) when the look holds at least two
+    peeks, else ``[look]``; each sorted int64 (:func:`first_look_indices`). Empty when a first
+    look would save nothing.
+
+    Args:
+        n_total: samples in the split. n: samples of the first look. seed: generator seed.
+    """
+    look = first_look_indices(n_total, n, seed)
+    if look is None:
+        return []
+    if n < 2 * FIRST_PEEK:
+        return [look]
+    return [first_look_indices(n_total, n, seed, peek=FIRST_PEEK), look]
+
+
+def decided_indices(block: dict | None) -> np.ndarray | None:
+    """The sample indices a row decided on its first look was measured on, from its
+    ``first_look`` block (``n``, ``n_total``, ``seed``, and ``look`` when it began with a
+    smaller look: ``n`` then names the deciding one); None when no look decided the row.
+    Blocks written before the two-look schedule (no ``look``) name one look of ``n``."""
+    if not (block or {}).get("decided"):
+        return None
+    seed, look = block.get("seed", FIRST_LOOK_SEED), block.get("look") or block["n"]
+    return first_look_indices(block["n_total"], look, seed,
+                              peek=block["n"] if block["n"] != look else 0)
 
 
 def hoeffding_margin(n: int, value_range: float, alpha: float = ALPHA) -> float:

@@ -225,3 +225,18 @@ def test_the_verdict_names_why_a_row_is_stale_but_leaves_its_commands_whole_to_s
     clipped = verdict._clip(long, 100)
     assert len(clipped) <= 104 and clipped.endswith(" ...") and "; reason" in clipped
     assert verdict._clip("short", 100) == "short"
+
+
+def test_the_data_line_tells_a_first_look_row_from_a_limit_row():
+    """A row failed on its first look ran on fewer images than the split, but not by --limit."""
+    data = {"n_eval": 900, "layout": "flat", "data_root": "d", "n_calib": 100,
+            "preprocessing": {}}
+    full = _row("ort_fp32", {}, precision="FP32", n_images=900)
+    looked = _row("ort_baseline", {}, n_images=128, status="failed",
+                  first_look={"n": 128, "n_total": 900, "decided": "failed"})
+    line = render_markdown(MODEL, [full, looked], data).split("Data: ", 1)[1].split("\n")[0]
+    assert "`ort_baseline`: failed beyond doubt on a first look at 128" in line
+    assert "--full-eval" in line and "--limit" not in line
+    limited = _row("ort_int8", {}, n_images=64)
+    line = render_markdown(MODEL, [full, looked, limited], data).split("Data: ", 1)[1]
+    assert "fewer images (64: --limit)" in line.split("\n")[0]

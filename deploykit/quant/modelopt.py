@@ -26,7 +26,8 @@ FP16_MARK = "deploykit: FP16 conversion of the calibrated model (ModelOpt conver
 
 
 def modelopt_quantize(argv: Sequence[str], calib_batch: str | int = "all",
-                      fp16_output: str | Path | None = None) -> None:
+                      fp16_output: str | Path | None = None,
+                      histogram_cache: str | Path | None = None) -> None:
     """``python -m modelopt.onnx.quantization ARGV`` (ModelOpt's own argument parser and
     ``quantize()``), with the calibration batch set on its own.
 
@@ -82,10 +83,13 @@ def modelopt_quantize(argv: Sequence[str], calib_batch: str | int = "all",
             kw["calibration_shapes"] = deployment_shapes(args.onnx_path, data)
         print(f"calibration batch {plan['batch_size']} ({len(plan['batches'])} batch(es) of "
               f"{plan['batches'][:4]}); ModelOpt's GEMV rule sees {kw['calibration_shapes']}")
+    cache = (_histogram_cache(histogram_cache, Path(args.output_path).stem)
+             if histogram_cache else contextlib.nullcontext())
     if fp16_output is None:
-        quantize(args.onnx_path, **kw)
+        with cache:
+            quantize(args.onnx_path, **kw)
         return
-    with _runtime_precision_call() as seen:
+    with cache, _runtime_precision_call() as seen:
         quantize(args.onnx_path, **kw)
     if not seen:
         raise StageError("ModelOpt never converted the calibrated model to its runtime "
@@ -116,6 +120,129 @@ def _runtime_precision_call():
         yield seen
     finally:
         int8._convert_to_runtime_precision = real
+
+
+#: Printed by the child when a variant's calibration histograms come from an earlier run
+#: (:func:`_histogram_cache`); the rest of the line names that run.
+HISTOGRAM_MARK = "deploykit: calibration histograms reused from "
+
+
+def _histogram_key(calibrator, feeds: list[dict]) -> str:
+    """SHA-256 of everything a histogram calibrator's per-tensor histograms depend on: the graph
+    it runs (its calibration outputs left out), the calibration feeds (names, dtypes, shapes,
+    bytes), the histogram settings, the EPs and the onnxruntime version."""
+    import hashlib
+
+    import onnx
+    import onnxruntime as ort
+
+    h = hashlib.sha256()
+    g = onnx.GraphProto()
+    g.CopyFrom(calibrator.model.graph)
+    del g.output[:]  # the tensors this run calibrates were added as outputs
+    h.update(g.SerializeToString(deterministic=True))
+    for feed in feeds:
+        for name in sorted(feed):
+            a = np.ascontiguousarray(feed[name])
+            h.update(f"{name}|{a.dtype.str}|{a.shape}".encode())
+            h.update(a.tobytes())
+    settings = (type(calibrator).__name__, calibrator.method, calibrator.symmetric,
+                calibrator.num_bins, calibrator.num_quantized_bins, calibrator.percentile,
+                calibrator.scenario, list(getattr(calibrator, "execution_providers", []) or []),
+                list(getattr(calibrator, "providers", []) or []), ort.__version__)
+    h.update(repr(settings).encode())
+    return h.hexdigest()
+
+
+@contextlib.contextmanager
+def _histogram_cache(folder: str | Path, label: str):
+    """While the block runs, ModelOpt's histogram calibration (entropy, percentile,
+    distribution: ``HistogramCalibrater.collect_data``, as ModelOpt 0.47.0's ``ort_patching``
+    installs it) keeps its per-tensor histograms in ``folder`` and takes them from there.
+
+    Each tensor's histogram is made from that tensor's values alone (``HistogramCollector``
+    ``collect_value`` / ``collect_absolute_value``), which depend only on the graph, the feeds
+    and the EP, not on which other tensors the session also returns (ORT runs the calibration
+    graph with every optimisation off). So a run whose tensors an earlier run with the same
+    :func:`_histogram_key` already covered (the ``baseline`` variant's Conv/Gemm/Add/Clip inputs
+    cover the recipe's Conv/Gemm ones) gets exactly those histograms, in the order its own run
+    would have made them, and skips the calibration session; the thresholds are computed from
+    them as usual. A run with grouped Q/DQ tensors (concat elimination mixes tensors), with
+    ModelOpt's per-node calibration, or with a tensor the cache lacks runs as ModelOpt would and
+    then adds its histograms. Prints :data:`HISTOGRAM_MARK` and the earlier run on a reuse.
+
+    Args:
+        folder: the cache folder (created; one ``<key>.npz`` per key, written atomically).
+        label: this run's name, recorded with the histograms it writes.
+    """
+    import os
+    import tempfile
+
+    from modelopt.onnx.quantization import ort_patching
+    from onnxruntime.quantization.calibrate import HistogramCalibrater, HistogramCollector
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    real = ort_patching._collect_data_histogram_calibrator
+
+    class Replay:  # a CalibrationDataReader over the feeds already read
+        def __init__(self, feeds):
+            self._it = iter(feeds)
+
+        def get_next(self):
+            return next(self._it, None)
+
+    def load(path: Path) -> tuple[dict, str]:
+        with np.load(path, allow_pickle=False) as z:
+            names = [str(n) for n in z["names"]]
+            sizes = [int(k) for k in z["sizes"]]
+            hist = {n: tuple(z[f"{i}_{j}"][()] if z[f"{i}_{j}"].ndim == 0 else z[f"{i}_{j}"]
+                             for j in range(k)) for i, (n, k) in enumerate(zip(names, sizes))}
+            return hist, str(z["label"])
+
+    def save(path: Path, hist: dict) -> None:
+        arrays = {"names": np.array(list(hist)), "label": np.array(label),
+                  "sizes": np.array([len(v) for v in hist.values()])}
+        for i, v in enumerate(hist.values()):
+            for j, a in enumerate(v):
+                arrays[f"{i}_{j}"] = np.asarray(a)
+        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".npz.tmp")
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **arrays)
+        os.replace(tmp, path)
+
+    def collect(calibrator, data_reader):
+        if calibrator.group_qdq_tensors or not hasattr(calibrator, "num_quantized_bins"):
+            return real(calibrator, data_reader)
+        feeds = []
+        while (f := data_reader.get_next()):
+            feeds.append(f)
+        path = folder / f"{_histogram_key(calibrator, feeds)}.npz"
+        known, source = load(path) if path.exists() else ({}, "")
+        want = [o.name for o in calibrator.model.graph.output
+                if o.name in calibrator.tensors_to_calibrate]
+        if feeds and want and all(t in known for t in want):
+            calibrator.collector = HistogramCollector(
+                method=calibrator.method, symmetric=calibrator.symmetric,
+                num_bins=calibrator.num_bins, num_quantized_bins=calibrator.num_quantized_bins,
+                percentile=calibrator.percentile, scenario=calibrator.scenario)
+            calibrator.collector.histogram_dict = {t: known[t] for t in want}
+            print(f"{HISTOGRAM_MARK}{source}'s run: {len(want)} tensors, same graph, "
+                  f"calibration data, EP and histogram settings (ORT's calibration session "
+                  "not run)", flush=True)
+            return None
+        out = real(calibrator, Replay(feeds))
+        if calibrator.collector is not None:
+            save(path, {**known, **calibrator.collector.histogram_dict})
+        return out
+
+    ort_patching._collect_data_histogram_calibrator = collect  # installed by patch_ort_modules
+    try:
+        yield
+    finally:
+        ort_patching._collect_data_histogram_calibrator = real
+        if HistogramCalibrater.collect_data is collect:
+            HistogramCalibrater.collect_data = real
 
 
 def fp16_from_fp32_qdq(call: tuple, dst: str | Path, external: bool = False) -> None:

@@ -109,7 +109,8 @@ class ModelOptRun:
 
 def modelopt_argv(onnx_path: Path | str, output_path: Path | str, flags: Sequence[str],
                   calib_batch: str | int = "all", python: str | None = None,
-                  fp16_output: Path | str | None = None) -> list[str]:
+                  fp16_output: Path | str | None = None,
+                  histogram_cache: Path | str | None = None) -> list[str]:
     """The child's command line.
 
     Args:
@@ -122,11 +123,16 @@ def modelopt_argv(onnx_path: Path | str, output_path: Path | str, flags: Sequenc
         fp16_output: also write the ``--high_precision_dtype fp16`` file of the same
             calibration there (``flags`` say ``--high_precision_dtype fp32``;
             :func:`deploykit.quant.modelopt.modelopt_quantize`).
+        histogram_cache: the folder of calibration histograms shared between the runs of one
+            stage (``--histogram-cache``; the files are the same without it).
     Returns:
-        ``[python, "qdq_tools.py", "modelopt", "--calib-batch", B, ["--fp16-output", F,] "--",
+        ``[python, "qdq_tools.py", "modelopt", "--calib-batch", B, ["--fp16-output", F,]
+        ["--histogram-cache", D,] "--",
         "--onnx_path", ..., *flags, "--output_path", ...]``, to be run in :data:`ROOT`.
     """
     extra = [] if fp16_output is None else ["--fp16-output", str(fp16_output)]
+    if histogram_cache is not None:
+        extra += ["--histogram-cache", str(histogram_cache)]
     return [python or sys.executable, *CHILD_ENTRY, "--calib-batch", str(calib_batch), *extra,
             "--", "--onnx_path", str(onnx_path), *map(str, flags), "--output_path",
             str(output_path)]
@@ -166,7 +172,8 @@ def run_modelopt(onnx_path: Path | str, output_path: Path | str, flags: Sequence
                  replace: Mapping[Path | str, Path | str] | None = None,
                  python: str | None = None, env: Mapping[str, str] | None = None,
                  cwd: Path | str | None = None,
-                 fp16_output: Path | str | None = None) -> ModelOptRun:
+                 fp16_output: Path | str | None = None,
+                 histogram_cache: Path | str | None = None) -> ModelOptRun:
     """Run ModelOpt's ONNX PTQ in a child process and capture its log.
 
     The child's stdout and stderr are written to a fresh temporary file beside ``log``
@@ -174,8 +181,10 @@ def run_modelopt(onnx_path: Path | str, output_path: Path | str, flags: Sequence
     A failure of the child is not an exception: look at :attr:`ModelOptRun.status`.
 
     Args:
-        onnx_path, output_path, flags, calib_batch, python, fp16_output: see
-            :func:`modelopt_argv` (the FP16 file's outcome: :attr:`ModelOptRun.fp16_status`).
+        onnx_path, output_path, flags, calib_batch, python, fp16_output, histogram_cache: see
+            :func:`modelopt_argv` (the FP16 file's outcome: :attr:`ModelOptRun.fp16_status`;
+            :attr:`ModelOptRun.shown` leaves the histogram cache out: a work folder that is
+            gone after the stage, and the same file without it).
         log: where the child's output ends up (its folder must exist and be writable).
         replace: ``{work path: final path}`` for :attr:`ModelOptRun.shown`.
         env: the child's environment (default: this process's).
@@ -188,7 +197,10 @@ def run_modelopt(onnx_path: Path | str, output_path: Path | str, flags: Sequence
         KeyboardInterrupt, SystemExit: passed on after the child was killed and the
             temporary log removed.
     """
-    argv = modelopt_argv(onnx_path, output_path, flags, calib_batch, python, fp16_output)
+    argv = modelopt_argv(onnx_path, output_path, flags, calib_batch, python, fp16_output,
+                         histogram_cache)
+    shown = shown_command(modelopt_argv(onnx_path, output_path, flags, calib_batch, python,
+                                        fp16_output), replace)
     log = Path(log)
     output = Path(output_path)
     fd, tmp = tempfile.mkstemp(dir=log.parent, prefix=f".tmp-{log.name}.")
@@ -206,5 +218,5 @@ def run_modelopt(onnx_path: Path | str, output_path: Path | str, flags: Sequence
         raise
     status = "ok" if p.returncode == 0 and output.exists() else "failed"
     return ModelOptRun(status=status, returncode=p.returncode, wall_s=wall, argv=tuple(argv),
-                       shown=shown_command(argv, replace), log=log, output=output,
+                       shown=shown, log=log, output=output,
                        fp16_output=None if fp16_output is None else Path(fp16_output))

@@ -27,8 +27,8 @@ from deploykit.quant.calibration import (
 from deploykit.quant.health import check_model, summary_line
 from deploykit.quant.inspect import inspect_model
 from deploykit.quant.macs import mac_summary
-from deploykit.quant.modelopt import (calibration_ep, ep_fallback_warning, log_warnings,
-                                      ort_smoke)
+from deploykit.quant.modelopt import (HISTOGRAM_MARK, calibration_ep, ep_fallback_warning,
+                                      log_warnings, ort_smoke)
 from deploykit.quant.record import calibration_summary, flag_unquantized, print_check
 from deploykit.results import provenance, rerun_command, source_block
 from deploykit.variants import get_variant, modelopt_args
@@ -201,7 +201,9 @@ def quant_record(args: argparse.Namespace, inputs: dict, variant: str, status: s
     Returns:
         the record: ``stage``, ``model``, ``variant``, ``status``, ``output``,
         ``wall_time_s``, ``command``, ``log``, ``description``, ``warnings``,
-        ``calibration``; when ok also ``inspect``, ``macs``, ``size_mb``, ``ort_cpu_smoke``,
+        ``calibration``, ``shared_calibration``, ``calibration_histograms_from`` (the earlier run
+        of the stage whose calibration histograms this run took, from the log's
+        ``deploykit.quant.modelopt.HISTOGRAM_MARK`` line, or None); when ok also ``inspect``, ``macs``, ``size_mb``, ``ort_cpu_smoke``,
         ``check``, and ``unquantized`` when no MAC node is quantized
         (:func:`deploykit.quant.record.flag_unquantized`); ``provenance`` (input hashes: the bytes ModelOpt was given);
         ``source`` (:func:`deploykit.results.source_block`: the output's, the fp32.onnx's and
@@ -219,8 +221,14 @@ def quant_record(args: argparse.Namespace, inputs: dict, variant: str, status: s
                    f"one ModelOpt run with {shared['fp32']}'s flags (--high_precision_dtype "
                    f"fp32); {shared['fp16']} is its calibrated model after ModelOpt's own FP16 "
                    "conversion (the step --high_precision_dtype fp16 runs after calibration; "
-                   "the same file as ModelOpt's CLI with that flag)")}}
+                   "the same file as ModelOpt's CLI with that flag)")},
+           "calibration_histograms_from": None}
     if log.exists():
+        # a variant whose calibration histograms an earlier variant's run of this stage made
+        reused = [line.split(HISTOGRAM_MARK, 1)[1].strip()
+                  for line in log.read_text(errors="replace").splitlines()
+                  if HISTOGRAM_MARK in line]
+        rec["calibration_histograms_from"] = reused[-1] if reused else None
         # the EP ModelOpt's ORT sessions really ran on (a requested CUDA EP that this
         # onnxruntime lacks falls back to the CPU)
         rec["calibration_ep"] = calibration_ep(inputs["eps"], log)
@@ -360,8 +368,12 @@ def quantize_all(args, selected, env, eps, src, calib, onnx_dir, res_dir, work, 
               flush=True)
         if tmp16 is not None:
             replace[tmp16] = onnx_dir / f"{half}.onnx"
+        # every run of the stage keeps its calibration histograms in one work folder: a later
+        # variant whose tensors an earlier one covered (baseline's cover the recipe's) skips
+        # ORT's calibration session (deploykit.quant.modelopt._histogram_cache; same files)
         run = modelopt_runner.run_modelopt(work_src, tmp, flags, log, calib_batch=calib_batch,
-                                           replace=replace, fp16_output=tmp16)
+                                           replace=replace, fp16_output=tmp16,
+                                           histogram_cache=work / "histograms")
         made = [(base, run.status, tmp, out)]
         if half is not None:
             made.insert(0 if selected.index(half) < selected.index(base) else 1,

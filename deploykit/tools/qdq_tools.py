@@ -28,9 +28,10 @@ Subcommands
   different scales; ``deploykit.quant.placement``).
 - ``check-calib F.onnx --calib C.npz [--model M]``: refuse calibration data that does not fit the
   model or the evaluation data; print the calibration batch stage 5 uses.
-- ``modelopt [--calib-batch B] [--fp16-output F] -- FLAGS``: ModelOpt's ONNX PTQ with its own
-  flags and a calibration batch of its own (:func:`modelopt_quantize`); ``--fp16-output``: also
-  the ``--high_precision_dtype fp16`` file of the same calibration.
+- ``modelopt [--calib-batch B] [--fp16-output F] [--histogram-cache DIR] -- FLAGS``: ModelOpt's
+  ONNX PTQ with its own flags and a calibration batch of its own (:func:`modelopt_quantize`);
+  ``--fp16-output``: also the ``--high_precision_dtype fp16`` file of the same calibration;
+  ``--histogram-cache``: calibration histograms shared with earlier runs of the same inputs.
 - ``layer-diff A B [args...]``: delegated to ``layerwise.py`` (imported lazily).
 - ``record-quant``: write ``results/<model>/quant_<variant>.json`` (used by 5_quantize.sh).
 
@@ -131,6 +132,10 @@ def get_args_parser() -> argparse.ArgumentParser:
                    help="also write the --high_precision_dtype fp16 file of the same "
                         "calibration here (the flags after -- must say --high_precision_dtype "
                         "fp32); the log marks where that conversion starts")
+    s.add_argument("--histogram-cache", type=Path, default=None, metavar="DIR",
+                   help="keep the entropy/percentile calibration histograms in DIR and reuse "
+                        "them when an earlier run there had the same graph, calibration data, "
+                        "EP and settings (stage 5 passes its work folder)")
     s.add_argument("modelopt_args", nargs=argparse.REMAINDER,
                    help="-- then the flags of python -m modelopt.onnx.quantization")
     s = sub.add_parser("record-quant", help="write results/<model>/quant_<variant>.json "
@@ -240,7 +245,7 @@ def main(args: argparse.Namespace):
         return check_calib_cli(args)
     if args.cmd == "modelopt":
         argv = args.modelopt_args[1:] if args.modelopt_args[:1] == ["--"] else args.modelopt_args
-        return modelopt_quantize(argv, args.calib_batch, args.fp16_output)
+        return modelopt_quantize(argv, args.calib_batch, args.fp16_output, args.histogram_cache)
     if args.cmd == "record-quant":
         return record_quant(args)
     raise UsageError(f"unknown command {args.cmd}")

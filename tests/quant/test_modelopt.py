@@ -93,3 +93,69 @@ def test_fp16_file_of_the_fp32_calibration_is_the_file_modelopts_fp16_run_writes
     assert (tmp_path / "s16.onnx").read_bytes() == fp16 != fp32
     with pytest.raises(UsageError, match="high_precision_dtype fp32"):
         run("fp16", tmp_path / "x.onnx", tmp_path / "x16.onnx")
+
+
+@pytest.mark.slow
+def test_histograms_of_an_earlier_run_give_the_same_file_and_only_for_the_same_inputs(
+        tmp_path, capsys):
+    """The stage's histogram cache (modelopt_quantize's histogram_cache): a Conv/Gemm run after
+    a run with ModelOpt's default op types (a superset of its tensors) skips ORT's calibration
+    session and writes byte for byte the file it writes without the cache; other calibration
+    data is a cache miss (a new calibration, another file)."""
+    pytest.importorskip("modelopt.onnx.quantization")
+    import shutil
+
+    import torch
+
+    from deploykit.quant.modelopt import HISTOGRAM_MARK
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU6(),
+                              torch.nn.Conv2d(16, 16, 3, padding=1), torch.nn.ReLU6(),
+                              torch.nn.Conv2d(16, 32, 1), torch.nn.AdaptiveAvgPool2d(1),
+                              torch.nn.Flatten(), torch.nn.Linear(32, 10)).eval()
+    src = tmp_path / "src.onnx"
+    torch.onnx.export(net, (torch.zeros(1, 3, 8, 8),), str(src), input_names=["x"],
+                      output_names=["y"], opset_version=17, dynamo=False,
+                      dynamic_axes={"x": {0: "N"}, "y": {0: "N"}})
+    rng = np.random.default_rng(0)
+    for name in ("c", "d"):
+        np.savez(tmp_path / f"{name}.npz",
+                 x=rng.standard_normal((16, 3, 8, 8)).astype(np.float32))
+    cache = tmp_path / "hist"
+
+    def run(out, calib="c", ops=("Conv", "Gemm"), use_cache=True):
+        work = tmp_path / f"{out}.in.onnx"  # ModelOpt rewrites its input: a fresh copy each
+        shutil.copyfile(src, work)
+        flags = ["--op_types_to_quantize", *ops] if ops else []
+        capsys.readouterr()
+        modelopt_quantize(
+            ["--onnx_path", str(work), "--quantize_mode", "int8", *flags,
+             "--calibration_data_path", str(tmp_path / f"{calib}.npz"), "--calibration_eps",
+             "cpu", "--output_path", str(tmp_path / f"{out}.onnx"), "--log_level", "ERROR"],
+            "all", None, cache if use_cache else None)
+        return (tmp_path / f"{out}.onnx").read_bytes(), HISTOGRAM_MARK in capsys.readouterr().out
+
+    plain, seen = run("plain", use_cache=False)
+    assert not seen and not cache.exists()
+    _, seen = run("all_ops", ops=None)  # default op types: Conv, Gemm, Clip, Add ...
+    assert not seen and len(list(cache.glob("*.npz"))) == 1
+    cached, seen = run("cached")
+    assert seen and cached == plain
+    other, seen = run("other", calib="d")  # other data: calibrated anew, other scales
+    assert not seen and other != plain and len(list(cache.glob("*.npz"))) == 2
+
+
+def test_the_shown_command_leaves_the_stages_histogram_cache_out(tmp_path):
+    """The record's command is one a user can paste: without the work folder's cache."""
+    from deploykit.quant import modelopt_runner
+
+    argv = modelopt_runner.modelopt_argv("w/fp32.onnx", "w/b.onnx", ["--quantize_mode", "int8"],
+                                         100, "py", histogram_cache="w/histograms")
+    assert argv[argv.index("--histogram-cache") + 1] == "w/histograms"
+    run = modelopt_runner.run_modelopt(
+        tmp_path / "missing.onnx", tmp_path / "b.onnx", ["--quantize_mode", "int8"],
+        tmp_path / "b.log", python="true", cwd=tmp_path, histogram_cache=tmp_path / "h",
+        replace={tmp_path / "b.onnx": "final/b.onnx"})
+    assert "--histogram-cache" in run.argv and "--histogram-cache" not in run.shown
+    assert "final/b.onnx" in run.shown and run.status == "failed"  # `true` wrote nothing
