@@ -58,6 +58,10 @@ EOF
         echo "env.sh: pip install -r requirements.txt failed (see above); fix and source env.sh again" >&2
         return 1
       fi
+      # ModelOpt compiles its INT4 packing extension (cppimport) on first import, about 9 s on
+      # a 2-core host: done here, at install time, not inside the first pipeline run. ModelOpt
+      # falls back to its numpy path when it cannot build it, so a failure is no error.
+      "$venv/bin/python" -c 'import modelopt.onnx.quantization.extensions' >/dev/null 2>&1 || true
       echo "$want" > "$stamp"
     fi
     # shellcheck disable=SC1091
