@@ -30,3 +30,21 @@ def test_benchmark_flags_with_impossible_values_are_usage_errors(tmp_path, cmd, 
     assert p.returncode == 2, p.stderr
     assert flag in p.stderr and "Traceback" not in p.stderr
     assert not (tmp_path / "o.json").exists()
+
+
+def test_the_smoke_benchmarks_user_factory_is_one_seeded_resnet18(monkeypatch):
+    """benchmarks/smoke_models.py:resnet18 loads as a user's ``module:factory`` spec, takes the
+    preprocessing it is given, and builds the same weights every time (each stage builds it)."""
+    import torch
+
+    from deploykit.models import build_model, custom_spec
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    pre = "mean=0.485,0.456,0.406,std=0.229,0.224,0.225,resize=256,crop=224,interpolation=bilinear"
+    spec = custom_spec("smoke_models:resnet18", pre)
+    assert spec.classifier and spec.crop == 224 and spec.std == (0.229, 0.224, 0.225)
+    (a, _), (b, _) = build_model("smoke_models:resnet18"), build_model("smoke_models:resnet18")
+    assert sum(p.numel() for p in a.parameters()) == 11_689_512
+    x = torch.randn(2, 3, 224, 224)
+    with torch.inference_mode():
+        assert torch.equal(a(x), b(x)) and a(x).shape == (2, 1000)
