@@ -646,15 +646,18 @@ def render_markdown(model: str, rows: list[dict], data: dict | None,
             buf.write(f" {data['n_tune']} more images (disjoint from both) form the tuning split "
                       "of the mixed-precision search (int8_auto); the evaluation split is smaller "
                       "by as many.")
-        short = [r for r in rows if r.get("n_images") and r["n_images"] != data.get("n_eval")]
-        looked = [r for r in short if ((r.get("first_look") or {}).get("decided"))]
-        fewer = sorted({r["n_images"] for r in short if r not in looked})
+
+        def split_size(r):  # the samples a row's split had: a first-look row ran fewer
+            return (r.get("first_look") or {}).get("n_total") or r.get("n_images")
+
+        looked = [r for r in rows if (r.get("first_look") or {}).get("decided")]
+        fewer = sorted({split_size(r) for r in rows if split_size(r)
+                        and split_size(r) != data.get("n_eval")})
         if looked:
-            tags = ", ".join(f"`{r['tag']}`" for r in looked)
-            sizes = ", ".join(sorted({str(r["n_images"]) for r in looked}))
-            buf.write(f" {tags}: failed beyond doubt on a first look at {sizes} "
-                      "seeded-random images, not run on the rest (3_onnx_eval.py --full-eval "
-                      "measures every image).")
+            each = ", ".join(f"`{r['tag']}` on {r['n_images']} of {split_size(r)}"
+                             for r in sorted(looked, key=lambda r: (r["n_images"], r["tag"])))
+            buf.write(f" Failed beyond doubt on a first look at seeded-random images, not run on "
+                      f"the rest: {each} (3_onnx_eval.py --full-eval measures every image).")
         if fewer:
             buf.write(f" Some rows ran on fewer images ({', '.join(map(str, fewer))}: "
                       "--limit): compare rows with the same image count only.")

@@ -228,15 +228,22 @@ def test_the_verdict_names_why_a_row_is_stale_but_leaves_its_commands_whole_to_s
 
 
 def test_the_data_line_tells_a_first_look_row_from_a_limit_row():
-    """A row failed on its first look ran on fewer images than the split, but not by --limit."""
+    """A row failed on its first look ran on fewer images than the split, but not by --limit:
+    each such row with its own look size (in numeric order), and a first-look row of a --limit
+    run still counts as a --limit row by the size of its split."""
     data = {"n_eval": 900, "layout": "flat", "data_root": "d", "n_calib": 100,
             "preprocessing": {}}
     full = _row("ort_fp32", {}, precision="FP32", n_images=900)
-    looked = _row("ort_baseline", {}, n_images=128, status="failed",
-                  first_look={"n": 128, "n_total": 900, "decided": "failed"})
-    line = render_markdown(MODEL, [full, looked], data).split("Data: ", 1)[1].split("\n")[0]
-    assert "`ort_baseline`: failed beyond doubt on a first look at 128" in line
+
+    def looked(tag, n, n_total=900):
+        return _row(tag, {}, n_images=n, status="failed",
+                    first_look={"n": n, "n_total": n_total, "decided": "failed"})
+
+    rows = [full, looked("ort_mid", 128), looked("ort_baseline", 32)]
+    line = render_markdown(MODEL, rows, data).split("Data: ", 1)[1].split("\n")[0]
+    assert "`ort_baseline` on 32 of 900, `ort_mid` on 128 of 900" in line
     assert "--full-eval" in line and "--limit" not in line
-    limited = _row("ort_int8", {}, n_images=64)
-    line = render_markdown(MODEL, [full, looked, limited], data).split("Data: ", 1)[1]
-    assert "fewer images (64: --limit)" in line.split("\n")[0]
+    line = render_markdown(MODEL, [*rows, looked("ort_lim", 32, 300), _row("ort_int8", {},
+                                                                         n_images=64)],
+                           data).split("Data: ", 1)[1].split("\n")[0]
+    assert "`ort_lim` on 32 of 300" in line and "fewer images (64, 300: --limit)" in line

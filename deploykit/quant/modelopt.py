@@ -123,8 +123,17 @@ def _runtime_precision_call():
 
 
 #: Printed by the child when a variant's calibration histograms come from an earlier run
-#: (:func:`_histogram_cache`); the rest of the line names that run.
+#: (:func:`_histogram_cache`); the rest of the line names that run (:func:`histograms_reused_from`).
 HISTOGRAM_MARK = "deploykit: calibration histograms reused from "
+
+
+def histograms_reused_from(log_text: str) -> str | None:
+    """The ModelOpt run whose calibration histograms a child took, from its log: the output
+    name (stem) of that run (for int8/int8_hp32 made by one calibration, the FP32 twin whose
+    flags ran), or None when the child calibrated itself."""
+    names = [line.split(HISTOGRAM_MARK, 1)[1].split("'s run", 1)[0].strip()
+             for line in log_text.splitlines() if HISTOGRAM_MARK in line]
+    return names[-1] if names else None
 
 
 def _histogram_key(calibrator, feeds: list[dict]) -> str:

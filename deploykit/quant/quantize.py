@@ -27,7 +27,7 @@ from deploykit.quant.calibration import (
 from deploykit.quant.health import check_model, summary_line
 from deploykit.quant.inspect import inspect_model
 from deploykit.quant.macs import mac_summary
-from deploykit.quant.modelopt import (HISTOGRAM_MARK, calibration_ep, ep_fallback_warning,
+from deploykit.quant.modelopt import (calibration_ep, ep_fallback_warning, histograms_reused_from,
                                       log_warnings, ort_smoke)
 from deploykit.quant.record import calibration_summary, flag_unquantized, print_check
 from deploykit.results import provenance, rerun_command, source_block
@@ -201,9 +201,10 @@ def quant_record(args: argparse.Namespace, inputs: dict, variant: str, status: s
     Returns:
         the record: ``stage``, ``model``, ``variant``, ``status``, ``output``,
         ``wall_time_s``, ``command``, ``log``, ``description``, ``warnings``,
-        ``calibration``, ``shared_calibration``, ``calibration_histograms_from`` (the earlier run
-        of the stage whose calibration histograms this run took, from the log's
-        ``deploykit.quant.modelopt.HISTOGRAM_MARK`` line, or None); when ok also ``inspect``, ``macs``, ``size_mb``, ``ort_cpu_smoke``,
+        ``calibration``, ``shared_calibration``, ``calibration_histograms_from`` (the earlier
+        ModelOpt run of the stage whose calibration histograms this run took, by its output
+        name: :func:`deploykit.quant.modelopt.histograms_reused_from`; None: calibrated
+        itself); when ok also ``inspect``, ``macs``, ``size_mb``, ``ort_cpu_smoke``,
         ``check``, and ``unquantized`` when no MAC node is quantized
         (:func:`deploykit.quant.record.flag_unquantized`); ``provenance`` (input hashes: the bytes ModelOpt was given);
         ``source`` (:func:`deploykit.results.source_block`: the output's, the fp32.onnx's and
@@ -225,10 +226,8 @@ def quant_record(args: argparse.Namespace, inputs: dict, variant: str, status: s
            "calibration_histograms_from": None}
     if log.exists():
         # a variant whose calibration histograms an earlier variant's run of this stage made
-        reused = [line.split(HISTOGRAM_MARK, 1)[1].strip()
-                  for line in log.read_text(errors="replace").splitlines()
-                  if HISTOGRAM_MARK in line]
-        rec["calibration_histograms_from"] = reused[-1] if reused else None
+        rec["calibration_histograms_from"] = histograms_reused_from(
+            log.read_text(errors="replace"))
         # the EP ModelOpt's ORT sessions really ran on (a requested CUDA EP that this
         # onnxruntime lacks falls back to the CPU)
         rec["calibration_ep"] = calibration_ep(inputs["eps"], log)

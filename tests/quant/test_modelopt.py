@@ -159,3 +159,13 @@ def test_the_shown_command_leaves_the_stages_histogram_cache_out(tmp_path):
         replace={tmp_path / "b.onnx": "final/b.onnx"})
     assert "--histogram-cache" in run.argv and "--histogram-cache" not in run.shown
     assert "final/b.onnx" in run.shown and run.status == "failed"  # `true` wrote nothing
+
+
+def test_the_record_names_the_run_whose_histograms_were_reused():
+    from deploykit.quant.modelopt import HISTOGRAM_MARK, histograms_reused_from
+
+    log = ("calibration batch 100\n"
+           f"{HISTOGRAM_MARK}baseline's run: 11 tensors, same graph, calibration data, EP and "
+           "histogram settings (ORT's calibration session not run)\nQuantization done\n")
+    assert histograms_reused_from(log) == "baseline"
+    assert histograms_reused_from("calibration batch 100\nQuantization done\n") is None

@@ -127,6 +127,30 @@ def test_calibration_read_validated_and_planned_once_for_several_variants(tiny, 
     assert all("^dw$" in c["flags"] for c in fake.calls)
 
 
+def test_every_run_of_the_stage_shares_one_histogram_cache_and_the_record_names_the_source(
+        tiny, monkeypatch):
+    """The ModelOpt runs of one stage get the same histogram cache folder (inside the stage's
+    work folder, gone afterwards); a run whose log says it took an earlier run's histograms has
+    that run's name in its record, the others None."""
+    from deploykit.quant.modelopt import HISTOGRAM_MARK
+
+    fake, caches = FakeModelOpt(), []
+
+    def run(onnx_path, output_path, flags, log, **kw):
+        caches.append(kw.get("histogram_cache"))
+        out = fake(onnx_path, output_path, flags, log, **kw)
+        if len(caches) == 2:
+            with open(log, "a") as f:
+                f.write(f"{HISTOGRAM_MARK}int8_hp32's run: 3 tensors, same graph, ...\n")
+        return out
+    monkeypatch.setattr(modelopt_runner, "run_modelopt", run)
+    recs = stage5.main(_args("int8_hp32", "excl_dw"))
+    assert len(set(caches)) == 1 and caches[0] is not None and not Path(caches[0]).exists()
+    assert [r["calibration_histograms_from"] for r in recs] == [None, "int8_hp32"]
+    saved = json.loads((Path(os.environ["RESULTS"]) / "tiny" / "quant_excl_dw.json").read_text())
+    assert saved["calibration_histograms_from"] == "int8_hp32"
+
+
 def test_record_hashes_the_calibration_bytes_modelopt_was_given(tiny, monkeypatch):
     """calib.npz replaced while the stage runs (stage 4 rerun): ModelOpt still gets the bytes
     that were validated, and the record's hashes are those bytes', not the new file's."""
