@@ -27,8 +27,9 @@ be measured (no session, a run that raised).
 First look: the accuracy pass starts with 128 seeded-random samples of the split, 32 of them
 first; when either look already proves the row ``failed`` beyond doubt (``deploykit.sequential``:
 NaN/Inf, a cosine minimum under the failed bound, or a mean whose Hoeffding bound at alpha 5e-5
-per look, 1e-4 over both, stays under it) the other samples are not run, the row says so (``first_look``, its reason) and its diagnostics
-use those samples; any other row runs every sample once. ``--full-eval`` measures all of them.
+per look, 1e-4 over both, stays under it) the other samples are not run, the row says so
+(``first_look``, its reason) and its diagnostics use those samples; any other row runs every
+sample once. ``--full-eval`` measures all of them.
 
 Backend cross-check (Q/DQ models): ONNX Runtime is not a neutral judge of Q/DQ graphs: some of its
 graph optimisations (e.g. ``WeightBiasQuantization``) change the numerics of a Q/DQ model. For a

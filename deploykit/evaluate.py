@@ -28,8 +28,9 @@ Row schema (``results/<model>/<tag>.json``; every field present, None when it do
     not derived, or unknown), stale_source (why the derived file's recorded source is not the
     current fp32.onnx, or None), first_look {n, n_total, decided ("failed" or None), seed,
     and when decided alpha (per look), look (the first look's size), peek (the earlier look's
-    inside it; n is one of the two), reasons} when the accuracy pass began with a first look (:mod:`deploykit.sequential`;
-    None otherwise: ``n_images`` is then every sample), provenance (with artifacts_root).
+    inside it; n is one of the two), reasons} when the accuracy pass began with a first look
+    (:mod:`deploykit.sequential`; None otherwise: ``n_images`` is then every sample),
+    provenance (with artifacts_root).
 
 Status of a measured row (:func:`judge`): its parity with the PyTorch reference under the
 precision's band of :data:`deploykit.compare.ROW_TOLERANCES`: ``failed`` (non-finite outputs, or
@@ -65,7 +66,7 @@ from deploykit.results import (measured_against, provenance, result_record, row_
 from deploykit.runners import Runner, harness_overhead_ms
 from deploykit.timing import MIN_ITERS
 from deploykit.sequential import (ALPHA, FIRST_LOOK_SEED, LOOK_ALPHA, decided_indices,
-                                  failed_beyond_doubt, first_look_indices, look_schedule)
+                                  failed_beyond_doubt, look_schedule)
 
 
 @dataclasses.dataclass
@@ -621,14 +622,15 @@ def evaluate(runner: Runner, data: EvalData, *, stage: str, precision: str, mode
     if getattr(args, "logits_output", None) is not None and data.logits_output is None:
         data.logits_output = args.logits_output  # the caller's data: its later checks agree
     t0 = time.perf_counter()
-    look = first_look_indices(len(data), first_look) if data.ref is not None else None
+    looks = look_schedule(len(data), first_look) if data.ref is not None else []
+    look = looks[-1] if looks else None
     early = None
     if look is None:
         print(f"{tag}: accuracy pass on {len(data)} samples, batch {batch_size}", file=sys.stderr,
               flush=True)
         raw = run_outputs(runner, data, batch_size, progress=f"{tag}")
     else:
-        raw, data, early = _first_look_pass(runner, data, look, batch_size, precision, tag)
+        raw, data, early = _first_look_pass(runner, data, looks, batch_size, precision, tag)
     t1 = time.perf_counter()
     sel = select_logits_output(data, raw)
     if sel and sel[3]:
@@ -680,12 +682,12 @@ def evaluate(runner: Runner, data: EvalData, *, stage: str, precision: str, mode
     return rec, outputs
 
 
-def _first_look_pass(runner: Runner, data: EvalData, look: np.ndarray, batch_size: int,
+def _first_look_pass(runner: Runner, data: EvalData, looks: list[np.ndarray], batch_size: int,
                      precision: str, tag: str
                      ) -> tuple[dict[str, np.ndarray], EvalData, dict | None]:
-    """The accuracy pass with a first look (:mod:`deploykit.sequential`): the looks of
-    :func:`deploykit.sequential.look_schedule` (a random :data:`~deploykit.sequential.FIRST_PEEK`
-    of the ``look`` samples, then all of them), each judged at
+    """The accuracy pass with a first look (:mod:`deploykit.sequential`): the nested ``looks``
+    of :func:`deploykit.sequential.look_schedule` (a random
+    :data:`~deploykit.sequential.FIRST_PEEK` of the first look, then all of it), each judged at
     :data:`~deploykit.sequential.LOOK_ALPHA`; when one proves the row ``failed`` beyond doubt the
     pass stops there, else the other samples run. Each sample is computed once.
 
@@ -694,7 +696,7 @@ def _first_look_pass(runner: Runner, data: EvalData, look: np.ndarray, batch_siz
         increasing index order, when one decided; else the whole split, in its order), and the
         row's ``first_look`` block when a look decided (None otherwise).
     """
-    n_total, looks = len(data), look_schedule(len(data), len(look))
+    n_total, look = len(data), looks[-1]
     print(f"{tag}: first look on {len(look)} of {n_total} samples (seeded random"
           + (f", {len(looks[0])} of them first" if len(looks) > 1 else "")
           + "); the rest run unless they prove the row failed beyond doubt", file=sys.stderr)

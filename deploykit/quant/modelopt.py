@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Sequence
 import numpy as np
 
-from deploykit.io import load_npz
+from deploykit.io import atomic_path, load_npz
 from deploykit.errors import StageError, UsageError
 from deploykit.quant.calibration import calibration_plan, deployment_shapes
 from deploykit.runners import ORT_DTYPES, ort_session_options
@@ -184,9 +184,6 @@ def _histogram_cache(folder: str | Path, label: str):
         folder: the cache folder (created; one ``<key>.npz`` per key, written atomically).
         label: this run's name, recorded with the histograms it writes.
     """
-    import os
-    import tempfile
-
     from modelopt.onnx.quantization import ort_patching
     from onnxruntime.quantization.calibrate import HistogramCalibrater, HistogramCollector
 
@@ -215,10 +212,8 @@ def _histogram_cache(folder: str | Path, label: str):
         for i, v in enumerate(hist.values()):
             for j, a in enumerate(v):
                 arrays[f"{i}_{j}"] = np.asarray(a)
-        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".npz.tmp")
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            np.savez(tmp, **arrays)
 
     def collect(calibrator, data_reader):
         if calibrator.group_qdq_tensors or not hasattr(calibrator, "num_quantized_bins"):
