@@ -1,13 +1,14 @@
-"""Latency measurement: the bounded timed loops (wall clock with device sync, CUDA events)
-and their statistics (p50/p90/p99 in ms, throughput).
+"""Latency measurement: the bounded timed loops (wall clock with device sync, CUDA events), the
+interleaved loop that compares several calls on a drifting host, and their statistics
+(p50/p90/p99 in ms, throughput).
 """
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
+
 import numpy as np
-from typing import Any, Callable, Sequence
 
 
 
@@ -136,3 +137,37 @@ def cuda_event_loop(fn: Callable[[], Any], warmup: int, iters: int, stream=None,
         if i + 1 >= MIN_ITERS and time.perf_counter() - t_start > budget:
             break
     return times
+
+
+def interleaved_times(calls: Mapping[str, Callable[[], object]], rounds: int = 8,
+                      iters: int = 20, warmup: int = 10) -> dict[str, list[float]]:
+    """Time several calls against each other on the same stretch of a drifting host.
+
+    Each call runs ``warmup`` times untimed; then ``rounds`` rounds, in which every call runs
+    ``iters`` times in turn, the order rotated by one each round (so no call always follows the
+    same one).
+
+    Args:
+        calls: ``{name: zero-argument callable}``, e.g. a bound ``InferenceSession.run``.
+    Returns:
+        ``{name: [ms, ...]}``: ``rounds * iters`` wall-clock times (``time.perf_counter``) each,
+        in the order they ran.
+    Raises:
+        ValueError: no calls, or ``rounds`` / ``iters`` below 1.
+    """
+    names = list(calls)
+    if not names or rounds < 1 or iters < 1:
+        raise ValueError("interleaved_times needs at least one call, one round and one run")
+    for name in names:
+        for _ in range(warmup):
+            calls[name]()
+    out: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            fn, times = calls[name], out[name]
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+    return out

@@ -24,6 +24,18 @@ __all__ = ["Budget", "Judgement", "deploy_group", "deploy_baselines", "judge_row
 #: Verdict order of the groups; other EPs (an ORT TensorRT EP row, ...) follow by name.
 GROUP_ORDER = ("CPU EP", "CUDA EP", "TensorRT")
 
+#: In-memory key of a row's p50 (ms) from the interleaved re-timing of the rows a verdict ranks
+#: (:mod:`deploykit.ship_timing`, ``8_report.py --retime``); never written to a row's JSON.
+INTERLEAVED = "_interleaved_p50_ms"
+
+
+def pair_ms(a: dict, b: dict) -> tuple[float | None, float | None]:
+    """Batch-1 p50s (ms) to compare two rows by: their interleaved re-timing when both have
+    one (timed on the same stretch of the host), else both rows' own p50s, never a mix."""
+    if isinstance(a.get(INTERLEAVED), float) and isinstance(b.get(INTERLEAVED), float):
+        return a[INTERLEAVED], b[INTERLEAVED]
+    return p50_ms(a), p50_ms(b)
+
 
 def is_rerun(r: dict) -> bool:
     """True for a rerun's record kept beside a good row (``<tag>.failed.json``,
@@ -131,7 +143,9 @@ def verdicts(rows: list[dict], budget: Budget) -> list[dict]:
     Returns:
         one dict per group: ``group``, ``ship`` (the fastest eligible row, or None),
         ``baseline`` (:func:`deploy_baselines`, or None), ``reference`` (the PyTorch FP32 row,
-        or None), ``judged``: ``[(row, Judgement)]`` of the group in table order.
+        or None), ``judged``: ``[(row, Judgement)]`` of the group in table order,
+        ``interleaved``: True when the rows within budget were ranked by their interleaved
+        re-timing (:data:`INTERLEAVED`, every one of them has it), else by their own p50s.
     """
     ref = reference_row([r for r in rows if not is_rerun(r)])
     base = deploy_baselines(rows)
@@ -146,9 +160,12 @@ def verdicts(rows: list[dict], budget: Budget) -> list[dict]:
     for g in order:
         judged = [(r, judge_row(r, ref, budget)) for r in groups[g]]
         ok = [r for r, j in judged if j.eligible]
-        ship = min(ok, key=lambda r: (p50_ms(r), _size(r) or 0.0)) if ok else None
+        # ranked by the interleaved re-timing when it covers every row within budget
+        inter = len(ok) > 1 and all(isinstance(r.get(INTERLEAVED), float) for r in ok)
+        ship = min(ok, key=lambda r: (r[INTERLEAVED] if inter else p50_ms(r),
+                                      _size(r) or 0.0)) if ok else None
         out.append({"group": g, "ship": ship, "baseline": base.get(g), "reference": ref,
-                    "judged": judged})
+                    "judged": judged, "interleaved": inter})
     return out
 
 
@@ -162,20 +179,25 @@ def budget_text(budget: Budget, ref: dict | None) -> str:
             f"rows without labels: mean cosine >= {budget.min_cosine:g}. Set with "
             "`8_report.py --min-agreement PCT --max-top1-drop POINTS`. Ship = the fastest row "
             "within budget (batch-1 end-to-end p50); failed, skipped, not-run, invalid or stale "
-            "rows and reruns' records are never chosen; PyTorch rows are the reference."
+            "rows and reruns' records are never chosen; PyTorch rows are the reference. With "
+            "`8_report.py --retime` (run_all.sh passes it) the CPU EP rows within budget are "
+            "first timed again in one process, interleaved, and ranked by that."
             + (f" The reference has {RANDOM_INIT_NOTE}: no row's top-1 is an accuracy claim."
                if (ref or {}).get("weights") == "random-init" else ""))
 
 
 def _speedup(r: dict, base: dict | None) -> float | None:
-    p, p0 = p50_ms(r), p50_ms(base) if base is not None else None
+    p, p0 = pair_ms(r, base) if base is not None else (p50_ms(r), None)
     return p0 / p if p and p0 else None
 
 
 def _speed_words(r: dict, base: dict | None, group: str, with_ms: bool = False) -> str:
-    """``1.26x vs ORT FP32 (faster)``: the table's "speedup vs ORT/TRT FP32" column in words."""
+    """``1.26x vs ORT FP32 (faster)``: the table's "speedup vs ORT/TRT FP32" column in words
+    (from the interleaved re-timing when the row and the baseline both have one)."""
     p, s, name = p50_ms(r), _speedup(r, base), baseline_name(group)
     ms = f"p50 {p:.3f} ms, " if with_ms and p is not None else ""
+    if base is not None and s is not None and pair_ms(r, base)[0] != p:
+        ms += f"interleaved p50 {pair_ms(r, base)[0]:.3f} ms, "
     if s is None:
         return f"{ms}no {name} row on this {group}: speedup n/a"
     if r is base:
@@ -222,19 +244,21 @@ def render_verdicts(vs: list[dict], budget: Budget) -> str:
             lines.append(f"- **{g}: ship `{ship['tag']}`** ({ship['backend']} "
                          f"{ship['precision']}; {_speed_words(ship, base, g, with_ms=True)}; "
                          f"{_acc_words(ship, ref)}{_size_words(ship, None)}): the fastest of "
-                         f"{within} row{'s' * (within != 1)} within budget.")
+                         f"{within} row{'s' * (within != 1)} within budget"
+                         + (_interleaved_words(v) if v.get("interleaved") else "") + ".")
         elif measured:
             lines.append(f"- **{g}: no row to ship**: none of its {len(measured)} measured "
                          "rows is within budget (below).")
         else:
             lines.append(f"- **{g}: no row to ship**: no row of it is eligible (failed, "
                          "skipped, not run or stale: below).")
-        p_ship, s_ship = (p50_ms(ship), _size(ship)) if ship is not None else (None, None)
+        s_ship = _size(ship) if ship is not None else None
         rest = []
         for r, j in measured:
             if r is ship:
                 continue
-            faster = p_ship is None or p50_ms(r) < p_ship
+            p_r, p_ship = pair_ms(r, ship) if ship is not None else (p50_ms(r), None)
+            faster = p_ship is None or (p_r is not None and p_r < p_ship)
             smaller = s_ship is not None and _size(r) is not None and _size(r) < 0.95 * s_ship
             if not (faster or smaller):
                 s = _speedup(r, base)
@@ -262,6 +286,20 @@ def render_verdicts(vs: list[dict], budget: Budget) -> str:
             lines.append(f"  - not eligible ({len(tags)}): " + ", ".join(f"`{t}`" for t in tags)
                          + f": {_clip(why, 450)}")
     return "\n".join(lines) + "\n\n"
+
+
+def _interleaved_words(v: dict) -> str:
+    """`` in an interleaved re-timing (...)``: the ranking's figures, and whether the rows' own
+    p50s (separate processes) ranked them the same."""
+    ok = sorted((r for r, j in v["judged"] if j.eligible), key=lambda r: r[INTERLEAVED])
+    figs = ", ".join(f"`{r['tag']}` {r[INTERLEAVED]:.3f} ms" for r in ok)
+    own = min(ok, key=lambda r: (p50_ms(r), _size(r) or 0.0))
+    same = ("the rows' own p50s, timed in separate processes, rank them the same"
+            if own is v["ship"] else
+            f"the rows' own p50s, timed in separate processes, put `{own['tag']}` first: "
+            "the host's speed drifted between them")
+    return (f" in an interleaved re-timing in one process on this machine ({figs} p50; "
+            f"`ship_timing.json`); {same}")
 
 
 def _clip(text: str, n: int) -> str:
