@@ -13,6 +13,12 @@ Writes: artifacts/<model>/onnx/<variant>.onnx, artifacts/<model>/onnx/<variant>.
         `qdq_tools.py inspect` summary and the `qdq_tools.py check` findings of the file).
 Rerun:  MODEL=efficientnet_lite0 ./5_quantize.sh int8   (5_quantize.sh runs this file)
 
+The whole stage in one process (what run_all.sh runs): ``int4`` among the variants runs
+5b_quantize_int4.py here, after the ModelOpt variants; ``--eval`` then gives each file its
+results row, 3_onnx_eval.py --onnx <file> --tag ort_<variant> run in this process (the row
+records that command; ``--eval-args`` adds flags to every row; failure reproductions such as
+int4_cli_broken are left out), and the stage ends with one summary line per row.
+
 int8_auto (mixed precision for an accuracy budget; needs a tuning split: 0_prepare_data.py
 --tune-fraction F or run_all.sh --auto-precision): auto_precision.py search quantizes every
 candidate once, measures each node on the tuning split and chooses the nodes to keep in float;
@@ -57,8 +63,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from deploykit.cli import HelpFormatter, add_shared_args, cli
+import shlex
+
+from deploykit.cli import HelpFormatter, add_shared_args, cli, run_script
 from deploykit.errors import StageError, UsageError
+from deploykit.evaluate import summary_line
 from deploykit.io import check_writable, remove_leftovers, report_leftovers
 from deploykit.lock import lock_folders
 from deploykit import layout
@@ -69,6 +78,10 @@ from deploykit.quant.modelopt import MODELOPT_MIN_OPSET
 from deploykit.quant.auto.search import anchored
 from deploykit.quant.nodes import list_depthwise, list_stem
 from deploykit.variants import for_stage, get_variant
+
+#: The INT4 variant: made by 5b_quantize_int4.py (ModelOpt's Python API), which this stage runs
+#: in its own process when the variant is named.
+INT4 = "int4"
 from deploykit.quant.modelopt import calibration_ep
 from deploykit.quant.quantize import quantize_all, default_eps, env_settings
 
@@ -92,9 +105,10 @@ def cli_variants(include_all: bool = False, auto_precision_: bool = False) -> li
 
 def variants_help() -> str:
     """The variant list shown by ``--help`` and after a usage error."""
-    lines = ["variants (ModelOpt CLI; int4 is made by 5b_quantize_int4.py):"]
+    lines = ["variants (ModelOpt CLI; int4 is made by 5b_quantize_int4.py, run in this process "
+             "when named here):"]
     lines += [f"  {v:<16} {get_variant(v).description}"
-              for v in cli_variants(True, True)]
+              for v in cli_variants(True, True) + [INT4]]
     on_request = [v for v in cli_variants(True, True) if v not in cli_variants(True)]
     lines.append(f"--default = {' '.join(cli_variants())}")
     lines.append("--all-variants = all of the above except those made on request only: "
@@ -117,7 +131,7 @@ class _Select(argparse.Action):
             names = list(self.const)
         else:
             names = list(values or [])
-            known = cli_variants(True, True)
+            known = cli_variants(True, True) + [INT4]
             for n in names:
                 if n not in known:
                     parser.error(f"unknown variant {n}")
@@ -176,6 +190,15 @@ def get_args_parser() -> argparse.ArgumentParser:
                    help="print every variant name, one per line, and exit")
     p.add_argument("variants", nargs="*", action=_Select, metavar="VARIANT",
                    help="variants to make, in this order (listed below)")
+    p.add_argument("--eval", action="store_true",
+                   help="also evaluate each file made on ORT, in this process (the results "
+                        "row of 3_onnx_eval.py --onnx FILE --tag ort_<variant>, as that command "
+                        "writes it; failure reproductions such as int4_cli_broken are left out): "
+                        "one interpreter and one set of imports for the whole stage (run_all.sh "
+                        "uses it)")
+    p.add_argument("--eval-args", default="", metavar="ARGS",
+                   help="with --eval: more 3_onnx_eval.py flags for every row, one "
+                        "shell-quoted string (e.g. '--limit 64 --warmup 2 --iters 20')")
     p.set_defaults(selected=None)
     return p
 
@@ -186,7 +209,8 @@ def _raise_exit(signum, frame):
 
 
 def main(args: argparse.Namespace) -> list[dict]:
-    """Quantize the selected variants; return their records.
+    """Quantize the selected variants (``int4`` last, through 5b_quantize_int4.py) and, with
+    ``--eval``, evaluate each file; return their records.
 
     Args:
         args: :func:`get_args_parser`'s arguments (``selected``, ``model``).
@@ -198,12 +222,56 @@ def main(args: argparse.Namespace) -> list[dict]:
             a failed ModelOpt run or verification, or a variant that does not apply.
         SystemExit: int8_auto's search failed: its exit status.
     """
-    started = time.time()
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(line_buffering=True)  # in order with the children's output
     selected = list(dict.fromkeys(args.selected or []))  # a variant given twice is made once
     if not selected:
         raise UsageError("give one or more variants, --default or --all-variants")
+    try:
+        eval_args = shlex.split(getattr(args, "eval_args", "") or "")
+    except ValueError as e:
+        raise UsageError(f"--eval-args {args.eval_args!r}: {e}") from e
+    if eval_args and not getattr(args, "eval", False):
+        raise UsageError("--eval-args is for --eval: add --eval, or drop --eval-args")
+    made = [v for v in selected if v != INT4]
+    records = _quantize(args, made) if made else []
+    rows: list[dict] = []
+    if getattr(args, "eval", False):
+        rows += _evaluate(args.model, [v for v in made if not get_variant(v).expected_failure],
+                          eval_args)
+    if INT4 in selected:
+        print(f"Stage 5: quantize {INT4}: 5b_quantize_int4.py in this process", flush=True)
+        rec = run_script("5b_quantize_int4", ["--model", args.model, "--no-eval"] + (
+            ["--calib-inputs", str(args.calib_inputs)] if args.calib_inputs else []))
+        records.append(rec)
+        if getattr(args, "eval", False) and rec.get("status") == "ok":
+            rows += _evaluate(args.model, [INT4], eval_args)
+    for row in rows:  # the stage's last lines: one per row (run_all.sh shows them)
+        print(f"{row['tag']}: {summary_line(row)}")
+    return records
+
+
+def _evaluate(model: str, variants: list[str], extra: list[str]) -> list[dict]:
+    """``--eval``: each variant's results row, ``3_onnx_eval.py`` run in this process
+    (:func:`deploykit.cli.run_script`: the row records that command, and its rerun is that
+    command); a row that cannot be made stops the stage (exit 1), as the command would.
+
+    Returns:
+        the rows written, in order.
+    """
+    rows = []
+    for v in variants:
+        var = get_variant(v)
+        argv = ["--model", model, "--onnx", str(layout.variant_onnx_path(model, v)),
+                "--tag", var.ort_tag, *extra]
+        print(f"Stage 5: evaluate {v}: 3_onnx_eval.py {shlex.join(argv)}", flush=True)
+        rows.append(run_script("3_onnx_eval", argv))
+    return rows
+
+
+def _quantize(args: argparse.Namespace, selected: list[str]) -> list[dict]:
+    """The ModelOpt variants of :func:`main`, in order; their records."""
+    started = time.time()
     env = env_settings()
     model = args.model
     art = model_artifacts(model)

@@ -28,18 +28,16 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import subprocess
-import sys
 import time
 from pathlib import Path
 from deploykit.layout import calib_path, fp32_onnx_path, variant_onnx_path
 from deploykit.io import check_writable, load_npz
 from deploykit.lock import lock_folders
-from deploykit.cli import add_shared_args, cli, stage_parser
+from deploykit.cli import add_shared_args, cli, run_script, stage_parser
 from deploykit.io import require
 from deploykit.errors import StageError
 from deploykit.io import atomic_path, file_size_mb, sha256_file, write_json
-from deploykit.layout import ROOT, model_artifacts, model_results
+from deploykit.layout import model_artifacts, model_results
 from deploykit.onnx.graph import load_onnx
 from deploykit.quant.calibration import (
     calibration_plan,
@@ -209,14 +207,10 @@ def main(args: argparse.Namespace) -> dict:
           f"{len(laid_out)} weight(s) laid out as [K, N], {len(fixed)} axis repair(s), "
           f"{len(weights)} weight(s) verified; {record['check'].get('summary')}")
     if not args.no_eval:
-        cmd = [sys.executable, str(ROOT / "3_onnx_eval.py"), "--onnx", str(out),
-               "--tag", "ort_int4", "--model", args.model, "--ep", args.eval_ep]
-        if args.limit:
-            cmd += ["--limit", str(args.limit)]
-        print("int4: " + shlex.join(["python", *cmd[1:]]))  # pastes back as the same run
-        rc = subprocess.run(cmd, cwd=ROOT).returncode
-        if rc:
-            raise StageError(f"3_onnx_eval.py failed on {out} (exit {rc})")
+        argv = ["--onnx", str(out), "--tag", "ort_int4", "--model", args.model,
+                "--ep", args.eval_ep] + (["--limit", str(args.limit)] if args.limit else [])
+        print("int4: " + shlex.join(["python", "3_onnx_eval.py", *argv]))  # the same run
+        run_script("3_onnx_eval", argv)  # in this process (its row records that command)
     return record
 
 

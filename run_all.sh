@@ -481,9 +481,9 @@ open_log() {
 }
 
 # Run one command of a stage; on failure print its log tail and stop the pipeline. On success
-# print skip reasons and warnings (first 3), then the last 3 lines.
+# print skip reasons and warnings (first 3), then the last $RUN_TAIL lines (default 3).
 run() {
-  local name="$1" log="$LOG_DIR/$1.log" rc=0 t0; shift
+  local name="$1" log="$LOG_DIR/$1.log" rc=0 t0 tail_n="${RUN_TAIL:-3}"; shift
   cur_cmd="$(quote_args "$@")"
   open_log "$log"
   start_ticker "$log" "$name"
@@ -505,7 +505,7 @@ run() {
   # a long line (a pasteable command in it) is cut visibly, pointing at the log that has it whole
   log_text "$log" | grep -E '(^|: )(SKIPPED|WARNING)' | head -n 3 \
     | awk -v lf="$log" '{ if (length($0) > 300) print "  " substr($0, 1, 300) " ... (whole line in " lf ")"; else print "  " $0 }' || true
-  log_text "$log" | grep -v -E '(^|: )(SKIPPED|WARNING)' | tail -n 3 | sed 's/^/  /' || true
+  log_text "$log" | grep -v -E '(^|: )(SKIPPED|WARNING)' | tail -n "$tail_n" | sed 's/^/  /' || true
 }
 
 # A command that must fail (a failure reproduction): its failure is the expected result.
@@ -624,7 +624,7 @@ fi
 if want 5; then
   begin 5 "quantization: $ONNX_DIR/fp32.onnx -> $(python variants.py list --stage 5 "${auto[@]}" | tr '\n' ' ')(+ ORT eval of each)"
   if have 5_quantize.sh; then
-    # Stage-5 variants from the registry (variants.py); int4 is made by 5b below.
+    # Stage-5 variants from the registry (variants.py)
     all_flag=()
     if [ "$all_variants" = 1 ]; then all_flag=(--all); fi
     variants_out="$(python variants.py list --stage 5 "${all_flag[@]}" "${auto[@]}")"
@@ -636,33 +636,30 @@ if want 5; then
         sed "s/\b$SMOKE_VARIANT\b //")(--all-variants makes them too)"
       variants=("$SMOKE_VARIANT")
     fi
-    # every ModelOpt variant in one stage-5 process (the calibration file read, checked and
-    # planned once; variants that differ only in their high-precision dtype share one
-    # calibration), then each file's ORT row
-    quant_variants=()
-    for v in "${variants[@]}"; do [ "$v" = int4 ] || quant_variants+=("$v"); done
-    if [ "${#quant_variants[@]}" -gt 0 ]; then
-      run 5_quantize bash 5_quantize.sh --model "$MODEL" "${quant_variants[@]}"
+    # INT4 (5b_quantize_int4.py) only in a full run or with --all-variants
+    stage5=()
+    for v in "${variants[@]}"; do
+      if [ "$v" != int4 ]; then
+        stage5+=("$v")
+      elif { [ -z "$limit" ] || [ "$all_variants" = 1 ]; } && have 5b_quantize_int4.py; then
+        stage5+=(int4)
+      fi
+    done
+    # The whole stage in one process: every ModelOpt variant (the calibration file read,
+    # checked and planned once; variants that differ only in their high-precision dtype share
+    # one calibration), INT4 through 5b, then each file's ORT row (--eval: 3_onnx_eval.py's
+    # row, in that process); it ends with one line per row
+    if [ "${#stage5[@]}" -gt 0 ]; then
+      RUN_TAIL="${#stage5[@]}" run 5_quantize bash 5_quantize.sh --model "$MODEL" \
+        "${stage5[@]}" --eval --eval-args "$(quote_args "${lim[@]}" "${timing[@]}")"
     fi
-    for v in "${quant_variants[@]}"; do
+    for v in "${stage5[@]}"; do
       if [ "$v" = int4_cli_broken ]; then
         # Reproduces ModelOpt 0.47.0's INT4 axis bug on purpose: ORT must refuse to run it.
         run_expect_failure "3_onnx_eval_$v" python 3_onnx_eval.py --model "$MODEL" \
           --onnx "$ONNX_DIR/${ONNX_FILE[$v]}" --tag "${ORT_TAG[$v]}" "${lim[@]}" "${timing[@]}"
-      else
-        run "3_onnx_eval_$v" python 3_onnx_eval.py --model "$MODEL" \
-          --onnx "$ONNX_DIR/${ONNX_FILE[$v]}" --tag "${ORT_TAG[$v]}" "${lim[@]}" "${timing[@]}"
       fi
     done
-  fi
-  if have 5b_quantize_int4.py && { [ -z "$limit" ] || [ "$all_variants" = 1 ]; }; then
-    run 5b_quantize_int4 python 5b_quantize_int4.py --model "$MODEL" --no-eval
-    # a model INT4 does not apply to (no block size fits its shapes): 5b recorded the skip
-    if python -c 'import json, sys; sys.exit(json.load(open(sys.argv[1])).get("status") != "ok")' \
-        "$RES_DIR/quant_int4.json" 2>/dev/null; then
-      run 3_onnx_eval_int4 python 3_onnx_eval.py --model "$MODEL" \
-        --onnx "$ONNX_DIR/${ONNX_FILE[int4]}" --tag "${ORT_TAG[int4]}" "${lim[@]}" "${timing[@]}"
-    fi
   fi
   end 5
 fi
@@ -698,7 +695,7 @@ fi
 
 if want 8; then
   begin 8 "report: $RES_DIR/*.json -> $RES_DIR/REPORT.md, REPORT.csv, $RES_ROOT/REPORT.md"
-  run 8_report python 8_report.py --model "$MODEL"
+  run 8_report python 8_report.py --model "$MODEL" --retime
   end 8
   echo "report: $RES_DIR/REPORT.md"
 fi

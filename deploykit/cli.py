@@ -80,6 +80,38 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
         return super()._get_help_string(action)
 
 
+def run_script(name: str, argv: Sequence[str]) -> Any:
+    """Run the root script ``<name>.py`` in this process, as ``python <name>.py ARGV`` would:
+    its own parser reads ``argv``, and ``sys.argv`` is that command line while its ``main``
+    runs (the provenance it records names it, so its rerun command is its own). Saves the
+    interpreter start and the imports of a separate process (stage 5 evaluates its files so).
+
+    Args:
+        name: the script's module name, e.g. ``3_onnx_eval``. argv: its arguments.
+    Returns:
+        whatever its ``main`` returns.
+    Raises:
+        whatever its ``main`` raises (:class:`UsageError`, :class:`StageError`, ...), for the
+        caller's :func:`cli` to turn into an exit status; ``SystemExit`` (2) when ``argv`` is
+        not a valid command line of the script.
+    """
+    import importlib
+
+    from deploykit.layout import ROOT
+
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    mod = importlib.import_module(name)
+    args = mod.get_args_parser().parse_args(list(argv))
+    saved = sys.argv
+    sys.argv = [f"{name}.py", *argv]
+    try:
+        return mod.main(args)
+    finally:
+        sys.argv = saved
+        sys.stdout.flush()
+
+
 def stage_parser(doc: str, prog: str | None = None) -> argparse.ArgumentParser:
     """An argument parser whose description is the whole module docstring ``doc`` (what the
     stage reads, writes and how to rerun it, in whole sentences) and whose help shows defaults.

@@ -287,7 +287,7 @@ def test_list_and_help(capsys):
     assert e.value.code == 0
     names = capsys.readouterr().out.split()
     assert names[:3] == ["baseline", "int8", "int8_hp32"] and "int8_auto" in names
-    assert "int4" not in names
+    assert "int4" not in names  # --list: the ModelOpt CLI variants (int4 is 5b's)
     with pytest.raises(SystemExit) as e:
         stage5.get_args_parser().parse_args(["--help"])
     out = capsys.readouterr()
@@ -492,3 +492,92 @@ def test_a_shared_run_installs_both_files_each_with_its_own_part_of_the_log(tiny
     assert FP16_MARK in hp16_log and FP16_MARK not in hp32_log
     assert any("replaced with" in w for w in recs[0]["warnings"])
     assert not any("replaced with" in w for w in recs[1]["warnings"])
+
+
+# --------------------------------------------------------------------------------------------
+# The whole stage in one process: int4 through 5b, each file's row through 3_onnx_eval (--eval)
+# --------------------------------------------------------------------------------------------
+def _fake_scripts(monkeypatch, int4_status="ok"):
+    """Stands in for deploykit.cli.run_script in stage 5: records (script, argv) and returns
+    what that script's main would (a quant record for 5b, a row for 3_onnx_eval)."""
+    calls: list[tuple[str, list[str]]] = []
+
+    def fake(name, argv):
+        calls.append((name, list(argv)))
+        if name == "5b_quantize_int4":
+            return {"variant": "int4", "status": int4_status}
+        tag = argv[argv.index("--tag") + 1]
+        return {"tag": tag, "backend": "ORT", "precision": "INT8", "status": "ok",
+                "n_images": 3, "accuracy": {"top1": 50.0}}
+    monkeypatch.setattr(stage5, "run_script", fake)
+    return calls
+
+
+def test_eval_makes_every_row_in_this_process_after_its_files_and_leaves_out_reproductions(
+        tiny, monkeypatch, capsys):
+    monkeypatch.setattr(modelopt_runner, "run_modelopt", FakeModelOpt())
+    calls = _fake_scripts(monkeypatch)
+    recs = stage5.main(_args("int8_hp32", "int4_cli_broken", "int4", "excl_dw", "--eval",
+                             "--eval-args", "--limit 3 --iters '2'"))
+    assert [r["variant"] for r in recs] == ["int8_hp32", "int4_cli_broken", "excl_dw", "int4"]
+    onnx = tiny / "onnx"
+    assert calls == [
+        ("3_onnx_eval", ["--model", "tiny", "--onnx", str(onnx / "int8_hp32.onnx"), "--tag",
+                         "ort_int8_hp32", "--limit", "3", "--iters", "2"]),
+        ("3_onnx_eval", ["--model", "tiny", "--onnx", str(onnx / "excl_dw.onnx"), "--tag",
+                         "ort_excl_dw", "--limit", "3", "--iters", "2"]),
+        ("5b_quantize_int4", ["--model", "tiny", "--no-eval"]),
+        ("3_onnx_eval", ["--model", "tiny", "--onnx", str(onnx / "int4.onnx"), "--tag",
+                         "ort_int4", "--limit", "3", "--iters", "2"]),
+    ]
+    last = capsys.readouterr().out.strip().splitlines()[-3:]  # one summary line per row
+    assert [x.split(":")[0] for x in last] == ["ort_int8_hp32", "ort_excl_dw", "ort_int4"]
+
+
+def test_int4_is_made_by_5b_and_evaluated_only_when_it_applies(tiny, monkeypatch):
+    calls = _fake_scripts(monkeypatch, int4_status="skipped")
+    recs = stage5.main(_args("int4", "--eval", "--calib-inputs", str(tiny / "calib.npz")))
+    assert recs == [{"variant": "int4", "status": "skipped"}]
+    assert calls == [("5b_quantize_int4", ["--model", "tiny", "--no-eval", "--calib-inputs",
+                                           str(tiny / "calib.npz")])]
+    calls.clear()
+    stage5.main(_args("int4"))  # without --eval: the file only
+    assert [c[0] for c in calls] == ["5b_quantize_int4"]
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["int8", "--eval-args", "--limit 3"], "--eval-args is for --eval"),
+    (["int8", "--eval", "--eval-args", "--tag 'x"], "No closing quotation"),
+])
+def test_eval_args_errors_are_usage_errors_before_any_work(tiny, monkeypatch, argv, needle):
+    fake = FakeModelOpt()
+    monkeypatch.setattr(modelopt_runner, "run_modelopt", fake)
+    with pytest.raises(UsageError, match=needle):
+        stage5.main(_args(*argv))
+    assert fake.calls == []
+
+
+def test_run_script_runs_a_script_main_as_its_own_command_line(tmp_path, monkeypatch):
+    """deploykit.cli.run_script: the script's parser reads argv, sys.argv is its command line
+    while main runs (what its provenance records) and is restored after, also on an error."""
+    from deploykit.cli import run_script
+    from deploykit.errors import StageError
+
+    (tmp_path / "zz_fake_stage.py").write_text(
+        "import argparse, sys\n"
+        "from deploykit.errors import StageError\n"
+        "def get_args_parser():\n"
+        "    p = argparse.ArgumentParser(); p.add_argument('--x', type=int); return p\n"
+        "def main(args):\n"
+        "    if args.x < 0:\n"
+        "        raise StageError('negative')\n"
+        "    return list(sys.argv), args.x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = list(sys.argv)
+    assert run_script("zz_fake_stage", ["--x", "3"]) == (["zz_fake_stage.py", "--x", "3"], 3)
+    assert sys.argv == before
+    with pytest.raises(StageError):
+        run_script("zz_fake_stage", ["--x", "-1"])
+    assert sys.argv == before
+    with pytest.raises(SystemExit):
+        run_script("zz_fake_stage", ["--x", "three"])
