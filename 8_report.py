@@ -131,22 +131,34 @@ def _ship_timing(args, runs: list[dict], budget: Budget, folder: Path) -> None:
     path = folder / ship_timing.FILE
     record = None
     if args.retime:
+        failed = False
         cands = ship_timing.candidates(runs, budget)
         if cands:
             print(f"ship timing: {len(cands)} CPU EP rows ({', '.join(r['tag'] for r in cands)})"
                   f" timed again interleaved, {ship_timing.ROUNDS} rounds x "
-                  f"{ship_timing.ITERS} batch-1 runs each", flush=True)
-            record = ship_timing.retime(runs, budget, args.model)
-        if record is None:
-            print("ship timing: nothing to re-time (fewer than two CPU EP rows to choose "
-                  "between, or rows measured on another machine): ranked by their own p50s")
-        else:
+                  f"{ship_timing.ITERS} runs each", flush=True)
+            try:
+                record = ship_timing.retime(runs, budget, args.model)
+            except Exception as e:  # noqa: BLE001 - ORT, a feed, a file: any failure of the
+                # re-timing leaves the verdict on the rows' own p50s (said); the report is written
+                print(f"WARNING: ship timing failed ({e}); the verdict ranks the rows by their "
+                      "own p50s", file=sys.stderr)
+                failed = True
+        if record is not None:
             write_json(path, record)
             print("ship timing: " + ", ".join(f"{t} {e['p50_ms']:.3f} ms (row {e['row_p50_ms']:.3f})"
                                               for t, e in record["rows"].items())
                   + f" -> {path}")
+        elif not failed:
+            print("ship timing: nothing to re-time (fewer than two CPU EP rows to choose "
+                  "between, or rows measured on another kind of machine): ranked by their own "
+                  "p50s")
     elif path.is_file():
-        record = load_json(path)
+        try:
+            record = load_json(path)
+        except StageError as e:  # a damaged record ranks nothing: the rows' own p50s do
+            print(f"WARNING: {path} ignored ({e}); the verdict ranks the rows by their own p50s",
+                  file=sys.stderr)
     ship_timing.annotate(runs, record)
 
 

@@ -67,13 +67,14 @@ def retime(rows: list[dict], budget, model: str, rounds: int | None = None,
            iters: int | None = None, warmup: int | None = None) -> dict | None:
     """Re-time :func:`candidates` interleaved on this machine, each file in an ORT CPU session
     made as its row made it (``runtime``: optimisation level, disabled optimizers, session
-    config, threads), at batch 1 on the sample its row timed (the first eval image of a
-    classifier; seeded random inputs otherwise, said in ``input``). ``rounds``, ``iters``,
+    config, threads), at the batch its row timed (``latency.batch``, 1 by default) on the
+    samples it timed (the first eval images of a classifier; seeded random inputs otherwise,
+    said in ``input``). ``rounds``, ``iters``,
     ``warmup``: default :data:`ROUNDS`, :data:`ITERS`, :data:`WARMUP`.
 
     Returns:
-        the record (see the module doc; ``rows: {tag: {"p50_ms", "round_p50_ms", "row_p50_ms",
-        "onnx", "sha256", "row_time_utc"}}``), or None when there is nothing to compare or the
+        the record (see the module doc; ``rows: {tag: {"batch", "p50_ms", "round_p50_ms",
+        "row_p50_ms", "onnx", "sha256", "row_time_utc"}}``), or None when there is nothing to compare or the
         rows were measured on another kind of machine.
     Raises:
         StageError: ORT cannot load or run one of the files.
@@ -91,7 +92,7 @@ def retime(rows: list[dict], budget, model: str, rounds: int | None = None,
     iters = ITERS if iters is None else iters
     warmup = WARMUP if warmup is None else warmup
     classifier = model_spec(model).classifier
-    runners, calls = [], {}
+    runners, calls, batches = [], {}, {}
     try:
         for r in picked:
             rt = r.get("runtime") or {}
@@ -100,7 +101,9 @@ def retime(rows: list[dict], budget, model: str, rounds: int | None = None,
                                threads=int(rt.get("threads") or 0),
                                session_config=rt.get("session_config") or None)
             runners.append(runner)
-            feed = runner.check_feed(load_feed(None, model if classifier else None, 1,
+            # the batch its row timed
+            n = batches[r["tag"]] = int((r.get("latency") or {}).get("batch") or 1)
+            feed = runner.check_feed(load_feed(None, model if classifier else None, n,
                                                r["onnx"]))
             calls[r["tag"]] = (lambda s, f: lambda: s.run(None, f))(runner.session, feed)
         times = interleaved_times(calls, rounds, iters, warmup)
@@ -114,7 +117,8 @@ def retime(rows: list[dict], budget, model: str, rounds: int | None = None,
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "rounds": rounds, "iters": iters, "warmup": warmup,
         "input": "the first eval image" if classifier else "seeded random inputs (synthetic)",
-        "rows": {r["tag"]: {"p50_ms": float(np.median(times[r["tag"]])),
+        "rows": {r["tag"]: {"batch": batches[r["tag"]],
+                            "p50_ms": float(np.median(times[r["tag"]])),
                             "round_p50_ms": [float(np.median(times[r["tag"]][i:i + iters]))
                                              for i in range(0, rounds * iters, iters)],
                             "row_p50_ms": p50_ms(r), **_row_key(r)} for r in picked},

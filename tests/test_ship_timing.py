@@ -120,8 +120,11 @@ def test_retime_runs_each_file_as_its_row_did_and_its_record_ranks_the_verdict(
 
     monkeypatch.setattr(deploykit.models, "model_spec",
                         lambda m: types.SimpleNamespace(classifier=False))
+    rows[2]["latency"]["batch"] = 2  # timed at batch 2: re-timed at batch 2
     rec = ship_timing.retime(rows, Budget(), "m", rounds=3, iters=4, warmup=1)
     assert set(rec["rows"]) == {"ort_fp32", "ort_fp32_noopt"}
+    assert {t: e["batch"] for t, e in rec["rows"].items()} == {"ort_fp32": 1,
+                                                               "ort_fp32_noopt": 2}
     for tag, ent in rec["rows"].items():
         row = next(r for r in rows if r["tag"] == tag)
         assert ent["sha256"] == row["measured_against"]["evaluated"]["sha256"]
@@ -166,3 +169,25 @@ def test_report_retime_writes_the_record_and_a_later_report_reuses_it(rows, tmp_
     report._ship_timing(argparse.Namespace(model="m", retime=False), rows, Budget(), folder)
     assert {r["tag"]: r.get(INTERLEAVED) for r in rows[1:]} == {
         t: e["p50_ms"] for t, e in rec["rows"].items()}
+
+
+def test_a_failed_retime_or_a_damaged_record_leaves_the_rows_own_ranking(rows, tmp_path,
+                                                                         monkeypatch, capsys):
+    """The report is always written: a file ORT cannot load, or an unreadable record, makes
+    the verdict rank by the rows' own p50s, with a WARNING."""
+    import deploykit.models
+
+    report = load_stage("8_report")
+    monkeypatch.setattr(deploykit.models, "model_spec",
+                        lambda m: types.SimpleNamespace(classifier=False))
+    folder = tmp_path / "res"
+    folder.mkdir()
+    Path(rows[1]["onnx"]).write_bytes(b"not an onnx file")
+    report._ship_timing(argparse.Namespace(model="m", retime=True), rows, Budget(), folder)
+    assert "WARNING: ship timing failed" in capsys.readouterr().err
+    assert not (folder / ship_timing.FILE).exists()
+    assert verdicts(rows, Budget())[0]["ship"]["tag"] == "ort_fp32_noopt"  # rows' own p50s
+    (folder / ship_timing.FILE).write_text("{not json")
+    report._ship_timing(argparse.Namespace(model="m", retime=False), rows, Budget(), folder)
+    assert "ignored" in capsys.readouterr().err
+    assert not any(INTERLEAVED in r for r in rows)
