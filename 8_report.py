@@ -149,10 +149,12 @@ def _ship_timing(args, runs: list[dict], budget: Budget, folder: Path) -> None:
             print("ship timing: " + ", ".join(f"{t} {e['p50_ms']:.3f} ms (row {e['row_p50_ms']:.3f})"
                                               for t, e in record["rows"].items())
                   + f" -> {path}")
-        elif not failed:
-            print("ship timing: nothing to re-time (fewer than two CPU EP rows to choose "
-                  "between, or rows measured on another kind of machine): ranked by their own "
-                  "p50s")
+        else:
+            if not failed:
+                print("ship timing: nothing to re-time (fewer than two CPU EP rows to choose "
+                      "between, or rows measured on another kind of machine): ranked by their "
+                      "own p50s")
+            path.unlink(missing_ok=True)  # an earlier record describes rows timed before
     elif path.is_file():
         try:
             record = load_json(path)

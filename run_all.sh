@@ -650,8 +650,10 @@ if want 5; then
     # one calibration), INT4 through 5b, then each file's ORT row (--eval: 3_onnx_eval.py's
     # row, in that process); it ends with one line per row
     if [ "${#stage5[@]}" -gt 0 ]; then
-      RUN_TAIL="${#stage5[@]}" run 5_quantize bash 5_quantize.sh --model "$MODEL" \
-        "${stage5[@]}" --eval --eval-args "$(quote_args "${lim[@]}" "${timing[@]}")"
+      n_rows=0  # the stage's last lines: one per row (a failure reproduction has none)
+      for v in "${stage5[@]}"; do [ "$v" = int4_cli_broken ] || n_rows=$((n_rows + 1)); done
+      RUN_TAIL="$n_rows" run 5_quantize bash 5_quantize.sh --model "$MODEL" \
+        "${stage5[@]}" --eval --eval-args="$(quote_args "${lim[@]}" "${timing[@]}")"
     fi
     for v in "${stage5[@]}"; do
       if [ "$v" = int4_cli_broken ]; then

@@ -82,8 +82,10 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 def run_script(name: str, argv: Sequence[str]) -> Any:
     """Run the root script ``<name>.py`` in this process, as ``python <name>.py ARGV`` would:
-    its own parser reads ``argv``, and ``sys.argv`` is that command line while its ``main``
-    runs (the provenance it records names it, so its rerun command is its own). Saves the
+    its own parser reads ``argv`` (its messages name the script), ``sys.argv`` is that command
+    line while it runs (the provenance it records names it, so its rerun command is its own),
+    and a ``--preprocess`` among ``argv`` is ``$PREPROCESS`` while it runs, as :func:`cli`
+    makes it; both are restored after. Saves the
     interpreter start and the imports of a separate process (stage 5 evaluates its files so).
 
     Args:
@@ -102,13 +104,19 @@ def run_script(name: str, argv: Sequence[str]) -> Any:
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
     mod = importlib.import_module(name)
-    args = mod.get_args_parser().parse_args(list(argv))
-    saved = sys.argv
-    sys.argv = [f"{name}.py", *argv]
+    saved, saved_pp = sys.argv, os.environ.get(PREPROCESS_ENV)
+    sys.argv = [f"{name}.py", *argv]  # before the parser exists: its messages name the script
     try:
+        args = mod.get_args_parser().parse_args(list(argv))
+        if getattr(args, "preprocess", None):  # as cli() does: the spec every reader sees
+            os.environ[PREPROCESS_ENV] = args.preprocess
         return mod.main(args)
     finally:
         sys.argv = saved
+        if saved_pp is None:
+            os.environ.pop(PREPROCESS_ENV, None)
+        else:
+            os.environ[PREPROCESS_ENV] = saved_pp
         sys.stdout.flush()
 
 

@@ -40,8 +40,9 @@ FILE = "ship_timing.json"
 
 def candidates(rows: list[dict], budget) -> list[dict]:
     """The CPU EP rows the verdict compares by speed: those within budget and the group's ORT
-    FP32 baseline (speedups divide by it). Empty when fewer than two, or when a row's file is
-    not here (another machine's results).
+    FP32 baseline (speedups divide by it), each only while its file is here with the SHA-256
+    its row recorded. Empty when fewer than two remain (another machine's results, files
+    remade since).
 
     Args:
         rows: the report's run rows. budget: :class:`deploykit.verdict.Budget`.
@@ -53,8 +54,19 @@ def candidates(rows: list[dict], budget) -> list[dict]:
     base = deploy_baselines(rows).get(GROUP)
     if base is not None and all(r is not base for r in picked):
         picked.append(base)
-    picked = [r for r in picked if r.get("onnx") and Path(r["onnx"]).is_file()]
+    picked = [r for r in picked if _same_file(r)]
     return picked if len(picked) >= 2 else []
+
+
+def _same_file(r: dict) -> bool:
+    """The row's file is here and is the one the row measured (its recorded SHA-256)."""
+    path = r.get("onnx")
+    want = ((r.get("measured_against") or {}).get("evaluated") or {}).get("sha256")
+    if not path or not want or not Path(path).is_file():
+        return False
+    from deploykit.results import file_sha256
+
+    return file_sha256(path) == want
 
 
 def _row_key(r: dict) -> dict:

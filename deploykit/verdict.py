@@ -29,10 +29,12 @@ GROUP_ORDER = ("CPU EP", "CUDA EP", "TensorRT")
 INTERLEAVED = "_interleaved_p50_ms"
 
 
-def pair_ms(a: dict, b: dict) -> tuple[float | None, float | None]:
-    """Batch-1 p50s (ms) to compare two rows by: their interleaved re-timing when both have
-    one (timed on the same stretch of the host), else both rows' own p50s, never a mix."""
-    if isinstance(a.get(INTERLEAVED), float) and isinstance(b.get(INTERLEAVED), float):
+def pair_ms(a: dict, b: dict, interleaved: bool = True) -> tuple[float | None, float | None]:
+    """Batch-1 p50s (ms) to compare two rows by: their interleaved re-timing when
+    ``interleaved`` (the verdict of their group ranks by it) and both have one (timed on the
+    same stretch of the host), else both rows' own p50s; never a mix."""
+    if interleaved and isinstance(a.get(INTERLEAVED), float) \
+            and isinstance(b.get(INTERLEAVED), float):
         return a[INTERLEAVED], b[INTERLEAVED]
     return p50_ms(a), p50_ms(b)
 
@@ -186,18 +188,20 @@ def budget_text(budget: Budget, ref: dict | None) -> str:
                if (ref or {}).get("weights") == "random-init" else ""))
 
 
-def _speedup(r: dict, base: dict | None) -> float | None:
-    p, p0 = pair_ms(r, base) if base is not None else (p50_ms(r), None)
+def _speedup(r: dict, base: dict | None, inter: bool = False) -> float | None:
+    p, p0 = pair_ms(r, base, inter) if base is not None else (p50_ms(r), None)
     return p0 / p if p and p0 else None
 
 
-def _speed_words(r: dict, base: dict | None, group: str, with_ms: bool = False) -> str:
+def _speed_words(r: dict, base: dict | None, group: str, with_ms: bool = False,
+                 inter: bool = False) -> str:
     """``1.26x vs ORT FP32 (faster)``: the table's "speedup vs ORT/TRT FP32" column in words
-    (from the interleaved re-timing when the row and the baseline both have one)."""
-    p, s, name = p50_ms(r), _speedup(r, base), baseline_name(group)
+    (from the interleaved re-timing when ``inter``, the group ranked by it, and the row and the
+    baseline both have one)."""
+    p, s, name = p50_ms(r), _speedup(r, base, inter), baseline_name(group)
     ms = f"p50 {p:.3f} ms, " if with_ms and p is not None else ""
-    if base is not None and s is not None and pair_ms(r, base)[0] != p:
-        ms += f"interleaved p50 {pair_ms(r, base)[0]:.3f} ms, "
+    if base is not None and s is not None and pair_ms(r, base, inter)[0] != p:
+        ms += f"interleaved p50 {pair_ms(r, base, inter)[0]:.3f} ms, "
     if s is None:
         return f"{ms}no {name} row on this {group}: speedup n/a"
     if r is base:
@@ -238,11 +242,13 @@ def render_verdicts(vs: list[dict], budget: Budget) -> str:
     lines = ["## Verdict", "", budget_text(budget, vs[0]["reference"]), ""]
     for v in vs:
         g, ship, base, ref = v["group"], v["ship"], v["baseline"], v["reference"]
+        inter = bool(v.get("interleaved"))  # every comparison of the group on one footing
         measured = [(r, j) for r, j in v["judged"] if j.measured]
         within = sum(j.eligible for _, j in measured)
         if ship is not None:
             lines.append(f"- **{g}: ship `{ship['tag']}`** ({ship['backend']} "
-                         f"{ship['precision']}; {_speed_words(ship, base, g, with_ms=True)}; "
+                         f"{ship['precision']}; "
+                         f"{_speed_words(ship, base, g, with_ms=True, inter=inter)}; "
                          f"{_acc_words(ship, ref)}{_size_words(ship, None)}): the fastest of "
                          f"{within} row{'s' * (within != 1)} within budget"
                          + (_interleaved_words(v) if v.get("interleaved") else "") + ".")
@@ -257,11 +263,11 @@ def render_verdicts(vs: list[dict], budget: Budget) -> str:
         for r, j in measured:
             if r is ship:
                 continue
-            p_r, p_ship = pair_ms(r, ship) if ship is not None else (p50_ms(r), None)
+            p_r, p_ship = pair_ms(r, ship, inter) if ship is not None else (p50_ms(r), None)
             faster = p_ship is None or (p_r is not None and p_r < p_ship)
             smaller = s_ship is not None and _size(r) is not None and _size(r) < 0.95 * s_ship
             if not (faster or smaller):
-                s = _speedup(r, base)
+                s = _speedup(r, base, inter)
                 rest.append(f"`{r['tag']}` (" + (f"{s:.2f}x, " if s else "")
                             + ("within budget" if j.eligible else "out of budget") + ")")
                 continue
@@ -273,7 +279,8 @@ def render_verdicts(vs: list[dict], budget: Budget) -> str:
                 cost = f"out of budget ({j.why})"
             else:
                 cost = f"out of budget ({j.why}) and slower: not worth it"
-            lines.append(f"  - `{r['tag']}` ({r['precision']}): {_speed_words(r, base, g)}"
+            lines.append(f"  - `{r['tag']}` ({r['precision']}): "
+                         f"{_speed_words(r, base, g, inter=inter)}"
                          f"{_size_words(r, ship)}; {_acc_words(r, ref)}: {cost}.")
         if rest:
             lines.append(f"  - slower and no smaller than `{ship['tag']}`, nothing to gain: "

@@ -173,16 +173,17 @@ def test_report_retime_writes_the_record_and_a_later_report_reuses_it(rows, tmp_
 
 def test_a_failed_retime_or_a_damaged_record_leaves_the_rows_own_ranking(rows, tmp_path,
                                                                          monkeypatch, capsys):
-    """The report is always written: a file ORT cannot load, or an unreadable record, makes
+    """The report is always written: a re-timing that fails (here a classifier whose eval
+    images are not in this ARTIFACTS folder, as in the review), or an unreadable record, makes
     the verdict rank by the rows' own p50s, with a WARNING."""
     import deploykit.models
 
     report = load_stage("8_report")
     monkeypatch.setattr(deploykit.models, "model_spec",
-                        lambda m: types.SimpleNamespace(classifier=False))
+                        lambda m: types.SimpleNamespace(classifier=True))
+    monkeypatch.setenv("ARTIFACTS", str(tmp_path / "elsewhere"))
     folder = tmp_path / "res"
     folder.mkdir()
-    Path(rows[1]["onnx"]).write_bytes(b"not an onnx file")
     report._ship_timing(argparse.Namespace(model="m", retime=True), rows, Budget(), folder)
     assert "WARNING: ship timing failed" in capsys.readouterr().err
     assert not (folder / ship_timing.FILE).exists()
@@ -190,4 +191,42 @@ def test_a_failed_retime_or_a_damaged_record_leaves_the_rows_own_ranking(rows, t
     (folder / ship_timing.FILE).write_text("{not json")
     report._ship_timing(argparse.Namespace(model="m", retime=False), rows, Budget(), folder)
     assert "ignored" in capsys.readouterr().err
+    assert not any(INTERLEAVED in r for r in rows)
+
+
+def test_a_record_covering_only_some_rows_within_budget_ranks_nothing_and_words_nothing(rows):
+    """Review finding: the record covered two of three rows within budget; the ranking fell
+    back to the rows' own p50s while the words used the record, and the shipped row was called
+    slower than the baseline. Now one footing per group."""
+    c = _onnx(Path(rows[1]["onnx"]).with_name("c.onnx"), 3)
+    rows.append(_row("ort_fp32_threads1", c, 4.5, size_mb=0.8))
+    ship_timing.annotate(rows, _record(rows, {"ort_fp32": 4.0, "ort_fp32_noopt": 4.5}))
+    (v,) = verdicts(rows, Budget())
+    assert v["interleaved"] is False and v["ship"]["tag"] == "ort_fp32_noopt"  # own: 4.0 ms
+    md = render_verdicts([v], Budget())
+    # no figure of the record is used anywhere
+    assert "interleaved p50" not in md and "interleaved re-timing in one" not in md
+    ship_line = next(x for x in md.splitlines() if "ship `" in x)
+    assert "1.25x vs ORT FP32 = 1.25x faster" in ship_line  # 5.0 / 4.0, the rows' own
+
+
+def test_candidates_skip_a_row_whose_file_was_remade(rows):
+    Path(rows[2]["onnx"]).write_bytes(Path(rows[2]["onnx"]).read_bytes() + b" ")
+    assert ship_timing.candidates(rows, Budget()) == []
+
+
+def test_a_retime_with_nothing_to_time_removes_the_earlier_record(rows, tmp_path, monkeypatch):
+    import deploykit.models
+
+    report = load_stage("8_report")
+    monkeypatch.setattr(deploykit.models, "model_spec",
+                        lambda m: types.SimpleNamespace(classifier=False))
+    monkeypatch.setattr(ship_timing, "ROUNDS", 1)
+    folder = tmp_path / "res"
+    folder.mkdir()
+    report._ship_timing(argparse.Namespace(model="m", retime=True), rows, Budget(), folder)
+    assert (folder / ship_timing.FILE).exists()
+    Path(rows[2]["onnx"]).unlink()  # one row left to choose from
+    report._ship_timing(argparse.Namespace(model="m", retime=True), rows, Budget(), folder)
+    assert not (folder / ship_timing.FILE).exists()
     assert not any(INTERLEAVED in r for r in rows)

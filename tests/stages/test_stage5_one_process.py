@@ -581,3 +581,50 @@ def test_run_script_runs_a_script_main_as_its_own_command_line(tmp_path, monkeyp
     assert sys.argv == before
     with pytest.raises(SystemExit):
         run_script("zz_fake_stage", ["--x", "three"])
+
+
+def test_run_script_makes_a_preprocess_flag_the_environment_while_the_script_runs(
+        tmp_path, monkeypatch):
+    """Review finding: a --preprocess given to an in-process 3_onnx_eval.py was recorded but
+    not used (cli() sets $PREPROCESS from it; run_script did not)."""
+    from deploykit.cli import run_script
+    from deploykit.models import PREPROCESS_ENV
+
+    (tmp_path / "zz_pp_stage.py").write_text(
+        "import argparse, os\n"
+        "from deploykit.models import PREPROCESS_ENV\n"
+        "def get_args_parser():\n"
+        "    p = argparse.ArgumentParser(); p.add_argument('--preprocess'); return p\n"
+        "def main(args):\n"
+        "    return os.environ.get(PREPROCESS_ENV)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv(PREPROCESS_ENV, raising=False)
+    assert run_script("zz_pp_stage", ["--preprocess", "mean=0.5,std=0.5"]) == "mean=0.5,std=0.5"
+    assert PREPROCESS_ENV not in os.environ  # restored: unset
+    monkeypatch.setenv(PREPROCESS_ENV, "mean=0.1,std=0.2")
+    assert run_script("zz_pp_stage", ["--preprocess", "mean=0.5,std=0.5"]) == "mean=0.5,std=0.5"
+    assert os.environ[PREPROCESS_ENV] == "mean=0.1,std=0.2"
+    assert run_script("zz_pp_stage", []) == "mean=0.1,std=0.2"  # no flag: the environment's
+
+
+@pytest.mark.parametrize("extra,needle", [
+    ("--tag mine", "--tag is set by --eval for each row"),
+    ("--onnx=x.onnx", "--onnx is set by --eval"),
+    ("-h", "-h is set by --eval"),
+    ("--limit 8 --bogus", "3_onnx_eval.py has no --bogus"),
+    ("--limit eight", "3_onnx_eval.py refuses it"),
+])
+def test_eval_args_are_checked_as_3_onnx_eval_flags_before_any_quantization(
+        tiny, monkeypatch, extra, needle):
+    fake = FakeModelOpt()
+    monkeypatch.setattr(modelopt_runner, "run_modelopt", fake)
+    with pytest.raises(UsageError, match=needle):
+        stage5.main(_args("int8", "--eval", f"--eval-args={extra}"))
+    assert fake.calls == []  # refused in seconds, not after the quantization
+
+
+def test_eval_args_take_a_single_flag_in_the_equals_form(tiny, monkeypatch):
+    monkeypatch.setattr(modelopt_runner, "run_modelopt", FakeModelOpt())
+    calls = _fake_scripts(monkeypatch)
+    stage5.main(_args("int8", "--eval", "--eval-args=--full-eval"))
+    assert calls[-1][1][-1] == "--full-eval"
