@@ -26,8 +26,8 @@ engine) that no current producer record names, or whose recorded file is gone fr
 ARTIFACTS folder: never the row to ship. Rows without these hashes (older runs) are unknown,
 not stale. Rows measured in different ARTIFACTS folders get a ``WARNING:`` naming both.
 Verdict: per deployment group the fastest row within the accuracy budget. With ``--retime``
-(run_all.sh passes it) the CPU EP rows it chooses between are first timed again in this
-process, interleaved (``deploykit.ship_timing``: the rows' own p50s come from separate
+(run_all.sh passes it in a full run) the CPU EP rows it chooses between are first timed again
+in this process, interleaved (``deploykit.ship_timing``: the rows' own p50s come from separate
 processes minutes apart, and a drifting host can swap rows 1.3x apart), written to
 ``results/<model>/ship_timing.json`` and used for the ranking; without it an earlier record is
 used while its rows are unchanged.

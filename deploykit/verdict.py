@@ -182,8 +182,9 @@ def budget_text(budget: Budget, ref: dict | None) -> str:
             "`8_report.py --min-agreement PCT --max-top1-drop POINTS`. Ship = the fastest row "
             "within budget (batch-1 end-to-end p50); failed, skipped, not-run, invalid or stale "
             "rows and reruns' records are never chosen; PyTorch rows are the reference. With "
-            "`8_report.py --retime` (run_all.sh passes it) the CPU EP rows within budget are "
-            "first timed again in one process, interleaved, and ranked by that."
+            "`8_report.py --retime` (run_all.sh passes it in a full run) the CPU EP rows "
+            "within budget are first timed again in one process, interleaved, and ranked by "
+            "that."
             + (f" The reference has {RANDOM_INIT_NOTE}: no row's top-1 is an accuracy claim."
                if (ref or {}).get("weights") == "random-init" else ""))
 

@@ -126,6 +126,10 @@ def test_run_all_end_to_end(tmp_path):
     assert ("smoke run (--limit 64): int8_hp32 only, calibrated on at most 32 samples; left "
             "out: baseline int8") in p.stdout
     assert "what it leaves out of a full run" in p.stdout
+    # stage 5 is one command whose last lines are the rows; the smoke verdict is not re-timed
+    assert "ort_int8_hp32: ORT INT8" in p.stdout
+    assert "the verdict's interleaved re-timing" in p.stdout
+    assert not (tmp_path / "r" / "smoke" / "efficientnet_lite0" / "ship_timing.json").exists()
     for row in ("| PyTorch | FP32 |", "| ORT | FP16 |", "| ORT | INT8 | ort_int8_hp32 |"):
         assert row in md, row
     for row in ("| ORT | INT8 | ort_int8 |", "| ORT | INT4 | ort_int4 |"):
