@@ -148,18 +148,24 @@ def test_candidates_need_two_rows_whose_files_are_here(rows):
     assert ship_timing.candidates(rows, Budget()) == []
 
 
+def _report(monkeypatch, tmp_path, classifier: bool = False, rounds: int = 2):
+    """8_report as a module, a results folder, and a model spec stand-in (the tiny rows'
+    model "m" is no registered model)."""
+    import deploykit.models
+
+    monkeypatch.setattr(deploykit.models, "model_spec",
+                        lambda m: types.SimpleNamespace(classifier=classifier))
+    monkeypatch.setattr(ship_timing, "ROUNDS", rounds)
+    folder = tmp_path / "res"
+    folder.mkdir()
+    return load_stage("8_report"), folder
+
+
 def test_report_retime_writes_the_record_and_a_later_report_reuses_it(rows, tmp_path,
                                                                      monkeypatch):
     """8_report.py --retime times, writes ship_timing.json and ranks by it; a report without
     the flag reads the record back while the rows are unchanged."""
-    import deploykit.models
-
-    report = load_stage("8_report")
-    monkeypatch.setattr(deploykit.models, "model_spec",
-                        lambda m: types.SimpleNamespace(classifier=False))
-    monkeypatch.setattr(ship_timing, "ROUNDS", 2)
-    folder = tmp_path / "res"
-    folder.mkdir()
+    report, folder = _report(monkeypatch, tmp_path)
     args = argparse.Namespace(model="m", retime=True)
     report._ship_timing(args, rows, Budget(), folder)
     rec = json.loads((folder / ship_timing.FILE).read_text())
@@ -176,14 +182,8 @@ def test_a_failed_retime_or_a_damaged_record_leaves_the_rows_own_ranking(rows, t
     """The report is always written: a re-timing that fails (here a classifier whose eval
     images are not in this ARTIFACTS folder, as in the review), or an unreadable record, makes
     the verdict rank by the rows' own p50s, with a WARNING."""
-    import deploykit.models
-
-    report = load_stage("8_report")
-    monkeypatch.setattr(deploykit.models, "model_spec",
-                        lambda m: types.SimpleNamespace(classifier=True))
+    report, folder = _report(monkeypatch, tmp_path, classifier=True)
     monkeypatch.setenv("ARTIFACTS", str(tmp_path / "elsewhere"))
-    folder = tmp_path / "res"
-    folder.mkdir()
     report._ship_timing(argparse.Namespace(model="m", retime=True), rows, Budget(), folder)
     assert "WARNING: ship timing failed" in capsys.readouterr().err
     assert not (folder / ship_timing.FILE).exists()
@@ -216,14 +216,7 @@ def test_candidates_skip_a_row_whose_file_was_remade(rows):
 
 
 def test_a_retime_with_nothing_to_time_removes_the_earlier_record(rows, tmp_path, monkeypatch):
-    import deploykit.models
-
-    report = load_stage("8_report")
-    monkeypatch.setattr(deploykit.models, "model_spec",
-                        lambda m: types.SimpleNamespace(classifier=False))
-    monkeypatch.setattr(ship_timing, "ROUNDS", 1)
-    folder = tmp_path / "res"
-    folder.mkdir()
+    report, folder = _report(monkeypatch, tmp_path, rounds=1)
     report._ship_timing(argparse.Namespace(model="m", retime=True), rows, Budget(), folder)
     assert (folder / ship_timing.FILE).exists()
     Path(rows[2]["onnx"]).unlink()  # one row left to choose from
