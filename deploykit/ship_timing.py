@@ -80,19 +80,21 @@ def retime(rows: list[dict], budget, model: str, rounds: int | None = None,
     """Re-time :func:`candidates` interleaved on this machine, each file in an ORT CPU session
     made as its row made it (``runtime``: optimisation level, disabled optimizers, session
     config, threads), at the batch its row timed (``latency.batch``, 1 by default) on the
-    samples it timed (the first eval images of a classifier; seeded random inputs otherwise,
-    said in ``input``). ``rounds``, ``iters``,
-    ``warmup``: default :data:`ROUNDS`, :data:`ITERS`, :data:`WARMUP`.
+    samples its row timed: the first eval images of a classifier, the first samples of stage
+    1's inputs (``ref_outputs.npz``: the model's own data, or its synthetic inputs) otherwise,
+    seeded random inputs when that file is not here (said in ``input``). ``rounds``, ``iters``, ``warmup``: default :data:`ROUNDS`,
+    :data:`ITERS`, :data:`WARMUP`.
 
     Returns:
         the record (see the module doc; ``rows: {tag: {"batch", "p50_ms", "round_p50_ms",
-        "row_p50_ms", "onnx", "sha256", "row_time_utc"}}``), or None when there is nothing to compare or the
-        rows were measured on another kind of machine.
+        "row_p50_ms", "onnx", "sha256", "row_time_utc"}}``), or None when there is nothing to
+        compare or the rows were measured on another kind of machine.
     Raises:
         StageError: ORT cannot load or run one of the files.
     """
     from deploykit.envinfo import device_info
     from deploykit.feeds import load_feed
+    from deploykit.layout import ref_outputs_path
     from deploykit.models import model_spec
     from deploykit.runners import OrtRunner
 
@@ -104,6 +106,8 @@ def retime(rows: list[dict], budget, model: str, rounds: int | None = None,
     iters = ITERS if iters is None else iters
     warmup = WARMUP if warmup is None else warmup
     classifier = model_spec(model).classifier
+    ref = None if classifier else ref_outputs_path(model)
+    ref = ref if ref is not None and ref.is_file() else None
     runners, calls, batches = [], {}, {}
     try:
         for r in picked:
@@ -115,20 +119,21 @@ def retime(rows: list[dict], budget, model: str, rounds: int | None = None,
             runners.append(runner)
             # the batch its row timed
             n = batches[r["tag"]] = int((r.get("latency") or {}).get("batch") or 1)
-            feed = runner.check_feed(load_feed(None, model if classifier else None, n,
-                                               r["onnx"]))
+            feed = load_feed(ref, model if classifier else None, n, r["onnx"])
+            feed = runner.check_feed({k: v[:n] for k, v in feed.items()})
             calls[r["tag"]] = (lambda s, f: lambda: s.run(None, f))(runner.session, feed)
         times = interleaved_times(calls, rounds, iters, warmup)
     finally:
         for runner in runners:
             runner.close()
     return {
-        "what": "batch-1 InferenceSession.run wall-clock of the CPU EP rows the verdict ranks, "
-                "interleaved in one process (order rotated each round)",
+        "what": "InferenceSession.run wall-clock (each row's latency batch) of the CPU EP rows "
+                "the verdict ranks, interleaved in one process (order rotated each round)",
         "model": model, "device": device,
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "rounds": rounds, "iters": iters, "warmup": warmup,
-        "input": "the first eval image" if classifier else "seeded random inputs (synthetic)",
+        "input": ("the first eval images" if classifier else
+                  f"the first samples of {ref}" if ref else "seeded random inputs (synthetic)"),
         "rows": {r["tag"]: {"batch": batches[r["tag"]],
                             "p50_ms": float(np.median(times[r["tag"]])),
                             "round_p50_ms": [float(np.median(times[r["tag"]][i:i + iters]))

@@ -223,3 +223,22 @@ def test_a_retime_with_nothing_to_time_removes_the_earlier_record(rows, tmp_path
     report._ship_timing(argparse.Namespace(model="m", retime=True), rows, Budget(), folder)
     assert not (folder / ship_timing.FILE).exists()
     assert not any(INTERLEAVED in r for r in rows)
+
+
+def test_retime_of_a_model_with_its_own_data_times_stage_1s_samples(rows, tmp_path,
+                                                                   monkeypatch):
+    """A custom model's rows were timed on its own samples: the re-timing takes them from
+    stage 1's ref_outputs.npz (not seeded random inputs) and says so."""
+    import deploykit.models
+    from deploykit.feeds import REF_INPUT_PREFIX
+    from deploykit.layout import ref_outputs_path
+
+    monkeypatch.setenv("ARTIFACTS", str(tmp_path / "art"))
+    monkeypatch.setattr(deploykit.models, "model_spec",
+                        lambda m: types.SimpleNamespace(classifier=False))
+    ref = ref_outputs_path("m")
+    ref.parent.mkdir(parents=True)
+    np.savez(ref, **{f"{REF_INPUT_PREFIX}x": np.ones((5, 64), np.float32),
+                     "y": np.ones((5, 64), np.float32)})
+    rec = ship_timing.retime(rows, Budget(), "m", rounds=1, iters=2, warmup=0)
+    assert rec["input"] == f"the first samples of {ref}"
