@@ -145,6 +145,31 @@ def is_qdq(precision: str) -> bool:
 X64_PRECISION = X64_QUANT_PRECISION
 
 
+def preflight(args: argparse.Namespace, ahead: bool = False) -> None:
+    """The checks of the flags that need no file: counts positive; with ``ahead`` (stage 5,
+    on its ``--eval-args``, before it quantizes anything) also the EP present in this
+    onnxruntime (unless ``--allow-cpu-fallback``) and ``--inputs`` only for a model with its
+    own data, which :func:`main` finds later (an EP it lacks: a failed row).
+
+    Raises:
+        UsageError: a bad flag. StageError: the EP is not in this onnxruntime build.
+    """
+    check_positive(args, "limit", "batch_size", "latency_batch", "iters")
+    check_positive(args, "warmup", "threads", allow_zero=("warmup", "threads"))
+    if not ahead:
+        return
+    import onnxruntime as ort
+
+    have = ort.get_available_providers()
+    if ORT_EPS[args.ep] not in have and not args.allow_cpu_fallback:
+        raise StageError(f"--ep {args.ep}: this onnxruntime ({ort.__version__}) has no "
+                         f"{ORT_EPS[args.ep]} (it has {', '.join(have)}): install "
+                         "onnxruntime-gpu, or add --allow-cpu-fallback")
+    if args.inputs and model_spec(args.model).classifier:
+        raise UsageError(f"--model {args.model} is an ImageNet classifier, judged on the "
+                         "eval split; --inputs is for models with their own data")
+
+
 def main(args: argparse.Namespace) -> dict:
     """Evaluate ``--onnx`` on ORT and write ``results/<model>/<tag>.json``.
 
@@ -157,8 +182,7 @@ def main(args: argparse.Namespace) -> dict:
     started = time.time()
     check_row_tag(args.model, args.tag, stage=STAGE)
     check_writable(model_results(args.model))
-    check_positive(args, "limit", "batch_size", "latency_batch", "iters")
-    check_positive(args, "warmup", "threads", allow_zero=("warmup", "threads"))
+    preflight(args)
     # one writer per folder, held until this process exits (a second writer is refused)
     lock_folders(model_artifacts(args.model), model_results(args.model))
     spec = model_spec(args.model)

@@ -253,8 +253,11 @@ def main(args: argparse.Namespace) -> list[dict]:
         records.append(rec)
         if getattr(args, "eval", False) and rec.get("status") == "ok":
             rows += _evaluate(args.model, [INT4], eval_args)
+        elif getattr(args, "eval", False):  # its line among the rows': why there is none
+            rows.append({"tag": get_variant(INT4).ort_tag, "no_row": (
+                f"no row: int4 {rec.get('status')}: {rec.get('reason') or 'see quant_int4.json'}")})
     for row in rows:  # the stage's last lines: one per row (run_all.sh shows them)
-        print(f"{row['tag']}: {summary_line(row)}")
+        print(f"{row['tag']}: {row.get('no_row') or summary_line(row)}")
     return records
 
 
@@ -263,29 +266,41 @@ _PER_ROW = ("--onnx", "--tag", "--model", "-h", "--help")
 
 
 def _check_eval_args(model: str, extra: list[str]) -> None:
-    """``--eval-args`` must be 3_onnx_eval.py flags (its own parser reads them) other than the
-    ones each row gets from ``--eval`` (:data:`_PER_ROW`).
+    """``--eval-args`` must be 3_onnx_eval.py flags that its own parser and its checks of the
+    flags accept (``preflight``), other than the ones each row gets from ``--eval``
+    (:data:`_PER_ROW`, also abbreviated, as argparse would take them).
 
     Raises:
-        UsageError: a per-row flag, an unknown flag or a bad value, naming 3_onnx_eval.py.
+        UsageError / StageError: a per-row flag, an unknown flag, a bad value or an EP this
+            onnxruntime lacks, naming 3_onnx_eval.py.
     """
     import importlib
 
-    own = [a for a in extra if a.split("=", 1)[0] in _PER_ROW]
-    if own:
-        raise UsageError(f"--eval-args: {own[0].split('=', 1)[0]} is set by --eval for each "
-                         "row (its file, its tag ort_<variant>, this --model): leave it out")
-    parser = importlib.import_module("3_onnx_eval").get_args_parser()
+    for a in extra:
+        name = a.split("=", 1)[0]
+        if a.startswith("-") and any(name == f or (name.startswith("--") and len(name) > 2
+                                                  and f.startswith(name)) for f in _PER_ROW):
+            raise UsageError(f"--eval-args: {name} is (or abbreviates) a flag --eval sets for "
+                             "each row (--onnx its file, --tag ort_<variant>, --model this "
+                             "model) or asks for help: leave it out")
+    mod = importlib.import_module("3_onnx_eval")
+    parser = mod.get_args_parser()
     parser.prog, parser.exit_on_error = "3_onnx_eval.py", False
+    row = ["--model", model, "--onnx", "f.onnx", "--tag", "t"]
     try:
-        _, rest = parser.parse_known_args(["--model", model, "--onnx", "f.onnx", "--tag", "t",
-                                           *extra])
+        ns, rest = parser.parse_known_args(row + extra)
     except argparse.ArgumentError as e:
         raise UsageError(f"--eval-args: 3_onnx_eval.py refuses it: {e} "
                          "(python 3_onnx_eval.py --help)") from e
     if rest:
         raise UsageError(f"--eval-args: 3_onnx_eval.py has no {' '.join(rest)} "
                          "(python 3_onnx_eval.py --help lists its flags)")
+    try:
+        mod.preflight(ns, ahead=True)
+    except UsageError as e:
+        raise UsageError(f"--eval-args: 3_onnx_eval.py refuses it: {e}") from e
+    except StageError as e:
+        raise StageError(f"--eval-args: 3_onnx_eval.py could not run: {e}") from e
 
 
 def _evaluate(model: str, variants: list[str], extra: list[str]) -> list[dict]:

@@ -45,7 +45,7 @@ from deploykit import ship_timing
 from deploykit.io import atomic_path, check_writable, load_json, write_json
 from deploykit.layout import model_results, results_dir
 from deploykit.models import model_spec
-from deploykit.verdict import Budget
+from deploykit.verdict import Budget, verdicts
 from deploykit.report import (
     COLUMNS,
     artifacts_warning,
@@ -148,7 +148,7 @@ def _ship_timing(args, runs: list[dict], budget: Budget, folder: Path) -> None:
             write_json(path, record)
             print("ship timing: " + ", ".join(f"{t} {e['p50_ms']:.3f} ms (row {e['row_p50_ms']:.3f})"
                                               for t, e in record["rows"].items())
-                  + f" -> {path}")
+                  + f"; input: {record['input']} -> {path}")
         else:
             if not failed:
                 print("ship timing: nothing to re-time (fewer than two CPU EP rows to choose "
@@ -161,7 +161,12 @@ def _ship_timing(args, runs: list[dict], budget: Budget, folder: Path) -> None:
         except StageError as e:  # a damaged record ranks nothing: the rows' own p50s do
             print(f"WARNING: {path} ignored ({e}); the verdict ranks the rows by their own p50s",
                   file=sys.stderr)
-    ship_timing.annotate(runs, record)
+    tags = ship_timing.annotate(runs, record)
+    cpu = [v for v in verdicts(runs, budget) if v["group"] == ship_timing.GROUP]
+    if tags and cpu and not cpu[0]["interleaved"]:
+        print(f"ship timing: {path.name} covers {', '.join(tags)} but not every CPU EP row the "
+              "verdict chooses between (a row rerun since, or a file not the one its row "
+              "measured): the verdict ranks them by their own p50s")
 
 
 if __name__ == "__main__":

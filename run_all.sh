@@ -481,7 +481,7 @@ open_log() {
 }
 
 # Run one command of a stage; on failure print its log tail and stop the pipeline. On success
-# print skip reasons and warnings (first 3), then the last $RUN_TAIL lines (default 3).
+# print every skip reason and the first 3 warnings, then the last $RUN_TAIL lines (default 3).
 run() {
   local name="$1" log="$LOG_DIR/$1.log" rc=0 t0 tail_n="${RUN_TAIL:-3}"; shift
   cur_cmd="$(quote_args "$@")"
@@ -502,8 +502,10 @@ run() {
   fi
   stop_ticker
   cur_cmd=""
-  # a long line (a pasteable command in it) is cut visibly, pointing at the log that has it whole
-  log_text "$log" | grep -E '(^|: )(SKIPPED|WARNING)' | head -n 3 \
+  # every skip (a result: something was not made, and why), the first 3 warnings; a long line
+  # (a pasteable command in it) is cut visibly, pointing at the log that has it whole
+  { log_text "$log" | grep -E '(^|: )SKIPPED' || true
+    log_text "$log" | grep -E '(^|: )WARNING' | head -n 3 || true; } \
     | awk -v lf="$log" '{ if (length($0) > 300) print "  " substr($0, 1, 300) " ... (whole line in " lf ")"; else print "  " $0 }' || true
   log_text "$log" | grep -v -E '(^|: )(SKIPPED|WARNING)' | tail -n "$tail_n" | sed 's/^/  /' || true
 }

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from deploykit.timing import interleaved_times
-from deploykit.verdict import INTERLEAVED, deploy_baselines, verdicts
+from deploykit.verdict import INTERLEAVED, INTERLEAVED_INPUT, deploy_baselines, verdicts
 from deploykit.sweep.report import p50_ms
 
 #: Rounds of the interleaved loop (:func:`deploykit.timing.interleaved_times`); each row runs
@@ -153,6 +153,7 @@ def annotate(rows: list[dict], record: dict | None) -> list[str]:
     """
     for r in rows:
         r.pop(INTERLEAVED, None)
+        r.pop(INTERLEAVED_INPUT, None)
     if not isinstance(record, dict) or not isinstance(record.get("rows"), dict):
         return []
     hits = []
@@ -166,4 +167,5 @@ def annotate(rows: list[dict], record: dict | None) -> list[str]:
         return []
     for r in hits:
         r[INTERLEAVED] = float(record["rows"][r["tag"]]["p50_ms"])
+        r[INTERLEAVED_INPUT] = str(record.get("input") or "")
     return [r["tag"] for r in hits]

@@ -27,6 +27,8 @@ GROUP_ORDER = ("CPU EP", "CUDA EP", "TensorRT")
 #: In-memory key of a row's p50 (ms) from the interleaved re-timing of the rows a verdict ranks
 #: (:mod:`deploykit.ship_timing`, ``8_report.py --retime``); never written to a row's JSON.
 INTERLEAVED = "_interleaved_p50_ms"
+#: In-memory key: what that re-timing fed the model (the record's ``input``).
+INTERLEAVED_INPUT = "_interleaved_input"
 
 
 def pair_ms(a: dict, b: dict, interleaved: bool = True) -> tuple[float | None, float | None]:
@@ -147,7 +149,8 @@ def verdicts(rows: list[dict], budget: Budget) -> list[dict]:
         ``baseline`` (:func:`deploy_baselines`, or None), ``reference`` (the PyTorch FP32 row,
         or None), ``judged``: ``[(row, Judgement)]`` of the group in table order,
         ``interleaved``: True when the rows within budget were ranked by their interleaved
-        re-timing (:data:`INTERLEAVED`, every one of them has it), else by their own p50s.
+        re-timing (:data:`INTERLEAVED`: every one of them and the group's baseline have it),
+        else by their own p50s.
     """
     ref = reference_row([r for r in rows if not is_rerun(r)])
     base = deploy_baselines(rows)
@@ -162,8 +165,11 @@ def verdicts(rows: list[dict], budget: Budget) -> list[dict]:
     for g in order:
         judged = [(r, judge_row(r, ref, budget)) for r in groups[g]]
         ok = [r for r, j in judged if j.eligible]
-        # ranked by the interleaved re-timing when it covers every row within budget
-        inter = len(ok) > 1 and all(isinstance(r.get(INTERLEAVED), float) for r in ok)
+        # ranked by the interleaved re-timing when it covers every row within budget and the
+        # group's baseline (speedups divide by it): one footing for every figure of the group
+        b = base.get(g)
+        inter = len(ok) > 1 and all(isinstance(r.get(INTERLEAVED), float)
+                                    for r in ok + ([b] if b is not None else []))
         ship = min(ok, key=lambda r: (r[INTERLEAVED] if inter else p50_ms(r),
                                       _size(r) or 0.0)) if ok else None
         out.append({"group": g, "ship": ship, "baseline": base.get(g), "reference": ref,
@@ -306,8 +312,10 @@ def _interleaved_words(v: dict) -> str:
             if own is v["ship"] else
             f"the rows' own p50s, timed in separate processes, put `{own['tag']}` first: "
             "the host's speed drifted between them")
-    return (f" in an interleaved re-timing in one process on this machine ({figs} p50; "
-            f"`ship_timing.json`); {same}")
+    synthetic = any(str(r.get(INTERLEAVED_INPUT, "")).startswith("seeded random") for r in ok)
+    return (f" in an interleaved re-timing in one process on this machine ({figs} p50"
+            + (", on seeded random inputs (synthetic)" if synthetic else "")
+            + f"; `ship_timing.json`); {same}")
 
 
 def _clip(text: str, n: int) -> str:

@@ -242,3 +242,27 @@ def test_retime_of_a_model_with_its_own_data_times_stage_1s_samples(rows, tmp_pa
                      "y": np.ones((5, 64), np.float32)})
     rec = ship_timing.retime(rows, Budget(), "m", rounds=1, iters=2, warmup=0)
     assert rec["input"] == f"the first samples of {ref}"
+
+
+def test_without_the_baselines_figure_the_group_is_not_ranked_by_the_record(rows):
+    """Second review: every row within budget re-timed but the ORT FP32 baseline not (rerun
+    since, or out of budget): ranking by the record and speedups by the rows' own p50s
+    contradicted each other. Now the group needs the baseline's figure too."""
+    c = _onnx(Path(rows[1]["onnx"]).with_name("c.onnx"), 3)
+    rows.append(_row("ort_fp32_threads1", c, 4.5, size_mb=0.8))
+    rec = _record(rows, {"ort_fp32": 6.0, "ort_fp32_noopt": 3.0, "ort_fp32_threads1": 2.0})
+    rec["rows"]["ort_fp32"]["row_time_utc"] = "2026-12-07T00:00:00Z"  # baseline rerun since
+    assert ship_timing.annotate(rows, rec) == ["ort_fp32_noopt", "ort_fp32_threads1"]
+    (v,) = verdicts(rows, Budget())
+    assert v["interleaved"] is False and v["ship"]["tag"] == "ort_fp32_noopt"  # own: 4.0 ms
+    assert "interleaved p50" not in render_verdicts([v], Budget())
+
+
+def test_the_verdict_says_when_the_re_timing_fed_synthetic_inputs(rows):
+    rec = dict(_record(rows, {"ort_fp32": 7.0, "ort_fp32_noopt": 9.0}),
+               input="seeded random inputs (synthetic)")
+    ship_timing.annotate(rows, rec)
+    md = render_verdicts(verdicts(rows, Budget()), Budget())
+    assert "p50, on seeded random inputs (synthetic)" in md
+    ship_timing.annotate(rows, dict(rec, input="the first eval images"))
+    assert "synthetic" not in render_verdicts(verdicts(rows, Budget()), Budget())

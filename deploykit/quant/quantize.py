@@ -30,7 +30,8 @@ from deploykit.quant.macs import mac_summary
 from deploykit.quant.modelopt import (calibration_ep, ep_fallback_warning, histograms_reused_from,
                                       log_warnings, ort_smoke)
 from deploykit.quant.record import calibration_summary, flag_unquantized, print_check
-from deploykit.results import provenance, rerun_command, source_block
+from deploykit.commands import script_command
+from deploykit.results import provenance, source_block
 from deploykit.variants import get_variant, modelopt_args
 
 
@@ -263,8 +264,14 @@ def quant_record(args: argparse.Namespace, inputs: dict, variant: str, status: s
     # What the installed file was made from: the fp32.onnx copy and the calibration bytes
     # ModelOpt was given (hashed in memory, not re-read from paths another run may rewrite).
     # Stages 3/6/7 find this block by the output's hash (deploykit.results.source_of).
+    # the command that remakes this file alone (the stage's own command line may make other
+    # variants and evaluate them: a stale row's rerun must not redo those)
+    remake = ["--model", args.model, variant] + (
+        ["--calib-inputs", str(Path(args.calib_inputs).absolute())]
+        if getattr(args, "calib_inputs", None) else [])
     rec["source"] = source_block(
-        out if status == "ok" else None, [rerun_command(prov)],
+        out if status == "ok" else None, [script_command("5_quantize.py", remake,
+                                                          args.model)],
         fp32={"path": str(Path(inputs["src"]).absolute()), "sha256": inputs["src_sha256"]},
         calibration={"path": str(Path(inputs["calib"]).absolute()),
                      "sha256": inputs["calib_sha256"]})

@@ -9,6 +9,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shlex
 import stat
 import subprocess
@@ -534,10 +535,13 @@ def test_eval_makes_every_row_in_this_process_after_its_files_and_leaves_out_rep
     assert [x.split(":")[0] for x in last] == ["ort_int8_hp32", "ort_excl_dw", "ort_int4"]
 
 
-def test_int4_is_made_by_5b_and_evaluated_only_when_it_applies(tiny, monkeypatch):
+def test_int4_is_made_by_5b_and_evaluated_only_when_it_applies(tiny, monkeypatch, capsys):
     calls = _fake_scripts(monkeypatch, int4_status="skipped")
     recs = stage5.main(_args("int4", "--eval", "--calib-inputs", str(tiny / "calib.npz")))
     assert recs == [{"variant": "int4", "status": "skipped"}]
+    # its line among the rows' says why there is no row (run_all.sh shows the last lines)
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith(
+        "ort_int4: no row: int4 skipped")
     assert calls == [("5b_quantize_int4", ["--model", "tiny", "--no-eval", "--calib-inputs",
                                            str(tiny / "calib.npz")])]
     calls.clear()
@@ -608,17 +612,30 @@ def test_run_script_makes_a_preprocess_flag_the_environment_while_the_script_run
 
 
 @pytest.mark.parametrize("extra,needle", [
-    ("--tag mine", "--tag is set by --eval for each row"),
-    ("--onnx=x.onnx", "--onnx is set by --eval"),
-    ("-h", "-h is set by --eval"),
+    ("--tag mine", "--tag is (or abbreviates) a flag --eval sets for each row"),
+    ("--onnx=x.onnx", "--onnx is (or abbreviates) a flag --eval sets"),
+    ("-h", "-h is (or abbreviates)"),
+    # argparse takes a unique prefix of a flag (second review): refused alike
+    ("--ta mine --limit 8", "--ta is (or abbreviates)"),
+    ("--onn=x.onnx", "--onn is (or abbreviates)"),
+    ("--mod=a.b:c", "--mod is (or abbreviates)"),
+    ("--he", "--he is (or abbreviates)"),
     ("--limit 8 --bogus", "3_onnx_eval.py has no --bogus"),
     ("--limit eight", "3_onnx_eval.py refuses it"),
+    # the checks 3_onnx_eval.py makes of its flags before reading any file
+    ("--limit 0", "3_onnx_eval.py refuses it: --limit must be"),
+    ("--inputs x.npz", "--inputs is for models with their own data"),
 ])
 def test_eval_args_are_checked_as_3_onnx_eval_flags_before_any_quantization(
         tiny, monkeypatch, extra, needle):
+    import types
+
     fake = FakeModelOpt()
     monkeypatch.setattr(modelopt_runner, "run_modelopt", fake)
-    with pytest.raises(UsageError, match=needle):
+    # "tiny" as an ImageNet classifier (the --inputs case); its name is no registered model
+    monkeypatch.setattr(load_stage("3_onnx_eval"), "model_spec",
+                        lambda m: types.SimpleNamespace(classifier=True))
+    with pytest.raises(UsageError, match=re.escape(needle)):
         stage5.main(_args("int8", "--eval", f"--eval-args={extra}"))
     assert fake.calls == []  # refused in seconds, not after the quantization
 
@@ -628,3 +645,15 @@ def test_eval_args_take_a_single_flag_in_the_equals_form(tiny, monkeypatch):
     calls = _fake_scripts(monkeypatch)
     stage5.main(_args("int8", "--eval", "--eval-args=--full-eval"))
     assert calls[-1][1][-1] == "--full-eval"
+
+
+def test_a_files_record_names_the_command_that_remakes_it_alone(tiny, monkeypatch):
+    """Second review: a stale row's rerun command redid the whole stage (every variant, int4,
+    every row). The record's made_by is now this variant's own command, without --eval."""
+    monkeypatch.setattr(modelopt_runner, "run_modelopt", FakeModelOpt())
+    _fake_scripts(monkeypatch)
+    stage5.main(_args("int8_hp32", "excl_dw", "--eval", "--eval-args=--limit 3"))
+    made = json.loads((Path(os.environ["RESULTS"]) / "tiny" / "quant_excl_dw.json").read_text()
+                      )["source"]["made_by"]
+    assert len(made) == 1 and "5_quantize.py --model tiny excl_dw" in made[0]
+    assert "int8_hp32" not in made[0] and "--eval" not in made[0]
