@@ -57,15 +57,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
-import shlex
-
-from deploykit.cli import HelpFormatter, add_shared_args, cli, run_script
+from deploykit.cli import HelpFormatter, add_shared_args, cli, load_script, run_script
 from deploykit.errors import StageError, UsageError
 from deploykit.evaluate import summary_line
 from deploykit.io import check_writable, remove_leftovers, report_leftovers
@@ -78,12 +77,12 @@ from deploykit.quant.modelopt import MODELOPT_MIN_OPSET
 from deploykit.quant.auto.search import anchored
 from deploykit.quant.nodes import list_depthwise, list_stem
 from deploykit.variants import for_stage, get_variant
-
-#: The INT4 variant: made by 5b_quantize_int4.py (ModelOpt's Python API), which this stage runs
-#: in its own process when the variant is named.
-INT4 = "int4"
 from deploykit.quant.modelopt import calibration_ep
 from deploykit.quant.quantize import quantize_all, default_eps, env_settings
+
+#: The INT4 variant: made by 5b_quantize_int4.py (ModelOpt's Python API), run inside this
+#: stage's process when the variant is named.
+INT4 = "int4"
 
 
 # --------------------------------------------------------------------------------------------
@@ -233,14 +232,15 @@ def main(args: argparse.Namespace) -> list[dict]:
         eval_args = shlex.split(getattr(args, "eval_args", "") or "")
     except ValueError as e:
         raise UsageError(f"--eval-args {args.eval_args!r}: {e}") from e
-    if eval_args and not getattr(args, "eval", False):
+    want_eval = bool(getattr(args, "eval", False))
+    if eval_args and not want_eval:
         raise UsageError("--eval-args is for --eval: add --eval, or drop --eval-args")
     if eval_args:
         _check_eval_args(args.model, eval_args)  # before any quantization: fail in seconds
     made = [v for v in selected if v != INT4]
     records = _quantize(args, made) if made else []
     rows: list[dict] = []
-    if getattr(args, "eval", False):
+    if want_eval:
         left = [v for v in made if get_variant(v).expected_failure]
         if left:
             print(f"Stage 5: not evaluated here: {' '.join(left)} (failure reproductions: "
@@ -251,9 +251,9 @@ def main(args: argparse.Namespace) -> list[dict]:
         rec = run_script("5b_quantize_int4", ["--model", args.model, "--no-eval"] + (
             ["--calib-inputs", str(args.calib_inputs)] if args.calib_inputs else []))
         records.append(rec)
-        if getattr(args, "eval", False) and rec.get("status") == "ok":
+        if want_eval and rec.get("status") == "ok":
             rows += _evaluate(args.model, [INT4], eval_args)
-        elif getattr(args, "eval", False):  # its line among the rows': why there is none
+        elif want_eval:  # its line among the rows': why there is none
             rows.append({"tag": get_variant(INT4).ort_tag, "no_row": (
                 f"no row: int4 {rec.get('status')}: {rec.get('reason') or 'see quant_int4.json'}")})
     for row in rows:  # the stage's last lines: one per row (run_all.sh shows them)
@@ -274,8 +274,6 @@ def _check_eval_args(model: str, extra: list[str]) -> None:
         UsageError / StageError: a per-row flag, an unknown flag, a bad value or an EP this
             onnxruntime lacks, naming 3_onnx_eval.py.
     """
-    import importlib
-
     for a in extra:
         name = a.split("=", 1)[0]
         if a.startswith("-") and any(name == f or (name.startswith("--") and len(name) > 2
@@ -283,7 +281,7 @@ def _check_eval_args(model: str, extra: list[str]) -> None:
             raise UsageError(f"--eval-args: {name} is (or abbreviates) a flag --eval sets for "
                              "each row (--onnx its file, --tag ort_<variant>, --model this "
                              "model) or asks for help: leave it out")
-    mod = importlib.import_module("3_onnx_eval")
+    mod = load_script("3_onnx_eval")
     parser = mod.get_args_parser()
     parser.prog, parser.exit_on_error = "3_onnx_eval.py", False
     row = ["--model", model, "--onnx", "f.onnx", "--tag", "t"]

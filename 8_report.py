@@ -138,7 +138,7 @@ def _ship_timing(args, runs: list[dict], budget: Budget, folder: Path) -> None:
                   f" timed again interleaved, {ship_timing.ROUNDS} rounds x "
                   f"{ship_timing.ITERS} runs each", flush=True)
             try:
-                record = ship_timing.retime(runs, budget, args.model)
+                record = ship_timing.retime(runs, budget, args.model, picked=cands)
             except Exception as e:  # noqa: BLE001 - ORT, a feed, a file: any failure of the
                 # re-timing leaves the verdict on the rows' own p50s (said); the report is written
                 print(f"WARNING: ship timing failed ({e}); the verdict ranks the rows by their "

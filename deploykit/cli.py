@@ -80,13 +80,25 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
         return super()._get_help_string(action)
 
 
+def load_script(name: str):
+    """The root script ``<name>.py`` (e.g. ``3_onnx_eval``) as a module, imported once; its
+    name starts with a digit, so no import statement can name it."""
+    import importlib
+
+    from deploykit.layout import ROOT
+
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    return importlib.import_module(name)
+
+
 def run_script(name: str, argv: Sequence[str]) -> Any:
     """Run the root script ``<name>.py`` in this process, as ``python <name>.py ARGV`` would:
     its own parser reads ``argv`` (its messages name the script), ``sys.argv`` is that command
     line while it runs (the provenance it records names it, so its rerun command is its own),
     and a ``--preprocess`` among ``argv`` is ``$PREPROCESS`` while it runs, as :func:`cli`
-    makes it; both are restored after. Saves the
-    interpreter start and the imports of a separate process (stage 5 evaluates its files so).
+    makes it; both are restored after. Saves the interpreter start and the imports of a
+    separate process (stage 5 evaluates its files so).
 
     Args:
         name: the script's module name, e.g. ``3_onnx_eval``. argv: its arguments.
@@ -97,13 +109,7 @@ def run_script(name: str, argv: Sequence[str]) -> Any:
         caller's :func:`cli` to turn into an exit status; ``SystemExit`` (2) when ``argv`` is
         not a valid command line of the script.
     """
-    import importlib
-
-    from deploykit.layout import ROOT
-
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    mod = importlib.import_module(name)
+    mod = load_script(name)
     saved, saved_pp = sys.argv, os.environ.get(PREPROCESS_ENV)
     sys.argv = [f"{name}.py", *argv]  # before the parser exists: its messages name the script
     try:

@@ -58,10 +58,14 @@ def candidates(rows: list[dict], budget) -> list[dict]:
     return picked if len(picked) >= 2 else []
 
 
+def _recorded_sha(r: dict) -> str | None:
+    """The SHA-256 the row recorded for the file it evaluated."""
+    return ((r.get("measured_against") or {}).get("evaluated") or {}).get("sha256")
+
+
 def _same_file(r: dict) -> bool:
     """The row's file is here and is the one the row measured (its recorded SHA-256)."""
-    path = r.get("onnx")
-    want = ((r.get("measured_against") or {}).get("evaluated") or {}).get("sha256")
+    path, want = r.get("onnx"), _recorded_sha(r)
     if not path or not want or not Path(path).is_file():
         return False
     from deploykit.results import file_sha256
@@ -70,13 +74,13 @@ def _same_file(r: dict) -> bool:
 
 
 def _row_key(r: dict) -> dict:
-    ev = (r.get("measured_against") or {}).get("evaluated") or {}
-    return {"onnx": r.get("onnx"), "sha256": ev.get("sha256"),
+    return {"onnx": r.get("onnx"), "sha256": _recorded_sha(r),
             "row_time_utc": (r.get("provenance") or {}).get("time_utc")}
 
 
 def retime(rows: list[dict], budget, model: str, rounds: int | None = None,
-           iters: int | None = None, warmup: int | None = None) -> dict | None:
+           iters: int | None = None, warmup: int | None = None,
+           picked: list[dict] | None = None) -> dict | None:
     """Re-time :func:`candidates` interleaved on this machine, each file in an ORT CPU session
     made as its row made it (``runtime``: optimisation level, disabled optimizers, session
     config, threads), at the batch its row timed (``latency.batch``, 1 by default) on the
@@ -98,7 +102,7 @@ def retime(rows: list[dict], budget, model: str, rounds: int | None = None,
     from deploykit.models import model_spec
     from deploykit.runners import OrtRunner
 
-    picked = candidates(rows, budget)
+    picked = candidates(rows, budget) if picked is None else picked
     device = device_info()
     if not picked or any((r.get("provenance") or {}).get("device") != device for r in picked):
         return None

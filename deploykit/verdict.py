@@ -172,7 +172,7 @@ def verdicts(rows: list[dict], budget: Budget) -> list[dict]:
                                     for r in ok + ([b] if b is not None else []))
         ship = min(ok, key=lambda r: (r[INTERLEAVED] if inter else p50_ms(r),
                                       _size(r) or 0.0)) if ok else None
-        out.append({"group": g, "ship": ship, "baseline": base.get(g), "reference": ref,
+        out.append({"group": g, "ship": ship, "baseline": b, "reference": ref,
                     "judged": judged, "interleaved": inter})
     return out
 
@@ -207,8 +207,9 @@ def _speed_words(r: dict, base: dict | None, group: str, with_ms: bool = False,
     baseline both have one)."""
     p, s, name = p50_ms(r), _speedup(r, base, inter), baseline_name(group)
     ms = f"p50 {p:.3f} ms, " if with_ms and p is not None else ""
-    if base is not None and s is not None and pair_ms(r, base, inter)[0] != p:
-        ms += f"interleaved p50 {pair_ms(r, base, inter)[0]:.3f} ms, "
+    shown = pair_ms(r, base, inter)[0] if base is not None else p
+    if s is not None and shown != p:
+        ms += f"interleaved p50 {shown:.3f} ms, "
     if s is None:
         return f"{ms}no {name} row on this {group}: speedup n/a"
     if r is base:
@@ -258,7 +259,7 @@ def render_verdicts(vs: list[dict], budget: Budget) -> str:
                          f"{_speed_words(ship, base, g, with_ms=True, inter=inter)}; "
                          f"{_acc_words(ship, ref)}{_size_words(ship, None)}): the fastest of "
                          f"{within} row{'s' * (within != 1)} within budget"
-                         + (_interleaved_words(v) if v.get("interleaved") else "") + ".")
+                         + (_interleaved_words(v) if inter else "") + ".")
         elif measured:
             lines.append(f"- **{g}: no row to ship**: none of its {len(measured)} measured "
                          "rows is within budget (below).")

@@ -261,14 +261,14 @@ def quant_record(args: argparse.Namespace, inputs: dict, variant: str, status: s
                             **prov["input_sha256"]}
     prov["wall_time_s"] = wall_s
     rec["provenance"] = prov
-    # What the installed file was made from: the fp32.onnx copy and the calibration bytes
-    # ModelOpt was given (hashed in memory, not re-read from paths another run may rewrite).
-    # Stages 3/6/7 find this block by the output's hash (deploykit.results.source_of).
-    # the command that remakes this file alone (the stage's own command line may make other
-    # variants and evaluate them: a stale row's rerun must not redo those)
+    # The command that remakes this file alone (the stage's own command line may make other
+    # variants and evaluate them: a stale row's rerun must not redo those).
     remake = ["--model", args.model, variant] + (
         ["--calib-inputs", str(Path(args.calib_inputs).absolute())]
         if getattr(args, "calib_inputs", None) else [])
+    # What the installed file was made from: the fp32.onnx copy and the calibration bytes
+    # ModelOpt was given (hashed in memory, not re-read from paths another run may rewrite).
+    # Stages 3/6/7 find this block by the output's hash (deploykit.results.source_of).
     rec["source"] = source_block(
         out if status == "ok" else None, [script_command("5_quantize.py", remake,
                                                           args.model)],
