@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+from deploykit.alloc import keep_freed_memory
 from deploykit.errors import StageError, UsageError
 from deploykit.io import disk_full_error
 from deploykit.layout import artifacts_dir, results_dir
@@ -28,7 +29,12 @@ def cli(get_args_parser: Callable[[], Any], main: Callable[[Any], Any]) -> None:
     the arrays; an ``OSError`` of a full disk, quota or file-size limit exits 1 naming the file
     and the free space (:func:`deploykit.io.disk_full_error`); other exceptions propagate
     (traceback, 1).
+
+    Before any of it, glibc's allocator is set to keep freed memory for reuse in this process
+    and the processes it starts (:func:`deploykit.alloc.keep_freed_memory`;
+    ``DEPLOYKIT_MALLOC=default`` leaves it as it is).
     """
+    keep_freed_memory()
     parser = get_args_parser()
     args = parser.parse_args()
     if getattr(args, "preprocess", None):

@@ -35,6 +35,19 @@ SAMPLE = sorted(DEFAULT_DATA.glob("*.JPEG"))
 torch = pytest.importorskip("torch")
 
 
+@pytest.fixture(autouse=True)
+def _allocator_env_restored():
+    """A stage's ``main`` run in this process through ``deploykit.cli.cli`` puts the allocator
+    policy into ``os.environ`` for its children (``deploykit.alloc``): undone after each test,
+    so that no later test's environment depends on the order tests ran in."""
+    before = os.environ.get("GLIBC_TUNABLES")
+    yield
+    if before is None:
+        os.environ.pop("GLIBC_TUNABLES", None)
+    else:
+        os.environ["GLIBC_TUNABLES"] = before
+
+
 @pytest.fixture(scope="session")
 def stage_env(tmp_path_factory) -> dict:
     """Environment with private ARTIFACTS/RESULTS in which stage 0 has run on the embedded data
