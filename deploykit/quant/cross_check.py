@@ -42,9 +42,10 @@ FIRST_LOOK_Z = 4.0
 
 #: Looks after the first one: the first look's size doubled this many times at most, before
 #: the rest of the split. A faithful backend still flips a few borderline images (EfficientNet-
-#: Lite0 ``int8_hp32`` on ORT's CPU EP: 7 of 900, 4 of the first 512, 2 right only in each run
-#: there), and agreement within 2 points clears :data:`FIRST_LOOK_Z` standard errors only after
-#: some hundred images: the doublings decide such a file before the whole split.
+#: Lite0 ``int8_hp32`` on ORT's CPU EP, 2026-12-06: 1 of the first 128, 5 of 512, 7 of 900; at
+#: 512, 2 images right only in each run), and agreement within 2 points clears
+#: :data:`FIRST_LOOK_Z` standard errors only after some hundred images: the doublings decide
+#: such a file before the whole split (at 512 there).
 CROSS_CHECK_DOUBLINGS = 2
 
 
