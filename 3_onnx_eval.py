@@ -125,8 +125,8 @@ def get_args_parser() -> argparse.ArgumentParser:
                         "collapsed file")
     p.add_argument("--cross-check-images", type=int, default=-1,
                    help="images for the Q/DQ backend cross-check (-1: adaptive: the first 128, "
-                        "then, while they differ and no look decides the verdict beyond doubt, "
-                        "256, 512 and the whole split; N: exactly N; 0 disables it)")
+                        "and the whole split only when they differ and do not decide the "
+                        "verdict beyond doubt; N: exactly N; 0 disables it)")
     p.add_argument("--cross-check-tol", type=float, default=2.0,
                    help="top-1 difference (points) that counts as a backend disagreement")
     p.add_argument("--layerwise", action="store_true",

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from deploykit.alloc import policy as alloc_policy
 from deploykit.commands import from_record, rerun_record
 from deploykit.envinfo import device_info, git_sha, versions
 from deploykit.io import sha256_file, write_json
@@ -50,7 +51,8 @@ def provenance(args: Any, inputs: Sequence[Path | str] = (), started: float | No
                torch_device: str | None = None) -> dict:
     """Everything needed to reproduce a result: args, command line, versions, device, git SHA,
     UTC time, SHA-256 of input files (:func:`file_sha256`, cached), the ARTIFACTS root
-    (``artifacts_root``, absolute) and the stage's wall time (s)."""
+    (``artifacts_root``, absolute), the stage's wall time (s) and the C allocator's policy
+    (``allocator``, :func:`deploykit.alloc.policy`: it changes timings)."""
     hashes = {}
     for p in inputs:
         p = Path(p)
@@ -67,6 +69,7 @@ def provenance(args: Any, inputs: Sequence[Path | str] = (), started: float | No
         "input_sha256": hashes,
         "artifacts_root": artifacts_root(),
         "wall_time_s": round(time.time() - started, 3) if started else None,
+        "allocator": alloc_policy(),
     }
 
 

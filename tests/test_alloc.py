@@ -98,3 +98,48 @@ def test_every_stage_entry_point_applies_it(monkeypatch, capsys):
         lambda args: seen.append(os.environ.get("GLIBC_TUNABLES")))
     expected = keep_freed_memory({})  # False off glibc
     assert (seen[0] is not None and "glibc.malloc.mmap_max=0" in seen[0]) is expected
+
+
+@glibc
+def test_opt_out_values_release_and_the_recorded_policy():
+    """Every documented opt-out value leaves glibc's defaults; a process that applied the policy
+    can hand its free heap back (malloc_trim) before a heavy child, and its rows record it."""
+    for v in ("default", "off", "0", "NO", "false"):
+        env = {OPT_OUT_ENV: v}
+        assert not keep_freed_memory(env) and "GLIBC_TUNABLES" not in env
+    code = textwrap.dedent("""
+        import sys
+        from deploykit import alloc
+        before = (alloc.release_freed_memory(), alloc.policy())
+        applied = alloc.keep_freed_memory()
+        print(before, applied, alloc.release_freed_memory(), alloc.policy())
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", OPT_OUT_ENV)}
+    out = subprocess.run([sys.executable, "-c", code], env=dict(env, PYTHONPATH=str(ROOT)),
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert out == ("(False, 'C library default') True True "
+                   "keep freed memory (deploykit.alloc)"), out
+
+
+@glibc
+def test_a_waiting_parent_hands_its_free_memory_back():
+    """With the policy, 200 MB freed stay resident until release_freed_memory() returns them."""
+    code = textwrap.dedent("""
+        import ctypes, ctypes.util, os
+        from deploykit import alloc
+        assert alloc.keep_freed_memory()
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, (ctypes.c_size_t,)
+        libc.free.argtypes = (ctypes.c_void_p,)
+        def rss_mb():
+            return (int(open("/proc/self/statm").read().split()[1])
+                    * os.sysconf("SC_PAGE_SIZE") / 2**20)
+        p = libc.malloc(200 << 20); ctypes.memset(p, 1, 200 << 20); libc.free(p)
+        kept = rss_mb()
+        alloc.release_freed_memory()
+        print(round(kept - rss_mb()))
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", OPT_OUT_ENV)}
+    out = subprocess.run([sys.executable, "-c", code], env=dict(env, PYTHONPATH=str(ROOT)),
+                         capture_output=True, text=True, check=True).stdout
+    assert int(out) > 150, out  # MB handed back

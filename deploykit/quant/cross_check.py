@@ -33,35 +33,11 @@ CROSS_CHECK_PEEK = 32
 CROSS_CHECK_MIN_COSINE = BACKEND_TOLERANCE["min_cosine"]
 
 
-#: Standard errors by which a look must clear the tolerance to be taken as final
+#: Standard errors by which a first look must clear the tolerance to be taken as final
 #: (:func:`first_look_verdict`); 4 puts the chance of a wrong early verdict below 3.2e-5 per
-#: look (one-sided normal tail), below 1.3e-4 over the at most four looks of a classifier
-#: (:data:`CROSS_CHECK_PEEK`, :data:`CROSS_CHECK_FIRST` and its doublings, :func:`look_sizes`;
-#: union bound).
+#: look (one-sided normal tail), below 1e-4 over the two looks (:data:`CROSS_CHECK_PEEK`, then
+#: :data:`CROSS_CHECK_FIRST`).
 FIRST_LOOK_Z = 4.0
-
-#: Looks after the first one: the first look's size doubled this many times at most, before
-#: the rest of the split. A faithful backend still flips a few borderline images (EfficientNet-
-#: Lite0 ``int8_hp32`` on ORT's CPU EP, 2026-12-06: 1 of the first 128, 5 of 512, 7 of 900; at
-#: 512, 2 images right only in each run), and agreement within 2 points clears
-#: :data:`FIRST_LOOK_Z` standard errors only after some hundred images: the doublings decide
-#: such a file before the whole split (at 512 there).
-CROSS_CHECK_DOUBLINGS = 2
-
-
-def look_sizes(first: int, total: int, doublings: int = CROSS_CHECK_DOUBLINGS) -> list[int]:
-    """The classifier cross-check's looks after the first: ``first`` doubled up to
-    ``doublings`` times while under ``total``, then ``total``.
-
-    Example: ``look_sizes(128, 900) == [256, 512, 900]``; ``look_sizes(128, 200) == [200]``.
-    """
-    sizes, k = [], first
-    for _ in range(doublings):
-        k *= 2
-        if k >= total:
-            break
-        sizes.append(k)
-    return sizes + [total] if total > first else sizes
 
 
 def first_look_verdict(main_right: np.ndarray, ref_right: np.ndarray, tol_points: float,
@@ -107,17 +83,15 @@ def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarr
     into integer kernels): a result that changes here is the backend's, not the quantization's.
     ``n`` samples; ``n < 0`` is adaptive: the first :data:`CROSS_CHECK_PEEK` for a classifier
     (a disagreement beyond doubt there, a collapse, is final), then the first
-    :data:`CROSS_CHECK_FIRST`, extended when any of them differs between the two runs (top-1, or
-    an output cosine below :data:`CROSS_CHECK_MIN_COSINE`) unless that look already decides:
-    for classifiers :func:`first_look_verdict` (the top-1 difference clears the tolerance by
-    :data:`FIRST_LOOK_Z` standard errors), judged again at each of :func:`look_sizes` (the
-    first look doubled, then all); for other models an output whose cosine is already below
-    ``min_cosine`` (more samples can only lower the minimum), else all samples.
-    ``decided_on_first_look`` says whether a look before the whole split decided, ``looks`` the
-    sizes judged; ``n >= 0`` measures exactly that many samples (the exact figure). A backend
-    effect comes from the weights and scales (an overflowing int32 bias, a fused kernel), not
-    from one input, so it shows on the first samples, and every flagged disagreement is
-    measured until a look decides it. When the two
+    :data:`CROSS_CHECK_FIRST`, extended to all
+    when any of them differs between the two runs (top-1, or an output cosine below
+    :data:`CROSS_CHECK_MIN_COSINE`) unless the first look already decides: for classifiers
+    :func:`first_look_verdict` (the top-1 difference clears the tolerance by
+    :data:`FIRST_LOOK_Z` standard errors), for other models an output whose cosine is already
+    below ``min_cosine`` (more samples can only lower the minimum). ``decided_on_first_look``
+    says which; ``n >= 0`` measures exactly that many samples (the exact figure). A backend effect comes from the weights and scales (an
+    overflowing int32 bias, a fused kernel), not from one input, so it shows on the first
+    samples, and every flagged disagreement is then measured on all of them. When the two
     disagree on an x86-64 CPU without VNNI, the optimised graph is run once more with
     :data:`X64_QUANT_PRECISION` to tell u8s8 kernel saturation from a graph optimiser effect
     (``cause``).
@@ -158,8 +132,8 @@ def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarr
 
     print(f"backend cross-check: {Path(onnx_path).name} with ORT graph optimisations disabled "
           + (f"on the first {first} of {total} samples (fewer when {CROSS_CHECK_PEEK} already "
-             "disagree beyond doubt; when they differ and do not decide, more looks up to all "
-             "of them)" if adaptive else f"on {first} of {total} samples"), file=sys.stderr, flush=True)
+             "disagree beyond doubt, all of them only when they differ and do not decide)"
+             if adaptive else f"on {first} of {total} samples"), file=sys.stderr, flush=True)
     peek = None
     if adaptive and data.classifier and 2 * CROSS_CHECK_PEEK <= first:
         # a collapse shows on a few dozen images: decided there, beyond doubt, or look on
@@ -184,43 +158,27 @@ def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarr
         k0 = next(iter(head))
         differs = differs or bool((ref[k0].argmax(1) != head[k0].argmax(1)).any())
     early = None
-    looks = ([CROSS_CHECK_PEEK] if peek is not None else []) + [first]
     if adaptive and differs and first < total:
         if data.classifier:
             k0 = next(iter(head))
-
-            def verdict(m: int) -> bool | None:
-                y = data.y[:m]
-                return first_look_verdict(outputs[k0][:m].argmax(1) == y,
-                                          ref[k0].argmax(1) == y, tol_points)
-
-            early = verdict(first)
-            for m in look_sizes(first, total) if early is None else ():
-                more = run(len(ref[k0]), m, opt_level="disable")
-                ref = {k: np.concatenate([v, more[k]]) for k, v in ref.items()}
-                looks.append(m)
-                early = verdict(m) if m < total else None
-                if early is not None:
-                    break
+            y = data.y[:first]
+            early = first_look_verdict(head[k0].argmax(1) == y, ref[k0].argmax(1) == y,
+                                       tol_points)
         else:
             _, w0 = compare(ref, head)
             early = True if w0 is not None and w0[1]["cosine_min"] < min_cosine else None
-            if early is None:
-                more = run(first, total, opt_level="disable")
-                ref = {k: np.concatenate([v, more[k]]) for k, v in ref.items()}
-                looks.append(total)
+    if adaptive and differs and first < total and early is None:
+        more = run(first, total, opt_level="disable")
+        ref = {k: np.concatenate([v, more[k]]) for k, v in ref.items()}
     k = len(next(iter(ref.values())))
     main = {name: v[:k] for name, v in outputs.items()}
     pars, worst = compare(ref, main)
     rec: dict = {"n": int(k), "adaptive": adaptive, "opt_level": "disable", "outputs": pars,
                  "cause": None, "cpu_vnni": cpu_has_vnni(),
-                 "decided_on_first_look": early is not None, "n_total": int(total),
-                 "looks": looks if adaptive else [k]}
+                 "decided_on_first_look": early is not None, "n_total": int(total)}
     first_out = next(iter(main))
-    seen = (f"{k} of {total} images, decided on "
-            + ("the first look" if k <= first else "a later look")
-            + f"; --cross-check-images {total} for the exact figure" if early is not None
-            else f"{k} images")
+    seen = (f"{k} of {total} images, decided on the first look (--cross-check-images {total} "
+            "for the exact figure)" if early is not None else f"{k} images")
     if data.classifier:
         t_main = topk_accuracy(main[first_out], data.y[:k], (1,))["top1"]
         t_ref = topk_accuracy(ref[first_out], data.y[:k], (1,))["top1"]

@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from deploykit.alloc import release_freed_memory
 from deploykit.layout import ROOT
 from deploykit.quant.modelopt import FP16_MARK
 
@@ -207,6 +208,7 @@ def run_modelopt(onnx_path: Path | str, output_path: Path | str, flags: Sequence
     try:
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it 0600: the log gets the usual mode
         start = time.monotonic()
+        release_freed_memory()  # the child calibrates in GBs: this process waits, smaller
         with os.fdopen(fd, "w") as f:
             # subprocess.run kills the child if this process is interrupted while waiting.
             p = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, cwd=cwd or ROOT,

@@ -7,7 +7,7 @@ import pytest
 
 from deploykit.evaluate import EvalData, run_outputs
 from deploykit.quant.cross_check import (CROSS_CHECK_FIRST, CROSS_CHECK_PEEK, backend_cross_check,
-                                         first_look_verdict, look_sizes)
+                                         first_look_verdict)
 from deploykit.runners import OrtRunner
 
 from tests.helpers.auto_models import _save
@@ -82,73 +82,3 @@ def test_first_look_verdict_decides_only_beyond_doubt():
     some[:6] = False  # 4.7 points, se 1.9: 4.7 - 7.5 < 2 < 4.7 + 7.5
     assert first_look_verdict(some, right, 2.0) is None
     assert first_look_verdict(np.zeros(0, bool), np.zeros(0, bool), 2.0) is None
-
-def test_look_sizes_double_the_first_look_then_take_the_rest():
-    """Looks after the first: 128 doubled at most twice while under the split, then all of it."""
-    assert look_sizes(128, 900) == [256, 512, 900]
-    assert look_sizes(128, 300) == [256, 300]
-    assert look_sizes(128, 200) == [200]
-    assert look_sizes(128, 128) == []
-    assert look_sizes(128, 5000, doublings=0) == [5000]
-
-
-def _scripted_cross_check(monkeypatch, wrong_main: np.ndarray, wrong_ref: np.ndarray):
-    """backend_cross_check of a 900-image classifier whose optimised run is wrong on the
-    images ``wrong_main`` and whose unoptimised run (scripted: no ORT) on ``wrong_ref``;
-    returns the record and the [lo, hi) ranges the unoptimised run was asked for."""
-    import deploykit.quant.cross_check as cc
-
-    n = 900
-    y = np.arange(n) % 2
-    def logits(wrong):
-        out = np.zeros((n, 2), np.float32)
-        pred = np.where(np.isin(np.arange(n), wrong), 1 - y, y)
-        out[np.arange(n), pred] = 1.0
-        return out
-
-    ref_all, asked = logits(wrong_ref), []
-
-    class _Runner:
-        def __init__(self, *a, **k):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *a):
-            return False
-
-    def fake_run_outputs(runner, data, batch, progress=None):
-        lo = int(data.files[0])
-        asked.append((lo, lo + len(data)))
-        return {"logits": ref_all[lo:lo + len(data)]}
-
-    monkeypatch.setattr(cc, "OrtRunner", _Runner)
-    monkeypatch.setattr(cc, "run_outputs", fake_run_outputs)
-    data = EvalData(x_u8=np.zeros((n, 3, 2, 2), np.uint8), y=y, files=[str(i) for i in range(n)],
-                    mean=(0.5,) * 3, std=(0.5,) * 3, input_name="x")
-    rec = backend_cross_check("unused.onnx", data, {"logits": logits(wrong_main)}, batch=64)
-    return rec, asked
-
-
-def test_cross_check_decides_agreement_at_a_later_look(monkeypatch):
-    """Two images right only in each run among the first 512 (one flip in the first 128: not
-    decidable there): agreement within 2 points is beyond doubt at 512, where the unoptimised
-    run stops; each look runs only its new images."""
-    rec, asked = _scripted_cross_check(monkeypatch, np.array([5, 300]),
-                                       np.array([200, 400, 700, 800]))
-    assert rec["looks"] == [CROSS_CHECK_PEEK, CROSS_CHECK_FIRST, 256, 512]
-    assert rec["n"] == 512 and rec["decided_on_first_look"] and not rec["disagreement"]
-    assert asked == [(0, 32), (32, 128), (128, 256), (256, 512)]
-    assert "512 of 900 images, decided on a later look; --cross-check-images 900" in rec["reason"]
-
-
-def test_cross_check_runs_the_whole_split_while_no_look_decides(monkeypatch):
-    """Discordant images that keep the difference near the tolerance: every look stays
-    inconclusive and the whole split is measured (the exact figure, no early verdict)."""
-    rec, asked = _scripted_cross_check(monkeypatch, np.arange(0, 900, 40),
-                                       np.array([1]))
-    assert rec["looks"] == [CROSS_CHECK_PEEK, CROSS_CHECK_FIRST, 256, 512, 900]
-    assert rec["n"] == 900 and not rec["decided_on_first_look"]
-    assert asked[-1] == (512, 900)
-    assert "(900 images)" in rec["reason"]
