@@ -34,9 +34,10 @@ sample once. ``--full-eval`` measures all of them.
 Backend cross-check (Q/DQ models): ONNX Runtime is not a neutral judge of Q/DQ graphs: some of its
 graph optimisations (e.g. ``WeightBiasQuantization``) change the numerics of a Q/DQ model. For a
 Q/DQ file this stage therefore also runs images with all graph optimisations disabled (plain
-DequantizeLinear + float ops, the graph's reference semantics): by default the first 128, and the
-whole split as soon as any of them differs; and flags a backend disagreement when top-1 differs
-by more than ``--cross-check-tol`` points. A "collapse" that disappears there is an ORT optimiser
+DequantizeLinear + float ops, the graph's reference semantics): by default a seeded random 32,
+then 128 images (the row's own first-look sample), stopping there only when a disagreement is
+already beyond doubt (exact bounds), else every image; and flags a backend disagreement when
+top-1 differs by more than ``--cross-check-tol`` points. A "collapse" that disappears there is an ORT optimiser
 effect, not a quantization failure. A model that is not a classifier gets the same cross-check
 on every output (cosine; ``deploykit.quant.cross_check.backend_cross_check``). When the backend disagrees (and
 with ``--layerwise``) the stage also writes the per-layer table that separates quantization error
@@ -124,9 +125,9 @@ def get_args_parser() -> argparse.ArgumentParser:
                         "sequential: Hoeffding bound, alpha 1e-4); the exact figure of a "
                         "collapsed file")
     p.add_argument("--cross-check-images", type=int, default=-1,
-                   help="images for the Q/DQ backend cross-check (-1: adaptive: the first 128, "
-                        "and the whole split only when they differ and do not decide the "
-                        "verdict beyond doubt; N: exactly N; 0 disables it)")
+                   help="images for the Q/DQ backend cross-check (-1: adaptive: a seeded "
+                        "random 32 then 128, final only on a disagreement beyond doubt, else "
+                        "every image; N: a seeded random N; 0 disables it)")
     p.add_argument("--cross-check-tol", type=float, default=2.0,
                    help="top-1 difference (points) that counts as a backend disagreement")
     p.add_argument("--layerwise", action="store_true",

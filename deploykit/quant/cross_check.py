@@ -3,14 +3,17 @@ unoptimised (and the u8s8 saturation cause on CPUs without VNNI).
 """
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
+
 import numpy as np
 
-from deploykit.compare import BACKEND_TOLERANCE, cosine_rows, parity, topk_accuracy
+from deploykit.compare import BACKEND_TOLERANCE, parity, topk_accuracy
 from deploykit.envinfo import cpu_has_vnni
 from deploykit.evaluate import run_outputs
 from deploykit.runners import OrtRunner
+from deploykit.sequential import ALPHA, FIRST_LOOK, FIRST_LOOK_SEED, FIRST_PEEK, look_schedule
 
 
 # --------------------------------------------------------------------------------------------
@@ -21,55 +24,163 @@ from deploykit.runners import OrtRunner
 X64_QUANT_PRECISION = {"session.x64quantprecision": "1"}
 
 
-CROSS_CHECK_FIRST = 128  # samples of the adaptive cross-check's first look
+CROSS_CHECK_FIRST = FIRST_LOOK  # samples of the adaptive cross-check's first look
 
-#: Samples of an earlier look inside the first one: a classifier whose two runs already
-#: disagree there beyond doubt (:func:`first_look_verdict`, a collapse) needs no more. Only a
-#: disagreement is decided on it; agreement still needs the first look's samples.
-CROSS_CHECK_PEEK = 32
+#: Samples of an earlier look inside the first one (a random part of it): a classifier whose two
+#: runs already disagree there beyond doubt (:func:`disagreement_beyond_doubt`, a collapse)
+#: needs no more.
+CROSS_CHECK_PEEK = FIRST_PEEK
 
+
+#: Samples of the last look, which can also prove agreement (a classifier, when so few of them
+#: flip that the whole split cannot differ by more than the tolerance: with none flipping, 2
+#: points at the looks' chance need some 350 of 900 images; :func:`agreement_beyond_doubt`).
+CROSS_CHECK_AGREE_LOOK = 512
+
+#: Chance, at most, of a wrong verdict decided on a look, over all the looks (each look gets an
+#: equal share; Bonferroni) - the bound the rows' first look keeps (deploykit.sequential.ALPHA).
+CROSS_CHECK_ALPHA = ALPHA
 
 #: per-sample output cosine under which two runs of one graph "differ"
 CROSS_CHECK_MIN_COSINE = BACKEND_TOLERANCE["min_cosine"]
 
 
-#: Standard errors by which a first look must clear the tolerance to be taken as final
-#: (:func:`first_look_verdict`); 4 puts the chance of a wrong early verdict below 3.2e-5 per
-#: look (one-sided normal tail), below 1e-4 over the two looks (:data:`CROSS_CHECK_PEEK`, then
-#: :data:`CROSS_CHECK_FIRST`).
-FIRST_LOOK_Z = 4.0
+def _log_choose(n: int, k: int) -> float:
+    return math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
 
 
-def first_look_verdict(main_right: np.ndarray, ref_right: np.ndarray, tol_points: float,
-                       z: float = FIRST_LOOK_Z) -> bool | None:
-    """Decide a classifier's backend disagreement on the first samples, when that is beyond doubt.
-
-    The two runs see the same images, so their top-1 difference is a paired difference: with
-    ``b`` images right only in the main run and ``c`` right only in the unoptimised one, the
-    difference is ``d = (b - c) / n`` and its standard error
-    ``se = sqrt(b + c - (b - c)**2 / n) / n`` (the variance of a mean of per-image differences in
-    {-1, 0, 1}; McNemar's test uses the same discordant counts). The verdict is final when
-    ``|d|`` clears the tolerance by ``z`` standard errors either way.
+def hypergeom_tail(x: int, n_total: int, marked: int, k: int, upper: bool) -> float:
+    """``P(X >= x)`` (``upper``) or ``P(X <= x)`` for ``X`` the marked samples among ``k`` drawn
+    without replacement from ``n_total`` of which ``marked`` are marked (the hypergeometric
+    distribution), summed exactly in log space.
 
     Args:
-        main_right, ref_right: bool ``[n]``, top-1 correct per image in each run.
-        tol_points: tolerance in top-1 points. z: standard errors of margin.
+        x: observed count. n_total, marked, k: population, marked in it, drawn (ints >= 0,
+            ``marked, k <= n_total``).
     Returns:
-        True (disagreement beyond doubt), False (agreement beyond doubt) or None (inconclusive:
-        measure the whole split).
+        the probability, in [0, 1].
+    """
+    lo, hi = max(0, k - (n_total - marked)), min(k, marked)
+    js = range(max(x, lo), hi + 1) if upper else range(lo, min(x, hi) + 1)
+    den = _log_choose(n_total, k)
+    return min(1.0, sum(math.exp(_log_choose(marked, j) + _log_choose(n_total - marked, k - j)
+                                 - den) for j in js))
+
+
+def marked_bounds(x: int, k: int, n_total: int, alpha: float) -> tuple[int, int]:
+    """Exact one-sided confidence bounds on how many of ``n_total`` samples are marked, from
+    ``x`` marked among a uniformly random ``k`` of them drawn without replacement: the smallest
+    count ``lo`` whose chance to show ``x`` or more exceeds ``alpha``, and the largest ``hi``
+    whose chance to show ``x`` or fewer does (the hypergeometric analogue of Clopper-Pearson's
+    bounds; C. J. Clopper and E. S. Pearson, Biometrika 26, 1934). Each bound is wrong with
+    probability at most ``alpha``.
+
+    Args:
+        x: marked samples seen (``0 <= x <= k``). k: samples drawn. n_total: samples in all.
+        alpha: in (0, 1).
+    Returns:
+        ``(lo, hi)`` counts in ``[x, n_total - (k - x)]``.
+    Raises:
+        ValueError: counts out of range or ``alpha`` outside (0, 1).
+    """
+    if not (0 <= x <= k <= n_total) or not 0 < alpha < 1:
+        raise ValueError(f"marked_bounds: need 0 <= x={x} <= k={k} <= n_total={n_total} and "
+                         f"alpha={alpha} in (0, 1)")
+    # P(X >= x | m) grows with m and P(X <= x | m) falls with m: bisect each.
+    a, b = x, n_total - (k - x)  # lo: the smallest m with P(X >= x | m) > alpha
+    while a < b:
+        m = (a + b) // 2
+        if hypergeom_tail(x, n_total, m, k, upper=True) > alpha:
+            b = m
+        else:
+            a = m + 1
+    lo = a
+    a, b = x, n_total - (k - x)  # hi: the largest m with P(X <= x | m) > alpha
+    while a < b:
+        m = (a + b + 1) // 2
+        if hypergeom_tail(x, n_total, m, k, upper=False) > alpha:
+            a = m
+        else:
+            b = m - 1
+    return lo, a
+
+
+def disagreement_beyond_doubt(main_right: np.ndarray, ref_right: np.ndarray, tol_points: float,
+                              n_total: int, alpha: float = CROSS_CHECK_ALPHA / 3) -> bool:
+    """Whether a classifier's two runs, seen on a uniformly random sample of ``n`` of the split's
+    ``n_total`` images, differ in top-1 by more than ``tol_points`` on the whole split beyond
+    doubt.
+
+    On the whole split the top-1 difference is ``(B - C) / n_total``, ``B`` the images right only
+    in the main run, ``C`` those right only in the unoptimised one. From the ``b`` and ``c`` seen
+    in the sample, :func:`marked_bounds` gives exact bounds on ``B`` and ``C`` at ``alpha / 4``
+    each; the verdict is disagreement when ``B_lo - C_hi`` or ``C_lo - B_hi`` exceeds the
+    tolerance, so a wrong verdict needs one of four bounds wrong (chance at most ``alpha``,
+    Bonferroni).
+
+    Args:
+        main_right, ref_right: bool ``[n]``, top-1 correct per sampled image in each run.
+        tol_points: tolerance in top-1 points. n_total: images in the split (``>= n``).
+        alpha: chance of a wrong verdict (default: a third of :data:`CROSS_CHECK_ALPHA`, one
+            look's share).
+    Returns:
+        True when the disagreement is beyond doubt, else False (measure every image).
     """
     n = len(main_right)
     if n == 0:
-        return None
+        return False
     b = int((main_right & ~ref_right).sum())
     c = int((ref_right & ~main_right).sum())
-    d = 100.0 * abs(b - c) / n
-    se = 100.0 * np.sqrt(max(b + c - (b - c) ** 2 / n, 0.0)) / n
-    if d - z * se > tol_points:
-        return True
-    if d + z * se < tol_points and b + c < n:  # b + c = n: every image flipped, not agreement
+    b_lo, b_hi = marked_bounds(b, n, n_total, alpha / 4)
+    c_lo, c_hi = marked_bounds(c, n, n_total, alpha / 4)
+    return 100.0 * max(b_lo - c_hi, c_lo - b_hi) / n_total > tol_points
+
+
+def agreement_beyond_doubt(main_right: np.ndarray, ref_right: np.ndarray, tol_points: float,
+                           n_total: int, alpha: float = CROSS_CHECK_ALPHA / 3) -> bool:
+    """Whether a classifier's two runs, seen on a uniformly random sample of ``n`` of the split's
+    ``n_total`` images, agree within ``tol_points`` of top-1 on the whole split beyond doubt.
+
+    The whole split's difference ``|B - C| / n_total`` is at most ``D / n_total``, ``D = B + C``
+    the images whose top-1 correctness differs between the runs; :func:`marked_bounds` bounds
+    ``D`` from above, exactly, from the ``b + c`` seen. Agreement when that bound is within the
+    tolerance (wrong with chance at most ``alpha``).
+
+    Args:
+        main_right, ref_right: bool ``[n]``, top-1 correct per sampled image in each run.
+        tol_points: tolerance in top-1 points. n_total: images in the split (``>= n``).
+        alpha: chance of a wrong verdict.
+    Returns:
+        True when the agreement is beyond doubt, else False (look at more images).
+    """
+    n = len(main_right)
+    if n == 0:
         return False
-    return None
+    _, d_hi = marked_bounds(int((main_right != ref_right).sum()), n, n_total, alpha)
+    return 100.0 * d_hi / n_total <= tol_points
+
+
+def cross_check_looks(n_total: int) -> list[np.ndarray]:
+    """The nested looks of the adaptive cross-check, each a uniformly random sample of the
+    split containing the one before, as sorted int64 indices: the rows' first look
+    (:func:`deploykit.sequential.look_schedule`, :data:`CROSS_CHECK_PEEK` then
+    :data:`CROSS_CHECK_FIRST` images, when the split is over twice that) and then
+    :data:`CROSS_CHECK_AGREE_LOOK` images (the first look plus a seeded draw from the rest) when
+    the split is larger.
+
+    Args:
+        n_total: samples in the split.
+    Returns:
+        0 to 3 index arrays, each a superset of the one before.
+    """
+    looks = look_schedule(n_total, CROSS_CHECK_FIRST)
+    if CROSS_CHECK_AGREE_LOOK < n_total:
+        base = looks[-1] if looks else np.zeros(0, np.int64)
+        rest = np.setdiff1d(np.arange(n_total, dtype=np.int64), base)
+        extra = np.random.default_rng(FIRST_LOOK_SEED + 1).choice(
+            rest, size=CROSS_CHECK_AGREE_LOOK - len(base), replace=False)
+        looks.append(np.sort(np.concatenate([base, extra])).astype(np.int64))
+    return looks
 
 
 def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarray], *,
@@ -81,45 +192,51 @@ def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarr
 
     ONNX Runtime is not a neutral judge of Q/DQ graphs (``WeightBiasQuantization``, QDQ fusions
     into integer kernels): a result that changes here is the backend's, not the quantization's.
-    ``n`` samples; ``n < 0`` is adaptive: the first :data:`CROSS_CHECK_PEEK` for a classifier
-    (a disagreement beyond doubt there, a collapse, is final), then the first
-    :data:`CROSS_CHECK_FIRST`, extended to all
-    when any of them differs between the two runs (top-1, or an output cosine below
-    :data:`CROSS_CHECK_MIN_COSINE`) unless the first look already decides: for classifiers
-    :func:`first_look_verdict` (the top-1 difference clears the tolerance by
-    :data:`FIRST_LOOK_Z` standard errors), for other models an output whose cosine is already
-    below ``min_cosine`` (more samples can only lower the minimum). ``decided_on_first_look``
-    says which; ``n >= 0`` measures exactly that many samples (the exact figure). A backend effect comes from the weights and scales (an
-    overflowing int32 bias, a fused kernel), not from one input, so it shows on the first
-    samples, and every flagged disagreement is then measured on all of them. When the two
-    disagree on an x86-64 CPU without VNNI, the optimised graph is run once more with
-    :data:`X64_QUANT_PRECISION` to tell u8s8 kernel saturation from a graph optimiser effect
-    (``cause``).
+
+    ``n < 0`` is adaptive: nested seeded random looks (:func:`cross_check_looks`: 32, 128 and
+    512 samples; the split is ordered by class, so its first images are no sample of it), then
+    every sample. A look ends the check when it decides beyond doubt: for classifiers
+    :func:`disagreement_beyond_doubt` or :func:`agreement_beyond_doubt` (exact bounds; the
+    chance of any wrong early verdict is below :data:`CROSS_CHECK_ALPHA` over all looks), for
+    other models only a disagreement, an output whose cosine is already below ``min_cosine``
+    (more samples can only lower a minimum). ``decided_on_first_look`` says whether a look
+    decided, ``decided`` what ("disagreement", "agreement" or None).
+    ``n >= 0`` measures exactly ``n`` samples (a seeded random sample when ``n`` is below the
+    split's size). When the two disagree on an x86-64 CPU without VNNI, the optimised graph is
+    run once more with :data:`X64_QUANT_PRECISION` to tell u8s8 kernel saturation from a graph
+    optimiser effect (``cause``).
 
     Args:
         data: ``deploykit.evaluate.EvalData`` of the main run (classifier images with labels, or a feed).
         outputs: ``{output name: array [N, ...]}`` of the main run (same order of samples).
+        n: samples to measure (``< 0``: adaptive, see above).
         batch: samples per run (the model's static batch, if any, wins: deploykit.evaluate.run_outputs).
         tol_points: classifiers: top-1 difference (points) that counts as a disagreement.
         min_cosine: other models: an output whose cosine (min over samples) falls below this
             counts as a disagreement.
         opt_level, session_config: how the main run was made (for the saturation leg).
     Returns:
-        ``{"n", "adaptive", "opt_level": "disable", "outputs": {name: parity}, "disagreement",
-        "reason", "cause", "cpu_vnni"}`` plus ``top1_main``/``top1_unoptimized``/
-        ``top1_agreement``/``tolerance_points`` (and ``top1_x64quantprecision`` on
-        ``n_x64quantprecision`` first samples after the saturation leg) for classifiers.
+        ``{"n", "n_total", "adaptive", "sample", "decided_on_first_look", "decided", "opt_level":
+        "disable", "outputs": {name: parity}, "disagreement", "reason", "cause", "cpu_vnni"}``
+        plus ``top1_main``/``top1_unoptimized``/``top1_agreement``/``tolerance_points`` (and
+        ``top1_x64quantprecision`` on ``n_x64quantprecision`` samples after the saturation leg)
+        for classifiers. ``sample`` is ``"all"``, or ``{"seed", "n"}`` of the seeded random
+        sample the figures are on.
     Raises:
         StageError: ORT cannot load or run the model unoptimised.
     """
-
     total = len(data)
     adaptive = n < 0
-    first = min(CROSS_CHECK_FIRST, total) if adaptive else min(n, total)
+    looks = cross_check_looks(total) if adaptive else []
+    if not adaptive and n < total:
+        looks = [np.sort(np.random.default_rng(FIRST_LOOK_SEED).choice(  # first_look_indices'
+            total, size=n, replace=False)).astype(np.int64)]  # draw, at any n
+    k0 = next(iter(outputs))
+    y = data.y if data.classifier else None
 
-    def run(lo: int, hi: int, **kw) -> dict[str, np.ndarray]:
+    def run(idx: np.ndarray, **kw) -> dict[str, np.ndarray]:
         with OrtRunner(onnx_path, "cpu", **kw) as r:
-            return run_outputs(r, data.subset(lo, hi), batch, progress="cross-check")
+            return run_outputs(r, data.take(idx), batch, progress="cross-check")
 
     def compare(ref: dict, main: dict) -> tuple[dict, tuple | None]:
         pars, worst = {}, None
@@ -130,62 +247,64 @@ def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarr
                     worst = (name, pars[name])
         return pars, worst
 
-    print(f"backend cross-check: {Path(onnx_path).name} with ORT graph optimisations disabled "
-          + (f"on the first {first} of {total} samples (fewer when {CROSS_CHECK_PEEK} already "
-             "disagree beyond doubt, all of them only when they differ and do not decide)"
-             if adaptive else f"on {first} of {total} samples"), file=sys.stderr, flush=True)
-    peek = None
-    if adaptive and data.classifier and 2 * CROSS_CHECK_PEEK <= first:
-        # a collapse shows on a few dozen images: decided there, beyond doubt, or look on
-        k0 = next(iter(outputs))
-        p_ref = run(0, CROSS_CHECK_PEEK, opt_level="disable")
-        y = data.y[:CROSS_CHECK_PEEK]
-        if first_look_verdict(outputs[k0][:CROSS_CHECK_PEEK].argmax(1) == y,
-                              p_ref[k0].argmax(1) == y, tol_points) is True:
-            first = CROSS_CHECK_PEEK
-        peek = p_ref
-    head = {k: v[:first] for k, v in outputs.items()}
-    if peek is not None and first == CROSS_CHECK_PEEK:
-        ref = peek
-    elif peek is not None:  # the peek's samples are not run twice
-        rest = run(CROSS_CHECK_PEEK, first, opt_level="disable")
-        ref = {k: np.concatenate([v, rest[k]]) for k, v in peek.items()}
-    else:
-        ref = run(0, first, opt_level="disable")
-    differs = any(cosine_rows(ref[k], head[k]).min() < CROSS_CHECK_MIN_COSINE
-                  for k in head if k in ref and ref[k].shape == head[k].shape)
-    if data.classifier:
-        k0 = next(iter(head))
-        differs = differs or bool((ref[k0].argmax(1) != head[k0].argmax(1)).any())
-    early = None
-    if adaptive and differs and first < total:
+    def decide(idx: np.ndarray, ref: dict) -> str | None:
+        a = CROSS_CHECK_ALPHA / max(len(looks), 1)
         if data.classifier:
-            k0 = next(iter(head))
-            y = data.y[:first]
-            early = first_look_verdict(head[k0].argmax(1) == y, ref[k0].argmax(1) == y,
-                                       tol_points)
-        else:
-            _, w0 = compare(ref, head)
-            early = True if w0 is not None and w0[1]["cosine_min"] < min_cosine else None
-    if adaptive and differs and first < total and early is None:
-        more = run(first, total, opt_level="disable")
-        ref = {k: np.concatenate([v, more[k]]) for k, v in ref.items()}
-    k = len(next(iter(ref.values())))
-    main = {name: v[:k] for name, v in outputs.items()}
+            mr, rr = outputs[k0][idx].argmax(1) == y[idx], ref[k0].argmax(1) == y[idx]
+            return ("disagreement" if disagreement_beyond_doubt(mr, rr, tol_points, total, a)
+                    else "agreement" if agreement_beyond_doubt(mr, rr, tol_points, total, a)
+                    else None)
+        _, w = compare(ref, {name: v[idx] for name, v in outputs.items()})
+        return "disagreement" if w is not None and w[1]["cosine_min"] < min_cosine else None
+
+    print(f"backend cross-check: {Path(onnx_path).name} with ORT graph optimisations disabled "
+          + (f"on a seeded random {' then '.join(str(len(i)) for i in looks)} of {total} "
+             "samples, then all of them unless a look decides beyond doubt"
+             if adaptive and looks else
+             f"on a seeded random {n} of {total} samples" if looks else
+             f"on all {total} samples"), file=sys.stderr, flush=True)
+    idx, ref, decided = np.zeros(0, np.int64), {}, None
+    for want in looks if adaptive else []:  # nested looks: each adds the samples it lacks
+        new = np.setdiff1d(want, idx)
+        more = run(new, opt_level="disable")
+        idx = np.concatenate([idx, new])
+        ref = {k: np.concatenate([ref[k], v]) if k in ref else v for k, v in more.items()}
+        order = np.argsort(idx, kind="stable")
+        idx, ref = idx[order], {k: v[order] for k, v in ref.items()}
+        decided = decide(idx, ref)
+        if decided:
+            break
+    early = decided is not None
+    if not early:
+        want = looks[0] if looks and not adaptive else np.arange(total, dtype=np.int64)
+        new = np.setdiff1d(want, idx)
+        if len(new):
+            more = run(new, opt_level="disable")
+            idx = np.concatenate([idx, new])
+            ref = {k: np.concatenate([ref[k], v]) if k in ref else v for k, v in more.items()}
+            order = np.argsort(idx, kind="stable")
+            idx, ref = idx[order], {k: v[order] for k, v in ref.items()}
+    k = len(idx)
+    main = {name: v[idx] for name, v in outputs.items()}
     pars, worst = compare(ref, main)
+    sample = "all" if k == total else {"seed": FIRST_LOOK_SEED, "n": int(k)}
     rec: dict = {"n": int(k), "adaptive": adaptive, "opt_level": "disable", "outputs": pars,
-                 "cause": None, "cpu_vnni": cpu_has_vnni(),
-                 "decided_on_first_look": early is not None, "n_total": int(total)}
-    first_out = next(iter(main))
-    seen = (f"{k} of {total} images, decided on the first look (--cross-check-images {total} "
-            "for the exact figure)" if early is not None else f"{k} images")
+                 "cause": None, "cpu_vnni": cpu_has_vnni(), "decided_on_first_look": early,
+                 "decided": decided,
+                 "n_total": int(total), "sample": sample}
+    seen = (f"{k} of {total} images, a seeded random sample" if k < total
+            else f"{k} images")
+    if early:
+        seen += (f", {'a disagreement' if decided == 'disagreement' else 'agreement'} beyond "
+                 f"doubt there (exact bounds, alpha {CROSS_CHECK_ALPHA:g} over the looks); "
+                 f"--cross-check-images {total} for the exact figure")
     if data.classifier:
-        t_main = topk_accuracy(main[first_out], data.y[:k], (1,))["top1"]
-        t_ref = topk_accuracy(ref[first_out], data.y[:k], (1,))["top1"]
+        t_main = topk_accuracy(main[k0], y[idx], (1,))["top1"]
+        t_ref = topk_accuracy(ref[k0], y[idx], (1,))["top1"]
         rec.update(top1_main=t_main, top1_unoptimized=t_ref, tolerance_points=tol_points,
-                   top1_agreement=float(100.0 * (ref[first_out].argmax(1)
-                                                 == main[first_out].argmax(1)).mean()),
-                   disagreement=bool(abs(t_main - t_ref) > tol_points))
+                   top1_agreement=float(100.0 * (ref[k0].argmax(1) == main[k0].argmax(1)).mean()),
+                   disagreement=(decided == "disagreement" if early
+                                 else bool(abs(t_main - t_ref) > tol_points)))
         rec["reason"] = (f"top-1 {t_main:.1f}% at opt level {opt_level} vs {t_ref:.1f}% with ORT "
                          f"graph optimisations disabled ({seen})")
     else:
@@ -198,17 +317,18 @@ def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarr
     if rec["disagreement"] and cpu_has_vnni() is False and not session_config:
         # The cause needs no more samples than the first look: the saturating and the u8u8
         # kernels run the same weights on every input.
-        kc = min(k, first)
-        fixed = run(0, kc, opt_level=opt_level, session_config=X64_QUANT_PRECISION)
-        ref_c = {name: v[:kc] for name, v in ref.items()}
+        pick = np.isin(idx, looks[-1]) if looks and k > len(looks[-1]) else np.ones(k, bool)
+        sub = idx[pick]
+        fixed = run(sub, opt_level=opt_level, session_config=X64_QUANT_PRECISION)
+        ref_c = {name: v[pick] for name, v in ref.items()}
+        kc = len(sub)
         if data.classifier:
-            t_fix = topk_accuracy(fixed[first_out], data.y[:kc], (1,))["top1"]
-            t_ref = topk_accuracy(ref_c[first_out], data.y[:kc], (1,))["top1"]
+            t_fix = topk_accuracy(fixed[k0], y[sub], (1,))["top1"]
+            t_ref = topk_accuracy(ref_c[k0], y[sub], (1,))["top1"]
             rec["top1_x64quantprecision"] = t_fix
             rec["n_x64quantprecision"] = kc
             agrees = abs(t_fix - t_ref) <= tol_points
-            how = (f"top-1 is {t_fix:.1f}% vs {t_ref:.1f}% unoptimised on the first {kc} "
-                   "images")
+            how = f"top-1 is {t_fix:.1f}% vs {t_ref:.1f}% unoptimised on {kc} of the {k} images"
         else:
             _, w2 = compare(ref_c, fixed)
             agrees = w2 is not None and w2[1]["cosine_min"] >= min_cosine

@@ -6,8 +6,11 @@ import numpy as np
 import pytest
 
 from deploykit.evaluate import EvalData, run_outputs
-from deploykit.quant.cross_check import (CROSS_CHECK_FIRST, CROSS_CHECK_PEEK, backend_cross_check,
-                                         first_look_verdict)
+import deploykit.quant.cross_check as cross_check
+from deploykit.quant.cross_check import (CROSS_CHECK_AGREE_LOOK, CROSS_CHECK_PEEK,
+                                         agreement_beyond_doubt, backend_cross_check,
+                                         cross_check_looks, disagreement_beyond_doubt,
+                                         marked_bounds)
 from deploykit.runners import OrtRunner
 
 from tests.helpers.auto_models import _save
@@ -40,45 +43,180 @@ def _qdq_classifier(w_scale, path):
 
 
 @pytest.mark.parametrize("broken", [True, False])
-def test_adaptive_cross_check_escalates_exactly_when_the_backend_differs(broken, tmp_path):
-    """Classifier cross-check (stage 3's): a backend disagreement (WeightBiasQuantization on a
-    tiny weight channel under a large bias) is seen on the first 32 samples, beyond doubt
-    there (no rerun of the rest), and measured on all 200 when asked for exactly 200; a model
-    the backend runs faithfully stops after 128 (agreement is never decided on 32)."""
+def test_adaptive_cross_check_stops_on_a_verdict_beyond_doubt(broken, tmp_path):
+    """Classifier cross-check (stage 3's) on ORT: a backend disagreement (WeightBiasQuantization
+    on a tiny weight channel under a large bias) is beyond doubt on a random 32 of 600 samples
+    (no rerun of the rest); a model the backend runs faithfully agrees beyond doubt only on the
+    512-sample look (0 flips of 512: at most 1.8 % of 600 can flip); ``n=200`` measures a seeded
+    random 200."""
     q = _qdq_classifier([1e-12, 0.01] if broken else [0.01, 0.01], tmp_path / "q.onnx")
     rng = np.random.default_rng(1)
-    x = rng.integers(0, 256, (200, 3, 4, 4), dtype=np.uint8)
-    data = EvalData(x_u8=x, y=np.zeros(200, np.int64), files=[str(i) for i in range(200)],
-                             mean=(0.5,) * 3, std=(0.5,) * 3, input_name="x")
+    x = rng.integers(0, 256, (600, 3, 4, 4), dtype=np.uint8)
+    data = EvalData(x_u8=x, y=np.zeros(600, np.int64), files=[str(i) for i in range(600)],
+                    mean=(0.5,) * 3, std=(0.5,) * 3, input_name="x")
     with OrtRunner(q, opt_level="disable") as r:  # labels: the graph's own answer
         data.y = run_outputs(r, data, 64)["logits"].argmax(1)
     with OrtRunner(q) as r:
         main = run_outputs(r, data, 64)
     cc = backend_cross_check(q, data, main, batch=64)
     assert cc["adaptive"] and cc["disagreement"] is broken
-    assert cc["n"] == (CROSS_CHECK_PEEK if broken else CROSS_CHECK_FIRST)
-    assert cc["decided_on_first_look"] is broken
+    assert cc["n"] == (CROSS_CHECK_PEEK if broken else CROSS_CHECK_AGREE_LOOK)
+    assert cc["decided_on_first_look"] and cc["sample"] == {"seed": 0, "n": cc["n"]}
+    assert cc["decided"] == ("disagreement" if broken else "agreement")
     if broken:
         assert cc["top1_unoptimized"] == 100.0 and cc["top1_main"] < 90
-        assert "32 of 200 images, decided on the first look" in cc["reason"]
+        assert "32 of 600 images, a seeded random sample, a disagreement beyond doubt" in cc["reason"]
         exact = backend_cross_check(q, data, main, n=200, batch=64)
         assert exact["n"] == 200 and not exact["adaptive"] and exact["disagreement"]
-        assert "(200 images)" in exact["reason"]
+        assert exact["sample"] == {"seed": 0, "n": 200} and not exact["decided_on_first_look"]
+        assert "(200 of 600 images, a seeded random sample)" in exact["reason"]
+    else:
+        assert cc["top1_agreement"] == 100.0
+        assert "512 of 600 images, a seeded random sample, agreement beyond doubt" in cc["reason"]
 
 
-def test_first_look_verdict_decides_only_beyond_doubt():
-    """The paired top-1 difference must clear the tolerance by 4 standard errors."""
-    n = 128
-    right = np.ones(n, bool)
-    collapsed = np.zeros(n, bool)
-    assert first_look_verdict(collapsed, right, 2.0) is True  # 100 points apart, se 0
-    # same answers (the runs differ only in cosine): agreement, no rerun needed
-    assert first_look_verdict(right, right, 2.0) is False
-    one_flip = right.copy()
-    one_flip[0] = False
-    assert first_look_verdict(one_flip, right, 2.0) is None  # 0.8 + 4 * 0.8 > 2: rerun
-    assert first_look_verdict(one_flip, right, 5.0) is False  # within 5 points beyond doubt
-    some = right.copy()
-    some[:6] = False  # 4.7 points, se 1.9: 4.7 - 7.5 < 2 < 4.7 + 7.5
-    assert first_look_verdict(some, right, 2.0) is None
-    assert first_look_verdict(np.zeros(0, bool), np.zeros(0, bool), 2.0) is None
+def _fake_backend(monkeypatch, unoptimized: np.ndarray, x64: np.ndarray | None = None
+                  ) -> list[int]:
+    """Make the cross-check's unoptimised runs return rows of ``unoptimized`` [N, C] (looked up
+    by the samples' file names, their indices), and its runs with a session config rows of
+    ``x64``; returns the list that counts the samples run unoptimised."""
+    ran: list[int] = []
+
+    class _Runner:
+        def __init__(self, *a, **kw):
+            self.kw = kw
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    def fake_run_outputs(runner, sub, batch, progress=None):
+        idx = [int(f) for f in sub.files]
+        if runner.kw.get("session_config"):
+            return {"logits": x64[idx]}
+        ran.extend(idx)
+        return {"logits": unoptimized[idx]}
+
+    monkeypatch.setattr(cross_check, "OrtRunner", _Runner)
+    monkeypatch.setattr(cross_check, "run_outputs", fake_run_outputs)
+    return ran
+
+
+def _sorted_split(n: int = 900, classes: int = 10):
+    """A split ordered by class, as the sample's eval split is: labels [n], one-hot logits."""
+    y = np.repeat(np.arange(classes), n // classes)
+    return y, np.eye(classes, dtype=np.float32)[y] * 5
+
+
+def test_a_fault_on_later_classes_is_not_missed(monkeypatch):
+    """A backend fault on the last third of a split sorted by class (66.7 % against 100 % on
+    all of it) must be a disagreement: the first 128 images of the split agree exactly, so a
+    look at them would pass it; the seeded random looks do not."""
+    y, right = _sorted_split()
+    main = right.copy()
+    main[600:] = np.roll(main[600:], 1, axis=1)  # the optimised run wrong on classes 6..9
+    ran = _fake_backend(monkeypatch, right)
+    data = EvalData(x_u8=np.zeros((900, 3, 2, 2), np.uint8), y=y,
+                    files=[str(i) for i in range(900)], mean=(0.5,) * 3, std=(0.5,) * 3,
+                    input_name="x")
+    cc = backend_cross_check("fake.onnx", data, {"logits": main})
+    assert cc["disagreement"] and cc["decided_on_first_look"]
+    assert cc["n"] in (32, 128) and len(ran) == cc["n"] and max(ran) >= 600
+    assert cc["top1_unoptimized"] == 100.0 and cc["top1_main"] < 90
+
+
+def test_a_small_difference_is_measured_on_every_image(monkeypatch):
+    """Five flipped images of 900 (0.6 points, within the 2-point tolerance): no look proves a
+    disagreement, and the flips the 512-sample look holds leave room for more than 2 points on
+    the whole split, so all 900 run once each, and the verdict is agreement."""
+    y, right = _sorted_split()
+    main = right.copy()
+    main[[5, 200, 410, 620, 890]] = np.roll(main[[5, 200, 410, 620, 890]], 1, axis=1)
+    ran = _fake_backend(monkeypatch, right)
+    data = EvalData(x_u8=np.zeros((900, 3, 2, 2), np.uint8), y=y,
+                    files=[str(i) for i in range(900)], mean=(0.5,) * 3, std=(0.5,) * 3,
+                    input_name="x")
+    cc = backend_cross_check("fake.onnx", data, {"logits": main})
+    assert not cc["disagreement"] and not cc["decided_on_first_look"]
+    assert cc["n"] == 900 and sorted(ran) == list(range(900)) and cc["sample"] == "all"
+    assert cc["top1_agreement"] == pytest.approx(100 * 895 / 900)
+
+
+def test_marked_bounds_match_scipy():
+    """The exact hypergeometric bounds equal the ones read off scipy's distribution."""
+    stats = pytest.importorskip("scipy.stats")
+    for x, k, n_total in [(0, 128, 900), (4, 128, 900), (27, 32, 900), (32, 32, 50),
+                          (10, 128, 5000)]:
+        for alpha in (1.25e-5, 0.05):
+            m = np.arange(n_total + 1)
+            lo = m[stats.hypergeom.sf(x - 1, n_total, m, k) > alpha].min()
+            hi = m[stats.hypergeom.cdf(x, n_total, m, k) > alpha].max()
+            assert marked_bounds(x, k, n_total, alpha) == (lo, hi)
+    with pytest.raises(ValueError):
+        marked_bounds(5, 4, 900, 0.05)
+
+
+def test_disagreement_beyond_doubt_never_decides_agreement():
+    """A collapse on 32 of 900 is beyond doubt; one or a few flips are not; identical answers
+    are no proof of agreement either (the rule only ever proves a disagreement)."""
+    right = np.ones(32, bool)
+    collapsed = right.copy()
+    collapsed[:27] = False
+    assert disagreement_beyond_doubt(collapsed, right, 2.0, 900)
+    assert disagreement_beyond_doubt(right, collapsed, 2.0, 900)  # either direction
+    assert not disagreement_beyond_doubt(right, right, 2.0, 900)
+    r128 = np.ones(128, bool)
+    some = r128.copy()
+    some[:6] = False  # 4.7 points on 128 images: not beyond doubt at 1e-4
+    assert not disagreement_beyond_doubt(some, r128, 2.0, 900)
+    many = r128.copy()
+    many[:40] = False  # 31 points
+    assert disagreement_beyond_doubt(many, r128, 2.0, 900)
+    assert not disagreement_beyond_doubt(np.zeros(0, bool), np.zeros(0, bool), 2.0, 900)
+
+
+def test_agreement_needs_a_large_enough_look():
+    """No flip among 128 of 900 images is no proof of agreement within 2 points (up to some 9 %
+    may flip); none among 512 is; a few flips among 512 are not."""
+    r = np.ones(512, bool)
+    assert not agreement_beyond_doubt(r[:128], r[:128], 2.0, 900)
+    assert agreement_beyond_doubt(r, r, 2.0, 900)
+    some = r.copy()
+    some[:4] = False
+    assert not agreement_beyond_doubt(some, r, 2.0, 900)
+    assert agreement_beyond_doubt(some, r, 5.0, 900)  # a wider tolerance
+
+
+def test_cross_check_looks_are_nested_random_samples():
+    """32 within 128 within 512 for a 900-image split, not its first images; a split of 300
+    keeps the 32/128 looks only; one of 200 has none (every image at once)."""
+    looks = cross_check_looks(900)
+    assert [len(x) for x in looks] == [32, 128, 512]
+    for a, b in zip(looks, looks[1:]):
+        assert set(a) <= set(b)
+    assert looks[1].max() > 600 and len(set(looks[2])) == 512
+    assert [len(x) for x in cross_check_looks(300)] == [32, 128]
+    assert cross_check_looks(200) == []
+
+
+@pytest.mark.parametrize("saturates", [True, False])
+def test_saturation_leg_names_u8s8_only_when_u8u8_kernels_agree(saturates, monkeypatch):
+    """On a CPU without VNNI a disagreement gets one more run with
+    session.x64quantprecision=1 on the last look's images: u8s8 saturation is named as the
+    cause only when that run agrees with the unoptimised graph."""
+    y, right = _sorted_split()
+    main = np.roll(right, 1, axis=1)  # the optimised run wrong everywhere
+    _fake_backend(monkeypatch, right, x64=right if saturates else main)
+    monkeypatch.setattr(cross_check, "cpu_has_vnni", lambda: False)
+    data = EvalData(x_u8=np.zeros((900, 3, 2, 2), np.uint8), y=y,
+                    files=[str(i) for i in range(900)], mean=(0.5,) * 3, std=(0.5,) * 3,
+                    input_name="x")
+    cc = backend_cross_check("fake.onnx", data, {"logits": main})
+    assert cc["disagreement"] and cc["n"] == CROSS_CHECK_PEEK and cc["cpu_vnni"] is False
+    assert cc["n_x64quantprecision"] == CROSS_CHECK_PEEK
+    assert cc["top1_x64quantprecision"] == (100.0 if saturates else 0.0)
+    assert (cc["cause"] is not None) is saturates
+    exact = backend_cross_check("fake.onnx", data, {"logits": main}, n=900)
+    assert exact["n"] == 900 and exact["n_x64quantprecision"] == 900
