@@ -32,10 +32,16 @@ CROSS_CHECK_FIRST = FIRST_LOOK  # samples of the adaptive cross-check's first lo
 CROSS_CHECK_PEEK = FIRST_PEEK
 
 
-#: Samples of the last look, which can also prove agreement (a classifier, when so few of them
-#: flip that the whole split cannot differ by more than the tolerance: with none flipping, 2
-#: points at the looks' chance need some 350 of 900 images; :func:`agreement_beyond_doubt`).
+#: Samples of the first look after the rows' first look; each further look is
+#: :data:`CROSS_CHECK_GROWTH` times larger, while it is smaller than the split. These are the
+#: looks that can prove agreement (a classifier, when so few images flip that the whole split
+#: cannot differ by more than the tolerance: with none flipping, 2 points need some 350 of 900
+#: images; :func:`agreement_beyond_doubt`).
 CROSS_CHECK_AGREE_LOOK = 512
+
+#: Growth of the looks after :data:`CROSS_CHECK_AGREE_LOOK` (a 50,000-image split: 512, 2048,
+#: 8192, 32768).
+CROSS_CHECK_GROWTH = 4
 
 #: Chance, at most, of a wrong verdict decided on a look, over all the looks (each look gets an
 #: equal share; Bonferroni) - the bound the rows' first look keeps (deploykit.sequential.ALPHA).
@@ -164,22 +170,25 @@ def cross_check_looks(n_total: int) -> list[np.ndarray]:
     """The nested looks of the adaptive cross-check, each a uniformly random sample of the
     split containing the one before, as sorted int64 indices: the rows' first look
     (:func:`deploykit.sequential.look_schedule`, :data:`CROSS_CHECK_PEEK` then
-    :data:`CROSS_CHECK_FIRST` images, when the split is over twice that) and then
-    :data:`CROSS_CHECK_AGREE_LOOK` images (the first look plus a seeded draw from the rest) when
-    the split is larger.
+    :data:`CROSS_CHECK_FIRST` images, when the split is over twice that), then
+    :data:`CROSS_CHECK_AGREE_LOOK` images and :data:`CROSS_CHECK_GROWTH` times more at each
+    further look, while a look is smaller than the split (each the look before plus a seeded
+    draw from the rest).
 
     Args:
         n_total: samples in the split.
     Returns:
-        0 to 3 index arrays, each a superset of the one before.
+        index arrays, each a superset of the one before (none for a split of 256 or fewer).
     """
     looks = look_schedule(n_total, CROSS_CHECK_FIRST)
-    if CROSS_CHECK_AGREE_LOOK < n_total:
+    size, step = CROSS_CHECK_AGREE_LOOK, 1
+    while size < n_total:
         base = looks[-1] if looks else np.zeros(0, np.int64)
         rest = np.setdiff1d(np.arange(n_total, dtype=np.int64), base)
-        extra = np.random.default_rng(FIRST_LOOK_SEED + 1).choice(
-            rest, size=CROSS_CHECK_AGREE_LOOK - len(base), replace=False)
+        extra = np.random.default_rng(FIRST_LOOK_SEED + step).choice(
+            rest, size=size - len(base), replace=False)
         looks.append(np.sort(np.concatenate([base, extra])).astype(np.int64))
+        size, step = size * CROSS_CHECK_GROWTH, step + 1
     return looks
 
 
@@ -193,9 +202,9 @@ def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarr
     ONNX Runtime is not a neutral judge of Q/DQ graphs (``WeightBiasQuantization``, QDQ fusions
     into integer kernels): a result that changes here is the backend's, not the quantization's.
 
-    ``n < 0`` is adaptive: nested seeded random looks (:func:`cross_check_looks`: 32, 128 and
-    512 samples; the split is ordered by class, so its first images are no sample of it), then
-    every sample. A look ends the check when it decides beyond doubt: for classifiers
+    ``n < 0`` is adaptive: nested seeded random looks (:func:`cross_check_looks`: 32, 128, 512
+    samples, then 4 times more per look on a larger split; the split is ordered by class, so its
+    first images are no sample of it), then every sample. A look ends the check when it decides beyond doubt: for classifiers
     :func:`disagreement_beyond_doubt` or :func:`agreement_beyond_doubt` (exact bounds; the
     chance of any wrong early verdict is below :data:`CROSS_CHECK_ALPHA` over all looks), for
     other models only a disagreement, an output whose cosine is already below ``min_cosine``

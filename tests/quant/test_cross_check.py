@@ -191,7 +191,8 @@ def test_agreement_needs_a_large_enough_look():
 
 def test_cross_check_looks_are_nested_random_samples():
     """32 within 128 within 512 for a 900-image split, not its first images; a split of 300
-    keeps the 32/128 looks only; one of 200 has none (every image at once)."""
+    keeps the 32/128 looks only; one of 200 has none (every image at once); a 50,000-image
+    split grows them 4 times per look."""
     looks = cross_check_looks(900)
     assert [len(x) for x in looks] == [32, 128, 512]
     for a, b in zip(looks, looks[1:]):
@@ -199,6 +200,9 @@ def test_cross_check_looks_are_nested_random_samples():
     assert looks[1].max() > 600 and len(set(looks[2])) == 512
     assert [len(x) for x in cross_check_looks(300)] == [32, 128]
     assert cross_check_looks(200) == []
+    big = cross_check_looks(50_000)  # 4 times larger per look while under the split
+    assert [len(x) for x in big] == [32, 128, 512, 2048, 8192, 32768]
+    assert all(set(a) <= set(b) for a, b in zip(big, big[1:]))
 
 
 @pytest.mark.parametrize("saturates", [True, False])
