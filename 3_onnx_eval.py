@@ -35,9 +35,11 @@ Backend cross-check (Q/DQ models): ONNX Runtime is not a neutral judge of Q/DQ g
 graph optimisations (e.g. ``WeightBiasQuantization``) change the numerics of a Q/DQ model. For a
 Q/DQ file this stage therefore also runs images with all graph optimisations disabled (plain
 DequantizeLinear + float ops, the graph's reference semantics): by default a seeded random 32,
-then 128 images (the row's own first-look sample), stopping there only when a disagreement is
-already beyond doubt (exact bounds), else every image; and flags a backend disagreement when
-top-1 differs by more than ``--cross-check-tol`` points. A "collapse" that disappears there is an ORT optimiser
+128, then 512 images (4 times more per look on larger splits), stopping at a look only when a
+disagreement or an agreement is beyond doubt there (exact bounds), else every image; and flags a
+backend disagreement when top-1 differs by more than ``--cross-check-tol`` points. A row decided
+on its first look is cross-checked on those samples, and the verdict is one beyond doubt about
+the whole split or none (``disagreement`` null). A "collapse" that disappears there is an ORT optimiser
 effect, not a quantization failure. A model that is not a classifier gets the same cross-check
 on every output (cosine; ``deploykit.quant.cross_check.backend_cross_check``). When the backend disagrees (and
 with ``--layerwise``) the stage also writes the per-layer table that separates quantization error
@@ -125,9 +127,10 @@ def get_args_parser() -> argparse.ArgumentParser:
                         "sequential: Hoeffding bound, alpha 1e-4); the exact figure of a "
                         "collapsed file")
     p.add_argument("--cross-check-images", type=int, default=-1,
-                   help="images for the Q/DQ backend cross-check (-1: adaptive: a seeded "
-                        "random 32 then 128, final only on a disagreement beyond doubt, else "
-                        "every image; N: a seeded random N; 0 disables it)")
+                   help="images for the Q/DQ backend cross-check (-1: adaptive: seeded "
+                        "random looks of 32, 128, 512 (x4 on larger splits), final only on a "
+                        "verdict beyond doubt, else every image; N: a seeded random N; 0 "
+                        "disables it)")
     p.add_argument("--cross-check-tol", type=float, default=2.0,
                    help="top-1 difference (points) that counts as a backend disagreement")
     p.add_argument("--layerwise", action="store_true",
@@ -157,6 +160,12 @@ def preflight(args: argparse.Namespace, ahead: bool = False) -> None:
     """
     check_positive(args, "limit", "batch_size", "latency_batch", "iters")
     check_positive(args, "warmup", "threads", allow_zero=("warmup", "threads"))
+    if args.cross_check_images < -1:
+        raise UsageError(f"--cross-check-images {args.cross_check_images}: give -1 (adaptive), "
+                         "0 (off) or a number of images")
+    if not 0 <= args.cross_check_tol < 100:
+        raise UsageError(f"--cross-check-tol {args.cross_check_tol}: give top-1 points in "
+                         "[0, 100), e.g. 2")
     if not ahead:
         return
     import onnxruntime as ort
@@ -269,6 +278,7 @@ def main(args: argparse.Namespace) -> dict:
             if isinstance(e, StageError):
                 raise
             raise StageError(f"onnxruntime failed to run {onnx_path}: {msg}") from e
+    n_split = len(data)
     data = evaluated_data(data, rec)  # a row decided on its first look: those samples
     path = model_results(args.model) / f"{args.tag}.json"
     mismatch = weights_mismatch(args.model, ref_path)
@@ -288,7 +298,8 @@ def main(args: argparse.Namespace) -> dict:
         config = X64_PRECISION if args.x64_quant_precision else None
         cc = diagnose(rec, "backend_cross_check", lambda: backend_cross_check(
             onnx_path, data, outputs, n=args.cross_check_images, batch=args.batch_size,
-            tol_points=args.cross_check_tol, opt_level=args.opt_level, session_config=config))
+            tol_points=args.cross_check_tol, opt_level=args.opt_level, session_config=config,
+            population=n_split if len(data) < n_split else None))
         if cc and cc["disagreement"]:
             print(f"WARNING: ORT backend disagreement on {onnx_path.name}: {cc['reason']}. ONNX Runtime, "
                   "not the quantization, changes the result: do not report this as a collapse."

@@ -9,14 +9,12 @@ from deploykit.compare import parity, topk_accuracy
 from deploykit.errors import StageError
 from deploykit.checks.base import output_problems
 from deploykit.compare import (
-    BACKEND_TOLERANCE,
     OUTPUT_MIN_COSINE,
     TOLERANCES,
     compare,
     match_outputs,
 )
 from deploykit.quant.auto.search import output_metrics
-from deploykit.quant.cross_check import CROSS_CHECK_MIN_COSINE
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -93,7 +91,6 @@ def test_cli_defaults_and_backend_checks_read_the_tables():
     """The literals that were spread over the CLIs now come from one place."""
     import importlib
 
-    assert CROSS_CHECK_MIN_COSINE == BACKEND_TOLERANCE["min_cosine"]
     stage2 = importlib.import_module("2_export_onnx").get_args_parser()
     args = stage2.parse_args([])
     assert args.min_cosine_fp32 == OUTPUT_MIN_COSINE["fp32"]

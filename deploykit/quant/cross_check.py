@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from deploykit.compare import BACKEND_TOLERANCE, parity, topk_accuracy
+from deploykit.compare import parity, topk_accuracy
 from deploykit.envinfo import cpu_has_vnni
 from deploykit.evaluate import run_outputs
 from deploykit.runners import OrtRunner
@@ -46,9 +46,6 @@ CROSS_CHECK_GROWTH = 4
 #: Chance, at most, of a wrong verdict decided on a look, over all the looks (each look gets an
 #: equal share; Bonferroni) - the bound the rows' first look keeps (deploykit.sequential.ALPHA).
 CROSS_CHECK_ALPHA = ALPHA
-
-#: per-sample output cosine under which two runs of one graph "differ"
-CROSS_CHECK_MIN_COSINE = BACKEND_TOLERANCE["min_cosine"]
 
 
 def _log_choose(n: int, k: int) -> float:
@@ -142,28 +139,31 @@ def disagreement_beyond_doubt(main_right: np.ndarray, ref_right: np.ndarray, tol
     return 100.0 * max(b_lo - c_hi, c_lo - b_hi) / n_total > tol_points
 
 
-def agreement_beyond_doubt(main_right: np.ndarray, ref_right: np.ndarray, tol_points: float,
+def agreement_beyond_doubt(main_pred: np.ndarray, ref_pred: np.ndarray, tol_points: float,
                            n_total: int, alpha: float = CROSS_CHECK_ALPHA / 3) -> bool:
     """Whether a classifier's two runs, seen on a uniformly random sample of ``n`` of the split's
     ``n_total`` images, agree within ``tol_points`` of top-1 on the whole split beyond doubt.
 
-    The whole split's difference ``|B - C| / n_total`` is at most ``D / n_total``, ``D = B + C``
-    the images whose top-1 correctness differs between the runs; :func:`marked_bounds` bounds
-    ``D`` from above, exactly, from the ``b + c`` seen. Agreement when that bound is within the
-    tolerance (wrong with chance at most ``alpha``).
+    An image can change its top-1 correctness only if its top-1 class changes, so the whole
+    split's difference ``|B - C| / n_total`` is at most ``F / n_total``, ``F`` the images whose
+    top-1 class differs between the runs (this holds without labels, and two runs that are both
+    wrong everywhere but in different ways never agree here). :func:`marked_bounds` bounds ``F``
+    from above, exactly, from the flips seen; agreement when that bound is within the tolerance
+    (wrong with chance at most ``alpha``).
 
     Args:
-        main_right, ref_right: bool ``[n]``, top-1 correct per sampled image in each run.
+        main_pred, ref_pred: int ``[n]``, the top-1 class per sampled image in each run.
         tol_points: tolerance in top-1 points. n_total: images in the split (``>= n``).
         alpha: chance of a wrong verdict.
     Returns:
         True when the agreement is beyond doubt, else False (look at more images).
     """
-    n = len(main_right)
+    n = len(main_pred)
     if n == 0:
         return False
-    _, d_hi = marked_bounds(int((main_right != ref_right).sum()), n, n_total, alpha)
-    return 100.0 * d_hi / n_total <= tol_points
+    _, f_hi = marked_bounds(int((np.asarray(main_pred) != np.asarray(ref_pred)).sum()), n,
+                            n_total, alpha)
+    return 100.0 * f_hi / n_total <= tol_points
 
 
 def cross_check_looks(n_total: int) -> list[np.ndarray]:
@@ -195,7 +195,8 @@ def cross_check_looks(n_total: int) -> list[np.ndarray]:
 def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarray], *,
                         n: int = -1, batch: int = 64, tol_points: float = 2.0,
                         min_cosine: float = 0.99, opt_level: str = "all",
-                        session_config: dict | None = None) -> dict:
+                        session_config: dict | None = None,
+                        population: int | None = None) -> dict:
     """Rerun a Q/DQ model with every ORT graph optimisation off (DequantizeLinear + float ops:
     the graph's own semantics) on the samples of the main run and compare, for any model.
 
@@ -211,7 +212,11 @@ def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarr
     (more samples can only lower a minimum). ``decided_on_first_look`` says whether a look
     decided, ``decided`` what ("disagreement", "agreement" or None).
     ``n >= 0`` measures exactly ``n`` samples (a seeded random sample when ``n`` is below the
-    split's size). When the two disagree on an x86-64 CPU without VNNI, the optimised graph is
+    split's size). ``population``: the split's size when ``data`` is already a seeded random
+    sample of it (the samples of a row decided on its first look, deploykit.evaluate.
+    evaluated_data): every sample of ``data`` runs, and the verdict is one beyond doubt about
+    the whole split (the same exact bounds, at :data:`CROSS_CHECK_ALPHA`), else ``None``
+    (undecided: ``--full-eval`` measures every sample). When the two disagree on an x86-64 CPU without VNNI, the optimised graph is
     run once more with :data:`X64_QUANT_PRECISION` to tell u8s8 kernel saturation from a graph
     optimiser effect (``cause``).
 
@@ -224,13 +229,15 @@ def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarr
         min_cosine: other models: an output whose cosine (min over samples) falls below this
             counts as a disagreement.
         opt_level, session_config: how the main run was made (for the saturation leg).
+        population: see above (None or at most ``len(data)``: ``data`` is the split).
     Returns:
         ``{"n", "n_total", "adaptive", "sample", "decided_on_first_look", "decided", "opt_level":
         "disable", "outputs": {name: parity}, "disagreement", "reason", "cause", "cpu_vnni"}``
         plus ``top1_main``/``top1_unoptimized``/``top1_agreement``/``tolerance_points`` (and
         ``top1_x64quantprecision`` on ``n_x64quantprecision`` samples after the saturation leg)
         for classifiers. ``sample`` is ``"all"``, or ``{"seed", "n"}`` of the seeded random
-        sample the figures are on.
+        sample the figures are on; ``n_total`` the split's size. ``disagreement`` is None when
+        a sample of a ``population`` decides nothing beyond doubt.
     Raises:
         StageError: ORT cannot load or run the model unoptimised.
     """
@@ -256,13 +263,12 @@ def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarr
                     worst = (name, pars[name])
         return pars, worst
 
-    def decide(idx: np.ndarray, ref: dict) -> str | None:
-        a = CROSS_CHECK_ALPHA / max(len(looks), 1)
+    def decide(idx: np.ndarray, ref: dict, pop: int, a: float) -> str | None:
         if data.classifier:
-            mr, rr = outputs[k0][idx].argmax(1) == y[idx], ref[k0].argmax(1) == y[idx]
-            return ("disagreement" if disagreement_beyond_doubt(mr, rr, tol_points, total, a)
-                    else "agreement" if agreement_beyond_doubt(mr, rr, tol_points, total, a)
-                    else None)
+            mp, rp = outputs[k0][idx].argmax(1), ref[k0].argmax(1)
+            if disagreement_beyond_doubt(mp == y[idx], rp == y[idx], tol_points, pop, a):
+                return "disagreement"
+            return "agreement" if agreement_beyond_doubt(mp, rp, tol_points, pop, a) else None
         _, w = compare(ref, {name: v[idx] for name, v in outputs.items()})
         return "disagreement" if w is not None and w[1]["cosine_min"] < min_cosine else None
 
@@ -280,7 +286,7 @@ def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarr
         ref = {k: np.concatenate([ref[k], v]) if k in ref else v for k, v in more.items()}
         order = np.argsort(idx, kind="stable")
         idx, ref = idx[order], {k: v[order] for k, v in ref.items()}
-        decided = decide(idx, ref)
+        decided = decide(idx, ref, total, CROSS_CHECK_ALPHA / len(looks))
         if decided:
             break
     early = decided is not None
@@ -294,6 +300,11 @@ def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarr
             order = np.argsort(idx, kind="stable")
             idx, ref = idx[order], {k: v[order] for k, v in ref.items()}
     k = len(idx)
+    sampled = population is not None and population > total and k == total
+    if sampled:  # a sample of the split: only a verdict beyond doubt about all of it
+        decided = decide(idx, ref, int(population), CROSS_CHECK_ALPHA)
+        early = decided is not None
+        total = int(population)
     main = {name: v[idx] for name, v in outputs.items()}
     pars, worst = compare(ref, main)
     sample = "all" if k == total else {"seed": FIRST_LOOK_SEED, "n": int(k)}
@@ -301,24 +312,30 @@ def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarr
                  "cause": None, "cpu_vnni": cpu_has_vnni(), "decided_on_first_look": early,
                  "decided": decided,
                  "n_total": int(total), "sample": sample}
-    seen = (f"{k} of {total} images, a seeded random sample" if k < total
+    seen = (f"{k} of {total} images, " + ("the row's first look" if sampled
+                                          else "a seeded random sample") if k < total
             else f"{k} images")
     if early:
         seen += (f", {'a disagreement' if decided == 'disagreement' else 'agreement'} beyond "
                  f"doubt there (exact bounds, alpha {CROSS_CHECK_ALPHA:g} over the looks); "
-                 f"--cross-check-images {total} for the exact figure")
+                 + ("3_onnx_eval.py --full-eval for every image" if sampled
+                    else f"--cross-check-images {total} for the exact figure"))
+    elif sampled:
+        seen += ": no verdict beyond doubt about the whole split; 3_onnx_eval.py --full-eval measures every image"
     if data.classifier:
         t_main = topk_accuracy(main[k0], y[idx], (1,))["top1"]
         t_ref = topk_accuracy(ref[k0], y[idx], (1,))["top1"]
+        mr, rr = main[k0].argmax(1) == y[idx], ref[k0].argmax(1) == y[idx]
+        net = abs(int((mr & ~rr).sum()) - int((rr & ~mr).sum()))  # images: exact at the bound
         rec.update(top1_main=t_main, top1_unoptimized=t_ref, tolerance_points=tol_points,
                    top1_agreement=float(100.0 * (ref[k0].argmax(1) == main[k0].argmax(1)).mean()),
                    disagreement=(decided == "disagreement" if early
-                                 else bool(abs(t_main - t_ref) > tol_points)))
+                                 else None if sampled else bool(100 * net > tol_points * k)))
         rec["reason"] = (f"top-1 {t_main:.1f}% at opt level {opt_level} vs {t_ref:.1f}% with ORT "
                          f"graph optimisations disabled ({seen})")
     else:
         bad = worst is not None and worst[1]["cosine_min"] < min_cosine
-        rec.update(min_cosine=min_cosine, disagreement=bool(bad))
+        rec.update(min_cosine=min_cosine, disagreement=True if bad else None if sampled else False)
         rec["reason"] = (f"output {worst[0]}: cosine min {worst[1]['cosine_min']:.4f} between the "
                          f"optimised and the unoptimised run ({seen.replace('images', 'samples')})"
                          if worst else

@@ -180,13 +180,70 @@ def test_disagreement_beyond_doubt_never_decides_agreement():
 def test_agreement_needs_a_large_enough_look():
     """No flip among 128 of 900 images is no proof of agreement within 2 points (up to some 9 %
     may flip); none among 512 is; a few flips among 512 are not."""
-    r = np.ones(512, bool)
-    assert not agreement_beyond_doubt(r[:128], r[:128], 2.0, 900)
-    assert agreement_beyond_doubt(r, r, 2.0, 900)
-    some = r.copy()
-    some[:4] = False
-    assert not agreement_beyond_doubt(some, r, 2.0, 900)
-    assert agreement_beyond_doubt(some, r, 5.0, 900)  # a wider tolerance
+    p = np.arange(512) % 10
+    assert not agreement_beyond_doubt(p[:128], p[:128], 2.0, 900)
+    assert agreement_beyond_doubt(p, p, 2.0, 900)
+    some = p.copy()
+    some[:4] += 1
+    assert not agreement_beyond_doubt(some, p, 2.0, 900)
+    assert agreement_beyond_doubt(some, p, 5.0, 900)  # a wider tolerance
+
+
+def test_runs_wrong_everywhere_in_different_ways_never_agree(monkeypatch):
+    """Labels no run gets right (a random-init model): both runs score 0 %, but their classes
+    differ on every image, so no look claims agreement; all 900 run, and the verdict is the
+    plain top-1 figure (0 vs 0 points)."""
+    y, right = _sorted_split()
+    a, b = np.roll(right, 1, axis=1), np.roll(right, 2, axis=1)
+    ran = _fake_backend(monkeypatch, b)
+    data = EvalData(x_u8=np.zeros((900, 3, 2, 2), np.uint8), y=y,
+                    files=[str(i) for i in range(900)], mean=(0.5,) * 3, std=(0.5,) * 3,
+                    input_name="x")
+    cc = backend_cross_check("fake.onnx", data, {"logits": a})
+    assert cc["decided"] is None and len(ran) == 900 and cc["top1_agreement"] == 0.0
+    assert cc["disagreement"] is False and cc["top1_main"] == cc["top1_unoptimized"] == 0.0
+
+
+def test_exactly_the_tolerance_is_no_disagreement(monkeypatch):
+    """18 of 900 images right only in the unoptimised run are exactly 2.00 points: not more
+    than the tolerance (the rule counts images, free of float rounding: 4.11 - 2.11 computes
+    as 2.0000000000000004)."""
+    y, right = _sorted_split()
+    wrong = np.roll(right, 1, axis=1)
+    ref = wrong.copy()
+    ref[:37] = right[:37]  # 37 right: 4.11 %
+    main = wrong.copy()
+    main[:19] = right[:19]  # 19 right: 2.11 %
+    _fake_backend(monkeypatch, ref)
+    data = EvalData(x_u8=np.zeros((900, 3, 2, 2), np.uint8), y=y,
+                    files=[str(i) for i in range(900)], mean=(0.5,) * 3, std=(0.5,) * 3,
+                    input_name="x")
+    cc = backend_cross_check("fake.onnx", data, {"logits": main})
+    assert abs(cc["top1_unoptimized"] - cc["top1_main"]) > 2.0  # the float figure
+    assert cc["n"] == 900 and cc["disagreement"] is False
+
+
+@pytest.mark.parametrize("flips", [32, 1])
+def test_a_first_look_sample_gives_a_verdict_about_the_whole_split(flips, monkeypatch):
+    """A row decided on its first look hands the cross-check those 32 samples of 900: a
+    collapse there is a disagreement beyond doubt about all 900; one flip of 32 (3.1 points on
+    the sample) decides nothing, and the record says so (disagreement None, not True)."""
+    y, right = _sorted_split()
+    idx = np.sort(np.random.default_rng(0).choice(900, 32, replace=False))
+    main = right[idx].copy()
+    main[:flips] = np.roll(main[:flips], 1, axis=1)
+    _fake_backend(monkeypatch, right[idx])
+    sub = EvalData(x_u8=np.zeros((32, 3, 2, 2), np.uint8), y=y[idx],
+                   files=[str(i) for i in range(32)], mean=(0.5,) * 3, std=(0.5,) * 3,
+                   input_name="x")
+    cc = backend_cross_check("fake.onnx", sub, {"logits": main}, population=900)
+    assert cc["n"] == 32 and cc["n_total"] == 900 and cc["sample"] == {"seed": 0, "n": 32}
+    if flips == 32:
+        assert cc["disagreement"] is True and cc["decided"] == "disagreement"
+        assert "32 of 900 images, the row's first look, a disagreement beyond doubt" in cc["reason"]
+    else:
+        assert cc["disagreement"] is None and cc["decided"] is None
+        assert "no verdict beyond doubt about the whole split" in cc["reason"]
 
 
 def test_cross_check_looks_are_nested_random_samples():

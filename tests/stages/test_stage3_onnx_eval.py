@@ -265,3 +265,15 @@ def test_stage3_refuses_a_tag_of_another_stages_row(tmp_path, monkeypatch):
     with pytest.raises(UsageError, match="written by stage 1_pytorch_baseline"):
         stage.main(args)
     assert path.read_text() == before
+
+
+@pytest.mark.parametrize("argv,match", [(["--cross-check-images", "-5"], "--cross-check-images -5"),
+                                        (["--cross-check-tol", "-1"], "--cross-check-tol -1")])
+def test_stage3_cross_check_flags_out_of_range_are_usage_errors(argv, match):
+    """-1 is the only negative image count (adaptive); the tolerance is top-1 points."""
+    from tests.helpers.stages import load_stage
+
+    stage = load_stage("3_onnx_eval")
+    args = stage.get_args_parser().parse_args(["--onnx", "x.onnx", "--tag", "t", *argv])
+    with pytest.raises(UsageError, match=match):
+        stage.preflight(args, ahead=False)
