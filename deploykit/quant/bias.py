@@ -9,7 +9,6 @@ from typing import Any
 import numpy as np
 
 from deploykit.checks.base import value_shapes
-from deploykit.compare import cosine_rows
 from deploykit.errors import StageError
 from deploykit.onnx.graph import attr, constants, consumers, graph_inputs, load_onnx, producers
 from deploykit.quant.qdq import (
@@ -337,12 +336,41 @@ def _output_change(y: np.ndarray, d: np.ndarray, cax: int, bounds, lo_out, hi_ou
     return ch, frac, cos, nonfinite
 
 
+#: Samples simulated at a time by :func:`check_bias_requant` (its float64 temporaries stay a few
+#: MB: whole-tensor temporaries of 32 samples cost more in the kernel's page zeroing than in
+#: the arithmetic, measured on Lite0's baseline: 6.3 s of system time in a 10.3 s check).
+SIM_CHUNK = 4
+
+
+def _output_change_by_samples(y, d: np.ndarray, cax: int, bounds, lo_out, hi_out,
+                              s_out, tol_steps: float, chunk: int = SIM_CHUNK
+                              ) -> tuple[np.ndarray, float, np.ndarray, int, bool]:
+    """:func:`_output_change` of ``y`` (an array ``[N, ...]`` of any float dtype, or a list of
+    such arrays, consecutive samples, as :func:`candidate_outputs` returns them) computed
+    ``chunk`` samples at a time in float64, with the same results: every figure is per sample
+    (the cosine), a maximum (the channel change), a count (the share of elements) or an any
+    (NaN). Returns ``(ch, frac, cos, n_samples, nonfinite)``."""
+    parts = y if isinstance(y, list) else [y]
+    ch, count, size, cos, nonfinite = None, 0, 0, [], False
+    for arr in parts:
+        for i in range(0, len(arr), chunk):
+            part = np.asarray(arr[i:i + chunk], np.float64)
+            c, f, cs, nf = _output_change(part, d, cax, bounds, lo_out, hi_out, s_out, tol_steps)
+            ch = c if ch is None else np.maximum(ch, c)
+            count += int(round(f * part.size))
+            size += part.size
+            cos.append(cs)
+            nonfinite = nonfinite or nf
+    return ch, count / size, np.concatenate(cos), sum(len(c) for c in cos), nonfinite
+
+
 def check_bias_requant(model, consts: dict | None = None, activations: dict | None = None,
                        tol_steps: float = TOL_STEPS) -> tuple[list[Finding], list[dict]]:
     """Nodes whose output ORT's bias re-quantization changes by more than ``tol_steps``.
 
     Args:
-        activations: optional ``{node output tensor: float array [N, C, ...] (Gemm [N, C])}``
+        activations: optional ``{node output tensor: float array [N, C, ...] (Gemm [N, C]), or
+            a list of such arrays of consecutive samples}``
             of the candidate nodes on calibration data (pre-activation, graph optimisations
             off, see :func:`candidate_outputs`); without it the change is bounded from the
             scales alone.
@@ -394,11 +422,12 @@ def check_bias_requant(model, consts: dict | None = None, activations: dict | No
         hi_out = (qmax - zp_out) * s_out
         bounds = _activation_bounds(c["chain"], consts)
         if activations is not None and n.output[0] in activations:
-            y = np.asarray(activations[n.output[0]], np.float64)
-            cax = 1 if n.op_type in ("Conv", "ConvTranspose") else y.ndim - 1
-            ch, frac, cos, nonfinite = _output_change(
+            y = activations[n.output[0]]
+            ndim = np.ndim(y[0] if isinstance(y, list) else y)
+            cax = 1 if n.op_type in ("Conv", "ConvTranspose") else ndim - 1
+            ch, frac, cos, n_samples, nonfinite = _output_change_by_samples(
                 y, d, cax, bounds, lo_out, hi_out, s_out_c, tol_steps)
-            row.update(basis="calibration", n_samples=int(len(y)),
+            row.update(basis="calibration", n_samples=n_samples,
                        max_change_steps=float(ch.max()) if ch.size else 0.0,
                        frac_elements_changed=frac, output_cosine_min=float(cos.min()),
                        nonfinite_output=nonfinite)
@@ -446,10 +475,11 @@ def check_bias_requant(model, consts: dict | None = None, activations: dict | No
 
 
 def candidate_outputs(path: Path | str, data: dict[str, np.ndarray], tensors: list[str],
-                      limit: int = 32) -> dict[str, np.ndarray]:
+                      limit: int = 32, concat: bool = True) -> dict[str, np.ndarray | list]:
     """Run ``path`` on ORT's CPU EP with graph optimisations off and return ``tensors`` (node
     outputs made graph outputs) for the first ``limit`` samples of ``data``, in chunks that fit a
-    static batch axis.
+    static batch axis: ``{tensor: array [n, ...]}``, or with ``concat=False`` the list of the
+    runs' arrays in sample order (no copy of them into one: what check_bias_requant takes).
 
     Raises:
         StageError: ORT cannot load or run the model.
@@ -480,7 +510,7 @@ def candidate_outputs(path: Path | str, data: dict[str, np.ndarray], tensors: li
     except Exception as e:  # noqa: BLE001
         raise StageError(f"onnxruntime cannot run {path} on the calibration data: "
                          f"{e}") from e
-    return {t: np.concatenate(v) for t, v in parts.items()}
+    return {t: np.concatenate(v) if concat else v for t, v in parts.items()}
 
 
 # --------------------------------------------------------------------------------------------

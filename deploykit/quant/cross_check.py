@@ -317,7 +317,8 @@ def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarr
             else f"{k} images")
     if early:
         seen += (f", {'a disagreement' if decided == 'disagreement' else 'agreement'} beyond "
-                 f"doubt there (exact bounds, alpha {CROSS_CHECK_ALPHA:g} over the looks); "
+                 f"doubt there (exact bounds: a wrong verdict has a chance below "
+                 f"{CROSS_CHECK_ALPHA:g}); "
                  + ("3_onnx_eval.py --full-eval for every image" if sampled
                     else f"--cross-check-images {total} for the exact figure"))
     elif sampled:

@@ -321,7 +321,7 @@ def check_model(model, *, path: Path | str | None = None, fp32_model=None,
         if path is None:
             raise ValueError("check_model: calib needs the model's path")
         names = [c["node"].output[0] for c in wbq_candidates(model, consts) if c["bias"]]
-        activations = candidate_outputs(path, calib, names, calib_limit)
+        activations = candidate_outputs(path, calib, names, calib_limit, concat=False)
     f, bias_rows = check_bias_requant(model, consts, activations, tol_steps)
     findings += (f + check_bias_scales(model, consts) + check_weights(model, consts)
                  + check_trt_placement(model, consts))

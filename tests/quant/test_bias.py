@@ -19,6 +19,24 @@ def test_simulated_bias_is_what_ort_computes():
     assert abs(eff[2] - 0.25) < 0.01
 
 
+def test_output_change_by_samples_equals_the_whole_batch_bit_for_bit():
+    """check_bias_requant simulates a few samples at a time, from a float32 array or the list
+    of ORT's per-run arrays: every figure equals the whole float64 batch's exactly."""
+    from deploykit.quant.bias import _output_change, _output_change_by_samples
+
+    rng = np.random.default_rng(4)
+    y32 = (rng.standard_normal((11, 10, 5, 5)) * 3).astype(np.float32)
+    d = np.zeros(10)
+    d[[1, 4, 7]] = [0.9, -2.5, 0.3]
+    args = (d, 1, [(0.0, 6.0)], np.array(0.0), np.array(255 * 0.02), 0.02, 1.0)
+    whole = _output_change(y32.astype(np.float64), *args)
+    for y in (y32, [y32[:8], y32[8:]]):
+        ch, frac, cos, n, nonfinite = _output_change_by_samples(y, *args, chunk=3)
+        assert np.array_equal(ch, whole[0]) and frac == whole[1] and n == 11
+        assert np.array_equal(cos, whole[2]) and nonfinite == whole[3]
+    assert whole[1] > 0 and (whole[2] < 1).any()  # the case moves some outputs
+
+
 def test_output_change_on_the_changed_channels_alone_equals_the_whole_tensor_simulation():
     """check_bias_requant simulates only the channels whose bias changes and assembles the
     output cosine from the rest: every figure equals the simulation of the whole tensor
