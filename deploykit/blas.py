@@ -29,6 +29,7 @@ OPT_OUT_VALUES = ("default", "off", "no", "false")
 NUMPY_OPENBLAS_PREFIX = "libscipy_openblas"
 
 _APPLIED: int | None = None  # the thread count limit_numpy_blas() set in this process
+_CHILDREN_ONLY: int | None = None  # set for the children only (no threadpoolctl here)
 
 
 def _requested(environ) -> int | None:
@@ -56,7 +57,7 @@ def limit_numpy_blas(environ: dict | None = None) -> int | None:
     Raises:
         UsageError: ``DEPLOYKIT_BLAS_THREADS`` is neither a positive number nor an opt-out value.
     """
-    global _APPLIED
+    global _APPLIED, _CHILDREN_ONLY
     env = os.environ if environ is None else environ
     n = _requested(env)
     own = env.get("OPENBLAS_NUM_THREADS")
@@ -67,6 +68,8 @@ def limit_numpy_blas(environ: dict | None = None) -> int | None:
     try:
         from threadpoolctl import threadpool_limits
     except ImportError:  # the children still get the variable; this process keeps its pool
+        if environ is None:
+            _CHILDREN_ONLY = n
         return None
     threadpool_limits(limits={NUMPY_OPENBLAS_PREFIX: n})
     if environ is None:
@@ -76,8 +79,13 @@ def limit_numpy_blas(environ: dict | None = None) -> int | None:
 
 def policy() -> str:
     """What this process runs numpy's BLAS with, for a row's provenance: ``"numpy OpenBLAS: 1
-    thread(s)"``, ``"OPENBLAS_NUM_THREADS=4 (the user's)"`` or ``"OpenBLAS default"``."""
+    thread(s)"``, ``"OPENBLAS_NUM_THREADS=4 (the user's)"``, ``"OpenBLAS default"``, or without
+    threadpoolctl ``"OpenBLAS default here (no threadpoolctl), 1 thread(s) in child
+    processes"``."""
     if _APPLIED is not None:
         return f"numpy OpenBLAS: {_APPLIED} thread(s)"
+    if _CHILDREN_ONLY is not None:
+        return (f"OpenBLAS default here (no threadpoolctl), {_CHILDREN_ONLY} thread(s) in "
+                "child processes")
     own = os.environ.get("OPENBLAS_NUM_THREADS")
     return f"OPENBLAS_NUM_THREADS={own} (the user's)" if own else "OpenBLAS default"

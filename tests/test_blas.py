@@ -91,3 +91,19 @@ def test_every_stage_entry_point_applies_it_and_refuses_a_bad_count():
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**base, ENV: "lots"},
                        capture_output=True, text=True)
     assert p.returncode == 2 and f"{ENV}='lots'" in p.stderr
+
+
+def test_without_threadpoolctl_the_row_says_what_was_set():
+    """No threadpoolctl: this process keeps OpenBLAS's pool, its children get one thread, and
+    the recorded policy says exactly that (not that the user set OPENBLAS_NUM_THREADS)."""
+    code = textwrap.dedent("""
+        import os, sys
+        sys.modules["threadpoolctl"] = None  # import fails
+        from deploykit.blas import limit_numpy_blas, policy
+        print(limit_numpy_blas(), os.environ.get("OPENBLAS_NUM_THREADS"), "|", policy())
+    """)
+    base = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_NUM_THREADS", ENV)}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=base, capture_output=True,
+                         text=True, check=True).stdout.strip()
+    assert out == ("None 1 | OpenBLAS default here (no threadpoolctl), 1 thread(s) in child "
+                   "processes"), out

@@ -351,7 +351,7 @@ def _output_change_by_samples(y, d: np.ndarray, cax: int, bounds, lo_out, hi_out
     (the cosine), a maximum (the channel change), a count (the share of elements) or an any
     (NaN). Returns ``(ch, frac, cos, n_samples, nonfinite)``."""
     parts = y if isinstance(y, list) else [y]
-    ch, count, size, cos, nonfinite = None, 0, 0, [], False
+    ch, count, size, cos, new_nan, had_nan = None, 0, 0, [], False, False
     for arr in parts:
         for i in range(0, len(arr), chunk):
             part = np.asarray(arr[i:i + chunk], np.float64)
@@ -360,7 +360,11 @@ def _output_change_by_samples(y, d: np.ndarray, cax: int, bounds, lo_out, hi_out
             count += int(round(f * part.size))
             size += part.size
             cos.append(cs)
-            nonfinite = nonfinite or nf
+            new_nan = new_nan or nf
+            had_nan = had_nan or bool(np.isnan(part).any())  # the clip chain keeps a NaN
+    # the whole batch's flag: NaN after the change and none before, anywhere in the batch (a
+    # chunk with a NaN before says nothing of its own after; the batch's answer is then False)
+    nonfinite = new_nan and not had_nan
     return ch, count / size, np.concatenate(cos), sum(len(c) for c in cos), nonfinite
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import sys
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +47,12 @@ CROSS_CHECK_GROWTH = 4
 #: Chance, at most, of a wrong verdict decided on a look, over all the looks (each look gets an
 #: equal share; Bonferroni) - the bound the rows' first look keeps (deploykit.sequential.ALPHA).
 CROSS_CHECK_ALPHA = ALPHA
+
+
+def _exceeds(images: int, n: int, tol_points: float) -> bool:
+    """Whether ``images`` of ``n`` are more than ``tol_points`` percent, in exact arithmetic on
+    the tolerance as written (1.14 is 114/100, not the nearest double)."""
+    return 100 * images > Fraction(repr(float(tol_points))) * n
 
 
 def _log_choose(n: int, k: int) -> float:
@@ -136,7 +143,7 @@ def disagreement_beyond_doubt(main_right: np.ndarray, ref_right: np.ndarray, tol
     c = int((ref_right & ~main_right).sum())
     b_lo, b_hi = marked_bounds(b, n, n_total, alpha / 4)
     c_lo, c_hi = marked_bounds(c, n, n_total, alpha / 4)
-    return 100.0 * max(b_lo - c_hi, c_lo - b_hi) / n_total > tol_points
+    return _exceeds(max(b_lo - c_hi, c_lo - b_hi), n_total, tol_points)
 
 
 def agreement_beyond_doubt(main_pred: np.ndarray, ref_pred: np.ndarray, tol_points: float,
@@ -163,7 +170,7 @@ def agreement_beyond_doubt(main_pred: np.ndarray, ref_pred: np.ndarray, tol_poin
         return False
     _, f_hi = marked_bounds(int((np.asarray(main_pred) != np.asarray(ref_pred)).sum()), n,
                             n_total, alpha)
-    return 100.0 * f_hi / n_total <= tol_points
+    return not _exceeds(f_hi, n_total, tol_points)
 
 
 def cross_check_looks(n_total: int) -> list[np.ndarray]:
@@ -214,7 +221,8 @@ def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarr
     ``n >= 0`` measures exactly ``n`` samples (a seeded random sample when ``n`` is below the
     split's size). ``population``: the split's size when ``data`` is already a seeded random
     sample of it (the samples of a row decided on its first look, deploykit.evaluate.
-    evaluated_data): every sample of ``data`` runs, and the verdict is one beyond doubt about
+    evaluated_data): every sample of ``data`` runs, whatever ``n``, and the verdict is one
+    beyond doubt about
     the whole split (the same exact bounds, at :data:`CROSS_CHECK_ALPHA`), else ``None``
     (undecided: ``--full-eval`` measures every sample). When the two disagree on an x86-64 CPU without VNNI, the optimised graph is
     run once more with :data:`X64_QUANT_PRECISION` to tell u8s8 kernel saturation from a graph
@@ -242,6 +250,8 @@ def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarr
         StageError: ORT cannot load or run the model unoptimised.
     """
     total = len(data)
+    if population is not None and population > total:
+        n = -1  # the row's first-look samples are all there is to compare: every one of them
     adaptive = n < 0
     looks = cross_check_looks(total) if adaptive else []
     if not adaptive and n < total:
@@ -272,12 +282,14 @@ def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarr
         _, w = compare(ref, {name: v[idx] for name, v in outputs.items()})
         return "disagreement" if w is not None and w[1]["cosine_min"] < min_cosine else None
 
+    sample_of = (f" (the row's first look, of {population})"
+                 if population is not None and population > total else "")
     print(f"backend cross-check: {Path(onnx_path).name} with ORT graph optimisations disabled "
           + (f"on a seeded random {' then '.join(str(len(i)) for i in looks)} of {total} "
              "samples, then all of them unless a look decides beyond doubt"
              if adaptive and looks else
              f"on a seeded random {n} of {total} samples" if looks else
-             f"on all {total} samples"), file=sys.stderr, flush=True)
+             f"on all {total} samples{sample_of}"), file=sys.stderr, flush=True)
     idx, ref, decided = np.zeros(0, np.int64), {}, None
     for want in looks if adaptive else []:  # nested looks: each adds the samples it lacks
         new = np.setdiff1d(want, idx)
@@ -331,7 +343,7 @@ def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarr
         rec.update(top1_main=t_main, top1_unoptimized=t_ref, tolerance_points=tol_points,
                    top1_agreement=float(100.0 * (ref[k0].argmax(1) == main[k0].argmax(1)).mean()),
                    disagreement=(decided == "disagreement" if early
-                                 else None if sampled else bool(100 * net > tol_points * k)))
+                                 else None if sampled else _exceeds(net, k, tol_points)))
         rec["reason"] = (f"top-1 {t_main:.1f}% at opt level {opt_level} vs {t_ref:.1f}% with ORT "
                          f"graph optimisations disabled ({seen})")
     else:

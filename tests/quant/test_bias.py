@@ -35,6 +35,16 @@ def test_output_change_by_samples_equals_the_whole_batch_bit_for_bit():
         assert np.array_equal(ch, whole[0]) and frac == whole[1] and n == 11
         assert np.array_equal(cos, whole[2]) and nonfinite == whole[3]
     assert whole[1] > 0 and (whole[2] < 1).any()  # the case moves some outputs
+    # a NaN already in one sample's pre-activation and a NaN bias change: the batch's flag
+    # (new NaN where there was none anywhere) is False either way, not the later chunks' True
+    y32[0, 2, 0, 0] = np.nan
+    d[1] = np.nan
+    whole = _output_change(y32.astype(np.float64), *args)
+    chunked = _output_change_by_samples(y32, *args, chunk=4)
+    assert whole[3] is False and chunked[4] is False
+    y32[0, 2, 0, 0] = 0.0  # without the earlier NaN both say True
+    assert _output_change(y32.astype(np.float64), *args)[3] is True
+    assert _output_change_by_samples(y32, *args, chunk=4)[4] is True
 
 
 def test_output_change_on_the_changed_channels_alone_equals_the_whole_tensor_simulation():

@@ -223,6 +223,33 @@ def test_exactly_the_tolerance_is_no_disagreement(monkeypatch):
     assert cc["n"] == 900 and cc["disagreement"] is False
 
 
+def test_the_tolerance_is_compared_as_written():
+    """57 images of 5000 are exactly 1.14 %: not more than a 1.14-point tolerance, although
+    1.14 * 5000 is 5699.999999999999 in floating point; 58 are."""
+    from deploykit.quant.cross_check import _exceeds
+
+    assert not _exceeds(57, 5000, 1.14) and _exceeds(58, 5000, 1.14)
+    assert not _exceeds(18, 900, 2.0) and _exceeds(19, 900, 2.0)
+    assert not _exceeds(1005, 50000, 2.01) and _exceeds(1006, 50000, 2.01)
+
+
+@pytest.mark.parametrize("n", [-1, 16])
+def test_a_first_look_sample_is_compared_whole_whatever_the_image_count(n, monkeypatch):
+    """--cross-check-images 16 on a row decided on 32 first-look images of 900: all 32 run (a
+    sample of that sample would be no sample of the split), and the verdict is about all 900."""
+    y, right = _sorted_split()
+    idx = np.sort(np.random.default_rng(0).choice(900, 32, replace=False))
+    main = right[idx].copy()
+    main[:1] = np.roll(main[:1], 1, axis=1)
+    ran = _fake_backend(monkeypatch, right[idx])
+    sub = EvalData(x_u8=np.zeros((32, 3, 2, 2), np.uint8), y=y[idx],
+                   files=[str(i) for i in range(32)], mean=(0.5,) * 3, std=(0.5,) * 3,
+                   input_name="x")
+    cc = backend_cross_check("fake.onnx", sub, {"logits": main}, n=n, population=900)
+    assert len(ran) == 32 and cc["n"] == 32 and cc["n_total"] == 900
+    assert cc["disagreement"] is None and cc["sample"] == {"seed": 0, "n": 32}
+
+
 @pytest.mark.parametrize("flips", [32, 1])
 def test_a_first_look_sample_gives_a_verdict_about_the_whole_split(flips, monkeypatch):
     """A row decided on its first look hands the cross-check those 32 samples of 900: a
