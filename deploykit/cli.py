@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from deploykit.alloc import keep_freed_memory
-from deploykit.blas import limit_numpy_blas
 from deploykit.errors import StageError, UsageError
 from deploykit.io import disk_full_error
 from deploykit.layout import artifacts_dir, results_dir
@@ -33,8 +32,7 @@ def cli(get_args_parser: Callable[[], Any], main: Callable[[Any], Any]) -> None:
 
     Before any of it, glibc's allocator is set to keep freed memory for reuse in this process
     and the processes it starts (:func:`deploykit.alloc.keep_freed_memory`;
-    ``DEPLOYKIT_MALLOC=default`` leaves it as it is), and numpy's OpenBLAS to one thread
-    (:func:`deploykit.blas.limit_numpy_blas`; ``DEPLOYKIT_BLAS_THREADS=default`` leaves it).
+    ``DEPLOYKIT_MALLOC=default`` leaves it as it is).
     """
     keep_freed_memory()
     parser = get_args_parser()
@@ -44,7 +42,6 @@ def cli(get_args_parser: Callable[[], Any], main: Callable[[Any], Any]) -> None:
         # a package.module:factory model's spec (deploykit.models.custom_spec) sees the same one
         os.environ[PREPROCESS_ENV] = args.preprocess
     try:
-        limit_numpy_blas()
         main(args)
     except UsageError as e:
         parser.print_usage(sys.stderr)

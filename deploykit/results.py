@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from deploykit.alloc import policy as alloc_policy
-from deploykit.blas import policy as blas_policy
 from deploykit.commands import from_record, rerun_record
 from deploykit.envinfo import device_info, git_sha, versions
 from deploykit.io import sha256_file, write_json
@@ -52,9 +51,8 @@ def provenance(args: Any, inputs: Sequence[Path | str] = (), started: float | No
                torch_device: str | None = None) -> dict:
     """Everything needed to reproduce a result: args, command line, versions, device, git SHA,
     UTC time, SHA-256 of input files (:func:`file_sha256`, cached), the ARTIFACTS root
-    (``artifacts_root``, absolute), the stage's wall time (s), the C allocator's policy
-    (``allocator``, :func:`deploykit.alloc.policy`) and numpy's BLAS threads (``blas``,
-    :func:`deploykit.blas.policy`): both change timings."""
+    (``artifacts_root``, absolute), the stage's wall time (s) and the C allocator's policy
+    (``allocator``, :func:`deploykit.alloc.policy`: it changes timings)."""
     hashes = {}
     for p in inputs:
         p = Path(p)
@@ -72,7 +70,6 @@ def provenance(args: Any, inputs: Sequence[Path | str] = (), started: float | No
         "artifacts_root": artifacts_root(),
         "wall_time_s": round(time.time() - started, 3) if started else None,
         "allocator": alloc_policy(),
-        "blas": blas_policy(),
     }
 
 

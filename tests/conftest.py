@@ -35,22 +35,17 @@ SAMPLE = sorted(DEFAULT_DATA.glob("*.JPEG"))
 torch = pytest.importorskip("torch")
 
 
-_POLICY_ENV = ("GLIBC_TUNABLES", "OPENBLAS_NUM_THREADS", "DEPLOYKIT_BLAS_THREADS")
-
-
 @pytest.fixture(autouse=True)
 def _allocator_env_restored():
     """A stage's ``main`` run in this process through ``deploykit.cli.cli`` puts the allocator
-    and BLAS policies into ``os.environ`` for its children (``deploykit.alloc``,
-    ``deploykit.blas``): undone after each test, so that no later test's environment depends on
-    the order tests ran in."""
-    before = {k: os.environ.get(k) for k in _POLICY_ENV}
+    policy into ``os.environ`` for its children (``deploykit.alloc``): undone after each test,
+    so that no later test's environment depends on the order tests ran in."""
+    before = os.environ.get("GLIBC_TUNABLES")
     yield
-    for k, v in before.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    if before is None:
+        os.environ.pop("GLIBC_TUNABLES", None)
+    else:
+        os.environ["GLIBC_TUNABLES"] = before
 
 
 @pytest.fixture(scope="session")
