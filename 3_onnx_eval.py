@@ -299,7 +299,7 @@ def main(args: argparse.Namespace) -> dict:
         cc = diagnose(rec, "backend_cross_check", lambda: backend_cross_check(
             onnx_path, data, outputs, n=args.cross_check_images, batch=args.batch_size,
             tol_points=args.cross_check_tol, opt_level=args.opt_level, session_config=config,
-            population=n_split if len(data) < n_split else None))
+            population=n_split))
         if cc and cc["disagreement"]:
             print(f"WARNING: ORT backend disagreement on {onnx_path.name}: {cc['reason']}. ONNX Runtime, "
                   "not the quantization, changes the result: do not report this as a collapse."

@@ -50,6 +50,12 @@ LOOK_ALPHA = ALPHA / 2
 FIRST_LOOK_SEED = 0
 
 
+def seeded_sample(n_total: int, n: int, seed: int = FIRST_LOOK_SEED) -> np.ndarray:
+    """``n`` of ``range(n_total)`` drawn without replacement by a generator seeded with ``seed``
+    (int64 ``[n]``, in draw order): the draw behind every seeded sample of a split."""
+    return np.random.default_rng(seed).choice(n_total, size=n, replace=False).astype(np.int64)
+
+
 def first_look_indices(n_total: int, n: int = FIRST_LOOK, seed: int = FIRST_LOOK_SEED,
                        peek: int = 0) -> np.ndarray | None:
     """The sample indices of the first look: ``n`` of ``range(n_total)`` drawn without
@@ -65,8 +71,8 @@ def first_look_indices(n_total: int, n: int = FIRST_LOOK, seed: int = FIRST_LOOK
     """
     if n <= 0 or n_total <= 2 * n:
         return None
-    draw = np.random.default_rng(seed).choice(n_total, size=n, replace=False)
-    return np.sort(draw[:peek] if peek > 0 else draw).astype(np.int64)
+    draw = seeded_sample(n_total, n, seed)
+    return np.sort(draw[:peek] if peek > 0 else draw)
 
 
 def look_schedule(n_total: int, n: int = FIRST_LOOK, seed: int = FIRST_LOOK_SEED

@@ -14,7 +14,8 @@ from deploykit.compare import parity, topk_accuracy
 from deploykit.envinfo import cpu_has_vnni
 from deploykit.evaluate import run_outputs
 from deploykit.runners import OrtRunner
-from deploykit.sequential import ALPHA, FIRST_LOOK, FIRST_LOOK_SEED, FIRST_PEEK, look_schedule
+from deploykit.sequential import (ALPHA, FIRST_LOOK, FIRST_LOOK_SEED, FIRST_PEEK, look_schedule,
+                                  seeded_sample)
 
 
 # --------------------------------------------------------------------------------------------
@@ -255,8 +256,7 @@ def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarr
     adaptive = n < 0
     looks = cross_check_looks(total) if adaptive else []
     if not adaptive and n < total:
-        looks = [np.sort(np.random.default_rng(FIRST_LOOK_SEED).choice(  # first_look_indices'
-            total, size=n, replace=False)).astype(np.int64)]  # draw, at any n
+        looks = [np.sort(seeded_sample(total, n))]
     k0 = next(iter(outputs))
     y = data.y if data.classifier else None
 
@@ -290,27 +290,27 @@ def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarr
              if adaptive and looks else
              f"on a seeded random {n} of {total} samples" if looks else
              f"on all {total} samples{sample_of}"), file=sys.stderr, flush=True)
-    idx, ref, decided = np.zeros(0, np.int64), {}, None
-    for want in looks if adaptive else []:  # nested looks: each adds the samples it lacks
+    def extend(idx: np.ndarray, ref: dict, want: np.ndarray) -> tuple[np.ndarray, dict]:
+        """Run the samples of ``want`` not run yet; indices and outputs in sample order."""
         new = np.setdiff1d(want, idx)
+        if not len(new):
+            return idx, ref
         more = run(new, opt_level="disable")
         idx = np.concatenate([idx, new])
         ref = {k: np.concatenate([ref[k], v]) if k in ref else v for k, v in more.items()}
         order = np.argsort(idx, kind="stable")
-        idx, ref = idx[order], {k: v[order] for k, v in ref.items()}
+        return idx[order], {k: v[order] for k, v in ref.items()}
+
+    idx, ref, decided = np.zeros(0, np.int64), {}, None
+    for want in looks if adaptive else []:  # nested looks: each adds the samples it lacks
+        idx, ref = extend(idx, ref, want)
         decided = decide(idx, ref, total, CROSS_CHECK_ALPHA / len(looks))
         if decided:
             break
     early = decided is not None
     if not early:
-        want = looks[0] if looks and not adaptive else np.arange(total, dtype=np.int64)
-        new = np.setdiff1d(want, idx)
-        if len(new):
-            more = run(new, opt_level="disable")
-            idx = np.concatenate([idx, new])
-            ref = {k: np.concatenate([ref[k], v]) if k in ref else v for k, v in more.items()}
-            order = np.argsort(idx, kind="stable")
-            idx, ref = idx[order], {k: v[order] for k, v in ref.items()}
+        idx, ref = extend(idx, ref, looks[0] if looks and not adaptive
+                          else np.arange(total, dtype=np.int64))
     k = len(idx)
     sampled = population is not None and population > total and k == total
     if sampled:  # a sample of the split: only a verdict beyond doubt about all of it
