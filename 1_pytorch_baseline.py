@@ -134,7 +134,6 @@ def main(args: argparse.Namespace) -> dict:
         torch.set_num_threads(args.threads)
     model, spec = build_model(args.model, args.weights, pretrained=not args.random_init)
     shapes = parse_input_shapes(args.input_shape)
-    art = model_artifacts(args.model)
     inputs: list = []
     fp16 = args.precision == "fp16"
     save_ref = not (args.no_save_reference or fp16)

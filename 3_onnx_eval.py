@@ -207,7 +207,6 @@ def main(args: argparse.Namespace) -> dict:
     if qdq_note:
         print(f"WARNING: {onnx_path.name}: {qdq_note}", file=sys.stderr)
     del graph
-    art = model_artifacts(args.model)
     variant = variant_of_file(onnx_path)
     # What a derived file (FP16, Q/DQ) was made from: its producer's record, matched by hash.
     # A stale source (fp32.onnx re-exported since) is still measured (the file was given), but
