@@ -9,7 +9,8 @@
 #                                      # packages are listed
 #
 # Variables it reads: VENV_DIR (default <repo>/.venv), PYTHON (interpreter that creates the venv,
-# default python3), MODEL (default mobilenet_v3_small), VAL_ROOT, ARTIFACTS, RESULTS, TRTEXEC.
+# default python3), MODEL (default mobilenet_v3_small), VAL_ROOT, ARTIFACTS, RESULTS (kept when
+# set, except the defaults of another checkout whose env.sh this shell sourced before), TRTEXEC.
 # Variables it exports: PIPELINE_ROOT, MODEL, ARTIFACTS, RESULTS, TRTEXEC (when trtexec is found),
 # LD_LIBRARY_PATH (CUDA/cuDNN/TensorRT libraries installed as pip wheels, when present).
 # Re-sourcing is cheap: the venv is reused while requirements.txt is unchanged (hash stamp).
@@ -25,8 +26,9 @@ if [ "${BASH_SOURCE[0]}" = "$0" ]; then
 fi
 
 _pipeline_env() {
-  local root req stamp want have py site d
+  local root req stamp want have py site d prev var val
   root="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+  prev="${PIPELINE_ROOT:-}"  # the checkout whose env.sh this shell sourced before, if any
   export PIPELINE_ROOT="$root"
   req="$root/requirements.txt"
 
@@ -69,8 +71,24 @@ EOF
   fi
 
   export MODEL="${MODEL:-mobilenet_v3_small}"
-  export ARTIFACTS="${ARTIFACTS:-$root/artifacts}"
-  export RESULTS="${RESULTS:-$root/results}"
+  # ARTIFACTS / RESULTS: a folder you set is kept; the default of another checkout (its env.sh
+  # sourced before in this shell) is not, or this checkout's runs would write into that one.
+  for var in ARTIFACTS RESULTS; do
+    val="${!var:-}"
+    d="$(echo "$var" | tr '[:upper:]' '[:lower:]')"
+    if [ -n "$prev" ] && [ "$prev" != "$root" ] && [ "$val" = "$prev/$d" ]; then
+      echo "env.sh: $var=$val is the default of the checkout sourced before ($prev): this" \
+        "checkout's own is $root/$d now (set $var after sourcing to keep another folder)" >&2
+      val=""
+    elif [ -n "$val" ] && [ -n "$prev" ] && [ "$prev" != "$root" ]; then
+      case "$val/" in
+        "$prev"/*) echo "env.sh: WARNING: $var=$val lies in the checkout sourced before" \
+                     "($prev), not in this one ($root): kept, as you set it" >&2 ;;
+      esac
+    fi
+    printf -v "$var" '%s' "${val:-$root/$d}"
+    export "${var?}"
+  done
 
   # trtexec: $TRTEXEC, PATH, then the usual install locations (JetPack, tarball, NGC container).
   if [ -z "${TRTEXEC:-}" ]; then

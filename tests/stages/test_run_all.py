@@ -85,6 +85,38 @@ def test_env_sh_refuses_to_be_executed():
 
 
 @pytest.mark.slow
+def test_env_sh_drops_the_folders_of_the_checkout_sourced_before(tmp_path):
+    """Sourcing a second checkout's env.sh in one shell: ARTIFACTS/RESULTS that are the first
+    checkout's defaults become this checkout's (said on stderr), a folder the user set
+    elsewhere is kept, one the user set inside the other checkout is kept with a warning."""
+    import sys
+
+    other = tmp_path / "other-checkout"
+    mine = tmp_path / "mine"
+    script = ('PIPELINE_USE_CURRENT_PYTHON=1 source "$ROOT/env.sh" >/dev/null; '
+              'echo "A=$ARTIFACTS"; echo "R=$RESULTS"; echo "P=$PIPELINE_ROOT"')
+    base = {**os.environ, "ROOT": str(ROOT), "PIPELINE_ROOT": str(other),
+            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+
+    def source(**env):
+        p = subprocess.run(["bash", "-c", script], capture_output=True, text=True,
+                           env={**base, **env})
+        assert p.returncode == 0, p.stderr
+        out = dict(line.split("=", 1) for line in p.stdout.splitlines() if "=" in line)
+        return out, p.stderr
+
+    out, err = source(ARTIFACTS=f"{other}/artifacts", RESULTS=f"{other}/results")
+    assert out == {"A": f"{ROOT}/artifacts", "R": f"{ROOT}/results", "P": str(ROOT)}
+    assert "ARTIFACTS" in err and "RESULTS" in err and "sourced before" in err
+    out, err = source(ARTIFACTS=str(mine / "a"), RESULTS=f"{other}/my-results")
+    assert out["A"] == str(mine / "a") and out["R"] == f"{other}/my-results"
+    assert "WARNING: RESULTS" in err and "ARTIFACTS" not in err
+    # the same checkout sourced again: nothing changes, nothing said
+    out, err = source(PIPELINE_ROOT=str(ROOT), ARTIFACTS=str(mine / "a"))
+    assert out["A"] == str(mine / "a") and "sourced before" not in err
+
+
+@pytest.mark.slow
 def test_run_all_usage_errors():
     p = subprocess.run(["bash", str(ROOT / "run_all.sh"), "--bogus"], capture_output=True,
                        text=True)
