@@ -26,10 +26,36 @@ if [ "${BASH_SOURCE[0]}" = "$0" ]; then
 fi
 
 _pipeline_env() {
-  local root req stamp want have py site d prev var val
-  root="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+  local root req stamp want have py site d prev var val abs
+  root="$(CDPATH='' cd -- "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
   prev="${PIPELINE_ROOT:-}"  # the checkout whose env.sh this shell sourced before, if any
   export PIPELINE_ROOT="$root"
+  # ARTIFACTS / RESULTS: a folder you set is kept; the default of another checkout (its env.sh
+  # sourced before in this shell) is not, or this checkout's runs would write into that one.
+  # Done first, so that a failed install below leaves no other checkout's folders behind.
+  if [ -n "$prev" ] && [ "$prev" -ef "$root" ]; then prev=""; fi  # same checkout (symlink)
+  for var in ARTIFACTS RESULTS; do
+    val="${!var:-}"
+    d="$(echo "$var" | tr '[:upper:]' '[:lower:]')"
+    if [ -n "$prev" ] && [ -n "$val" ]; then
+      # spelled any way (relative, //, ./, trailing /) or reached through a symlink
+      abs="$(realpath -ms -- "$val" 2>/dev/null || echo "$val")"
+      if [ "$abs" = "$(realpath -ms -- "$prev/$d" 2>/dev/null || echo "$prev/$d")" ] ||
+         { [ -e "$val" ] && [ "$val" -ef "$prev/$d" ]; }; then
+        echo "env.sh: $var was $val, the default of the checkout sourced before; now" \
+          "$root/$d (export $var after sourcing to use another folder)" >&2
+        val=""
+      else
+        case "$abs/" in
+          "$root"/*) ;;
+          "$prev"/*) echo "env.sh: WARNING: $var=$val lies in the checkout sourced before" \
+                       "($prev), not in this one: kept, as you set it" >&2 ;;
+        esac
+      fi
+    fi
+    printf -v "$var" '%s' "${val:-$root/$d}"
+    export "${var?}"
+  done
   req="$root/requirements.txt"
 
   if [ "${PIPELINE_USE_CURRENT_PYTHON:-0}" = "1" ]; then
@@ -71,24 +97,6 @@ EOF
   fi
 
   export MODEL="${MODEL:-mobilenet_v3_small}"
-  # ARTIFACTS / RESULTS: a folder you set is kept; the default of another checkout (its env.sh
-  # sourced before in this shell) is not, or this checkout's runs would write into that one.
-  for var in ARTIFACTS RESULTS; do
-    val="${!var:-}"
-    d="$(echo "$var" | tr '[:upper:]' '[:lower:]')"
-    if [ -n "$prev" ] && [ "$prev" != "$root" ] && [ "$val" = "$prev/$d" ]; then
-      echo "env.sh: $var=$val is the default of the checkout sourced before ($prev): this" \
-        "checkout's own is $root/$d now (set $var after sourcing to keep another folder)" >&2
-      val=""
-    elif [ -n "$val" ] && [ -n "$prev" ] && [ "$prev" != "$root" ]; then
-      case "$val/" in
-        "$prev"/*) echo "env.sh: WARNING: $var=$val lies in the checkout sourced before" \
-                     "($prev), not in this one ($root): kept, as you set it" >&2 ;;
-      esac
-    fi
-    printf -v "$var" '%s' "${val:-$root/$d}"
-    export "${var?}"
-  done
 
   # trtexec: $TRTEXEC, PATH, then the usual install locations (JetPack, tarball, NGC container).
   if [ -z "${TRTEXEC:-}" ]; then

@@ -87,33 +87,50 @@ def test_env_sh_refuses_to_be_executed():
 @pytest.mark.slow
 def test_env_sh_drops_the_folders_of_the_checkout_sourced_before(tmp_path):
     """Sourcing a second checkout's env.sh in one shell: ARTIFACTS/RESULTS that are the first
-    checkout's defaults become this checkout's (said on stderr), a folder the user set
-    elsewhere is kept, one the user set inside the other checkout is kept with a warning."""
+    checkout's defaults (however spelled) become this checkout's, said on stderr, also when the
+    install then fails; a folder the user set elsewhere is kept, one set inside the other
+    checkout is kept with a warning; the same checkout (through a symlink) changes nothing."""
     import sys
 
     other = tmp_path / "other-checkout"
+    (other / "results").mkdir(parents=True)
     mine = tmp_path / "mine"
-    script = ('PIPELINE_USE_CURRENT_PYTHON=1 source "$ROOT/env.sh" >/dev/null; '
+    link = tmp_path / "link-to-this-checkout"
+    link.symlink_to(ROOT)
+    script = ('source "$ENV_SH" >/dev/null; echo "rc=$?"; '
               'echo "A=$ARTIFACTS"; echo "R=$RESULTS"; echo "P=$PIPELINE_ROOT"')
-    base = {**os.environ, "ROOT": str(ROOT), "PIPELINE_ROOT": str(other),
+    base = {**os.environ, "ENV_SH": str(ROOT / "env.sh"), "PIPELINE_ROOT": str(other),
+            "PIPELINE_USE_CURRENT_PYTHON": "1",
             "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
 
     def source(**env):
         p = subprocess.run(["bash", "-c", script], capture_output=True, text=True,
                            env={**base, **env})
-        assert p.returncode == 0, p.stderr
         out = dict(line.split("=", 1) for line in p.stdout.splitlines() if "=" in line)
         return out, p.stderr
 
+    mine_a, mine_r = f"{ROOT}/artifacts", f"{ROOT}/results"
     out, err = source(ARTIFACTS=f"{other}/artifacts", RESULTS=f"{other}/results")
-    assert out == {"A": f"{ROOT}/artifacts", "R": f"{ROOT}/results", "P": str(ROOT)}
-    assert "ARTIFACTS" in err and "RESULTS" in err and "sourced before" in err
+    assert out == {"rc": "0", "A": mine_a, "R": mine_r, "P": str(ROOT)}, err
+    assert "ARTIFACTS was" in err and "RESULTS was" in err and "sourced before" in err
+    # other spellings of the same folders: a trailing slash, //, ./, relative to the cwd
+    out, err = source(ARTIFACTS=f"{other}/./artifacts/", RESULTS=f"{tmp_path}//other-checkout"
+                      "/results")
+    assert (out["A"], out["R"]) == (mine_a, mine_r), err
+    # the install fails (no venv can be made): the other checkout's folders are gone already
+    out, err = source(PIPELINE_USE_CURRENT_PYTHON="0", VENV_DIR=str(tmp_path / "no" / "venv"),
+                      PYTHON="false", ARTIFACTS=f"{other}/artifacts")
+    assert out["rc"] == "1" and out["A"] == mine_a and "cannot create" in err, err
+    # folders the user set: elsewhere kept silently, inside the other checkout with a warning
     out, err = source(ARTIFACTS=str(mine / "a"), RESULTS=f"{other}/my-results")
     assert out["A"] == str(mine / "a") and out["R"] == f"{other}/my-results"
     assert "WARNING: RESULTS" in err and "ARTIFACTS" not in err
-    # the same checkout sourced again: nothing changes, nothing said
-    out, err = source(PIPELINE_ROOT=str(ROOT), ARTIFACTS=str(mine / "a"))
-    assert out["A"] == str(mine / "a") and "sourced before" not in err
+    # the same checkout again, also through a symlink: nothing changes, nothing said
+    for prev in (ROOT, link):
+        out, err = source(PIPELINE_ROOT=str(prev), ARTIFACTS=f"{prev}/artifacts",
+                          RESULTS=str(mine / "r"))
+        assert out["A"] == f"{prev}/artifacts" and out["R"] == str(mine / "r"), err
+        assert "sourced before" not in err and "WARNING" not in err, err
 
 
 @pytest.mark.slow
