@@ -363,6 +363,8 @@ class OrtRunner(Runner):
         tf32: CUDA EP ``use_tf32`` (None: ORT's default). device_id: CUDA device.
         session_config: ``SessionOptions.add_session_config_entry`` pairs, e.g.
             ``{"session.x64quantprecision": "1"}``.
+        fallback_hint: the way out that the error without the requested EP names (the
+            caller's own flag: stage 3's ``--allow-cpu-fallback`` by default).
     Raises:
         UsageError: unknown ``ep``.
         StageError: the requested EP is not used and CPU fallback is not allowed (the message
@@ -375,7 +377,8 @@ class OrtRunner(Runner):
     def __init__(self, path: Path | str | bytes, ep: str = "cpu", allow_cpu_fallback: bool = False,
                  opt_level: str = "all", disabled_optimizers: Sequence[str] = (),
                  threads: int = 0, tf32: bool | None = None, device_id: int = 0,
-                 session_config: dict[str, str] | None = None):
+                 session_config: dict[str, str] | None = None,
+                 fallback_hint: str = "or pass --allow-cpu-fallback"):
         if ep not in ORT_EPS:
             raise UsageError(f"--ep {ep}: choose one of {sorted(set(ORT_EPS))}")
         if ep != "cpu":
@@ -404,7 +407,7 @@ class OrtRunner(Runner):
                                     "onnxruntime-gpu instead of onnxruntime for CUDA/TensorRT")
             providers = ["CPUExecutionProvider"]
             if not allow_cpu_fallback:
-                raise StageError(self.fallback_reason + " (or pass --allow-cpu-fallback)")
+                raise StageError(f"{self.fallback_reason} ({fallback_hint})")
         self.threads = threads
         # GPU EP options: the device, and TF32 (CUDA EP ``use_tf32``, on by default in ORT's
         # CUDA EP; "0" makes FP32 convolutions/matmuls strict FP32).
@@ -420,7 +423,7 @@ class OrtRunner(Runner):
                                     "libraries on the loader path? source env.sh), session "
                                     f"runs on {self.used}")
             if not allow_cpu_fallback:
-                raise StageError(self.fallback_reason + " (or pass --allow-cpu-fallback)")
+                raise StageError(f"{self.fallback_reason} ({fallback_hint})")
         self.inputs = self.session.get_inputs()
         self.input_names = [i.name for i in self.inputs]
         self.output_names = [o.name for o in self.session.get_outputs()]

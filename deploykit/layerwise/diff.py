@@ -24,10 +24,10 @@ from deploykit.onnx.activations import (
 from deploykit.onnx.graph import (
     attrs,
     constants,
-    detect_precision,
     graph_inputs,
     load_onnx,
     producers,
+    tolerance_precision,
 )
 from deploykit.runners import ORT_EPS
 from deploykit.compare import TOLERANCES
@@ -101,7 +101,7 @@ def run_layer_diff(a_onnx: Path | str, b_onnx: Path | str, feed: dict[str, np.nd
             Without ``tensorrt`` the result has ``status: "skipped"`` and a reason.
         trt_build: builder flags for the marked engine, see :func:`trt_activations`.
         tolerances: overrides of ``min_cosine``/``atol``/``rtol``.
-        precision: tolerance class (default: :func:`detect_precision` of B, ``tf32`` for FP32
+        precision: tolerance class (default: :func:`tolerance_precision` of B, ``tf32`` for FP32
             on a GPU EP or TensorRT).
         batch: run in chunks of this many samples (memory; None = all at once); a model with a
             static batch is fed exactly that many (:func:`feed_plan`).
@@ -127,7 +127,7 @@ def run_layer_diff(a_onnx: Path | str, b_onnx: Path | str, feed: dict[str, np.nd
     feed, batch = feed_plan(feed, [a_model, b_model], batch)  # a static batch decides
     b_trt = b_trt or b_engine is not None
     if precision is None:
-        precision = detect_precision(b_model).lower()
+        precision = tolerance_precision(b_model).lower()
         if precision == "fp32" and (b_trt or ep_b in ("cuda", "trt", "tensorrt")):
             precision = "tf32"
     tol = tolerances_for(precision, tolerances)

@@ -19,7 +19,7 @@ from deploykit.onnx.activations import (
     lookthrough_aliases,
     ort_activations,
 )
-from deploykit.onnx.graph import constants, consumers, detect_precision, load_onnx
+from deploykit.onnx.graph import constants, consumers, load_onnx, tolerance_precision
 from deploykit.runners import ORT_EPS
 
 
@@ -139,7 +139,7 @@ def quant_backend_table(fp32_onnx: Path | str, qdq_onnx: Path | str, feed: dict[
     """
     t0 = time.time()
     a_model, q_model = load_onnx(fp32_onnx), load_onnx(qdq_onnx)
-    precision = precision or detect_precision(q_model).lower()
+    precision = precision or tolerance_precision(q_model).lower()
     tol = tolerances_for(precision if precision in TOLERANCES else "int8")
     batch = chunk_size([a_model, q_model], batch)
     steps = quantization_steps(q_model)

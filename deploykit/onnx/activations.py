@@ -92,8 +92,9 @@ def _ort_session(model_or_path, ep: str, tmp: Path, opt_level: str,
         path = tmp / f"m{len(list(tmp.iterdir()))}.onnx"
         big = model_or_path.ByteSize() > 1_500_000_000
         onnx.save(model_or_path, str(path), save_as_external_data=big)
-    return OrtRunner(path, ep=ep, opt_level=opt_level,
-                     disabled_optimizers=disabled_optimizers)
+    return OrtRunner(path, ep=ep, opt_level=opt_level, disabled_optimizers=disabled_optimizers,
+                     fallback_hint="a layer-wise comparison runs on the EP it names: run it "
+                                   "where that EP exists, or name cpu (--ep-a/--ep-b/--ep cpu)")
 
 
 # --------------------------------------------------------------------------------------------

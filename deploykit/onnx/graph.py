@@ -148,9 +148,29 @@ def detect_precision(model) -> str:
         return "INT8"
     if ops & {"QuantizeLinear", "DequantizeLinear"} and int8_mac_nodes(model):
         return "INT8"
-    n16 = sum(t.data_type == TensorProto.FLOAT16 for t in inits)
-    n32 = sum(t.data_type == TensorProto.FLOAT for t in inits)
+    # float tensors of the file: initializers, and the Constant nodes' values (the legacy
+    # exporter's FP16 graphs keep their weights there)
+    tensors = inits + [a.t for n in model.graph.node if n.op_type == "Constant"
+                       for a in n.attribute if a.name == "value"]
+    n16 = sum(t.data_type == TensorProto.FLOAT16 for t in tensors)
+    n32 = sum(t.data_type == TensorProto.FLOAT for t in tensors)
     return "FP16" if n16 > n32 else "FP32"
+
+
+def tolerance_precision(model) -> str:
+    """The tolerance class to compare ``model`` with its float reference at, layer by layer
+    (``layerwise.py diff``, ``quant-backend``): :func:`detect_precision`, except that a file
+    with Q/DQ nodes is ``INT8`` even when they quantize no MAC: each QuantizeLinear rounds its
+    tensor to the INT8 grid, an error the float tolerances would call a divergence.
+
+    Returns:
+        ``"INT4"``, ``"INT8"``, ``"FP16"`` or ``"FP32"``.
+    """
+    label = detect_precision(model)
+    if label in ("FP32", "FP16") and any(
+            n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in model.graph.node):
+        return "INT8"
+    return label
 
 
 def precision_note(model) -> str | None:

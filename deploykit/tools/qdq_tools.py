@@ -41,6 +41,7 @@ Rerun:  ``python qdq_tools.py inspect artifacts/efficientnet_lite0/onnx/int8.onn
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
@@ -209,6 +210,15 @@ def main(args: argparse.Namespace):
         findings, _ = check_bias_requant(model)
         rep["bias_requant_changes"] = [f.node for f in findings]
         print_inspect(rep, args.onnx)
+        # the static part of the health check (no calibration data): its findings, the first
+        # of each kind, so that reading the placement never hides a broken file
+        chk = run_check(args.onnx)
+        rep["check"] = {"n_findings": chk["n_findings"], "kinds": chk["kinds"],
+                        "command": f"python qdq_tools.py check {shlex.quote(str(args.onnx))}"}
+        print_check(chk, limit=1)
+        if chk["n_findings"]:
+            print(f"  every finding: {rep['check']['command']} (with --fp32 and --calib also "
+                  "the bias check on calibration data)")
         if args.json:
             write_json(args.json, rep)
         return rep

@@ -377,3 +377,26 @@ def test_the_printed_torch_vs_onnx_uses_the_reference_weights(tmp_path):
     assert words(str(w))[-2:] == ["--weights", str(w)]
     assert words("random-init")[-1] == "--random-init"
     assert "--weights" not in words("default") and "--random-init" not in words(None)
+
+
+def test_a_missing_ep_names_the_layerwise_way_out(tmp_path):
+    """An EP this onnxruntime lacks: layerwise.py fails (exit 1) with a way out it accepts
+    (run where the EP exists, or name cpu), not stage 3's --allow-cpu-fallback, which its
+    parser would refuse."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("this onnxruntime has the CUDA EP")
+    g = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])])
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    np.savez(tmp_path / "x.npz", x=np.ones((2, 4), np.float32))
+    p = subprocess.run([sys.executable, "layerwise.py", "diff", str(path), str(path), "--ep-b",
+                        "cuda", "--inputs", str(tmp_path / "x.npz")], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert p.returncode == 1, p.stderr
+    assert "CUDAExecutionProvider is not in this onnxruntime build" in p.stderr
+    assert "--allow-cpu-fallback" not in p.stderr and "--ep-b" in p.stderr

@@ -9,7 +9,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from deploykit.onnx.graph import detect_precision, precision_note
+from deploykit.onnx.graph import detect_precision, precision_note, tolerance_precision
 
 
 def _model(kind: str, fp16: bool = False):
@@ -66,3 +66,45 @@ def test_a_quantized_matmul_is_int8_and_a_float_model_has_no_note():
     m = _model("int8")
     assert detect_precision(m) == "INT8" and precision_note(m) is None
     assert detect_precision(_model("float")) == "FP32" and precision_note(_model("float")) is None
+
+
+def _as_constants(m):
+    """``m`` with its initializers moved into Constant nodes (how the legacy exporter writes
+    some FP16 graphs)."""
+    m2 = helper.make_model(m.graph, opset_imports=list(m.opset_import), ir_version=m.ir_version)
+    consts = [helper.make_node("Constant", [], [t.name], value=t, name=f"const_{t.name}")
+              for t in m2.graph.initializer]
+    nodes = consts + list(m2.graph.node)
+    del m2.graph.node[:], m2.graph.initializer[:]
+    m2.graph.node.extend(nodes)
+    return m2
+
+
+@pytest.mark.parametrize("fp16", [False, True])
+def test_the_float_label_counts_constant_nodes_too(fp16):
+    """An FP16 graph whose weights are Constant nodes (no initializer at all) is FP16, not FP32
+    (its layer-wise diff gets the FP16 tolerance); an FP32 one stays FP32."""
+    m = _as_constants(_model("float", fp16=fp16))
+    assert not m.graph.initializer
+    assert detect_precision(m) == ("FP16" if fp16 else "FP32")
+    assert tolerance_precision(m) == detect_precision(m)
+
+
+@pytest.mark.parametrize("kind", ["dead", "no_mac", "act_only"])
+def test_qdq_on_float_ops_is_compared_at_the_int8_tolerance(kind, tmp_path):
+    """Q/DQ that quantize no MAC still round their tensors to the INT8 grid: the row label
+    stays float (detect_precision) but the layer-wise comparison with the float file uses the
+    INT8 tolerance, so the rounding is not reported as a divergent layer."""
+    from onnx import save
+
+    from deploykit.layerwise.diff import run_layer_diff
+
+    m = _model(kind)
+    assert detect_precision(m) == "FP32" and tolerance_precision(m) == "INT8"
+    assert tolerance_precision(_model("float")) == "FP32"
+    assert tolerance_precision(_model("int8")) == "INT8"
+    save(_model("float"), str(tmp_path / "a.onnx"))
+    save(m, str(tmp_path / "b.onnx"))
+    feed = {"x": np.random.default_rng(1).standard_normal((8, 4)).astype(np.float32)}
+    res = run_layer_diff(tmp_path / "a.onnx", tmp_path / "b.onnx", feed)
+    assert res["precision"] == "int8"

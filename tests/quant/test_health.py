@@ -140,6 +140,25 @@ def test_per_tensor_depthwise_dead_channels(depthwise_ort):
     assert clean["ok"], clean["findings"]
 
 
+def test_inspect_shows_the_checks_findings(depthwise_ort, tmp_path):
+    """qdq_tools.py inspect also runs the static health check: the per-tensor depthwise file
+    shows its dead channels with the fix (inspect alone said nothing of them) and the command
+    that lists every finding; the per-channel file shows none; --json records the kinds."""
+    d = depthwise_ort
+    p = _check("inspect", d["pt"], "--json", tmp_path / "pt.json")
+    assert p.returncode == 0, p.stderr
+    assert "[dead_channels]" in p.stdout and "[per_tensor_grouped]" in p.stdout
+    assert "fix: give each output channel its own scale" in p.stdout
+    assert f"every finding: python qdq_tools.py check {d['pt']}" in p.stdout
+    import json
+
+    rec = json.loads((tmp_path / "pt.json").read_text())["check"]
+    assert rec["n_findings"] >= 2 and {"dead_channels", "per_tensor_grouped"} <= set(rec["kinds"])
+    clean = _check("inspect", d["pc"])
+    assert clean.returncode == 0 and "[dead_channels]" not in clean.stdout
+    assert "every finding" not in clean.stdout
+
+
 # --------------------------------------------------------------------------------------------
 # INT4 blocks (ModelOpt, stage 5b)
 # --------------------------------------------------------------------------------------------
