@@ -44,6 +44,7 @@ from deploykit.data.user import (LABELS_KEY, SYNTHETIC_KEY, SYNTHETIC_NOTE, inpu
 from deploykit.model_errors import forward_error
 from deploykit.models import (RANDOM_INIT_NOTE, build_model, example_inputs, model_spec,
                               parse_input_shapes)
+from deploykit.export import check_batch_statistics
 from deploykit.results import measured_against, weights_sha256, write_result
 from deploykit.runners import TorchRunner
 
@@ -133,6 +134,9 @@ def main(args: argparse.Namespace) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     model, spec = build_model(args.model, args.weights, pretrained=not args.random_init)
+    # a model whose samples interact (batch statistics, a module left in training mode) has no
+    # reference: each batch size would give another one (stage 2 refuses it alike)
+    check_batch_statistics(model, "no reference written (an earlier one is kept)")
     shapes = parse_input_shapes(args.input_shape)
     inputs: list = []
     fp16 = args.precision == "fp16"

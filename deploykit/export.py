@@ -9,6 +9,7 @@ import sys
 import warnings
 from pathlib import Path
 import numpy as np
+from deploykit.checks.batch_stats import batch_statistics_problem
 from deploykit.checks.base import check_result, format_result, with_source, worst
 from deploykit.checks.export import (
     capture_warnings,
@@ -16,7 +17,6 @@ from deploykit.checks.export import (
 )
 from deploykit.checks.lint import DEFAULT_EXAMPLE_BATCH
 from deploykit.commands import this_command
-from deploykit.io import load_npz
 from deploykit.data.images import normalize
 from deploykit.data.splits import load_split
 from deploykit.data.user import input_names, load_inputs, reference_inputs
@@ -73,45 +73,18 @@ def _exporter_error(e: Exception, exporter: str, opset: int) -> StageError:
                       f"{type(e).__name__}: {first}{where}.{hint}")
 
 
-def check_batch_statistics(model) -> None:
-    """Refuse, before anything is exported, a model whose outputs depend on the rest of the
-    batch or on chance: a BatchNorm that normalises with the batch's statistics (in training
-    mode, ``track_running_stats=False``, or running statistics set to None: it does so even in
-    ``eval()``) or another module left in training mode (Dropout draws random masks). Its
-    samples interact, so every batch size deploys another model and no export can match it.
+def check_batch_statistics(model, consequence: str = "nothing exported") -> None:
+    """Refuse, before anything is exported (stage 2) or used as the reference (stage 1), a
+    model whose outputs depend on the rest of the batch or on chance
+    (:func:`batch_dependent_modules`): its samples interact, so every batch size deploys
+    another model and no export can match it.
 
     Raises:
-        StageError: names the first such module (and how many more), why, and the fix.
+        StageError: :func:`batch_statistics_problem`'s message.
     """
-    import torch
-
-    bn, train = [], []
-    for name, m in model.named_modules():
-        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
-            why = ("it is in training mode" if m.training else
-                   "track_running_stats=False" if not m.track_running_stats else
-                   "its running statistics are None" if m.running_mean is None else None)
-            if why:
-                bn.append((name or type(m).__name__, type(m).__name__, why))
-        elif m.training and (isinstance(m, torch.nn.modules.dropout._DropoutNd)
-                             or any(True for _ in m.parameters(recurse=False))):
-            train.append((name or type(m).__name__, type(m).__name__))
-    if bn:
-        name, kind, why = bn[0]
-        more = f" (and {len(bn) - 1} more BatchNorm modules)" if len(bn) > 1 else ""
-        raise StageError(
-            f"BatchNorm `{name}` ({kind}) uses batch statistics ({why}): the model is not in "
-            f"eval mode or has track_running_stats=False{more}. Each sample's output depends on "
-            "the other samples of its batch, so batch 1 and batch N deploy different models; "
-            "nothing exported. Fix: train with running statistics (track_running_stats=True) "
-            "and return model.eval() from the factory, or replace it by GroupNorm/InstanceNorm")
-    if train:
-        name, kind = train[0]
-        more = f" (and {len(train) - 1} more)" if len(train) > 1 else ""
-        raise StageError(
-            f"module `{name}` ({kind}) is in training mode after model.eval(){more} (does the "
-            "model override train()/eval() or set .training?): its outputs change from run to "
-            "run or with the batch; nothing exported. Fix: leave every module in eval mode")
+    problem = batch_statistics_problem(model, consequence)
+    if problem:
+        raise StageError(problem)
 
 
 def export_fp32(model, example: dict[str, np.ndarray], path: Path, exporter: str, opset: int,

@@ -11,6 +11,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from deploykit.checks.base import check_result, node_label, output_problems, suspects
+from deploykit.checks.batch_stats import batch_statistics_problem
 from deploykit.checks.lint import DATA_DEPENDENT_OPS, lint
 from deploykit.compare import OUTPUT_MIN_COSINE, parity
 from deploykit.errors import StageError
@@ -216,10 +217,15 @@ def check_batch_parity(ref_by_batch: dict[int, dict[str, np.ndarray]],
                          batches=sorted(feed_by_batch), output_shapes=shapes, parity=par)]
 
 
-def check_batch_independence(ref_by_batch: dict[int, dict[str, np.ndarray]]) -> list[dict]:
+def check_batch_independence(ref_by_batch: dict[int, dict[str, np.ndarray]],
+                             cause: str | None = None) -> list[dict]:
     """Sample 0 alone and sample 0 inside a batch give the same PyTorch outputs (rows 0 of
     outputs whose axis 0 is the batch). A model whose samples interact (BatchNorm in training
-    mode, a reduction over the batch) is reported: every batch size deploys a different model."""
+    mode, a reduction over the batch) is reported: every batch size deploys a different model.
+
+    Args:
+        cause: the module that makes them interact, when the model says
+            (:func:`deploykit.export.batch_statistics_problem`): named with its fix."""
     if 1 not in ref_by_batch or len(ref_by_batch) < 2:
         return [check_result("batch_independence", "skip", "needs batch 1 and a larger batch")]
     big = max(ref_by_batch)
@@ -233,10 +239,16 @@ def check_batch_independence(ref_by_batch: dict[int, dict[str, np.ndarray]]) -> 
             if d > 1e-4 * max(scale, 1.0):
                 diffs.append(f"output {n1}: max abs diff {d:.3g}")
     if diffs:
-        return [check_result("batch_independence", "warn",
-                             f"in PyTorch, sample 0 alone differs from sample 0 inside a batch of "
-                             f"{big} ({'; '.join(diffs)}): the samples interact",
-                             fix="model.eval() before export; no statistics over the batch axis")]
+        msg = (f"in PyTorch, sample 0 alone differs from sample 0 inside a batch of {big} "
+               f"({'; '.join(diffs)}): the samples interact")
+        if cause:
+            head, _, fix = cause.partition(" Fix: ")
+            return [check_result("batch_independence", "warn", f"{msg}: {head}",
+                                 fix=fix or None)]
+        return [check_result("batch_independence", "warn", msg,
+                             fix="find what mixes the samples (a BatchNorm using batch statistics, "
+                                 "a reduction or an index over axis 0) and compute each sample "
+                                 "on its own")]
     return [check_result("batch_independence", "pass", "samples do not interact (PyTorch)")]
 
 
@@ -456,7 +468,8 @@ def check_export(model, onnx_path: Path | str, feed: dict[str, np.ndarray], *,
                                     f"({str(e).splitlines()[0][:160]}); not compared"))
             feeds.pop(b)
     out += check_batch_parity(refs, feeds, run, min_cosine, lint_res)
-    out += check_batch_independence(refs)
+    out += check_batch_independence(refs, batch_statistics_problem(
+        model, "a file exported from it matches one batch size only"))
     if not input_paths:
         return out + [check_result("input_paths", "skip", f"{n} real samples exercise the model's "
                                    "data-dependent paths (batch_parity)")]

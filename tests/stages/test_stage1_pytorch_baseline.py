@@ -72,3 +72,51 @@ def test_stage1_cli_messages_for_bad_model_inputs(tmp_path):
         p = run_stage(base + extra, env, check=False)
         assert p.returncode == rc and msg in p.stderr, (extra, p.stderr[-2000:])
         assert "Traceback" not in p.stderr
+
+
+def test_stage1_refuses_a_model_whose_samples_interact(tmp_path, monkeypatch):
+    """A BatchNorm that normalises with the batch's statistics even in eval()
+    (track_running_stats=False): no reference exists (each batch size gives another one), so
+    stage 1 refuses it as stage 2 does, naming the module and the fix; an earlier reference
+    stays. The export check's batch-independence warning names the same module and fix."""
+    import numpy as np
+    import torch
+
+    from deploykit.errors import StageError
+
+    (tmp_path / "bnstats.py").write_text(
+        "import torch\n"
+        "def build():\n"
+        "    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(\n"
+        "        4, track_running_stats=False), torch.nn.Flatten(), torch.nn.LazyLinear(2)\n"
+        "    ).eval()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for k, v in (("ARTIFACTS", tmp_path / "a"), ("RESULTS", tmp_path / "r")):
+        monkeypatch.setenv(k, str(v))
+    ref = tmp_path / "a" / "bnstats-build" / "ref_outputs.npz"
+    ref.parent.mkdir(parents=True)
+    ref.write_bytes(b"the earlier reference")
+    stage1 = load_stage("1_pytorch_baseline")
+    args = stage1.get_args_parser().parse_args(
+        ["--model", "bnstats:build", "--input-shape", "x:1,3,8,8", "--iters", "1",
+         "--warmup", "0"])
+    with pytest.raises(StageError, match=r"BatchNorm `1` \(BatchNorm2d\) uses batch statistics "
+                                         r"\(track_running_stats=False\).*no reference written"):
+        stage1.main(args)
+    assert ref.read_bytes() == b"the earlier reference"
+
+    import bnstats
+
+    from deploykit.checks.export import check_batch_independence
+    from deploykit.checks.batch_stats import batch_statistics_problem
+
+    model = bnstats.build()
+    x = np.random.default_rng(0).standard_normal((4, 3, 8, 8)).astype(np.float32)
+    with torch.no_grad():
+        refs = {b: {"y": model(torch.from_numpy(x[:b])).numpy()} for b in (1, 4)}
+    cause = batch_statistics_problem(model, "a file exported from it matches one batch only")
+    (ind,) = check_batch_independence(refs, cause)
+    assert ind["status"] == "warn" and "BatchNorm `1`" in ind["detail"]
+    assert "track_running_stats=True" in ind["fix"] and "model.eval() before" not in ind["fix"]
+    (plain,) = check_batch_independence(refs)  # no model to name: no misleading eval() advice
+    assert plain["status"] == "warn" and "model.eval()" not in plain["fix"]
