@@ -78,6 +78,12 @@ def _node_detail(a_model, b_model, node_name: str) -> dict:
     return det
 
 
+#: Said by a diff of an FP16 file on ORT's CPU EP: what it cannot show.
+FP16_ON_CPU_NOTE = ("ORT's CPU EP computes most FP16 ops in FP32 (Casts around them), so this "
+                    "diff cannot show FP16 overflow or underflow; the FP16 range audit "
+                    "(python export_checks.py fp16-audit) or a GPU EP (--ep-b cuda) can")
+
+
 def run_layer_diff(a_onnx: Path | str, b_onnx: Path | str, feed: dict[str, np.ndarray], *,
                    ep_a: str = "cpu", ep_b: str = "cpu", b_engine: Path | str | None = None,
                    b_trt: bool = False, trt_build: dict | None = None,
@@ -141,6 +147,9 @@ def run_layer_diff(a_onnx: Path | str, b_onnx: Path | str, feed: dict[str, np.nd
         "n_samples": int(len(next(iter(feed.values())))) if feed else 0,
         "inputs": {k: [list(v.shape), str(v.dtype)] for k, v in feed.items()},
     }
+    if precision == "fp16" and not b_trt and ep_b == "cpu":
+        # the CPU EP casts around most FP16 ops (stage 3 says so of its ort_fp16 row too)
+        result["fp16_note"] = FP16_ON_CPU_NOTE
     if b_trt:
         ok, info = trt_available()
         result["b"]["tensorrt"] = info if ok else None

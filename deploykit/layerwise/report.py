@@ -38,6 +38,8 @@ def render_table(result: dict, max_rows: int | None = None) -> str:
              f"- precision class: {result.get('precision')}; pass if cosine_min >= "
              f"{tol.get('min_cosine')} and max_abs_err <= {tol.get('atol')} + {tol.get('rtol')}"
              " * max|ref|", f"- samples: {result.get('n_samples')}"]
+    if result.get("fp16_note"):
+        lines.append(f"- note: {result['fp16_note']}")
     if result.get("status") == "skipped":
         return "\n".join(lines + ["", f"**Skipped:** {result.get('reason')}", ""])
     fd = result.get("first_divergent")

@@ -108,3 +108,21 @@ def test_qdq_on_float_ops_is_compared_at_the_int8_tolerance(kind, tmp_path):
     feed = {"x": np.random.default_rng(1).standard_normal((8, 4)).astype(np.float32)}
     res = run_layer_diff(tmp_path / "a.onnx", tmp_path / "b.onnx", feed)
     assert res["precision"] == "int8"
+
+
+def test_a_diff_of_an_fp16_file_on_the_cpu_ep_says_what_it_cannot_show(tmp_path):
+    """ORT's CPU EP computes FP16 graphs in FP32: the layer-wise diff of an FP16 file there
+    says that it cannot show FP16 overflow, and where to look instead; an FP32 diff does not."""
+    from onnx import save
+
+    from deploykit.layerwise.diff import run_layer_diff
+    from deploykit.layerwise.report import render_table
+
+    save(_model("float"), str(tmp_path / "a.onnx"))
+    save(_model("float", fp16=True), str(tmp_path / "b.onnx"))
+    feed = {"x": np.random.default_rng(1).standard_normal((8, 4)).astype(np.float32)}
+    res = run_layer_diff(tmp_path / "a.onnx", tmp_path / "b.onnx", feed)
+    assert res["precision"] == "fp16" and "fp16-audit" in res["fp16_note"]
+    assert "cannot show FP16 overflow" in render_table(res)
+    same = run_layer_diff(tmp_path / "a.onnx", tmp_path / "a.onnx", feed)
+    assert "fp16_note" not in same and "cannot show" not in render_table(same)
