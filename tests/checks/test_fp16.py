@@ -288,3 +288,34 @@ def test_reference_conv_and_matmul_on_float16_keep_the_evaluators_arithmetic():
     # both cases covered: depthwise products above 65504 beside finite ones
     assert np.isinf(plain["d"]).any() and np.isfinite(plain["d"]).any()
     assert np.isfinite(plain["y"]).all()
+
+
+def test_true_fp16_run_stops_at_its_budget_between_two_nodes(tmp_path, monkeypatch):
+    """The budget bounds the onnx.reference run itself, not only the decision to start a
+    second one: a run that the ORT-based estimate underrates (here: a clock that advances one
+    second per look) is stopped between two nodes at the budget and the check says it did not
+    finish (skip, not judged), instead of running on."""
+    import deploykit.checks.fp16 as fp16
+
+    g = helper.make_graph(
+        [helper.make_node("Mul", ["x", "k"], ["a"], name="m1"),
+         helper.make_node("Mul", ["a", "k"], ["b"], name="m2"),
+         helper.make_node("Mul", ["b", "k"], ["c"], name="m3"),
+         helper.make_node("Mul", ["c", "k"], ["y"], name="m4")], "g",
+        [helper.make_tensor_value_info("x", 1, ["N", 6])],
+        [helper.make_tensor_value_info("y", 1, ["N", 6])],
+        [numpy_helper.from_array(np.array(1.5, np.float32), "k")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    m16, _ = convert_fp16(m)
+    path = tmp_path / "fp16.onnx"
+    onnx.save(m16, str(path))
+    feed = {"x": np.random.default_rng(0).uniform(1, 2, (2, 6)).astype(np.float32)}
+    ref = {"y": _ort_model(m, feed)}
+    (ok,) = fp16_true_arithmetic(path, feed, ref, 0.999)  # a real clock: well within 60 s
+    assert ok["status"] == "pass" and ok["n_samples"] == 2, ok
+    clock = iter(range(1000))
+    monkeypatch.setattr(fp16, "REFERENCE_SLOWDOWN", 0.0)  # the estimate says: about 0 s
+    monkeypatch.setattr(fp16.time, "time", lambda: float(next(clock)))
+    (r,) = fp16_true_arithmetic(path, feed, ref, 0.999, budget_s=3)
+    assert r["status"] == "skip" and "did not finish one run" in r["detail"], r
+    assert "3 s budget" in r["detail"] and r["fix"] == "raise --true-fp16-budget-s to run it"
