@@ -250,9 +250,13 @@ def main(args: argparse.Namespace) -> dict:
         # row's FP16 graph is computed in FP32: it cannot show FP16 overflow (stage 2's range
         # audit and onnx.reference, or a GPU EP, judge real FP16).
         base["fp16_computed_in"] = "FP32 (ORT CPU EP: Casts around ops without FP16 kernels)"
-    next_step = diff_command(args.model, fp32_onnx_path(args.model), onnx_path, precision,
+    # The layer-wise diagnostics compare at the tolerance of what the file computes (Q/DQ
+    # without a quantized MAC still rounds: INT8) on the EP this session really used.
+    diff_precision = "INT8" if qdq_note else precision
+    diff_ep = args.ep if runner.used == ORT_EPS[args.ep] else "cpu"
+    next_step = diff_command(args.model, fp32_onnx_path(args.model), onnx_path, diff_precision,
                              model_results(args.model) / f"layerwise_{args.tag}",
-                             classifier=spec.classifier, ep=args.ep,
+                             classifier=spec.classifier, ep=diff_ep,
                              inputs=args.inputs or (ref_outputs_path(args.model)
                                                     if not spec.classifier else None),
                              weights=(reference_row(args.model, ref_path) or {}).get("weights"))
@@ -309,9 +313,10 @@ def main(args: argparse.Namespace) -> dict:
     # cross-check saw the backend disagree with the graph.
     if is_qdq(precision) and (args.layerwise or (cc and cc.get("disagreement"))):
         diagnose(rec, "quant_backend", lambda: _quant_backend(
-            args, spec, data, onnx_path))
+            args, spec, data, onnx_path, diff_ep))
     if args.layerwise:
-        diagnose(rec, "layerwise", lambda: _layerwise(args, spec, onnx_path, precision))
+        diagnose(rec, "layerwise", lambda: _layerwise(args, spec, onnx_path, diff_precision,
+                                                      diff_ep))
     return rec
 
 
@@ -351,7 +356,7 @@ def _skip_rejected(args, why: str, started: float) -> dict:
     return rec
 
 
-def _quant_backend(args, spec, data: EvalData, onnx_path: Path) -> dict:
+def _quant_backend(args, spec, data: EvalData, onnx_path: Path, ep: str) -> dict:
     """``deploykit.layerwise.quant_backend.quant_backend_table`` of ``onnx_path`` against the model's FP32 ONNX on
     ``--layerwise-images`` samples; writes ``results/<model>/quant_backend_<tag>/`` and returns
     a summary for the row."""
@@ -365,7 +370,7 @@ def _quant_backend(args, spec, data: EvalData, onnx_path: Path) -> dict:
     print(f"quantization vs backend error per layer: every tensor of 3 ORT runs (float, Q/DQ "
           f"unoptimised, Q/DQ as run) on {len(next(iter(feed.values())))} samples -> {out_dir}",
           file=sys.stderr, flush=True)
-    res = quant_backend_table(ref_onnx, onnx_path, feed, ep=args.ep,
+    res = quant_backend_table(ref_onnx, onnx_path, feed, ep=ep,
                               opt_level=args.opt_level,
                               disabled_optimizers=args.disable_optimizer,
                               batch=args.batch_size, out_dir=out_dir)
@@ -375,7 +380,7 @@ def _quant_backend(args, spec, data: EvalData, onnx_path: Path) -> dict:
             "channels_lost": res["channels_lost"][:5]}
 
 
-def _layerwise(args, spec, onnx_path: Path, precision: str) -> dict:
+def _layerwise(args, spec, onnx_path: Path, precision: str, ep: str) -> dict:
     """Layer-wise comparison with the FP32 ONNX on ORT CPU (``layerwise.py``); writes
     ``results/<model>/layerwise_<tag>/`` and returns a summary for the row."""
 
@@ -384,7 +389,7 @@ def _layerwise(args, spec, onnx_path: Path, precision: str) -> dict:
     feed = load_feed(None, args.model if spec.classifier else None,
                      args.layerwise_images, ref_onnx)
     out_dir = model_results(args.model) / f"layerwise_{args.tag}"
-    res = run_layer_diff(ref_onnx, onnx_path, feed, ep_b=args.ep,
+    res = run_layer_diff(ref_onnx, onnx_path, feed, ep_b=ep,
                          precision=precision.lower(), opt_level=args.opt_level,
                          out_dir=out_dir)
     print(render_table(res, max_rows=40))

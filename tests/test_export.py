@@ -57,6 +57,19 @@ def test_module_left_in_training_mode_named():
         check_batch_statistics(m)
 
 
+def test_modules_whose_training_mode_changes_nothing_are_no_reason_to_refuse():
+    """A Conv left in training mode (a frozen encoder whose train() is a no-op) or a Dropout
+    with p 0 compute the same in either mode: no refusal; the Dropout with p 0.5 is named."""
+    m = _Net().eval()
+    m.conv.train()
+    check_batch_statistics(m)
+    m.drop = nn.Dropout(0.0).train()
+    check_batch_statistics(m)
+    m.drop = nn.Dropout(0.5).train()
+    with pytest.raises(StageError, match=r"module `drop` \(Dropout\) is in training mode"):
+        check_batch_statistics(m)
+
+
 def _raise(model, x):
     try:
         model(torch.from_numpy(x))

@@ -10,7 +10,7 @@ def batch_dependent_modules(model) -> tuple[list[tuple[str, str, str]], list[tup
     """The modules whose outputs depend on the rest of the batch or on chance: BatchNorms that
     normalise with the batch's statistics (in training mode, ``track_running_stats=False``, or
     running statistics set to None: they do so even in ``eval()``), and other modules left in
-    training mode (Dropout draws random masks; a module with parameters of its own).
+    training mode that then compute differently (a Dropout with p > 0 draws random masks).
 
     Returns:
         ``(batchnorms, in_training)``: ``[(name, class name, why)]`` and ``[(name, class
@@ -26,8 +26,9 @@ def batch_dependent_modules(model) -> tuple[list[tuple[str, str, str]], list[tup
                    "its running statistics are None" if m.running_mean is None else None)
             if why:
                 bn.append((name or type(m).__name__, type(m).__name__, why))
-        elif m.training and (isinstance(m, torch.nn.modules.dropout._DropoutNd)
-                             or any(True for _ in m.parameters(recurse=False))):
+        elif m.training and isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0:
+            # what training mode changes in PyTorch's own layers (a Conv or Linear left in it
+            # computes the same; a Dropout with p 0 drops nothing)
             train.append((name or type(m).__name__, type(m).__name__))
     return bn, train
 

@@ -78,10 +78,11 @@ def _node_detail(a_model, b_model, node_name: str) -> dict:
     return det
 
 
-#: Said by a diff of an FP16 file on ORT's CPU EP: what it cannot show.
+#: Said by a diff of an FP16 file on ORT's CPU EP: what it cannot show ({audit}: the command
+#: of the FP16 range audit of the two files).
 FP16_ON_CPU_NOTE = ("ORT's CPU EP computes most FP16 ops in FP32 (Casts around them), so this "
-                    "diff cannot show FP16 overflow or underflow; the FP16 range audit "
-                    "(python export_checks.py fp16-audit) or a GPU EP (--ep-b cuda) can")
+                    "diff cannot show FP16 overflow or underflow; the FP16 range audit can "
+                    "({audit}), and so can this diff on a GPU EP (onnxruntime-gpu)")
 
 
 def run_layer_diff(a_onnx: Path | str, b_onnx: Path | str, feed: dict[str, np.ndarray], *,
@@ -149,7 +150,10 @@ def run_layer_diff(a_onnx: Path | str, b_onnx: Path | str, feed: dict[str, np.nd
     }
     if precision == "fp16" and not b_trt and ep_b == "cpu":
         # the CPU EP casts around most FP16 ops (stage 3 says so of its ort_fp16 row too)
-        result["fp16_note"] = FP16_ON_CPU_NOTE
+        from deploykit.commands import script_command
+
+        result["fp16_note"] = FP16_ON_CPU_NOTE.format(audit=script_command(
+            "export_checks.py", ["fp16-audit", str(a_onnx), "--fp16", str(b_onnx)]))
     if b_trt:
         ok, info = trt_available()
         result["b"]["tensorrt"] = info if ok else None

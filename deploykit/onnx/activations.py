@@ -94,7 +94,7 @@ def _ort_session(model_or_path, ep: str, tmp: Path, opt_level: str,
         onnx.save(model_or_path, str(path), save_as_external_data=big)
     return OrtRunner(path, ep=ep, opt_level=opt_level, disabled_optimizers=disabled_optimizers,
                      fallback_hint="a layer-wise comparison runs on the EP it names: run it "
-                                   "where that EP exists, or name cpu (--ep-a/--ep-b/--ep cpu)")
+                                   "where that EP exists, or name the CPU EP (cpu) instead")
 
 
 # --------------------------------------------------------------------------------------------

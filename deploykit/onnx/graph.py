@@ -148,12 +148,17 @@ def detect_precision(model) -> str:
         return "INT8"
     if ops & {"QuantizeLinear", "DequantizeLinear"} and int8_mac_nodes(model):
         return "INT8"
-    # float tensors of the file: initializers, and the Constant nodes' values (the legacy
-    # exporter's FP16 graphs keep their weights there)
+    # float values of the file, counted by element (a Resize's four FP32 scales or an FP16
+    # scalar never outvote the weights): initializers, and the Constant nodes' values (the
+    # legacy exporter's FP16 graphs can keep their weights there)
     tensors = inits + [a.t for n in model.graph.node if n.op_type == "Constant"
                        for a in n.attribute if a.name == "value"]
-    n16 = sum(t.data_type == TensorProto.FLOAT16 for t in tensors)
-    n32 = sum(t.data_type == TensorProto.FLOAT for t in tensors)
+
+    def size(t) -> int:
+        return int(np.prod(t.dims, dtype=np.int64)) if len(t.dims) else 1
+
+    n16 = sum(size(t) for t in tensors if t.data_type == TensorProto.FLOAT16)
+    n32 = sum(size(t) for t in tensors if t.data_type == TensorProto.FLOAT)
     return "FP16" if n16 > n32 else "FP32"
 
 

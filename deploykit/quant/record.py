@@ -40,9 +40,10 @@ def run_check(onnx_path: Path | str, fp32: Path | str | None = None,
             "calib": str(calib) if calib else None, **rep}
 
 
-def print_check(rep: dict, limit: int | None = None) -> None:
+def print_check(rep: dict, limit: int | None = None,
+                more: str = "all in the JSON; python qdq_tools.py check prints them") -> None:
     """Findings of :func:`run_check`, one block each (message, then the fix); ``limit``: print
-    the first ``limit`` of each kind only."""
+    the first ``limit`` of each kind only, and ``more`` where the others are."""
 
     print(f"{rep['file']}: {summary_line(rep)} (bias re-quantization judged on "
           f"{rep['basis']}; {rep['checked']['n_wbq_candidates']} Conv/Gemm (or MatMul+Add ORT "
@@ -57,8 +58,7 @@ def print_check(rep: dict, limit: int | None = None) -> None:
         if limit is None or shown[f["kind"]] <= limit:
             print(f"  [{f['kind']}] {f['message']}\n      fix: {f['fix']}")
         elif shown[f["kind"]] == limit + 1:
-            print(f"  [{f['kind']}] ... {rep['kinds'][f['kind']] - limit} more (all in the "
-                  "JSON; python qdq_tools.py check prints them)")
+            print(f"  [{f['kind']}] ... {rep['kinds'][f['kind']] - limit} more ({more})")
 
 
 def record_quant(args: argparse.Namespace) -> dict:

@@ -41,12 +41,12 @@ Rerun:  ``python qdq_tools.py inspect artifacts/efficientnet_lite0/onnx/int8.onn
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 from pathlib import Path
 
 from deploykit.tools import layerwise as layerwise_cli
 from deploykit.cli import check_positive
+from deploykit.commands import script_command
 from deploykit.errors import StageError, UsageError
 from deploykit.io import atomic_path, write_json
 from deploykit.onnx.graph import load_onnx, onnx_opset
@@ -214,11 +214,12 @@ def main(args: argparse.Namespace):
         # of each kind, so that reading the placement never hides a broken file
         chk = run_check(args.onnx)
         rep["check"] = {"n_findings": chk["n_findings"], "kinds": chk["kinds"],
-                        "command": f"python qdq_tools.py check {shlex.quote(str(args.onnx))}"}
-        print_check(chk, limit=1)
+                        "command": script_command("qdq_tools.py", ["check", str(args.onnx)])}
+        print_check(chk, limit=1, more="the command below lists them")
         if chk["n_findings"]:
-            print(f"  every finding: {rep['check']['command']} (with --fp32 and --calib also "
-                  "the bias check on calibration data)")
+            print(f"  every finding: {rep['check']['command']} (add --calib C.npz to judge the "
+                  "bias re-quantization on calibration data, --fp32 F.onnx to compare the "
+                  "weights with the float file)")
         if args.json:
             write_json(args.json, rep)
         return rep

@@ -399,4 +399,4 @@ def test_a_missing_ep_names_the_layerwise_way_out(tmp_path):
                        capture_output=True, text=True)
     assert p.returncode == 1, p.stderr
     assert "CUDAExecutionProvider is not in this onnxruntime build" in p.stderr
-    assert "--allow-cpu-fallback" not in p.stderr and "--ep-b" in p.stderr
+    assert "--allow-cpu-fallback" not in p.stderr and "name the CPU EP" in p.stderr

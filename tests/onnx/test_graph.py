@@ -126,3 +126,27 @@ def test_a_diff_of_an_fp16_file_on_the_cpu_ep_says_what_it_cannot_show(tmp_path)
     assert "cannot show FP16 overflow" in render_table(res)
     same = run_layer_diff(tmp_path / "a.onnx", tmp_path / "a.onnx", feed)
     assert "fp16_note" not in same and "cannot show" not in render_table(same)
+
+
+def test_the_float_label_counts_values_not_tensors():
+    """FP32 Resize scales (4 values each) beside FP16 weights leave an FP16 file FP16, and FP16
+    scalars beside FP32 weights leave an FP32 file FP32: the label follows the values."""
+    from onnx import TensorProto
+
+    def with_constants(m, dtype, n, shape):
+        extra = [helper.make_node("Constant", [], [f"c{i}"], name=f"c{i}",
+                                  value=numpy_helper.from_array(np.ones(shape, dtype), f"v{i}"))
+                 for i in range(n)]
+        g = m.graph
+        g2 = helper.make_graph(extra + list(g.node), g.name, list(g.input), list(g.output),
+                               list(g.initializer))
+        return helper.make_model(g2, opset_imports=list(m.opset_import), ir_version=m.ir_version)
+
+    # 13 FP16 values in 2 tensors against 8 FP32 values in 2 tensors (a count of tensors ties)
+    fp16 = with_constants(_model("float", fp16=True), np.float32, 2, (4,))
+    assert sum(t.data_type == TensorProto.FLOAT for t in fp16.graph.initializer) == 0
+    assert detect_precision(fp16) == "FP16"
+    assert detect_precision(_as_constants(fp16)) == "FP16"  # weights in Constant nodes too
+    # 5 FP16 scalars (5 tensors) against 13 FP32 values (2 tensors)
+    fp32 = with_constants(_model("float"), np.float16, 5, ())
+    assert detect_precision(fp32) == "FP32"

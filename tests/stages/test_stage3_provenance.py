@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -118,3 +119,6 @@ def test_a_file_whose_qdq_quantizes_no_mac_is_measured_as_float_and_said(dirs, c
     assert "0 of 1 MatMul/Conv/Gemm quantized" in rec["qdq_without_int8_macs"]
     assert "WARNING: dead_qdq.onnx: 2 QuantizeLinear/DequantizeLinear node(s)" in err
     assert "WARNING: no record in" in err  # still a derived file of unknown source
+    # its layer-wise diagnostic compares at the INT8 tolerance: the Q/DQ still round x
+    lw = _run(dead, "ort_dead_qdq_lw", "--layerwise")["diagnostics"]["layerwise"]
+    assert json.loads((Path(lw["out_dir"]) / "layerwise.json").read_text())["precision"] == "int8"
