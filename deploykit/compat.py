@@ -129,3 +129,15 @@ def former_api(root: str) -> Callable[[str], Any]:
         return getattr(importlib.import_module(mod), name)
 
     return __getattr__
+
+
+def former_dir(root: str, namespace: dict) -> Callable[[], list[str]]:
+    """A module ``__dir__`` for the root command ``root``: its own names (``namespace``, its
+    ``globals()``) and the former ones of :data:`FORMER_NAMES`, so ``dir()`` and completion
+    list them too."""
+    names = {name for names in FORMER_NAMES[root].values() for name in names}
+
+    def __dir__() -> list[str]:
+        return sorted(set(namespace) | names)
+
+    return __dir__

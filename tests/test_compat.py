@@ -37,3 +37,11 @@ def test_a_script_written_against_the_root_module_runs():
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     assert "conv1" in p.stdout and "deploykit.quant.calibration" in p.stdout
+
+
+def test_dir_lists_the_former_names():
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    layerwise = importlib.import_module("layerwise")
+    names = dir(layerwise)
+    assert "trt_remedies" in names and "run_layer_diff" in names and "cli_main" in names

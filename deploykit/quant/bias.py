@@ -543,7 +543,8 @@ def check_bias_scales(model, consts: dict | None = None) -> list[Finding]:
         tol = 2e-3 if np.float16 in (s_b.dtype, s_in.dtype, s_w.dtype) else 1e-5
         with np.errstate(divide="ignore", invalid="ignore"):
             ratio = actual / expected
-        bad = np.flatnonzero(~(np.abs(ratio - 1) <= tol))
+        # equal scales match, zeros too (a pruned channel: weight scale 0, bias scale 0)
+        bad = np.flatnonzero(~((np.abs(ratio - 1) <= tol) | (actual == expected)))
         if not bad.size:
             continue
         k = int(bad[0])

@@ -334,3 +334,30 @@ def test_fp32_comparison_says_what_it_compared(tmp_path):
               str(fp))
     p = _tool("qdq_tools.py", "check", qp, "--fp32", fp)
     assert "0 of 1 quantized weights compared with the float weights" in p.stdout, p.stdout
+
+
+@pytest.mark.parametrize("bias_scale, flagged", [([0.0, 0.0003], False), ([0.0, 0.0006], True)])
+def test_a_pruned_channel_with_zero_scales_is_no_bias_scale_mismatch(bias_scale, flagged):
+    """A channel whose weight scale is 0 (pruned) and whose bias scale is 0 too matches
+    x_scale x w_scale = 0: no 'ratio nan' finding; a real x2 on the other channel still is."""
+    from deploykit.quant.bias import check_bias_scales
+
+    inits = [numpy_helper.from_array(np.array(0.01, np.float32), "xs"),
+             numpy_helper.from_array(np.array(128, np.uint8), "xz"),
+             numpy_helper.from_array(np.zeros((2, 1, 1, 1), np.int8), "wq"),
+             numpy_helper.from_array(np.array([0.0, 0.03], np.float32), "ws"),
+             numpy_helper.from_array(np.zeros(2, np.int8), "wz"),
+             numpy_helper.from_array(np.array([0, 5], np.int32), "bq"),
+             numpy_helper.from_array(np.array(bias_scale, np.float32), "bs")]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"]),
+             helper.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xd"]),
+             helper.make_node("DequantizeLinear", ["wq", "ws", "wz"], ["wd"], axis=0),
+             helper.make_node("DequantizeLinear", ["bq", "bs"], ["bd"], axis=0),
+             helper.make_node("Conv", ["xd", "wd", "bd"], ["y"], name="conv")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", 1, [1, 1, 4, 4])],
+                          [helper.make_tensor_value_info("y", 1, None)], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 19)])
+    found = check_bias_scales(m)
+    assert bool(found) == flagged, found
+    if flagged:
+        assert found[0].details["n_channels"] == 1
