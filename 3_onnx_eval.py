@@ -83,7 +83,8 @@ from deploykit.layerwise.quant_backend import quant_backend_table, render_quant_
 from deploykit.layerwise.report import render_table
 from deploykit.layout import check_row_tag, model_artifacts, model_results
 from deploykit.models import model_spec
-from deploykit.onnx.graph import detect_precision, load_onnx, precision_note
+from deploykit.onnx.graph import (detect_precision, load_onnx, precision_note,
+                                  tolerance_precision)
 from deploykit.quant.cross_check import X64_QUANT_PRECISION, backend_cross_check
 from deploykit.results import (check_source, provenance, reference_row, weights_mismatch,
                                write_result)
@@ -202,6 +203,8 @@ def main(args: argparse.Namespace) -> dict:
     onnx_path = require(args.onnx, "2_export_onnx.py / 5_quantize.sh (whichever makes it)")
     graph = load_onnx(onnx_path, external=False)
     precision = detect_precision(graph) if args.precision == "auto" else args.precision
+    # the tolerance its layer-wise diagnostics compare at (Q/DQ without a quantized MAC: INT8)
+    diff_precision = tolerance_precision(graph) if args.precision == "auto" else precision
     # Q/DQ nodes that quantize no MAC (a dead pair): the file computes in float, said and kept
     qdq_note = precision_note(graph) if args.precision == "auto" else None
     if qdq_note:
@@ -250,9 +253,7 @@ def main(args: argparse.Namespace) -> dict:
         # row's FP16 graph is computed in FP32: it cannot show FP16 overflow (stage 2's range
         # audit and onnx.reference, or a GPU EP, judge real FP16).
         base["fp16_computed_in"] = "FP32 (ORT CPU EP: Casts around ops without FP16 kernels)"
-    # The layer-wise diagnostics compare at the tolerance of what the file computes (Q/DQ
-    # without a quantized MAC still rounds: INT8) on the EP this session really used.
-    diff_precision = "INT8" if qdq_note else precision
+    # the layer-wise diagnostics run on the EP this session really used
     diff_ep = args.ep if runner.used == ORT_EPS[args.ep] else "cpu"
     next_step = diff_command(args.model, fp32_onnx_path(args.model), onnx_path, diff_precision,
                              model_results(args.model) / f"layerwise_{args.tag}",

@@ -76,7 +76,7 @@ def _exporter_error(e: Exception, exporter: str, opset: int) -> StageError:
 def check_batch_statistics(model, consequence: str = "nothing exported") -> None:
     """Refuse, before anything is exported (stage 2) or used as the reference (stage 1), a
     model whose outputs depend on the rest of the batch or on chance
-    (:func:`batch_dependent_modules`): its samples interact, so every batch size deploys
+    (:func:`deploykit.checks.batch_stats.batch_dependent_modules`): its samples interact, so every batch size deploys
     another model and no export can match it.
 
     Raises:

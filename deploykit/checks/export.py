@@ -225,7 +225,8 @@ def check_batch_independence(ref_by_batch: dict[int, dict[str, np.ndarray]],
 
     Args:
         cause: the module that makes them interact, when the model says
-            (:func:`deploykit.export.batch_statistics_problem`): named with its fix."""
+            (:func:`deploykit.checks.batch_stats.batch_statistics_problem`): named with its
+            fix."""
     if 1 not in ref_by_batch or len(ref_by_batch) < 2:
         return [check_result("batch_independence", "skip", "needs batch 1 and a larger batch")]
     big = max(ref_by_batch)

@@ -22,8 +22,9 @@ from deploykit.results import provenance
 
 
 def run_check(onnx_path: Path | str, fp32: Path | str | None = None,
-              calib: Path | str | None = None, calib_limit: int = 32) -> dict:
-    """:func:`deploykit.quant.health.check_model` on files (see ``qdq_tools.py check --help``).
+              calib: Path | str | None = None, calib_limit: int = 32, model=None) -> dict:
+    """:func:`deploykit.quant.health.check_model` on files (see ``qdq_tools.py check --help``);
+    ``model``: ``onnx_path`` already loaded (not read again).
 
     Returns:
         the check report plus ``file``, ``fp32``, ``calib``.
@@ -31,7 +32,7 @@ def run_check(onnx_path: Path | str, fp32: Path | str | None = None,
         StageError: a file is missing/unreadable, or the model cannot run on ``calib``.
     """
 
-    model = load_onnx(onnx_path)
+    model = load_onnx(onnx_path) if model is None else model
     fp32_model = load_onnx(fp32, "2_export_onnx.py") if fp32 else None
     data = load_npz(calib, None, "4_make_calib.py") if calib else None
     rep = check_model(model, path=onnx_path, fp32_model=fp32_model, calib=data,

@@ -212,7 +212,7 @@ def main(args: argparse.Namespace):
         print_inspect(rep, args.onnx)
         # the static part of the health check (no calibration data): its findings, the first
         # of each kind, so that reading the placement never hides a broken file
-        chk = run_check(args.onnx)
+        chk = run_check(args.onnx, model=model)
         rep["check"] = {"n_findings": chk["n_findings"], "kinds": chk["kinds"],
                         "command": script_command("qdq_tools.py", ["check", str(args.onnx)])}
         print_check(chk, limit=1, more="the command below lists them")
