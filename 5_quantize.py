@@ -14,8 +14,10 @@ Writes: artifacts/<model>/onnx/<variant>.onnx, artifacts/<model>/onnx/<variant>.
 Rerun:  MODEL=efficientnet_lite0 ./5_quantize.sh int8   (5_quantize.sh runs this file)
 
 The whole stage in one process (what run_all.sh runs): ``int4`` among the variants runs
-5b_quantize_int4.py here, after the ModelOpt variants; ``--eval`` then gives each file its
-results row, 3_onnx_eval.py --onnx <file> --tag ort_<variant> run in this process (the row
+5b_quantize_int4.py here, after the ModelOpt variants; every ModelOpt run of the stage (INT4's
+too) goes to one ModelOpt child process, which imports ModelOpt once while this process reads
+the calibration data (deploykit.quant.modelopt_runner.ModelOptWorker). ``--eval`` then gives
+each file, once every file is made, its results row, 3_onnx_eval.py --onnx <file> --tag ort_<variant> run in this process (the row
 records that command; ``--eval-args`` adds flags to every row; failure reproductions such as
 int4_cli_broken are left out), and the stage ends with one summary line per row.
 
@@ -39,8 +41,9 @@ One process: the output folders are checked writable first; the calibration npz 
 (its SHA-256 is that of the bytes read), validated against the model (input names, shapes,
 dtypes, NaN/Inf, statistics vs the evaluation data) and its batch planned once, before any
 quantizer runs; ModelOpt gets a private copy of those bytes and of fp32.onnx (it rewrites its
---onnx_path) and runs in a child process (deploykit.quant.modelopt_runner: ModelOpt patches
-ONNX Runtime's calibrators); every file is then health-checked (findings recorded, printed,
+--onnx_path) and runs in the stage's ModelOpt child process (deploykit.quant.modelopt_runner:
+ModelOpt patches ONNX Runtime's calibrators; a run that kills that process fails alone, the
+next starts a fresh one); every file is then health-checked (findings recorded, printed,
 not fatal). The work folder sits beside the outputs (the final rename is atomic) and is
 removed on any exit; a file is installed only when its run succeeded, so a failure leaves an
 earlier good <variant>.onnx as it was.
@@ -70,6 +73,7 @@ from deploykit.evaluate import summary_line
 from deploykit.io import check_writable, remove_leftovers, report_leftovers
 from deploykit.lock import lock_folders
 from deploykit import layout
+from deploykit.quant import modelopt_runner
 from deploykit.layout import calib_path, fp32_onnx_path, model_artifacts, model_results
 from deploykit.checks.lint import lint_opset_conversion
 from deploykit.onnx.graph import load_onnx, onnx_opset
@@ -238,7 +242,16 @@ def main(args: argparse.Namespace) -> list[dict]:
     if eval_args:
         _check_eval_args(args.model, eval_args)  # before any quantization: fail in seconds
     made = [v for v in selected if v != INT4]
-    records = _quantize(args, made) if made else []
+    # Every file first, in one ModelOpt process (modelopt_runner.shared_worker: ModelOpt is
+    # imported once, in that process, never in this one), then every row.
+    int4_rec = None
+    with modelopt_runner.shared_worker():
+        records = _quantize(args, made) if made else []
+        if INT4 in selected:
+            print(f"Stage 5: quantize {INT4}: 5b_quantize_int4.py in this process (ModelOpt in "
+                  "the stage's ModelOpt process)", flush=True)
+            int4_rec = run_script("5b_quantize_int4", ["--model", args.model, "--no-eval"] + (
+                ["--calib-inputs", str(args.calib_inputs)] if args.calib_inputs else []))
     rows: list[dict] = []
     if want_eval:
         left = [v for v in made if get_variant(v).expected_failure]
@@ -246,16 +259,14 @@ def main(args: argparse.Namespace) -> list[dict]:
             print(f"Stage 5: not evaluated here: {' '.join(left)} (failure reproductions: "
                   "ORT is expected to refuse them; run_all.sh checks that it does)", flush=True)
         rows += _evaluate(args.model, [v for v in made if v not in left], eval_args)
-    if INT4 in selected:
-        print(f"Stage 5: quantize {INT4}: 5b_quantize_int4.py in this process", flush=True)
-        rec = run_script("5b_quantize_int4", ["--model", args.model, "--no-eval"] + (
-            ["--calib-inputs", str(args.calib_inputs)] if args.calib_inputs else []))
-        records.append(rec)
-        if want_eval and rec.get("status") == "ok":
+    if int4_rec is not None:
+        records.append(int4_rec)
+        if want_eval and int4_rec.get("status") == "ok":
             rows += _evaluate(args.model, [INT4], eval_args)
         elif want_eval:  # its line among the rows': why there is none
             rows.append({"tag": get_variant(INT4).ort_tag, "no_row": (
-                f"no row: int4 {rec.get('status')}: {rec.get('reason') or 'see quant_int4.json'}")})
+                f"no row: int4 {int4_rec.get('status')}: "
+                f"{int4_rec.get('reason') or 'see quant_int4.json'}")})
     for row in rows:  # the stage's last lines: one per row (run_all.sh shows them)
         print(f"{row['tag']}: {row.get('no_row') or summary_line(row)}")
     return records

@@ -261,13 +261,25 @@ def run_modelopt(src: Path, dst: Path, log: Path, calib: Path | dict | None, met
     ``calib``: the calibration arrays already read (``{input name: array}``, as stage 5b
     hashes them), or an npz path (read here), or None (``rtn_dq``).
 
+    Inside stage 5 (``5_quantize.py ... int4``) the run goes to the stage's ModelOpt worker
+    (:func:`deploykit.quant.modelopt_runner.active_worker`; ``qdq_tools.py modelopt-int4``, this
+    function there, on the same model and the same arrays saved to an npz), so that the stage's
+    own process never imports ModelOpt; ModelOpt's console output is printed here after it.
+
     Returns:
         the ModelOpt warnings worth keeping.
     Raises:
-        StageError: ModelOpt raised (message carries the log tail).
+        StageError: ModelOpt raised (message carries the log tail), or the worker's run failed.
     """
     import shutil
     import tempfile
+
+    from deploykit.quant.modelopt_runner import active_worker
+
+    worker = active_worker()
+    if worker is not None:
+        return _run_in_worker(worker, src, dst, log, calib, method, block, eps,
+                              calibration_shapes)
 
     from modelopt.onnx.quantization import quantize
 
@@ -308,6 +320,56 @@ def run_modelopt(src: Path, dst: Path, log: Path, calib: Path | dict | None, met
             os.replace(work_log, log)
         shutil.rmtree(work, ignore_errors=True)
     return log_warnings(log) if log.exists() else []
+
+
+def _run_in_worker(worker, src: Path, dst: Path, log: Path, calib: Path | dict | None,
+                   method: str, block: int, eps: str, calibration_shapes: str | None
+                   ) -> list[str]:
+    """:func:`run_modelopt` in ``worker`` (``qdq_tools.py modelopt-int4``); see there."""
+    import shutil
+    import sys
+    import tempfile
+
+    import onnx
+
+    work = Path(tempfile.mkdtemp(dir=log.parent, prefix=".tmp-5b_int4."))
+    try:
+        if isinstance(src, Path):
+            model_path = src
+        else:  # a ModelProto (the [K, N] layout)
+            model_path = work / "float.onnx"
+            onnx.save(src, str(model_path))
+        argv = ["qdq_tools.py", "modelopt-int4", "--onnx", str(model_path), "--output",
+                str(dst), "--log", str(log), "--method", method, "--block", str(block),
+                "--eps", eps]
+        if isinstance(calib, dict):
+            np.savez(work / "calib.npz", **calib)  # the same arrays, bytes and order
+            argv += ["--calib", str(work / "calib.npz")]
+        elif calib is not None:
+            argv += ["--calib", str(calib)]
+        if calibration_shapes:
+            argv += ["--calibration-shapes", calibration_shapes]
+        out = work / "console.log"
+        out.touch()
+        rc = worker.run(argv, out)
+        text = out.read_text(errors="replace")
+        if text:
+            sys.stdout.write(text if text.endswith("\n") else text + "\n")
+            sys.stdout.flush()
+        if rc != 0:
+            tail = "\n".join(text.splitlines()[-15:])
+            raise StageError(f"ModelOpt INT4 failed in stage 5's ModelOpt worker (exit {rc}):\n"
+                             f"{tail}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return log_warnings(log) if log.exists() else []
+
+
+def int4_worker_job(args) -> list[str]:
+    """``qdq_tools.py modelopt-int4``: :func:`run_modelopt` in this process (the worker's side
+    of :func:`_run_in_worker`)."""
+    return run_modelopt(args.onnx, args.output, args.log, args.calib, args.method, args.block,
+                        args.eps, args.calibration_shapes)
 
 
 def stage4_seed(model: str, sha: str) -> int | None:

@@ -308,6 +308,16 @@ def _python_tool(*argv: str) -> list[str]:
 def quantize_all(args, selected, env, eps, src, calib, onnx_dir, res_dir, work, fp32_model,
                   dw, stem) -> list[dict]:
     """:func:`main`'s work inside the work folder."""
+    # one ModelOpt process for every run of the stage, started now: it imports ModelOpt while
+    # this process reads and checks the calibration data (modelopt_runner.ModelOptWorker)
+    with modelopt_runner.shared_worker() as worker:
+        worker.start()
+        return _quantize_all(args, selected, env, eps, src, calib, onnx_dir, res_dir, work,
+                             fp32_model, dw, stem, worker)
+
+
+def _quantize_all(args, selected, env, eps, src, calib, onnx_dir, res_dir, work, fp32_model,
+                  dw, stem, worker) -> list[dict]:
     model = args.model
     work_src = work / "fp32.onnx"
     shutil.copyfile(src, work_src)
@@ -379,7 +389,8 @@ def quantize_all(args, selected, env, eps, src, calib, onnx_dir, res_dir, work, 
         # ORT's calibration session (deploykit.quant.modelopt._histogram_cache; same files)
         run = modelopt_runner.run_modelopt(work_src, tmp, flags, log, calib_batch=calib_batch,
                                            replace=replace, fp16_output=tmp16,
-                                           histogram_cache=work / "histograms")
+                                           histogram_cache=work / "histograms",
+                                           worker=worker)
         made = [(base, run.status, tmp, out)]
         if half is not None:
             made.insert(0 if selected.index(half) < selected.index(base) else 1,

@@ -32,6 +32,11 @@ Subcommands
   ONNX PTQ with its own flags and a calibration batch of its own (:func:`modelopt_quantize`);
   ``--fp16-output``: also the ``--high_precision_dtype fp16`` file of the same calibration;
   ``--histogram-cache``: calibration histograms shared with earlier runs of the same inputs.
+- ``modelopt-int4 --onnx F --output O --log L --method M --block B --eps E [--calib NPZ]``:
+  stage 5b's ModelOpt INT4 run alone (:func:`deploykit.quant.int4.run_modelopt`; what stage 5's
+  worker runs for 5b).
+- ``modelopt-worker``: stage 5's ModelOpt worker: the ``modelopt`` commands it reads on stdin
+  (one JSON job per line) in one process (:class:`deploykit.quant.modelopt_runner.ModelOptWorker`).
 - ``layer-diff A B [args...]``: delegated to ``layerwise.py`` (imported lazily).
 - ``record-quant``: write ``results/<model>/quant_<variant>.json`` (used by 5_quantize.sh).
 
@@ -139,6 +144,19 @@ def get_args_parser() -> argparse.ArgumentParser:
                         "EP and settings (stage 5 passes its work folder)")
     s.add_argument("modelopt_args", nargs=argparse.REMAINDER,
                    help="-- then the flags of python -m modelopt.onnx.quantization")
+    s = sub.add_parser("modelopt-int4", help="stage 5b's ModelOpt INT4 run alone (what stage "
+                                             "5's ModelOpt worker runs for 5b)")
+    s.add_argument("--onnx", type=Path, required=True, help="float model (ModelOpt gets a copy)")
+    s.add_argument("--output", type=Path, required=True)
+    s.add_argument("--log", type=Path, required=True, help="ModelOpt's log file")
+    s.add_argument("--calib", type=Path, default=None, help="calibration npz (awq_clip)")
+    s.add_argument("--method", required=True, help="ModelOpt's --calibration_method")
+    s.add_argument("--block", type=int, required=True, help="ModelOpt's --block_size")
+    s.add_argument("--eps", required=True, help="ModelOpt's --calibration_eps")
+    s.add_argument("--calibration-shapes", default=None)
+    sub.add_parser("modelopt-worker", help="stage 5's ModelOpt worker: runs the modelopt "
+                   "commands it reads on stdin, one JSON job per line, in one process "
+                   "(deploykit.quant.modelopt_runner.ModelOptWorker starts it)")
     s = sub.add_parser("record-quant", help="write results/<model>/quant_<variant>.json "
                                             "(called by 5_quantize.sh)")
     s.add_argument("--model", required=True)
@@ -257,6 +275,14 @@ def main(args: argparse.Namespace):
     if args.cmd == "modelopt":
         argv = args.modelopt_args[1:] if args.modelopt_args[:1] == ["--"] else args.modelopt_args
         return modelopt_quantize(argv, args.calib_batch, args.fp16_output, args.histogram_cache)
+    if args.cmd == "modelopt-int4":
+        from deploykit.quant.int4 import int4_worker_job
+
+        return int4_worker_job(args)
+    if args.cmd == "modelopt-worker":
+        from deploykit.quant.modelopt_runner import serve
+
+        sys.exit(serve((get_args_parser, main)))
     if args.cmd == "record-quant":
         return record_quant(args)
     raise UsageError(f"unknown command {args.cmd}")

@@ -29,6 +29,13 @@ from tests.helpers.quant_models import conv_model  # noqa: E402
 stage5 = load_stage("5_quantize")
 
 
+@pytest.fixture(autouse=True)
+def _no_worker_process(monkeypatch):
+    """These tests' ModelOpt is FakeModelOpt: no worker process is started (a real one imports
+    ModelOpt, seconds each; tests/quant/test_modelopt_worker.py tests it)."""
+    monkeypatch.setattr(modelopt_runner.ModelOptWorker, "start", lambda self: None)
+
+
 def _sha(b: bytes) -> str:
     return hashlib.sha256(b).hexdigest()
 
@@ -522,12 +529,12 @@ def test_eval_makes_every_row_in_this_process_after_its_files_and_leaves_out_rep
                              "--eval-args", "--limit 3 --iters '2'"))
     assert [r["variant"] for r in recs] == ["int8_hp32", "int4_cli_broken", "excl_dw", "int4"]
     onnx = tiny / "onnx"
-    assert calls == [
+    assert calls == [  # every file first (one ModelOpt process for all), then every row
+        ("5b_quantize_int4", ["--model", "tiny", "--no-eval"]),
         ("3_onnx_eval", ["--model", "tiny", "--onnx", str(onnx / "int8_hp32.onnx"), "--tag",
                          "ort_int8_hp32", "--limit", "3", "--iters", "2"]),
         ("3_onnx_eval", ["--model", "tiny", "--onnx", str(onnx / "excl_dw.onnx"), "--tag",
                          "ort_excl_dw", "--limit", "3", "--iters", "2"]),
-        ("5b_quantize_int4", ["--model", "tiny", "--no-eval"]),
         ("3_onnx_eval", ["--model", "tiny", "--onnx", str(onnx / "int4.onnx"), "--tag",
                          "ort_int4", "--limit", "3", "--iters", "2"]),
     ]
