@@ -321,18 +321,20 @@ def serve(command: tuple, jobs: IO[str] | None = None, *,
     sys.stdout.flush()
     answers = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
-    for name in preload:
-        importlib.import_module(name)
-
-    for line in jobs:
-        if not line.strip():
-            continue
-        job = json.loads(line)
-        rc = _run_job(cli, *command, job["argv"], job["log"])
-        if rc == 130:
-            return 130
-        release_freed_memory()
-        answers.write(json.dumps({"returncode": rc}) + "\n")
+    try:
+        for name in preload:
+            importlib.import_module(name)
+        for line in jobs:
+            if not line.strip():
+                continue
+            job = json.loads(line)
+            rc = _run_job(cli, *command, job["argv"], job["log"])
+            if rc == 130:
+                return 130
+            release_freed_memory()
+            answers.write(json.dumps({"returncode": rc}) + "\n")
+    except KeyboardInterrupt:  # Ctrl-C reaches the whole process group: the stage says it
+        return 130
     return 0
 
 

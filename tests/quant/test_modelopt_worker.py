@@ -199,3 +199,15 @@ def test_modelopt_runs_in_one_worker_write_the_files_of_runs_in_processes_of_the
     assert w.started == 1
     assert shared == [*alone, in_process] and alone[0] != alone[1]
     assert os.path.getsize(tmp_path / "int4_w.log") > 0
+
+
+def test_ctrl_c_ends_an_idle_worker_quietly(tmp_path, capfd):
+    """Ctrl-C reaches the whole process group: a worker waiting for its next job exits 130
+    without a traceback (the stage says which stage was interrupted)."""
+    w = _worker(tmp_path)
+    assert _job(tmp_path, w, "a")[0] == 0
+    proc = w._proc
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=30) == 130
+    w.close()
+    assert "Traceback" not in capfd.readouterr().err
