@@ -42,8 +42,8 @@ One process: the output folders are checked writable first; the calibration npz 
 dtypes, NaN/Inf, statistics vs the evaluation data) and its batch planned once, before any
 quantizer runs; ModelOpt gets a private copy of those bytes and of fp32.onnx (it rewrites its
 --onnx_path) and runs in the stage's ModelOpt child process (deploykit.quant.modelopt_runner:
-ModelOpt patches ONNX Runtime's calibrators; a run that kills that process fails alone, the
-next starts a fresh one); every file is then health-checked (findings recorded, printed,
+ModelOpt patches ONNX Runtime's calibrators; a run that kills that process fails as any failed
+run does, and a later run starts a fresh one); every file is then health-checked (findings recorded, printed,
 not fatal). The work folder sits beside the outputs (the final rename is atomic) and is
 removed on any exit; a file is installed only when its run succeeded, so a failure leaves an
 earlier good <variant>.onnx as it was.
@@ -213,6 +213,23 @@ def _raise_exit(signum, frame):
     raise SystemExit(128 + signum)
 
 
+def _exit_on_signals() -> dict:
+    """:func:`_raise_exit` for SIGTERM and SIGHUP (in the main thread); the handlers it
+    replaced, for :func:`_restore_signals`."""
+    old = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        try:
+            old[sig] = signal.signal(sig, _raise_exit)
+        except ValueError:  # not the main thread: signals stay as they are
+            pass
+    return old
+
+
+def _restore_signals(old: dict) -> None:
+    for s, h in old.items():
+        signal.signal(s, h)
+
+
 def main(args: argparse.Namespace) -> list[dict]:
     """Quantize the selected variants (``int4`` last, through 5b_quantize_int4.py) and, with
     ``--eval``, evaluate each file; return their records.
@@ -244,14 +261,22 @@ def main(args: argparse.Namespace) -> list[dict]:
     made = [v for v in selected if v != INT4]
     # Every file first, in one ModelOpt process (modelopt_runner.shared_worker: ModelOpt is
     # imported once, in that process, never in this one), then every row.
-    int4_rec = None
-    with modelopt_runner.shared_worker():
-        records = _quantize(args, made) if made else []
-        if INT4 in selected:
-            print(f"Stage 5: quantize {INT4}: 5b_quantize_int4.py in this process (ModelOpt in "
-                  "the stage's ModelOpt process)", flush=True)
-            int4_rec = run_script("5b_quantize_int4", ["--model", args.model, "--no-eval"] + (
-                ["--calib-inputs", str(args.calib_inputs)] if args.calib_inputs else []))
+    int4_rec, int4_error = None, None
+    old_handlers = _exit_on_signals()  # SIGTERM/SIGHUP leave through the worker's kill
+    try:
+        with modelopt_runner.shared_worker():
+            records = _quantize(args, made) if made else []
+            if INT4 in selected:
+                print(f"Stage 5: quantize {INT4}: 5b_quantize_int4.py in this process (ModelOpt "
+                      "in the stage's ModelOpt process)", flush=True)
+                try:
+                    int4_rec = run_script("5b_quantize_int4", ["--model", args.model,
+                                                               "--no-eval"] + (
+                        ["--calib-inputs", str(args.calib_inputs)] if args.calib_inputs else []))
+                except StageError as e:  # the other files' rows are still made, then it fails
+                    int4_error = e
+    finally:
+        _restore_signals(old_handlers)
     rows: list[dict] = []
     if want_eval:
         left = [v for v in made if get_variant(v).expected_failure]
@@ -267,8 +292,12 @@ def main(args: argparse.Namespace) -> list[dict]:
             rows.append({"tag": get_variant(INT4).ort_tag, "no_row": (
                 f"no row: int4 {int4_rec.get('status')}: "
                 f"{int4_rec.get('reason') or 'see quant_int4.json'}")})
+    if int4_error is not None:
+        rows.append({"tag": get_variant(INT4).ort_tag, "no_row": "no row: int4 failed (above)"})
     for row in rows:  # the stage's last lines: one per row (run_all.sh shows them)
         print(f"{row['tag']}: {row.get('no_row') or summary_line(row)}")
+    if int4_error is not None:
+        raise int4_error
     return records
 
 
@@ -370,12 +399,7 @@ def _quantize(args: argparse.Namespace, selected: list[str]) -> list[dict]:
         if r["status"] == "warn":
             print(f"WARNING: {r['node']}: {r['detail']}; fix: {r['fix']}", file=sys.stderr)
 
-    old_handlers = {}
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        try:
-            old_handlers[sig] = signal.signal(sig, _raise_exit)
-        except ValueError:  # not the main thread: signals stay as they are
-            pass
+    old_handlers = _exit_on_signals()
     # ModelOpt 0.47.0 rewrites the file given as --onnx_path (same bytes, new mtime): it gets a
     # private copy, so fp32.onnx is never written while another stage may be reading it. The
     # work folder sits beside the outputs (same file system: the final rename is atomic) and
@@ -389,8 +413,7 @@ def _quantize(args: argparse.Namespace, selected: list[str]) -> list[dict]:
         return records
     finally:
         shutil.rmtree(work, ignore_errors=True)
-        for s, h in old_handlers.items():
-            signal.signal(s, h)
+        _restore_signals(old_handlers)
 
 
 if __name__ == "__main__":

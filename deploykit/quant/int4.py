@@ -332,10 +332,11 @@ def _run_in_worker(worker, src: Path, dst: Path, log: Path, calib: Path | dict |
 
     import onnx
 
-    work = Path(tempfile.mkdtemp(dir=log.parent, prefix=".tmp-5b_int4."))
+    work = Path(tempfile.mkdtemp(dir=log.parent, prefix=".tmp-5b_int4.")).resolve()
+    dst, log = Path(dst).resolve(), Path(log).resolve()
     try:
         if isinstance(src, Path):
-            model_path = src
+            model_path = src.resolve()  # the worker runs at the repository root
         else:  # a ModelProto (the [K, N] layout)
             model_path = work / "float.onnx"
             onnx.save(src, str(model_path))
@@ -346,7 +347,7 @@ def _run_in_worker(worker, src: Path, dst: Path, log: Path, calib: Path | dict |
             np.savez(work / "calib.npz", **calib)  # the same arrays, bytes and order
             argv += ["--calib", str(work / "calib.npz")]
         elif calib is not None:
-            argv += ["--calib", str(calib)]
+            argv += ["--calib", str(Path(calib).resolve())]
         if calibration_shapes:
             argv += ["--calibration-shapes", calibration_shapes]
         out = work / "console.log"
@@ -367,7 +368,15 @@ def _run_in_worker(worker, src: Path, dst: Path, log: Path, calib: Path | dict |
 
 def int4_worker_job(args) -> list[str]:
     """``qdq_tools.py modelopt-int4``: :func:`run_modelopt` in this process (the worker's side
-    of :func:`_run_in_worker`)."""
+    of :func:`_run_in_worker`).
+
+    Raises:
+        UsageError: ``--method awq_clip`` without ``--calib`` (ModelOpt would calibrate on
+            random data).
+    """
+    if args.method == "awq_clip" and args.calib is None:
+        raise UsageError("--method awq_clip needs --calib (calibration npz): without it ModelOpt "
+                         "calibrates on random data")
     return run_modelopt(args.onnx, args.output, args.log, args.calib, args.method, args.block,
                         args.eps, args.calibration_shapes)
 

@@ -20,9 +20,11 @@ Several runs of one stage share one child, a worker (:class:`ModelOptWorker`, en
 project's 2-core CPU machine, an AMD EPYC with AVX512-VNNI, 2026-12-06, against 0.02 s for a bare
 interpreter) and starts doing so while the stage still reads its calibration data. Each run is
 the ``qdq_tools.py modelopt`` command it stands for, run by the same code in that process, its
-output in its own log; a run that kills the worker fails alone, and the next run starts a fresh
-one. ModelOpt's patches are in place only while a run lasts (:mod:`deploykit.quant.modelopt`),
-and the worker hands its free memory back after each run.
+output in its own log; a run that kills the worker fails as any failed run does, and the next
+run starts a fresh one (stage 5 itself stops at a failed variant, as before). ModelOpt's
+patches are in place only while a run lasts (:mod:`deploykit.quant.modelopt`), and the worker
+hands its free memory back after each run. The worker ignores Ctrl-C: the stage kills it on its
+own interrupt.
 
 Example::
 
@@ -215,8 +217,11 @@ class ModelOptWorker:
         if self._proc is not None and self._proc.poll() is None:
             return
         # the worker's own output outside any run (none is expected) goes to this stderr
+        # Ctrl-C reaches the whole process group: the worker ignores it (no traceback from
+        # whatever it is importing), and the stage kills it on its own KeyboardInterrupt
         self._proc = subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      cwd=self.cwd, text=True, bufsize=1)
+                                      cwd=self.cwd, text=True, bufsize=1,
+                                      preexec_fn=_ignore_sigint)
         self.started += 1
 
     def run(self, argv: Sequence[str], log: Path | str) -> int:
@@ -239,7 +244,8 @@ class ModelOptWorker:
         self.start()
         proc = self._proc
         try:
-            proc.stdin.write(json.dumps({"argv": list(argv[1:]), "log": str(log)}) + "\n")
+            proc.stdin.write(json.dumps({"argv": list(argv[1:]),
+                                         "log": os.path.abspath(log)}) + "\n")
             proc.stdin.flush()
             line = proc.stdout.readline()
         except (BrokenPipeError, OSError):
@@ -271,6 +277,14 @@ class ModelOptWorker:
                     f.close()
                 except OSError:
                     pass
+
+
+def _ignore_sigint() -> None:
+    """In the worker, before Python starts: SIGINT ignored (Python then installs no
+    KeyboardInterrupt handler)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 _ACTIVE: list[ModelOptWorker] = []  # the worker of the stage running in this process
@@ -344,8 +358,12 @@ def _run_job(cli, get_args_parser, main, argv: list[str], log: str) -> int:
     saved_argv = sys.argv
     sys.stdout.flush()
     sys.stderr.flush()
+    try:
+        fd = os.open(log, os.O_WRONLY | os.O_TRUNC | os.O_APPEND)
+    except OSError as e:  # the run fails, the worker stays
+        print(f"modelopt-worker: cannot write the run's log {log}: {e}", file=sys.stderr)
+        return 1
     out_fd, err_fd = os.dup(1), os.dup(2)
-    fd = os.open(log, os.O_WRONLY | os.O_TRUNC | os.O_APPEND)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
@@ -429,7 +447,11 @@ def run_modelopt(onnx_path: Path | str, output_path: Path | str, flags: Sequence
         release_freed_memory()  # the child calibrates in GBs: this process waits, smaller
         if worker is not None:
             os.close(fd)
-            returncode = worker.run(argv[1:], tmp)
+            try:
+                returncode = worker.run(argv[1:], tmp)
+            except BaseException:  # Ctrl-C, SIGTERM: the run stops now, as a child's would
+                worker.close(kill=True)
+                raise
         else:
             with os.fdopen(fd, "w") as f:
                 # subprocess.run kills the child if this process is interrupted while waiting.

@@ -35,7 +35,7 @@ Subcommands
 - ``modelopt-int4 --onnx F --output O --log L --method M --block B --eps E [--calib NPZ]``:
   stage 5b's ModelOpt INT4 run alone (:func:`deploykit.quant.int4.run_modelopt`; what stage 5's
   worker runs for 5b).
-- ``modelopt-worker``: stage 5's ModelOpt worker: the ``modelopt`` commands it reads on stdin
+- ``modelopt-worker``: stage 5's ModelOpt worker: the ``modelopt`` and ``modelopt-int4`` commands it reads on stdin
   (one JSON job per line) in one process (:class:`deploykit.quant.modelopt_runner.ModelOptWorker`).
 - ``layer-diff A B [args...]``: delegated to ``layerwise.py`` (imported lazily).
 - ``record-quant``: write ``results/<model>/quant_<variant>.json`` (used by 5_quantize.sh).
@@ -154,8 +154,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     s.add_argument("--block", type=int, required=True, help="ModelOpt's --block_size")
     s.add_argument("--eps", required=True, help="ModelOpt's --calibration_eps")
     s.add_argument("--calibration-shapes", default=None)
-    sub.add_parser("modelopt-worker", help="stage 5's ModelOpt worker: runs the modelopt "
-                   "commands it reads on stdin, one JSON job per line, in one process "
+    sub.add_parser("modelopt-worker", help="stage 5's ModelOpt worker: runs the modelopt and "
+                   "modelopt-int4 commands it reads on stdin, one JSON job per line, in one process "
                    "(deploykit.quant.modelopt_runner.ModelOptWorker starts it)")
     s = sub.add_parser("record-quant", help="write results/<model>/quant_<variant>.json "
                                             "(called by 5_quantize.sh)")

@@ -513,6 +513,8 @@ def _fake_scripts(monkeypatch, int4_status="ok"):
     def fake(name, argv):
         calls.append((name, list(argv)))
         if name == "5b_quantize_int4":
+            if int4_status == "raise":
+                raise StageError("ModelOpt INT4 failed on purpose")
             return {"variant": "int4", "status": int4_status}
         tag = argv[argv.index("--tag") + 1]
         return {"tag": tag, "backend": "ORT", "precision": "INT8", "status": "ok",
@@ -540,6 +542,17 @@ def test_eval_makes_every_row_in_this_process_after_its_files_and_leaves_out_rep
     ]
     last = capsys.readouterr().out.strip().splitlines()[-3:]  # one summary line per row
     assert [x.split(":")[0] for x in last] == ["ort_int8_hp32", "ort_excl_dw", "ort_int4"]
+
+
+def test_a_failed_int4_leaves_the_other_files_rows_made_then_fails(tiny, monkeypatch, capsys):
+    """Review finding: with every file made first, an INT4 failure (a ModelOpt error, a killed
+    worker) stopped the stage before any row; the INT8 rows are made, then the stage fails."""
+    monkeypatch.setattr(modelopt_runner, "run_modelopt", FakeModelOpt())
+    calls = _fake_scripts(monkeypatch, int4_status="raise")
+    with pytest.raises(StageError, match="INT4 failed on purpose"):
+        stage5.main(_args("int8_hp32", "int4", "--eval"))
+    assert [c[0] for c in calls] == ["5b_quantize_int4", "3_onnx_eval"]
+    assert capsys.readouterr().out.strip().splitlines()[-1] == "ort_int4: no row: int4 failed (above)"
 
 
 def test_int4_is_made_by_5b_and_evaluated_only_when_it_applies(tiny, monkeypatch, capsys):
