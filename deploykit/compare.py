@@ -383,12 +383,19 @@ def tolerances_for(precision: str, overrides: dict[str, float] | None = None) ->
 # --------------------------------------------------------------------------------------------
 # Statistics
 # --------------------------------------------------------------------------------------------
+#: Elements of each operand converted to float64 at a time by :meth:`TensorStat.update`
+#: (2 MiB each): the temporaries stay in cache instead of a float64 copy of every tensor.
+STAT_BLOCK = 1 << 18
+
+
 @dataclasses.dataclass
 class TensorStat:
     """Running comparison of one tensor over chunks of samples (float64 arithmetic).
 
     ``cosines`` holds one cosine per sample (axis 0 = batch) or one per chunk when the tensor
     has no batch axis; ``max_abs_err`` and ``ref_abs_max`` are maxima over all elements.
+    ``channel_sums`` (with ``update(..., channels=True)``): float64 ``[3, C]`` sums of
+    ``a*b``, ``a*a``, ``b*b`` per channel (axis 1) over samples and positions, or None.
     """
 
     shape_a: tuple = ()
@@ -403,16 +410,23 @@ class TensorStat:
     nonfinite_a: int = 0
     mismatch: str | None = None
     exact: bool | None = None
+    channel_sums: np.ndarray | None = None
 
-    def update(self, a: np.ndarray, b: np.ndarray, n_batch: int, dtype_b: str | None = None
-               ) -> None:
+    def update(self, a: np.ndarray, b: np.ndarray, n_batch: int, dtype_b: str | None = None,
+               channels: bool = False) -> None:
         """Add one chunk: ``a`` (reference) and ``b`` ``[n_batch, ...]`` (or without a batch
-        axis); ``dtype_b``: ``b``'s dtype as produced, when the caller passes it converted
-        (float64 arrays are used as they are, without a copy)."""
+        axis), any float or integer dtype; ``dtype_b``: ``b``'s dtype as produced, when the
+        caller passes it converted. ``channels``: also accumulate :attr:`channel_sums` (a float
+        ``a`` of the same shape as ``b``, at least 2-D, batch on axis 0).
+
+        Float tensors are compared in float64, converted :data:`STAT_BLOCK` elements at a time
+        (the products of two float32 or float16 values are exact in float64; sums differ from
+        one whole-tensor float64 pass only in their order)."""
         a, b = np.asarray(a), np.asarray(b)
         self.shape_a, self.shape_b = tuple(a.shape), tuple(b.shape)
         self.dtype_b = dtype_b or str(b.dtype)
-        if a.shape != b.shape:
+        same_shape = a.shape == b.shape
+        if not same_shape:
             if a.size == b.size:
                 b = b.reshape(a.shape)  # e.g. TensorRT's [N, C] vs [N, C, 1, 1]
             else:
@@ -426,22 +440,53 @@ class TensorStat:
             eq = bool(diff.max() == 0 or step_ok)
             self.exact = eq if self.exact is None else (self.exact and eq)
             return
-        # no copy when the caller converted them already (quant_backend: once per tensor)
-        a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        fin_a, fin_b = np.isfinite(a64), np.isfinite(b64)
-        if not (fin_a.all() and fin_b.all()):
-            self.nonfinite_b += int((~fin_b & fin_a).sum())
-            self.nonfinite_a += int((~fin_a).sum())
-        per_sample = a64.ndim >= 2 and a64.shape[0] == n_batch
-        cos = cosine_rows(a64, b64) if per_sample else cosine_rows(
-            a64.reshape(1, -1), b64.reshape(1, -1))
+        fin_a, fin_b = _all_finite(a), _all_finite(b)
+        if not (fin_a and fin_b):
+            fa, fb = np.isfinite(a), np.isfinite(b)
+            self.nonfinite_b += int((~fb & fa).sum())
+            self.nonfinite_a += int((~fa).sum())
+        per_sample = a.ndim >= 2 and a.shape[0] == n_batch
+        rows = a.shape[0] if per_sample else 1
+        a2, b2 = a.reshape(rows, -1), b.reshape(rows, -1)
+        with_chan = (channels and per_sample and same_shape and a.ndim >= 2
+                     and np.issubdtype(a.dtype, np.floating))
+        n_chan = a.shape[1] if with_chan else 1
+        per = a2.shape[1] // n_chan if n_chan else 0  # elements per channel and sample
+        sums = np.zeros((3, rows, n_chan))  # a*b, a*a, b*b per sample and channel
+        maxima, totals, ref_max = [], [], []
+        if a2.size:
+            # blocks of whole channels of whole samples where they fit in STAT_BLOCK
+            k = max(1, STAT_BLOCK // per) if per else 1  # channels per block
+            r = max(1, STAT_BLOCK // (per * n_chan)) if k >= n_chan else 1  # rows per block
+            k = min(k, n_chan)
+            for i in range(0, rows, r):
+                for c in range(0, n_chan, k):
+                    cols = slice(c * per, min(c + k, n_chan) * per)
+                    x = a2[i:i + r, cols].astype(np.float64).reshape(-1, min(k, n_chan - c),
+                                                                        per)
+                    y = b2[i:i + r, cols].astype(np.float64).reshape(x.shape)
+                    blk = sums[:, i:i + r, c:c + k]
+                    with np.errstate(invalid="ignore", over="ignore"):
+                        blk[0] += np.einsum("rkp,rkp->rk", x, y)
+                        blk[1] += np.einsum("rkp,rkp->rk", x, x)
+                        blk[2] += np.einsum("rkp,rkp->rk", y, y)
+                        err = np.abs(x - y)
+                    maxima.append(np.max(err))
+                    totals.append(np.sum(err))
+                    ref_max.append(np.max(np.abs(x)))
+        dot, na2, nb2 = sums.sum(axis=2)  # per sample (or one row)
+        with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+            na, nb = np.sqrt(na2), np.sqrt(nb2)
+            cos = np.where((na == 0) & (nb == 0), 1.0, dot / np.maximum(na * nb, 1e-300))
         self.cosines.extend(cos.tolist())
-        err = np.abs(a64 - b64)
-        if err.size:
-            self.max_abs_err = max(self.max_abs_err, float(np.max(err)))
-            self.sum_abs_err += float(np.sum(err))
-            self.ref_abs_max = max(self.ref_abs_max, float(np.max(np.abs(a64))))
-        self.count += err.size
+        if maxima:  # NaN anywhere makes these NaN, as one pass over the whole tensor would
+            self.max_abs_err = max(self.max_abs_err, float(np.max(maxima)))
+            self.sum_abs_err += float(np.sum(totals))
+            self.ref_abs_max = max(self.ref_abs_max, float(np.max(ref_max)))
+        self.count += a2.size
+        if with_chan:
+            acc = sums.sum(axis=1)
+            self.channel_sums = acc if self.channel_sums is None else self.channel_sums + acc
 
     def result(self, tol: dict[str, float]) -> dict:
         """Summary dict with ``status`` ``pass``/``fail`` under ``tol``."""
@@ -469,6 +514,11 @@ class TensorStat:
         if self.nonfinite_a:
             res["nonfinite_a"] = self.nonfinite_a  # the reference itself is NaN/Inf there
         return res
+
+
+def _all_finite(x: np.ndarray) -> bool:
+    """True when every value of float ``x`` is finite (integers always are)."""
+    return not np.issubdtype(x.dtype, np.floating) or bool(np.isfinite(x).all())
 
 
 def compare_outputs(ref: dict[str, np.ndarray], out: dict[str, np.ndarray],

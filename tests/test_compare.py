@@ -193,3 +193,69 @@ def test_an_old_row_saying_ok_against_its_own_parity_is_rejudged_failed():
     assert rejudge_row(dict(skipped))["status"] == "skipped"
     failed = dict(good, status="failed")
     assert rejudge_row(dict(failed))["status"] == "failed"
+
+
+# --------------------------------------------------------------------------------------------
+# TensorStat: float64 statistics a block at a time
+# --------------------------------------------------------------------------------------------
+def _whole_tensor_stats(a, b, n_batch):
+    """The statistics of one pass over whole float64 copies (TensorStat's former arithmetic)."""
+    a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    rows = a64.reshape(len(a64), -1) if a64.ndim >= 2 and len(a64) == n_batch else \
+        a64.reshape(1, -1)
+    rows_b = b64.reshape(rows.shape)
+    na, nb = np.sqrt((rows * rows).sum(1)), np.sqrt((rows_b * rows_b).sum(1))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        cos = np.where((na == 0) & (nb == 0), 1.0, (rows * rows_b).sum(1) / np.maximum(na * nb, 1e-300))
+    err = np.abs(a64 - b64)
+    return cos, float(np.max(err)), float(np.sum(err)), float(np.max(np.abs(a64)))
+
+
+@pytest.mark.parametrize("block", [5, 64, 1 << 18])  # inside a channel, whole channels, rows
+@pytest.mark.parametrize("shape,n_batch", [((3, 4, 5, 6), 3), ((2, 7), 2), ((11,), 4),
+                                           ((4, 3, 1), 4), ((1, 2, 9, 9), 1)])
+def test_tensor_stat_blocks_give_the_whole_tensor_figures(monkeypatch, block, shape, n_batch):
+    import deploykit.compare as compare
+
+    monkeypatch.setattr(compare, "STAT_BLOCK", block)
+    rng = np.random.default_rng(sum(shape) + block)
+    a = rng.standard_normal(shape).astype(np.float32)
+    b = (a + 0.05 * rng.standard_normal(shape)).astype(np.float16)  # a float16 run too
+    st = compare.TensorStat()
+    st.update(a, b, n_batch, channels=True)
+    cos, emax, esum, amax = _whole_tensor_stats(a, b, n_batch)
+    np.testing.assert_allclose(st.cosines, cos, rtol=1e-12)
+    assert st.max_abs_err == emax and st.ref_abs_max == amax  # maxima are exact
+    assert st.sum_abs_err == pytest.approx(esum, rel=1e-12) and st.count == a.size
+    if len(shape) >= 2 and shape[0] == n_batch:  # per channel (axis 1), over samples and positions
+        fa = a.astype(np.float64).reshape(shape[0], shape[1], -1)
+        fb = b.astype(np.float64).reshape(fa.shape)
+        want = np.stack([np.einsum("ncp,ncp->c", fa, fb), np.einsum("ncp,ncp->c", fa, fa),
+                         np.einsum("ncp,ncp->c", fb, fb)])
+        np.testing.assert_allclose(st.channel_sums, want, rtol=1e-12)
+    else:
+        assert st.channel_sums is None
+
+
+def test_tensor_stat_accumulates_chunks_and_keeps_nonfinite_rules(monkeypatch):
+    import deploykit.compare as compare
+
+    monkeypatch.setattr(compare, "STAT_BLOCK", 8)
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((4, 2, 3, 3)).astype(np.float32)
+    b = a.copy()
+    b[1, 0, 0, 0] = np.nan  # one NaN where the reference is finite
+    b[3, 1, 2, 2] = np.inf
+    st = compare.TensorStat()
+    st.update(a[:2], b[:2], 2, channels=True)
+    st.update(a[2:], b[2:], 2, channels=True)
+    assert len(st.cosines) == 4 and st.nonfinite_b == 2 and st.nonfinite_a == 0
+    assert np.isnan(st.cosines[1]) and np.isnan(st.cosines[3])
+    assert st.cosines[0] == pytest.approx(1.0) and st.cosines[2] == pytest.approx(1.0)
+    # a NaN in a chunk leaves the running maximum as it was (Python's max keeps the first of
+    # 0.0 and nan), as one pass over that whole chunk did; the Inf of the next chunk is kept;
+    # the sum becomes NaN
+    assert st.max_abs_err == np.inf and np.isnan(st.sum_abs_err)
+    res = st.result({"min_cosine": 0.99, "atol": 1e-3, "rtol": 1e-3})
+    assert res["status"] == "fail" and res["nonfinite_b"] == 2
+    assert st.channel_sums.shape == (3, 2)

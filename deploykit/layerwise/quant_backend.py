@@ -154,16 +154,12 @@ def quant_backend_table(fp32_onnx: Path | str, qdq_onnx: Path | str, feed: dict[
                                disabled_optimizers=disabled_optimizers if backend else (),
                                native=native)
 
-    def as64(x):  # every float tensor in float64 once (the statistics' arithmetic)
-        return np.asarray(x, np.float64) if np.issubdtype(np.asarray(x).dtype, np.floating) \
-            else x
-
-    # tensors as ORT returns them (an FP16 graph's stay float16): converted once, below
+    # tensors as ORT returns them (an FP16 graph's stay float16); TensorStat converts them to
+    # float64 a block at a time
     f_it, q0_it, q1_it = (run(a_model, False, native=True), run(q_model, False, native=True),
                           run(q_model, True, native=True))
     quant: dict[str, TensorStat] = {}
     backend: dict[str, TensorStat] = {}
-    chan: dict[str, np.ndarray] = {}  # per channel (axis 1): [sum a*b, sum a*a, sum b*b]
     b_of: dict[str, str | None] = {}
     for (f, n), (q0, _), (q1, _) in zip(f_it, q0_it, q1_it):
         names = set(q0)
@@ -173,19 +169,12 @@ def quant_backend_table(fp32_onnx: Path | str, qdq_onnx: Path | str, feed: dict[
             b = b_of[name]
             if b is None or b not in q0 or b not in q1:
                 continue
-            a64, b64, c64 = as64(a), as64(q0[b]), as64(q1[b])
-            # the dtype recorded is the one the runs' float32 outputs had before (reports)
-            quant.setdefault(name, TensorStat()).update(a64, b64, n, _shown_dtype(q0[b]))
-            backend.setdefault(name, TensorStat()).update(b64, c64, n, _shown_dtype(q1[b]))
-            if a64.ndim >= 2 and a64.shape == b64.shape and a64.shape[0] == n \
-                    and np.issubdtype(np.asarray(a).dtype, np.floating):
-                # per channel (axis 1) over samples and positions, without temporaries
-                fa = a64.reshape(a64.shape[0], a64.shape[1], -1)
-                fb = b64.reshape(fa.shape)
-                acc = np.stack([np.einsum("ncp,ncp->c", fa, fb),
-                                np.einsum("ncp,ncp->c", fa, fa),
-                                np.einsum("ncp,ncp->c", fb, fb)])
-                chan[name] = chan[name] + acc if name in chan else acc
+            # the dtype recorded is the one the runs' float32 outputs had before (reports);
+            # per channel (axis 1) too for the quantization error (channel_sums)
+            quant.setdefault(name, TensorStat()).update(a, q0[b], n, _shown_dtype(q0[b]),
+                                                        channels=True)
+            backend.setdefault(name, TensorStat()).update(q0[b], q1[b], n,
+                                                          _shown_dtype(q1[b]))
     inits = {t.name for t in a_model.graph.initializer}
     rows = []
     for i, node in enumerate(a_model.graph.node):
@@ -197,8 +186,8 @@ def quant_backend_table(fp32_onnx: Path | str, qdq_onnx: Path | str, feed: dict[
             b = b_of.get(out)
             step = steps.get(b) or steps.get(alias.get(b, b)) or steps.get(out)
             qr = _pair_result(quant[out], tol, step, backend=False)
-            if out in chan:
-                qr.update(_channel_cosines(chan[out]))
+            if quant[out].channel_sums is not None:
+                qr.update(_channel_cosines(quant[out].channel_sums))
             br = _pair_result(backend[out], tol, step, backend=True)
             qf, bf = qr["status"] == "fail", br["status"] == "fail"
             rows.append({"index": len(rows), "node": node.name or f"node_{i}",
@@ -207,7 +196,9 @@ def quant_backend_table(fp32_onnx: Path | str, qdq_onnx: Path | str, feed: dict[
                          "quant": qr, "backend": br,
                          "verdict": "both" if qf and bf else "quantization" if qf else
                          "backend" if bf else "ok"})
-    # Unmarked final outputs: what the deployed models return.
+    # Unmarked final outputs: what the deployed models return. Each run again: marking every
+    # tensor changes the computation even with optimisations off (an FP16 graph's tensors are
+    # rounded to float16 where ORT CPU would keep them in float32 between its inserted Casts).
     f_fin = collect_outputs(run(fp32_onnx, False, mark_all=False))
     q0_fin = collect_outputs(run(qdq_onnx, False, mark_all=False))
     q1_fin = collect_outputs(run(qdq_onnx, True, mark_all=False))
