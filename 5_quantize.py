@@ -399,7 +399,8 @@ def _quantize(args: argparse.Namespace, selected: list[str]) -> list[dict]:
         if r["status"] == "warn":
             print(f"WARNING: {r['node']}: {r['detail']}; fix: {r['fix']}", file=sys.stderr)
 
-    old_handlers = _exit_on_signals()
+    # (SIGTERM/SIGHUP: main's handlers, around the whole ModelOpt block, end this through
+    # the finally below)
     # ModelOpt 0.47.0 rewrites the file given as --onnx_path (same bytes, new mtime): it gets a
     # private copy, so fp32.onnx is never written while another stage may be reading it. The
     # work folder sits beside the outputs (same file system: the final rename is atomic) and
@@ -413,7 +414,6 @@ def _quantize(args: argparse.Namespace, selected: list[str]) -> list[dict]:
         return records
     finally:
         shutil.rmtree(work, ignore_errors=True)
-        _restore_signals(old_handlers)
 
 
 if __name__ == "__main__":
