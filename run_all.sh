@@ -431,6 +431,29 @@ stop_ticker() {
   fi
 }
 
+# Preload (deploykit.zygote): one Python imports torch, torchvision, timm, onnx, ... once, in the
+# background, and runs each `python <stage>.py ...` of this run as a forked child of itself
+# (the stage's own command line, folder, environment and output; a command it cannot take runs
+# as a plain process). Its log: $LOG_DIR/preload.log. PIPELINE_PRELOAD=0: plain processes only.
+preload_pid=""
+preload_dir=""
+start_preload() {
+  [ "${PIPELINE_PRELOAD:-1}" = 1 ] || return 0
+  preload_dir="$(mktemp -d "${TMPDIR:-/tmp}/deploykit-preload.XXXXXX")" || { preload_dir=""; return 0; }
+  export PIPELINE_PRELOAD_SOCKET="$preload_dir/socket"
+  python -m deploykit.zygote serve "$PIPELINE_PRELOAD_SOCKET" </dev/null >"$LOG_DIR/preload.log" 2>&1 &
+  preload_pid=$!
+}
+stop_preload() {
+  if [ -n "$preload_pid" ]; then
+    kill "$preload_pid" 2>/dev/null || true
+    wait "$preload_pid" 2>/dev/null || true
+    preload_pid=""
+  fi
+  if [ -n "$preload_dir" ]; then rm -rf "$preload_dir"; preload_dir=""; fi
+  unset PIPELINE_PRELOAD_SOCKET
+}
+
 cur_stage=""
 cur_what=""
 cur_cmd=""
@@ -451,11 +474,13 @@ on_interrupt() { # what exit-status
 run_cmd="$(resume_cmd "$stage")"
 trap 'on_interrupt Ctrl-C 130' INT
 trap 'on_interrupt terminated 143' TERM
-trap 'stop_ticker; release_lock' EXIT
+trap 'stop_ticker; stop_preload; release_lock' EXIT
 take_lock
 # Seconds per command of this run, one "name<TAB>seconds" line each (benchmarks/profile_run.py)
 TIMES="$LOG_DIR/times.tsv"
 : > "$TIMES"
+start_preload
+
 
 # A log without progress-bar updates (tqdm's \r lines) and exporter chatter.
 log_text() { tr '\r' '\n' < "$1" | grep -v -E '^[[:space:]]*$|^\[torch\.onnx\]| [0-9]+/[0-9]+ \[' || true; }
@@ -488,7 +513,11 @@ run() {
   open_log "$log"
   start_ticker "$log" "$name"
   t0="$(date +%s.%N)"
-  "$@" >&8 2>&1 || rc=$?
+  if [ "$1" = python ] && [ -n "$preload_pid" ]; then
+    python -m deploykit.zygote run "${@:2}" >&8 2>&1 || rc=$?  # the same command, preloaded
+  else
+    "$@" >&8 2>&1 || rc=$?
+  fi
   exec 8>&-
   printf '%s\t%s\n' "$name" "$(awk -v a="$t0" -v b="$(date +%s.%N)" \
     'BEGIN { printf "%.1f", b - a }')" >> "$TIMES" 2>/dev/null || true

@@ -32,12 +32,22 @@ _HELD: dict[str, int] = {}
 
 
 def _cmdline(pid: int) -> str:
-    """The command line of ``pid`` from /proc, shell-quoted ('' when it cannot be read)."""
+    """The command line of ``pid`` from /proc, shell-quoted ('' when it cannot be read, or when
+    it is run_all.sh's preload server's: a stage it forked shows that command line there, and
+    its own is the one recorded in the lock file)."""
     try:
         raw = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return ""
-    return shlex.join(a.decode(errors="replace") for a in raw.split(b"\0") if a)
+    args = [a.decode(errors="replace") for a in raw.split(b"\0") if a]
+    if len(args) == 1 and " " in args[0]:  # a process title (setproctitle): the command line
+        return args[0]
+    return "" if "deploykit.zygote" in args else shlex.join(args)
+
+
+def _own_command() -> str:
+    """This process's command line as ``python`` ran it (``sys.argv``, shell-quoted)."""
+    return shlex.join([Path(sys.executable).name, *sys.argv])
 
 
 def _holder(fd: int) -> str:
@@ -136,7 +146,7 @@ def lock_folders(*folders: Path | str, argv: Sequence[str] | None = None) -> lis
                 "or give this run folders of its own: ARTIFACTS=/other/artifacts "
                 f"RESULTS=/other/results python {cmd} (nothing was changed)") from None
         info = (f"pid={os.getpid()}\nstarted={time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}"
-                f"\ncommand={_cmdline(os.getpid())}\n")
+                f"\ncommand={_cmdline(os.getpid()) or _own_command()}\n")
         os.ftruncate(fd, 0)
         os.pwrite(fd, info.encode(), 0)
         _HELD[key] = fd

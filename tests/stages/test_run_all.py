@@ -379,7 +379,10 @@ def test_rerun_refuses_while_a_stage_of_a_killed_run_still_writes(tmp_path):
         "import os, time\n"
         "if b'0_prepare_data.py' in open('/proc/self/cmdline', 'rb').read():\n"
         "    time.sleep(float(os.environ.get('REVIEW_STAGE_SLEEP', '0')))\n")
-    env = _env(tmp_path, PYTHONPATH=f"{hook}:{ROOT}", REVIEW_STAGE_SLEEP="120")
+    # (PIPELINE_PRELOAD=0: the hook reads the command line at interpreter start, which a stage
+    # forked by the preload server does not have; test_zygote covers that server)
+    env = _env(tmp_path, PYTHONPATH=f"{hook}:{ROOT}", REVIEW_STAGE_SLEEP="120",
+               PIPELINE_PRELOAD="0")
     _good_row(env)
     first = subprocess.Popen(["bash", "run_all.sh", "--stop-stage", "0"], cwd=ROOT, env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

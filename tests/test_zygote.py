@@ -1,0 +1,189 @@
+"""run_all.sh's preload server (deploykit.zygote): a command run through it behaves as the plain
+``python <script>.py`` would (argv, folder, environment, output, exit status, signals), and
+every command it cannot take safely runs as a plain process. The servers here preload only
+``json`` (seconds cheaper than the real list); the whole pipeline through it runs in the README
+test and in benchmarks/profile_run.py."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from deploykit import zygote
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: Reports where and how it ran, then ends as argv[1] says.
+SCRIPT = textwrap.dedent("""\
+    import json, os, sys, time
+    print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0],
+                      "ppid": os.getppid(), "pid": os.getpid(), "flag": os.environ.get("FLAG"),
+                      "main": __name__, "file": __file__,
+                      "cmdline": open("/proc/self/cmdline", "rb").read().decode()}), flush=True)
+    print("on stderr", file=sys.stderr, flush=True)
+    mode = sys.argv[1]
+    if mode == "raise":
+        raise ValueError("boom")
+    if mode == "kbd":
+        raise KeyboardInterrupt
+    if mode == "sleep":
+        print("sleeping", flush=True)
+        time.sleep(30)
+    sys.exit(int(mode))
+""")
+
+
+@pytest.fixture
+def server(tmp_path):
+    """A server preloading ``json``; yields (socket path, server pid, environment)."""
+    sock = tmp_path / "s"
+    env = dict(os.environ, PIPELINE_PRELOAD_SOCKET=str(sock),
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(tmp_path)]))
+    env.pop("PIPELINE_PRELOAD_DEBUG", None)
+    p = subprocess.Popen([sys.executable, "-m", "deploykit.zygote", "serve", str(sock), "json"],
+                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True)
+    end = time.time() + 20
+    while not sock.exists() and time.time() < end:
+        time.sleep(0.02)
+    time.sleep(0.2)  # its preload done
+    yield sock, p.pid, env
+    p.terminate()
+    p.wait(10)
+
+
+def _client(env, tmp_path, *args, cwd=None, **kw):
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    return subprocess.run([sys.executable, "-m", "deploykit.zygote", "run", str(script), *args],
+                          env=env, cwd=cwd or tmp_path, capture_output=True, text=True,
+                          timeout=60, **kw)
+
+
+def _report(out: str) -> dict:
+    return json.loads(out.splitlines()[0])
+
+
+@pytest.mark.slow  # starts processes
+@pytest.mark.parametrize("rc", [0, 3])
+def test_a_command_runs_in_the_server_as_its_plain_run_would(server, tmp_path, rc):
+    sock, server_pid, env = server
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    p = _client(env, tmp_path, str(rc), "x y", cwd=sub)
+    assert p.returncode == rc
+    rep = _report(p.stdout)
+    assert rep["ppid"] == server_pid  # forked by the server
+    assert rep["argv"] == [str(tmp_path / "job.py"), str(rc), "x y"] and rep["main"] == "__main__"
+    assert rep["cwd"] == str(sub) and rep["path0"] == str(tmp_path)
+    # ps and the lock messages name the stage, not the server (setproctitle)
+    assert rep["cmdline"].rstrip("\0") == f"python {tmp_path / 'job.py'} {rc} 'x y'"
+    assert p.stderr.strip() == "on stderr"  # the client's own descriptors
+
+
+@pytest.mark.slow  # starts processes
+def test_an_uncaught_exception_and_ctrl_c_end_as_in_python(server, tmp_path):
+    _, _, env = server
+    p = _client(env, tmp_path, "raise")
+    assert p.returncode == 1 and "ValueError: boom" in p.stderr
+    p = _client(env, tmp_path, "kbd")
+    assert p.returncode == -signal.SIGINT and "KeyboardInterrupt" in p.stderr  # as plain python
+
+
+@pytest.mark.slow  # starts processes
+def test_another_environment_or_no_server_means_a_plain_process(server, tmp_path):
+    _, server_pid, env = server
+    p = _client(dict(env, FLAG="1", PIPELINE_PRELOAD_DEBUG="1"), tmp_path, "0")
+    rep = _report(p.stdout)
+    assert p.returncode == 0 and rep["flag"] == "1" and rep["ppid"] != server_pid
+    assert "preload: plain python (environment differs: FLAG)" in p.stderr
+    # variables only the pipeline reads may differ
+    p = _client(dict(env, RESULTS=str(tmp_path / "r")), tmp_path, "0")
+    assert _report(p.stdout)["ppid"] == server_pid
+    p = _client(dict(env, PIPELINE_PRELOAD_SOCKET=str(tmp_path / "none")), tmp_path, "4")
+    assert p.returncode == 4 and _report(p.stdout)["ppid"] != server_pid
+
+
+@pytest.mark.slow  # starts processes
+def test_sigterm_to_the_client_reaches_the_command(server, tmp_path):
+    _, server_pid, env = server
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    p = subprocess.Popen([sys.executable, "-m", "deploykit.zygote", "run", str(script), "sleep"],
+                         env=env, stdout=subprocess.PIPE, text=True)
+    child = _report(p.stdout.readline())["pid"]
+    assert p.stdout.readline().strip() == "sleeping"
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(20) == -signal.SIGTERM  # the client dies of the command's signal
+    time.sleep(0.2)
+    with pytest.raises(ProcessLookupError):
+        os.kill(child, 0)
+
+
+@pytest.mark.slow  # starts processes
+def test_a_server_with_onnxruntime_loaded_forks_nothing(tmp_path):
+    """onnxruntime's import leaves a forked child unable to exit (it hangs in a futex after
+    sys.exit): a server that has it loaded, through any module, runs every command plain."""
+    (tmp_path / "uses_ort.py").write_text("import onnxruntime\n")
+    sock = tmp_path / "s"
+    env = dict(os.environ, PIPELINE_PRELOAD_SOCKET=str(sock), PIPELINE_PRELOAD_DEBUG="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(tmp_path)]))
+    srv = subprocess.Popen([sys.executable, "-m", "deploykit.zygote", "serve", str(sock),
+                            "uses_ort"], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert "imported uses_ort" in "".join(srv.stdout.readline() for _ in range(2))
+        p = _client(env, tmp_path, "0")
+        assert p.returncode == 0 and _report(p.stdout)["ppid"] != srv.pid
+        assert "onnxruntime loaded in the server" in p.stderr
+    finally:
+        srv.terminate()
+        srv.wait(10)
+
+
+def test_onnxruntime_is_never_preloaded_and_the_rules_read_right():
+    assert "onnxruntime" in zygote.FORK_UNSAFE
+    assert not any(m.split(".")[0] in zygote.FORK_UNSAFE for m in zygote.PRELOAD)
+    assert zygote.runnable(["3_onnx_eval.py", "--model", "m"]) is None
+    assert "option" in zygote.runnable(["-u", "x.py"])
+    assert "not a .py" in zygote.runnable(["prog"])
+    assert zygote.env_difference({"A": "1", "PWD": "/a"}, {"A": "1", "PWD": "/b"}) == []
+    assert zygote.env_difference({"A": "1"}, {"A": "2", "B": "3"}) == ["A", "B"]
+
+
+@pytest.mark.slow  # starts processes
+def test_usage_is_exit_2():
+    p = subprocess.run([sys.executable, "-m", "deploykit.zygote", "bogus"], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert p.returncode == 2 and "usage:" in p.stderr
+
+
+@pytest.mark.slow  # starts processes
+def test_the_server_ends_when_run_all_dies(tmp_path):
+    """kill -9 of run_all.sh: the kernel sends its server SIGTERM (PR_SET_PDEATHSIG)."""
+    sock = tmp_path / "s"
+    parent = subprocess.Popen(["bash", "-c", f"{sys.executable} -m deploykit.zygote serve "
+                               f"{sock} json & echo $!; wait"], cwd=ROOT, stdout=subprocess.PIPE,
+                              text=True)
+    server_pid = int(parent.stdout.readline())
+    end = time.time() + 20
+    while not sock.exists() and time.time() < end:
+        time.sleep(0.02)
+    assert os.kill(server_pid, 0) is None  # serving
+    parent.kill()
+    parent.wait()
+    end = time.time() + 20
+    while time.time() < end:
+        try:
+            os.kill(server_pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(server_pid, signal.SIGKILL)
+        pytest.fail("the server outlived its parent")
