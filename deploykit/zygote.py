@@ -13,7 +13,13 @@ as a forked child of itself (``python -m deploykit.zygote run <stage>.py ARGS``,
   ``sys.argv``, ``sys.path[0]`` the script's folder); it imports what the server has not yet.
 - The client exits with the child's exit status, or dies by its signal. SIGTERM and SIGHUP to
   the client are passed on to the child; so is SIGINT, unless the child is in the client's
-  process group (then a Ctrl-C at the terminal reached it already).
+  process group (then a Ctrl-C at the terminal reached it already). A signal the client ignores
+  (``nohup``, a background job) stays ignored in the child, as a plain process inherits it.
+- The child starts with fresh numpy and torch random states (Python's ``random`` reseeds itself
+  at fork), as a new process would; only the string hash seed is the server's.
+- When the server dies, the client waits for the child to end before it reports (exit 1, the
+  status unknown); on SIGTERM the server stops taking commands, waits for the running one and
+  reports its status, and removes its socket.
 - The server only imports third-party libraries (:data:`PRELOAD`), never the pipeline's own
   modules, so no module state of the pipeline is shared between stages. A library may read the
   environment when it is imported, so a command whose environment differs from the server's
@@ -59,6 +65,8 @@ FREE_ENV = frozenset({"_", "PWD", "OLDPWD", "SHLVL", "COLUMNS", "LINES", "RUN_TA
                       "PIPELINE_PRELOAD_DEBUG"})
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+#: Signals the client passes on to the command (and whose ignored state it keeps).
+_FORWARDED = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 _HEADER = 8  # bytes of the request's length prefix
 
 
@@ -125,7 +133,8 @@ def serve(path: str, preload: tuple[str, ...] = PRELOAD) -> dict | None:
         streams already in place; the server itself never returns (it exits on SIGTERM).
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the stages
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    stopping: list[int] = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
     _prctl_pdeathsig(signal.SIGTERM)
     server_env = dict(os.environ)
     try:  # now, before any child changes the environment: its first call claims the argv +
@@ -142,6 +151,8 @@ def serve(path: str, preload: tuple[str, ...] = PRELOAD) -> dict | None:
     jobs: dict[int, socket.socket] = {}  # child pid -> its client's connection
     print(f"preload server {os.getpid()}: {path}; importing {' '.join(todo)}", flush=True)
     while True:
+        if stopping:  # SIGTERM: no new command; the running ones report their status first
+            _stop(lsock, path, jobs)
         ready, _, _ = select.select([lsock], [], [], 0 if todo else 0.05)
         for pid, conn in list(jobs.items()):  # finished children: their status to the client
             done, status = os.waitpid(pid, os.WNOHANG)
@@ -195,6 +206,35 @@ def serve(path: str, preload: tuple[str, ...] = PRELOAD) -> dict | None:
                 print(f"  {name} not imported ({type(e).__name__}: {e})", flush=True)
 
 
+def _stop(lsock: socket.socket, path: str, jobs: dict[int, socket.socket]) -> None:
+    """End the server: no new connection (the socket file removed, and its folder when it is
+    run_all.sh's ``deploykit-preload.*``), each running command waited for and its status sent
+    to its client, then exit 0."""
+    lsock.close()
+    for p in (path, os.path.dirname(path)):
+        try:
+            if p == path:
+                os.unlink(p)
+            elif os.path.basename(p).startswith("deploykit-preload."):
+                os.rmdir(p)
+        except OSError:
+            pass
+    for pid, conn in jobs.items():
+        while True:
+            try:
+                _, status = os.waitpid(pid, 0)
+                break
+            except InterruptedError:
+                continue
+            except ChildProcessError:
+                status = None
+                break
+        if status is not None:
+            _send(conn, {"exit": os.waitstatus_to_exitcode(status)})
+        conn.close()
+    sys.exit(0)
+
+
 def _become(req: dict) -> None:
     """In the forked child: the state ``python ARGV`` would start with, then the script."""
     import io
@@ -203,9 +243,22 @@ def _become(req: dict) -> None:
     os.chdir(req["cwd"])
     os.environ.clear()
     os.environ.update(req["env"])
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
-        signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    # the client's signal dispositions, as a plain process would inherit them: one the client
+    # ignores (nohup, a background job) stays ignored, else Python's defaults
+    ignored = set(req.get("ignored", ()))
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGINT):
+        if int(sig) in ignored:
+            signal.signal(sig, signal.SIG_IGN)
+        else:
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT
+                          else signal.SIG_DFL)
+    # fresh random states, as a new process has (Python's random reseeds itself at fork;
+    # numpy's and torch's global generators would otherwise be the server's, the same in every
+    # stage). The string hash seed stays the server's.
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    if "torch" in sys.modules:
+        sys.modules["torch"].seed()
     # fresh text streams over descriptors 0-2, buffered as Python buffers them at start
     # (stdout by line on a terminal, stderr by line, neither with PYTHONUNBUFFERED)
     unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
@@ -226,7 +279,7 @@ def _become(req: dict) -> None:
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     _set_title(["python", *sys.argv])
     try:
-        runpy.run_path(script, run_name="__main__")
+        runpy.run_path(os.path.abspath(script), run_name="__main__")  # __file__ absolute
         code = 0
     except SystemExit as e:
         code = _exit_code(e.code)
@@ -305,7 +358,11 @@ def _plain(argv: list[str], why: str | None = None) -> None:
     """``python ARGV`` in place of this process."""
     if why and os.environ.get("PIPELINE_PRELOAD_DEBUG"):
         print(f"preload: plain python ({why})", file=sys.stderr, flush=True)
-    os.execv(sys.executable, [sys.executable, *argv])
+    import shutil
+
+    found = shutil.which("python")  # run_all.sh's "python", as it would have run the command
+    same = found is not None and os.path.realpath(found) == os.path.realpath(sys.executable)
+    os.execv(sys.executable, ["python" if same else sys.executable, *argv])
 
 
 def run(argv: list[str]) -> int:
@@ -318,7 +375,9 @@ def run(argv: list[str]) -> int:
     try:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.connect(path)
-        body = json.dumps({"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}).encode()
+        ignored = [int(g) for g in _FORWARDED if signal.getsignal(g) == signal.SIG_IGN]
+        body = json.dumps({"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ),
+                           "ignored": ignored}).encode()
         socket.send_fds(sock, [len(body).to_bytes(_HEADER, "little") + body], [0, 1, 2])
         f = sock.makefile("rb")
         reply = json.loads(f.readline() or b"{}")
@@ -327,15 +386,18 @@ def run(argv: list[str]) -> int:
     if "pid" not in reply:
         _plain(argv, reply.get("fallback", "no answer"))
     pid = reply["pid"]
+    received: list[int] = []
 
     def forward(sig, _frame):
+        received.append(sig)
         try:
             if sig != signal.SIGINT or os.getpgid(pid) != os.getpgrp():
                 os.kill(pid, sig)
         except ProcessLookupError:
             pass
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-        signal.signal(sig, forward)
+    for sig in _FORWARDED:
+        if sig not in ignored:  # an ignored signal stays ignored, here and in the command
+            signal.signal(sig, forward)
     while True:
         try:
             line = f.readline()
@@ -343,16 +405,32 @@ def run(argv: list[str]) -> int:
         except InterruptedError:
             continue
     status = json.loads(line).get("exit") if line else None
-    if status is None:  # the server died: the child's status is lost
-        print(f"preload: the server ended before {argv[0]} (pid {pid}) did; its exit status "
-              "is unknown (rerun with PIPELINE_PRELOAD=0)", file=sys.stderr)
-        return 1
+    if status is None:
+        # The server is gone (killed): the command, its child, lives on. Wait for it to end,
+        # so that nothing runs on after this reports; its exit status is lost.
+        while _alive(pid):
+            time.sleep(0.2)
+        if received:  # ended with a signal sent to this client too: end as it would
+            status = -received[-1]
+        else:
+            print(f"preload: the preload server ended before {argv[0]} (pid {pid}) did; its "
+                  "exit status is unknown", file=sys.stderr)
+            return 1
     if status < 0:  # killed by a signal: so is this process, as a plain run would be
         signal.signal(-status, signal.SIG_DFL)
         os.kill(os.getpid(), -status)
         time.sleep(1)
         return 128 - status
     return status
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:

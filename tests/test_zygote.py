@@ -35,24 +35,40 @@ SCRIPT = textwrap.dedent("""\
     if mode == "sleep":
         print("sleeping", flush=True)
         time.sleep(30)
+    if mode == "nap":  # a short command, for a server killed while it runs
+        print("sleeping", flush=True)
+        time.sleep(2)
+        sys.exit(5)
+    if mode == "random":
+        import numpy, torch
+        print(json.dumps([float(numpy.random.rand()), float(torch.rand(1))]), flush=True)
+        sys.exit(0)
     sys.exit(int(mode))
 """)
+
+
+def _start_server(tmp_path, *modules):
+    """A server preloading ``modules``: (socket path, its Popen, environment)."""
+    sock = tmp_path / "s"
+    env = dict(os.environ, PIPELINE_PRELOAD_SOCKET=str(sock),
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(tmp_path)]))
+    env.pop("PIPELINE_PRELOAD_DEBUG", None)
+    p = subprocess.Popen([sys.executable, "-m", "deploykit.zygote", "serve", str(sock),
+                          *modules], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    end = time.time() + 30
+    while not sock.exists() and time.time() < end:
+        time.sleep(0.02)
+    want = len(modules)
+    while want and time.time() < end:  # its preload done
+        want -= "imported" in p.stdout.readline()
+    return sock, p, env
 
 
 @pytest.fixture
 def server(tmp_path):
     """A server preloading ``json``; yields (socket path, server pid, environment)."""
-    sock = tmp_path / "s"
-    env = dict(os.environ, PIPELINE_PRELOAD_SOCKET=str(sock),
-               PYTHONPATH=os.pathsep.join([str(ROOT), str(tmp_path)]))
-    env.pop("PIPELINE_PRELOAD_DEBUG", None)
-    p = subprocess.Popen([sys.executable, "-m", "deploykit.zygote", "serve", str(sock), "json"],
-                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True)
-    end = time.time() + 20
-    while not sock.exists() and time.time() < end:
-        time.sleep(0.02)
-    time.sleep(0.2)  # its preload done
+    sock, p, env = _start_server(tmp_path, "json")
     yield sock, p.pid, env
     p.terminate()
     p.wait(10)
@@ -187,3 +203,68 @@ def test_the_server_ends_when_run_all_dies(tmp_path):
     else:
         os.kill(server_pid, signal.SIGKILL)
         pytest.fail("the server outlived its parent")
+
+
+@pytest.mark.slow  # starts processes
+def test_each_command_starts_from_fresh_random_states(tmp_path):
+    """Review finding: forked children inherited the server's numpy and torch generators, so
+    every stage drew the same numbers (an unseeded factory then built the same weights in
+    stages 1 and 2, hiding the mismatch a plain run reports)."""
+    sock, srv, env = _start_server(tmp_path, "numpy", "torch")
+    try:
+        draws = [json.loads(_client(env, tmp_path, "random").stdout.splitlines()[-1])
+                 for _ in range(2)]
+        assert draws[0][0] != draws[1][0] and draws[0][1] != draws[1][1]
+    finally:
+        srv.terminate()
+        srv.wait(10)
+
+
+@pytest.mark.slow  # starts processes
+def test_an_ignored_signal_stays_ignored_and_file_is_absolute(server, tmp_path):
+    """Review finding: under nohup (SIGHUP ignored) a forked stage died of SIGHUP where the
+    plain one ignores it."""
+    _, _, env = server
+    (tmp_path / "job.py").write_text(SCRIPT)
+    p = subprocess.Popen([sys.executable, "-m", "deploykit.zygote", "run", "job.py", "sleep"],
+                         env=env, cwd=tmp_path, stdout=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    rep = _report(p.stdout.readline())
+    assert rep["file"] == str(tmp_path / "job.py")  # absolute, as Python sets it
+    assert p.stdout.readline().strip() == "sleeping"
+    os.kill(p.pid, signal.SIGHUP)
+    os.kill(rep["pid"], signal.SIGHUP)
+    time.sleep(0.5)
+    assert p.poll() is None and zygote._alive(rep["pid"])  # both still there
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(20) == -signal.SIGTERM
+
+
+@pytest.mark.slow  # starts processes
+def test_a_killed_server_leaves_the_client_waiting_for_its_command(tmp_path):
+    """Review finding: the client reported a failure at once while the orphaned command ran
+    on; it now waits for the command to end first."""
+    sock, srv, env = _start_server(tmp_path, "json")
+    (tmp_path / "job.py").write_text(SCRIPT)
+    p = subprocess.Popen([sys.executable, "-m", "deploykit.zygote", "run", "job.py", "nap"],
+                         env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    child = _report(p.stdout.readline())["pid"]
+    assert p.stdout.readline().strip() == "sleeping"
+    srv.kill()
+    srv.wait()
+    _, err = p.communicate(timeout=30)
+    assert not zygote._alive(child)  # it ended before the client reported
+    assert p.returncode == 1 and "exit status is unknown" in err
+
+
+@pytest.mark.slow  # starts processes
+def test_sigterm_to_the_server_waits_for_the_running_command_and_removes_the_socket(tmp_path):
+    sock, srv, env = _start_server(tmp_path, "json")
+    (tmp_path / "job.py").write_text(SCRIPT)
+    p = subprocess.Popen([sys.executable, "-m", "deploykit.zygote", "run", "job.py", "nap"],
+                         env=env, cwd=tmp_path, stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline() and p.stdout.readline().strip() == "sleeping"
+    srv.terminate()
+    assert p.wait(30) == 5  # its status, reported before the server left
+    assert srv.wait(30) == 0 and not sock.exists()
