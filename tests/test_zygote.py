@@ -194,13 +194,9 @@ def test_the_server_ends_when_run_all_dies(tmp_path):
     parent.kill()
     parent.wait()
     end = time.time() + 20
-    while time.time() < end:
-        try:
-            os.kill(server_pid, 0)
-        except ProcessLookupError:
-            break
+    while zygote._alive(server_pid) and time.time() < end:
         time.sleep(0.05)
-    else:
+    if zygote._alive(server_pid):
         os.kill(server_pid, signal.SIGKILL)
         pytest.fail("the server outlived its parent")
 
