@@ -158,9 +158,11 @@ def main(args: argparse.Namespace) -> dict:
     cand_dir = Path(tempfile.mkdtemp(dir=onnx_dir, prefix=f".stage2-pid{os.getpid()}-"))
     try:
         cand = {k: cand_dir / p.name for k, p in final.items()}
-        ex_warn, declared = export_fp32(model, repeat_rows(feed, EXAMPLE_BATCH), cand["fp32"],
-                                        args.exporter, opset, output_names)
+        ex_warn, declared, out_of_place = export_fp32(
+            model, repeat_rows(feed, EXAMPLE_BATCH), cand["fp32"], args.exporter, opset,
+            output_names)
         record["exporter_warnings"] = ex_warn
+        record["traced_out_of_place"] = out_of_place  # in-place modules (deploykit.export)
         cache = {("b", n): ref}
         res = {"fp32": check_export(
             model, cand["fp32"], feed, min_cosine=args.min_cosine_fp32, declared=declared,

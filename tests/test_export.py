@@ -152,3 +152,117 @@ def test_fp16_rejected_warning_first_line_and_commands(tmp_path, monkeypatch):
     assert "fp32.onnx passed and is installed" in first and "--no-fp16 skips FP16" in first
     assert "fix (keep those nodes in FP32): python 2_export_onnx.py --fp16-keep-fp32 conv" in text
     assert text.splitlines()[-1] == f"or skip FP16 (FP32 only): {skip}"
+
+
+# --------------------------------------------------------------------------------------------
+# out_of_place: in-place activations traced out of place when that changes no output
+# --------------------------------------------------------------------------------------------
+class _InplaceNet(nn.Module):
+    """Conv -> ReLU6(inplace) -> Conv -> ReLU(inplace); its outputs never read an overwritten
+    input."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.c1, self.a1 = nn.Conv2d(3, 4, 3), nn.ReLU6(inplace=True)
+        self.c2, self.a2 = nn.Conv2d(4, 4, 1), nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        return self.a2(self.c2(self.a1(self.c1(x)))).mean((2, 3))
+
+
+class _AliasNet(nn.Module):
+    """Reads the activation's input again: in place this computes 2 * relu(y), out of place
+    y + relu(y)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.c, self.act = nn.Conv2d(3, 4, 3), nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        y = self.c(x)
+        z = self.act(y)
+        return (y + z).mean((2, 3))
+
+
+class _OwnAct(nn.Module):
+    """A user's class with an ``inplace`` attribute: never switched."""
+
+    def __init__(self):
+        super().__init__()
+        self.inplace = True
+
+    def forward(self, x):
+        return x.clamp_(min=0) if self.inplace else x.clamp(min=0)
+
+
+def _x():
+    return (torch.randn(3, 3, 8, 8, generator=torch.Generator().manual_seed(1)),)
+
+
+def test_out_of_place_switches_torch_activations_and_restores_them():
+    from deploykit.export import out_of_place
+
+    m = _InplaceNet().eval()
+    ref = m(*_x())
+    with out_of_place(m, _x()) as n:
+        assert n == 2
+        assert not m.a1.inplace and not m.a2.inplace
+        assert torch.equal(m(*_x()), ref)
+    assert m.a1.inplace and m.a2.inplace
+
+
+def test_out_of_place_keeps_flags_when_the_model_reads_an_overwritten_input():
+    from deploykit.export import out_of_place
+
+    m = _AliasNet().eval()
+    with out_of_place(m, _x()) as n:
+        assert n == 0
+        assert m.act.inplace  # out of place would change what the model computes
+    assert m.act.inplace
+
+
+def test_out_of_place_leaves_training_mode_models_and_own_classes_alone():
+    from deploykit.export import inplace_modules, out_of_place
+
+    m = _InplaceNet().train()
+    with out_of_place(m, _x()) as n:
+        assert n == 0 and m.a1.inplace
+    own = nn.Sequential(nn.Conv2d(3, 4, 3), _OwnAct()).eval()
+    assert inplace_modules(own) == []
+    with out_of_place(own, _x()) as n:
+        assert n == 0 and own[1].inplace
+
+
+def test_out_of_place_restores_flags_when_the_block_raises():
+    from deploykit.export import out_of_place
+
+    m = _InplaceNet().eval()
+    with pytest.raises(RuntimeError):
+        with out_of_place(m, _x()):
+            raise RuntimeError("exporter failed")
+    assert m.a1.inplace and m.a2.inplace
+
+
+def test_export_fp32_out_of_place_gives_the_same_graph(tmp_path):
+    """The dynamo export of a model with in-place activations: the same ops and initializers
+    as the export with the flags forced on, and the model left as it was."""
+    from deploykit.export import export_fp32
+
+    m = _InplaceNet().eval()
+    ex = {"input": _x()[0].numpy()}
+    _, _, n = export_fp32(m, ex, tmp_path / "a.onnx", "dynamo", 18, ["out"])
+    assert n == 2 and m.a1.inplace and m.a2.inplace
+    import deploykit.export as dx
+    real = dx.inplace_modules
+    try:
+        dx.inplace_modules = lambda model: []  # export as the model is
+        _, _, n0 = export_fp32(m, ex, tmp_path / "b.onnx", "dynamo", 18, ["out"])
+    finally:
+        dx.inplace_modules = real
+    assert n0 == 0
+    a, b = onnx.load(tmp_path / "a.onnx").graph, onnx.load(tmp_path / "b.onnx").graph
+    assert [n.op_type for n in a.node] == [n.op_type for n in b.node]
+    assert ({i.name: i.SerializeToString() for i in a.initializer}
+            == {i.name: i.SerializeToString() for i in b.initializer})
