@@ -9,7 +9,7 @@ import re
 import sys
 import warnings
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 import numpy as np
 from deploykit.checks.batch_stats import batch_statistics_problem
 from deploykit.checks.base import check_result, format_result, with_source, worst
@@ -91,16 +91,25 @@ def check_batch_statistics(model, consequence: str = "nothing exported") -> None
 
 #: Where the classes come from whose ``inplace`` flag only chooses where a result is stored:
 #: torch.nn's activations and dropout (``nn.ReLU``, ``nn.ReLU6``, ``nn.Hardswish``,
-#: ``nn.Dropout``, ...) and timm's activation layers (``timm.layers``).
+#: ``nn.Dropout``, ...) and timm's layers (its activations, ``LayerScale``, ``DropBlock2d``).
 OUT_OF_PLACE_SAFE_MODULES = ("torch.nn.modules.", "timm.layers.")
 
 
 def inplace_modules(model) -> list:
     """The submodules of ``model`` set to compute in place (``inplace`` is ``True``) whose class
-    comes from :data:`OUT_OF_PLACE_SAFE_MODULES`; a user's own classes are never touched."""
+    comes from :data:`OUT_OF_PLACE_SAFE_MODULES`; a user's own classes, subclasses of torch.nn's
+    included, are never touched."""
     return [m for m in model.modules()
             if getattr(m, "inplace", None) is True
             and type(m).__module__.startswith(OUT_OF_PLACE_SAFE_MODULES)]
+
+
+def _detached_copy(out):
+    """``out`` (any pytree) with every tensor copied: later calls cannot change it."""
+    import torch
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, out)
 
 
 def _same_outputs(a, b) -> bool:
@@ -122,12 +131,19 @@ def _same_outputs(a, b) -> bool:
 
 
 @contextlib.contextmanager
-def out_of_place(model, args: tuple) -> Iterator[int]:
+def out_of_place(model, args: tuple, check_args: Sequence[tuple] = ()) -> Iterator[int]:
     """While the block runs, the :func:`inplace_modules` of ``model`` compute out of place,
-    provided that leaves the model's outputs on ``args`` bit-identical; yields how many modules
-    were switched (0: none to switch, a model in training mode, or outputs that differ, which
-    happens when the model reads an activation's input again after the activation overwrote it;
-    the flags then stay as they are). Every flag is restored on exit.
+    provided that leaves the model's outputs bit-identical on ``args`` and on each of
+    ``check_args``; yields how many modules were switched (0: none to switch, a model in
+    training mode, outputs that differ, or a forward pass that raised; the flags then stay as
+    they are). Every flag is restored on exit, also when the check itself is interrupted.
+
+    Outputs differ when the model reads a tensor again after an in-place module overwrote it
+    (``act(x) + x``, an input the caller passed in, a buffer it returns): each forward pass of
+    the check gets its own copy of the inputs, and the first pass's outputs are copied before
+    the second runs, so neither can hide that. The check is evidence on these inputs, not a
+    proof for every input: stage 2 exports again as the model is when FP32 parity then fails
+    (``2_export_onnx.py``).
 
     Why: the dynamo exporter (``torch.export``) functionalises each in-place op under the
     symbolic batch size, which costs seconds on the mobile networks this toolkit is for.
@@ -139,27 +155,33 @@ def out_of_place(model, args: tuple) -> Iterator[int]:
     the FX numbering of some tensor names differs (``add_208`` against ``add_130``).
 
     Args:
-        model: ``torch.nn.Module`` (called as ``model(*args)`` without gradients for the check).
+        model: ``torch.nn.Module`` (called as ``model(*inputs)`` without gradients for the
+            check, twice per input set).
         args: the example inputs of the export (tensors).
+        check_args: more input sets to check on (e.g. the real samples of stage 2's checks).
     """
     import torch
 
     mods = inplace_modules(model) if not model.training else []
-    if mods:
-        same = False
-        try:
-            with torch.no_grad():
-                before = model(*args)
-                for m in mods:
-                    m.inplace = False
-                same = _same_outputs(before, model(*args))
-        except Exception:  # noqa: BLE001 - any failure here: the model is exported as it is
-            pass           # (and the exporter names the error)
-        if not same:
+    confirmed = False
+    try:
+        if mods:
+            try:
+                with torch.no_grad():
+                    before = []
+                    for inputs in (args, *check_args):
+                        before.append(_detached_copy(model(*(a.clone() for a in inputs))))
+                    for m in mods:
+                        m.inplace = False
+                    confirmed = all(
+                        _same_outputs(ref, model(*(a.clone() for a in inputs)))
+                        for ref, inputs in zip(before, (args, *check_args)))
+            except Exception:  # noqa: BLE001 - any failure here: the model is exported as it
+                confirmed = False  # is (and the exporter names the error)
+        if not confirmed:
             for m in mods:
                 m.inplace = True
             mods = []
-    try:
         yield len(mods)
     finally:
         for m in mods:
@@ -167,16 +189,21 @@ def out_of_place(model, args: tuple) -> Iterator[int]:
 
 
 def export_fp32(model, example: dict[str, np.ndarray], path: Path, exporter: str, opset: int,
-                output_names: list[str]) -> tuple[list[dict], dict[str, list[int]], int]:
+                output_names: list[str], check: dict[str, np.ndarray] | None = None,
+                allow_out_of_place: bool = True
+                ) -> tuple[list[dict], dict[str, list[int]], int]:
     """Export ``model`` with a dynamic batch axis on every input (and, legacy exporter, output).
 
-    The dynamo exporter traces the model's torch.nn/timm activations out of place when that
-    changes none of its outputs on ``example`` (:func:`out_of_place`; the model is left as it
-    was).
+    The dynamo exporter traces the model's torch.nn/timm in-place modules out of place when
+    that changes none of its outputs on ``example`` and ``check`` (:func:`out_of_place`; the
+    model is left as it was).
 
     Args:
         example: ``{input name: array}`` with the batch axis first (batch >= 2, see
             :data:`EXAMPLE_BATCH`).
+        check: more samples, same keys, for :func:`out_of_place`'s check (stage 2: its check
+            feed).
+        allow_out_of_place: False exports the model exactly as it is.
     Returns:
         ``(exporter warnings, declared dynamic axes {name: [axes]}, modules traced out of
         place)``; the warnings are captured (never silenced) for
@@ -188,6 +215,8 @@ def export_fp32(model, example: dict[str, np.ndarray], path: Path, exporter: str
     import torch
 
     args = tuple(torch.from_numpy(v) for v in example.values())
+    checks = [tuple(torch.from_numpy(np.ascontiguousarray(check[k])) for k in example)] \
+        if check else []
     names = list(example)
     print(f"export: torch.onnx.export ({exporter}, opset {opset}, example batch "
           f"{len(args[0]) if args else 0}, dynamic batch axis) -> {path.name}", file=sys.stderr,
@@ -195,11 +224,14 @@ def export_fp32(model, example: dict[str, np.ndarray], path: Path, exporter: str
     with contextlib.ExitStack() as stack:
         # the check's own forward passes run before warnings are recorded: they are the
         # model's, not the exporter's
-        switched = stack.enter_context(out_of_place(model, args)) if exporter == "dynamo" else 0
+        switched = (stack.enter_context(out_of_place(model, args, checks))
+                    if exporter == "dynamo" and allow_out_of_place else 0)
         if switched:
-            print(f"export: {switched} in-place activation module(s) traced out of place (the "
-                  "model's outputs on the example batch are bit-identical either way; "
-                  "torch.export is slower on in-place ops)", file=sys.stderr, flush=True)
+            print(f"export: {switched} in-place torch.nn/timm module(s) (activations, dropout) "
+                  "traced out of place: the model's outputs on the example batch and the "
+                  f"{len(next(iter(check.values()))) if check else 0} check samples are "
+                  "bit-identical either way, and torch.export is slower on in-place ops",
+                  file=sys.stderr, flush=True)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:

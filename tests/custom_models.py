@@ -100,3 +100,22 @@ class LogNet(nn.Module):
 def log_net():
     torch.manual_seed(0)
     return LogNet()
+
+
+class LateAlias(nn.Module):
+    """Reads a tensor again after an in-place ReLU overwrote it: in place it computes
+    ``2 relu(x)``, out of place ``x + relu(x)``; the two agree on non-negative inputs only."""
+
+    def __init__(self):
+        super().__init__()
+        self.act = nn.ReLU(inplace=True)
+        self.head = nn.Conv2d(3, 4, 1)
+
+    def forward(self, x):
+        y = x + 0.0  # a tensor of its own, which the ReLU overwrites
+        return self.head(y + self.act(y)).mean((2, 3))
+
+
+def late_alias():
+    torch.manual_seed(0)
+    return LateAlias()

@@ -155,15 +155,19 @@ def test_fp16_rejected_warning_first_line_and_commands(tmp_path, monkeypatch):
 
 
 # --------------------------------------------------------------------------------------------
-# out_of_place: in-place activations traced out of place when that changes no output
+# out_of_place: in-place modules traced out of place when that changes no output
 # --------------------------------------------------------------------------------------------
+def _seeded(cls, *a):
+    with torch.random.fork_rng():  # the global RNG stays as it was
+        torch.manual_seed(0)
+        return cls(*a).eval()
+
+
 class _InplaceNet(nn.Module):
-    """Conv -> ReLU6(inplace) -> Conv -> ReLU(inplace); its outputs never read an overwritten
-    input."""
+    """Conv -> ReLU6(inplace) -> Conv -> ReLU(inplace); it never reads an overwritten tensor."""
 
     def __init__(self):
         super().__init__()
-        torch.manual_seed(0)
         self.c1, self.a1 = nn.Conv2d(3, 4, 3), nn.ReLU6(inplace=True)
         self.c2, self.a2 = nn.Conv2d(4, 4, 1), nn.ReLU(inplace=True)
 
@@ -172,18 +176,42 @@ class _InplaceNet(nn.Module):
 
 
 class _AliasNet(nn.Module):
-    """Reads the activation's input again: in place this computes 2 * relu(y), out of place
-    y + relu(y)."""
+    """Reads the activation's input again: in place 2 * relu(y), out of place y + relu(y)."""
 
     def __init__(self):
         super().__init__()
-        torch.manual_seed(0)
         self.c, self.act = nn.Conv2d(3, 4, 3), nn.ReLU(inplace=True)
 
     def forward(self, x):
         y = self.c(x)
         z = self.act(y)
         return (y + z).mean((2, 3))
+
+
+class _InputAlias(nn.Module):
+    """Overwrites the caller's input in place, then reads it again."""
+
+    def __init__(self):
+        super().__init__()
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        return (self.act(x) + x).mean((2, 3))
+
+
+class _BufferOut(nn.Module):
+    """Returns a buffer it overwrites at each call (a later call changes an earlier output)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.act = nn.Linear(8, 4), nn.ReLU(inplace=True)
+        self.register_buffer("out", torch.zeros(3, 4))
+
+    def forward(self, x):
+        y = self.lin(x.mean((1, 2)))
+        z = self.act(y)
+        self.out.copy_(y + z)
+        return self.out
 
 
 class _OwnAct(nn.Module):
@@ -197,14 +225,16 @@ class _OwnAct(nn.Module):
         return x.clamp_(min=0) if self.inplace else x.clamp(min=0)
 
 
-def _x():
-    return (torch.randn(3, 3, 8, 8, generator=torch.Generator().manual_seed(1)),)
+def _x(seed=1, low=None):
+    g = torch.Generator().manual_seed(seed)
+    return ((torch.rand(3, 3, 8, 8, generator=g) if low == 0
+             else torch.randn(3, 3, 8, 8, generator=g)),)
 
 
 def test_out_of_place_switches_torch_activations_and_restores_them():
     from deploykit.export import out_of_place
 
-    m = _InplaceNet().eval()
+    m = _seeded(_InplaceNet)
     ref = m(*_x())
     with out_of_place(m, _x()) as n:
         assert n == 2
@@ -213,56 +243,99 @@ def test_out_of_place_switches_torch_activations_and_restores_them():
     assert m.a1.inplace and m.a2.inplace
 
 
-def test_out_of_place_keeps_flags_when_the_model_reads_an_overwritten_input():
+@pytest.mark.parametrize("cls", [_AliasNet, _InputAlias])
+def test_out_of_place_keeps_flags_when_the_model_reads_an_overwritten_tensor(cls):
+    """Out of place would change what the model computes: an intermediate tensor, or the
+    caller's own input (each forward pass of the check gets its own copy of the inputs)."""
     from deploykit.export import out_of_place
 
-    m = _AliasNet().eval()
-    with out_of_place(m, _x()) as n:
+    m = _seeded(cls)
+    x = _x()
+    x0 = x[0].clone()
+    with out_of_place(m, x) as n:
         assert n == 0
-        assert m.act.inplace  # out of place would change what the model computes
+        assert m.act.inplace
     assert m.act.inplace
+    assert torch.equal(x[0], x0)  # the check never ran the model on the caller's tensors
+
+
+def test_out_of_place_copies_outputs_that_a_later_call_overwrites():
+    from deploykit.export import out_of_place
+
+    m = _seeded(_BufferOut)
+    with out_of_place(m, _x()) as n:
+        assert n == 0 and m.act.inplace
+
+
+def test_out_of_place_checks_every_input_set():
+    """Non-negative example inputs hide the aliasing; the check samples show it."""
+    from deploykit.export import out_of_place
+
+    m = _seeded(_InputAlias)
+    with out_of_place(m, _x(low=0)) as n:
+        assert n == 1  # on these inputs the two ways agree
+    with out_of_place(m, _x(low=0), [_x(seed=2)]) as n:
+        assert n == 0 and m.act.inplace
 
 
 def test_out_of_place_leaves_training_mode_models_and_own_classes_alone():
     from deploykit.export import inplace_modules, out_of_place
 
-    m = _InplaceNet().train()
+    m = _seeded(_InplaceNet).train()
     with out_of_place(m, _x()) as n:
         assert n == 0 and m.a1.inplace
     own = nn.Sequential(nn.Conv2d(3, 4, 3), _OwnAct()).eval()
-    assert inplace_modules(own) == []
+
+    class MyReLU(nn.ReLU):  # a user's subclass of a torch.nn activation: the user's class
+        pass
+
+    sub = nn.Sequential(nn.Conv2d(3, 4, 3), MyReLU(inplace=True)).eval()
+    assert inplace_modules(own) == [] and inplace_modules(sub) == []
     with out_of_place(own, _x()) as n:
         assert n == 0 and own[1].inplace
 
 
-def test_out_of_place_restores_flags_when_the_block_raises():
+def test_out_of_place_restores_flags_when_the_block_or_the_check_is_interrupted(monkeypatch):
     from deploykit.export import out_of_place
 
-    m = _InplaceNet().eval()
+    m = _seeded(_InplaceNet)
     with pytest.raises(RuntimeError):
         with out_of_place(m, _x()):
             raise RuntimeError("exporter failed")
     assert m.a1.inplace and m.a2.inplace
+    calls = []
+    real = _InplaceNet.forward
+
+    def interrupted(self, x):
+        calls.append(1)
+        if len(calls) == 2:  # the check's out-of-place pass
+            raise KeyboardInterrupt
+        return real(self, x)
+
+    monkeypatch.setattr(_InplaceNet, "forward", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        with out_of_place(m, _x()):
+            pass
+    assert m.a1.inplace and m.a2.inplace
 
 
-def test_export_fp32_out_of_place_gives_the_same_graph(tmp_path):
+def test_export_fp32_out_of_place_gives_the_same_graph(tmp_path, monkeypatch):
     """The dynamo export of a model with in-place activations: the same ops and initializers
-    as the export with the flags forced on, and the model left as it was."""
-    from deploykit.export import export_fp32
-
-    m = _InplaceNet().eval()
-    ex = {"input": _x()[0].numpy()}
-    _, _, n = export_fp32(m, ex, tmp_path / "a.onnx", "dynamo", 18, ["out"])
-    assert n == 2 and m.a1.inplace and m.a2.inplace
+    as the export of the model as it is, and the model left as it was; the legacy exporter
+    and allow_out_of_place=False switch nothing."""
     import deploykit.export as dx
-    real = dx.inplace_modules
-    try:
-        dx.inplace_modules = lambda model: []  # export as the model is
-        _, _, n0 = export_fp32(m, ex, tmp_path / "b.onnx", "dynamo", 18, ["out"])
-    finally:
-        dx.inplace_modules = real
+
+    m = _seeded(_InplaceNet)
+    ex = {"input": _x()[0].numpy()}
+    _, _, n = dx.export_fp32(m, ex, tmp_path / "a.onnx", "dynamo", 18, ["out"])
+    assert n == 2 and m.a1.inplace and m.a2.inplace
+    _, _, n0 = dx.export_fp32(m, ex, tmp_path / "b.onnx", "dynamo", 18, ["out"],
+                              allow_out_of_place=False)
     assert n0 == 0
     a, b = onnx.load(tmp_path / "a.onnx").graph, onnx.load(tmp_path / "b.onnx").graph
     assert [n.op_type for n in a.node] == [n.op_type for n in b.node]
     assert ({i.name: i.SerializeToString() for i in a.initializer}
             == {i.name: i.SerializeToString() for i in b.initializer})
+    monkeypatch.setattr(dx, "out_of_place", None)  # never entered by the legacy exporter
+    _, _, n1 = dx.export_fp32(m, ex, tmp_path / "c.onnx", "legacy", 17, ["out"])
+    assert n1 == 0

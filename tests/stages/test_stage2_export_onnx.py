@@ -151,6 +151,28 @@ def test_custom_model_export_and_parity(tmp_path):
     assert p.returncode == 2 and "does not apply" in p.stderr
 
 
+@pytest.mark.slow
+def test_out_of_place_fooled_by_its_check_samples_is_exported_again_as_it_is(tmp_path):
+    """A model that reads a tensor again after an in-place ReLU overwrote it, with inputs whose
+    first 16 samples (the out-of-place check's) are non-negative and the rest not: the check
+    agrees, the FP32 parity fails on the later samples, and stage 2 exports the model again as
+    it is, which passes (deploykit.export.out_of_place)."""
+    env = dict(os.environ, ARTIFACTS=str(tmp_path / "a"), RESULTS=str(tmp_path / "r"),
+               PYTHONPATH=str(ROOT))
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.random((16, 3, 8, 8)), rng.standard_normal((16, 3, 8, 8))])
+    np.savez(tmp_path / "x.npz", x=x.astype(np.float32))
+    model = "tests.custom_models:late_alias"
+    p = run_stage(["2_export_onnx.py", "--model", model, "--input-shape", "x:1,3,8,8",
+                   "--inputs", str(tmp_path / "x.npz"), "--check-images", "32", "--no-fp16"],
+                  env)
+    assert "1 in-place torch.nn/timm module(s)" in p.stderr
+    assert "exporting again with the model exactly as it is" in p.stderr
+    rec = json.loads((tmp_path / "r" / model_tag(model) / "export.json").read_text())
+    assert rec["traced_out_of_place"] == 0 and rec["out_of_place_retried"] == 1
+    assert rec["files"]["fp32"]["status"] == "pass"
+
+
 MODEL = "efficientnet_lite0"
 
 
