@@ -147,7 +147,7 @@ def out_of_place(model, args: tuple, check_args: Sequence[tuple] = ()) -> Iterat
 
     Why: the dynamo exporter (``torch.export``) functionalises each in-place op under the
     symbolic batch size, which costs seconds on the mobile networks this toolkit is for.
-    Measured on this project's 2-core CPU machine (AMD EPYC with AVX512-VNNI, torch 2.11,
+    Measured on this project's 2-core CPU machine (AMD EPYC with AVX512-VNNI, torch 2.14.1,
     2026-12-06), one ``torch.onnx.export(dynamo=True)`` with a dynamic batch axis, in place
     against out of place: EfficientNet-Lite0 (33 modules) 9.5 against 6.2 s,
     ``mobilenetv3_large_100`` (40) 9.1 against 6.3 s, torchvision ``resnet18`` (9) 2.8 against
