@@ -33,6 +33,7 @@ as a forked child of itself (``python -m deploykit.zygote run <stage>.py ARGS``,
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -211,26 +212,18 @@ def _stop(lsock: socket.socket, path: str, jobs: dict[int, socket.socket]) -> No
     run_all.sh's ``deploykit-preload.*``), each running command waited for and its status sent
     to its client, then exit 0."""
     lsock.close()
-    for p in (path, os.path.dirname(path)):
-        try:
-            if p == path:
-                os.unlink(p)
-            elif os.path.basename(p).startswith("deploykit-preload."):
-                os.rmdir(p)
-        except OSError:
-            pass
+    folder = os.path.dirname(path)
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+    if os.path.basename(folder).startswith("deploykit-preload."):
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)
     for pid, conn in jobs.items():
-        while True:
-            try:
-                _, status = os.waitpid(pid, 0)
-                break
-            except InterruptedError:
-                continue
-            except ChildProcessError:
-                status = None
-                break
-        if status is not None:
+        try:
+            _, status = os.waitpid(pid, 0)  # retried on EINTR by Python itself (PEP 475)
             _send(conn, {"exit": os.waitstatus_to_exitcode(status)})
+        except ChildProcessError:
+            pass  # already reaped: its status is lost
         conn.close()
     sys.exit(0)
 
