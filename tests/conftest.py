@@ -48,6 +48,25 @@ def _allocator_env_restored():
         os.environ["GLIBC_TUNABLES"] = before
 
 
+@pytest.fixture(autouse=True)
+def _folder_locks_released_and_never_in_the_checkout():
+    """A stage's ``main`` run in this process takes ``deploykit.lock`` locks that a process
+    keeps until it exits. After each test, the locks it took are released, so that no later
+    test in this worker finds a folder held; and a test whose in-process stage locked a folder
+    inside the checkout (ARTIFACTS/RESULTS left at their defaults) fails: under pytest-xdist
+    two such tests on two workers lock each other out (CI, stop 38)."""
+    from deploykit import lock
+
+    before = set(lock._HELD)
+    yield
+    taken = [k for k in lock._HELD if k not in before]
+    for k in taken:
+        os.close(lock._HELD.pop(k))
+    inside = [k for k in taken if Path(k).is_relative_to(ROOT)]
+    assert not inside, (f"the test locked {inside} in the checkout: give it ARTIFACTS and "
+                        "RESULTS under tmp_path (monkeypatch.setenv)")
+
+
 @pytest.fixture(scope="session")
 def stage_env(tmp_path_factory) -> dict:
     """Environment with private ARTIFACTS/RESULTS in which stage 0 has run on the embedded data

@@ -153,6 +153,7 @@ def test_pipeline_split_and_calibration_are_disjoint(stage_env):
 
 def test_calibration_missing_split_names_producer(tmp_path, monkeypatch):
     monkeypatch.setenv("ARTIFACTS", str(tmp_path / "a"))
+    monkeypatch.setenv("RESULTS", str(tmp_path / "r"))
     (tmp_path / "a" / "efficientnet_lite0" / "onnx").mkdir(parents=True)
     _save(conv_model(), tmp_path / "a" / "efficientnet_lite0" / "onnx" / "fp32.onnx")
     with pytest.raises(StageError, match="0_prepare_data.py"):

@@ -27,6 +27,7 @@ def test_stage5b_blocks_along_k_for_every_weight(method, tmp_path, monkeypatch):
     pytest.importorskip("modelopt.onnx.quantization")
     import onnx
 
+    monkeypatch.setenv("ARTIFACTS", str(tmp_path / "a"))
     monkeypatch.setenv("RESULTS", str(tmp_path / "r"))
     src = _save(scaled_gemm_model(), tmp_path / "fp32.onnx")
     np.savez(tmp_path / "calib.npz", x=np.random.default_rng(0).standard_normal(
@@ -67,6 +68,7 @@ def test_stage5b_blocks_along_k_for_every_weight(method, tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_stage5b_refuses_what_it_cannot_make_right(tmp_path, monkeypatch):
     pytest.importorskip("modelopt.onnx.quantization")
+    monkeypatch.setenv("ARTIFACTS", str(tmp_path / "a"))
     monkeypatch.setenv("RESULTS", str(tmp_path / "r"))
     src = _save(scaled_gemm_model(), tmp_path / "fp32.onnx")
     out = tmp_path / "int4.onnx"
@@ -104,6 +106,7 @@ def test_stage5b_end_to_end_block_override_repair_and_record(tmp_path, monkeypat
     pytest.importorskip("modelopt.onnx.quantization")
     import onnx
 
+    monkeypatch.setenv("ARTIFACTS", str(tmp_path / "artifacts"))
     monkeypatch.setenv("RESULTS", str(tmp_path / "results"))
     src = _save(gemm_model(576, 64), tmp_path / "fp32.onnx")
     np.savez(tmp_path / "calib.npz", x=np.random.default_rng(0).standard_normal(
