@@ -169,3 +169,55 @@ def test_the_record_names_the_run_whose_histograms_were_reused():
            "histogram settings (ORT's calibration session not run)\nQuantization done\n")
     assert histograms_reused_from(log) == "baseline"
     assert histograms_reused_from("calibration batch 100\nQuantization done\n") is None
+
+
+@pytest.mark.parametrize("method,symmetric", [("entropy", False), ("percentile", True),
+                                              ("percentile", False)])
+def test_threaded_histograms_are_the_one_thread_histograms_bit_for_bit(method, symmetric):
+    """Stage 5's calibration histograms made by several threads, each taking whole tensors:
+    the same arrays, edges, minima, maxima and thresholds, in the same dict order, as ORT's
+    collector on one thread, over batches whose ranges grow (merge_histogram widens the bins),
+    shrink, and include an all-zero tensor and tensors of very different sizes."""
+    from types import SimpleNamespace
+
+    from onnxruntime.quantization.calibrate import HistogramCollector
+
+    from deploykit.quant.modelopt import _threaded_collector
+
+    cal = SimpleNamespace(method=method, symmetric=symmetric, num_bins=128,
+                          num_quantized_bins=64, percentile=99.9, scenario="same")
+    rng = np.random.default_rng(0)
+    shapes = {"big": (4, 16, 32, 32), "mid": (4, 64, 8, 8), "small": (4, 10), "zero": (4, 8),
+              "last": (4, 3, 5)}
+    one = HistogramCollector(method=method, symmetric=symmetric, num_bins=128,
+                             num_quantized_bins=64, percentile=99.9, scenario="same")
+    many = _threaded_collector(cal, 3)
+    for scale in (1.0, 3.0, 0.5, 7.0):
+        batch = {n: [(np.zeros(s, np.float32) if n == "zero" else
+                      (scale * rng.standard_normal(s)).astype(np.float32)) for _ in range(2)]
+                 for n, s in shapes.items()}
+        one.collect({n: [a.copy() for a in v] for n, v in batch.items()})
+        many.collect(batch)
+    assert list(many.histogram_dict) == list(one.histogram_dict) == list(shapes)
+    for n, ref in one.histogram_dict.items():
+        got = many.histogram_dict[n]
+        assert len(got) == len(ref)
+        for a, b in zip(got, ref):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), strict=True)
+    # and the thresholds ModelOpt computes from them
+    one_r, many_r = one.compute_collection_result(), many.compute_collection_result()
+    assert list(one_r) == list(many_r)
+    for n in one_r:
+        assert repr(one_r[n]) == repr(many_r[n])
+
+
+def test_a_histogram_threads_error_is_raised_in_the_calibration():
+    from types import SimpleNamespace
+
+    from deploykit.quant.modelopt import _threaded_collector
+
+    cal = SimpleNamespace(method="nonsense", symmetric=False, num_bins=8, num_quantized_bins=4,
+                          percentile=99.9, scenario="same")
+    with pytest.raises(ValueError, match="Only 'entropy', 'percentile' or 'distribution'"):
+        _threaded_collector(cal, 2).collect({"a": [np.ones(4, np.float32)],
+                                            "b": [np.ones(3, np.float32)]})
