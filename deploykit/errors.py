@@ -1,11 +1,11 @@
 """The two error kinds every stage maps to exit codes: :class:`StageError` (runtime, exit 1)
-and :class:`UsageError` (bad arguments, exit 2 with the usage line).
+and :class:`UsageError` (bad arguments, exit 2 with the usage line); and the backends' errors
+(out of memory, ONNX Runtime failing to load a model) as one line with the fix.
 """
 from __future__ import annotations
 
 import re
-
-
+from typing import Callable
 
 
 # --------------------------------------------------------------------------------------------
@@ -66,3 +66,44 @@ def out_of_memory_message(e: BaseException | str, batch: int | None, what: str) 
     return (f"{what} ran out of memory{at}{asked}: rerun with a smaller batch ({smaller}; "
             "--latency-batch too when it is the latency run), or free memory (other jobs on "
             "this machine / GPU)")
+
+
+# --------------------------------------------------------------------------------------------
+# ONNX Runtime's model-loading errors, translated into one line with the fix
+# --------------------------------------------------------------------------------------------
+def ort_load_error(label: str, version: str, msg: str,
+                   nodes_of: Callable[[str, str], list[str]]) -> str:
+    """One line for an ``InferenceSession`` that failed to load ``label``: the opset, IR
+    version, custom op or unknown operator named with the node and the fix; else ORT's message.
+
+    Args:
+        label: the model as the user knows it (a path). version: ``onnxruntime.__version__``.
+        msg: ORT's message. nodes_of: ``(domain, op) -> node names`` of the model (for a custom
+            op ORT does not implement).
+    """
+    head = f"onnxruntime {version} cannot load {label}"
+    m = re.search(r"Opset (\d+) is under development.*?domain ([\w.]+) is till opset (\d+)",
+                  msg, re.S)
+    if m:
+        return (f"{head}: it is stamped opset {m[1]} of {m[2]}, this onnxruntime runs up to "
+                f"opset {m[3]}: re-export with an opset <= {m[3]} (2_export_onnx.py "
+                "--opset), or upgrade onnxruntime")
+    m = re.search(r"Unsupported model IR version: (\d+), max supported IR version: (\d+)", msg)
+    if m:
+        return (f"{head}: ONNX IR version {m[1]}, this onnxruntime reads up to {m[2]}: save it "
+                f"with ir_version = {m[2]} (an older onnx package), or upgrade onnxruntime")
+    m = re.search(r"Fatal error: ([\w.]*):(\w+)\(", msg)
+    if m:
+        nodes = nodes_of(m[1], m[2])
+        return (f"{head}: node{'s' if len(nodes) > 1 else ''} "
+                f"{', '.join(map(repr, nodes[:5])) or '?'} use{'' if len(nodes) > 1 else 's'} "
+                f"{m[1]}:{m[2]}, a custom op this onnxruntime does not implement: register "
+                "its kernel library (SessionOptions.register_custom_ops_library) or export "
+                "the model without it")
+    m = re.search(r'In Node, \("([^"]*)", (\w+), "([^"]*)".*?No Op registered for \w+ with '
+                  r"domain_version of (\d+)", msg, re.S)
+    if m:
+        return (f"{head}: node {m[1]!r} has op {m[2]}, which opset {m[4]} of "
+                f"{m[3] or 'ai.onnx'} does not define: fix the op type, or export with an "
+                "opset that has it")
+    return f"{head}: {msg}"

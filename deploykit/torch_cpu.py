@@ -63,7 +63,7 @@ def forward_cpu_layout(runner, args: list, model):
         return model(*as_cl(args))
 
 
-def infer_in_chunks(runner, feed: dict, n: int | None) -> dict | None:
+def infer_in_chunks(runner, feed: dict, n: int | None, infer=None) -> dict | None:
     """``runner.infer`` of ``feed`` in chunks of :data:`CPU_CHUNK` samples, or None when the
     feed is no larger than a chunk or the model's outputs are not per sample (then the caller
     runs the whole batch, and ``runner.chunked`` is set False for good).
@@ -71,14 +71,16 @@ def infer_in_chunks(runner, feed: dict, n: int | None) -> dict | None:
     Args:
         runner: the runner (``infer``, ``chunked``). feed: ``{name: array [n, ...]}``; arrays
             without that batch axis go to every chunk whole. n: the batch (axis 0).
+        infer: what runs one chunk (default ``runner.infer``).
     Returns:
         ``{output name: array [n, ...]}``, the chunks' outputs concatenated, or None.
     """
     if not n or n <= CPU_CHUNK:
         return None
+    infer = runner.infer if infer is None else infer
     starts = range(0, n, CPU_CHUNK)
-    parts = [runner.infer({k: v[i:i + CPU_CHUNK] if np.ndim(v) and len(v) == n else v
-                           for k, v in feed.items()}) for i in starts]
+    parts = [infer({k: v[i:i + CPU_CHUNK] if np.ndim(v) and len(v) == n else v
+                    for k, v in feed.items()}) for i in starts]
     sizes = [min(CPU_CHUNK, n - i) for i in starts]
     if all(np.ndim(p[k]) and len(p[k]) == m for p, m in zip(parts, sizes) for k in p):
         runner.chunked = True

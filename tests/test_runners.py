@@ -184,3 +184,82 @@ def test_ort_runtime_node_failure_names_the_node(tmp_path):
     with pytest.raises(StageError, match=r"onnxruntime failed running .*r\.onnx at node "
                                          r"'head/reshape': "):
         r.infer({"x": np.zeros((1, 3), np.float32)})
+
+
+def _graph_file(tmp_path, name, nodes, x_dims, y_dims, dtype=None):
+    from onnx import TensorProto, helper
+
+    t = dtype or TensorProto.FLOAT
+    g = helper.make_graph(nodes, name, [helper.make_tensor_value_info("x", t, x_dims)],
+                          [helper.make_tensor_value_info("y", t, y_dims)])
+    path = tmp_path / f"{name}.onnx"
+    path.write_bytes(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)],
+                                       ir_version=8).SerializeToString())
+    return path
+
+
+def _count_runs(monkeypatch, runner):
+    sizes = []
+    real = runner._run
+
+    def run(session, feed):
+        sizes.append(len(next(iter(feed.values()))))
+        return real(session, feed)
+
+    monkeypatch.setattr(runner, "_run", run)
+    return sizes
+
+
+def test_ort_cpu_runs_a_large_batch_in_chunks_with_the_same_outputs(tmp_path, monkeypatch):
+    """The CPU EP runs a feed larger than CPU_CHUNK in chunks (the last one shorter), gives the
+    outputs of one whole-batch run, keeps the graph's dtype with ``native`` and says so."""
+    from onnx import TensorProto, helper
+
+    from deploykit.torch_cpu import CPU_CHUNK
+
+    path = _graph_file(tmp_path, "tanh", [helper.make_node("Tanh", ["x"], ["y"])],
+                       ["N", 5], ["N", 5])
+    x = np.random.default_rng(0).standard_normal((2 * CPU_CHUNK + 3, 5)).astype(np.float32)
+    with OrtRunner(path) as r:
+        sizes = _count_runs(monkeypatch, r)
+        y = r.infer({"x": x})["y"]
+        assert sizes == [CPU_CHUNK, CPU_CHUNK, 3]
+        np.testing.assert_allclose(y, np.tanh(x), atol=1e-6)
+        np.testing.assert_array_equal(y, r.session.run(None, {"x": x})[0])
+        assert r.describe()["cpu_chunk"] == CPU_CHUNK
+        sizes.clear()
+        r.infer({"x": x[:CPU_CHUNK]})  # no larger than a chunk: one run
+        assert sizes == [CPU_CHUNK]
+    h = _graph_file(tmp_path, "half", [helper.make_node("Tanh", ["x"], ["y"])], ["N", 5],
+                    ["N", 5], TensorProto.FLOAT16)
+    with OrtRunner(h) as r:
+        y16 = r.infer({"x": x.astype(np.float16)}, native=True)["y"]
+        assert y16.dtype == np.float16 and y16.shape == x.shape
+
+
+def test_ort_cpu_never_chunks_a_fixed_batch_or_outputs_that_are_not_per_sample(
+        tmp_path, monkeypatch):
+    from onnx import helper
+
+    from deploykit.torch_cpu import CPU_CHUNK
+
+    n = 2 * CPU_CHUNK
+    x = np.random.default_rng(1).standard_normal((n, 4)).astype(np.float32)
+    fixed = _graph_file(tmp_path, "fixed", [helper.make_node("Relu", ["x"], ["y"])], [n, 4],
+                        [n, 4])
+    with OrtRunner(fixed) as r:
+        sizes = _count_runs(monkeypatch, r)
+        r.infer({"x": x})
+        assert sizes == [n] and r.describe()["cpu_chunk"] is None
+    # a sum over the batch: one value per feature, not per sample
+    pooled = _graph_file(tmp_path, "pooled", [helper.make_node("ReduceSum", ["x"], ["y"],
+                                                               keepdims=0, noop_with_empty_axes=0)],
+                         ["N", 4], [])
+    with OrtRunner(pooled) as r:
+        sizes = _count_runs(monkeypatch, r)
+        y = r.infer({"x": x})["y"]
+        np.testing.assert_allclose(y, x.sum(), rtol=1e-5)
+        assert r.chunked is False and r.describe()["cpu_chunk"] is None
+        sizes.clear()
+        r.infer({"x": x})  # decided for good: whole from then on
+        assert sizes == [n]
