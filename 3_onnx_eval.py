@@ -244,7 +244,7 @@ def main(args: argparse.Namespace) -> dict:
                            args.disable_optimizer, args.threads,
                            tf32=False if args.no_tf32 else None,
                            session_config=X64_PRECISION if args.x64_quant_precision
-                           else None)
+                           else None, cpu_chunk=True)
     except StageError as e:
         fail(str(e))
         raise

@@ -616,7 +616,6 @@ def evaluate(runner: Runner, data: EvalData, *, stage: str, precision: str, mode
         samples only when it decided the row (``rec["first_look"]["decided"]``;
         :func:`evaluated_data` gives those samples).
     """
-    desc = runner.describe()
     if getattr(args, "max_seconds", None) is not None:  # the stage's --max-seconds (0: none)
         runner.max_seconds = args.max_seconds or float("inf")
     if getattr(args, "logits_output", None) is not None and data.logits_output is None:
@@ -639,6 +638,7 @@ def evaluate(runner: Runner, data: EvalData, *, stage: str, precision: str, mode
         print(output_warning(data, raw), file=sys.stderr)
     outputs = logits_first(data, raw)
     b, _ = batch_plan(len(data), batch_size, runner.batch_range)
+    desc = runner.describe()  # after the pass: how it ran (e.g. ``cpu_chunk``, memory layout)
     rec = base_record(stage, precision, model, tag, desc, batch_size=b,
                       preprocessing=data.preprocessing, **score(data, outputs))
     rec["outputs"] = list(raw)  # graph order

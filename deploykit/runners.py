@@ -103,6 +103,13 @@ class NullRunner(Runner):
         return {"backend": self.backend, "device": "cpu"}
 
 
+def _same_outputs(a: dict, b: dict) -> bool:
+    """Two runs' outputs: the same names, dtypes, shapes and bits (NaN equal to NaN)."""
+    arr = {k: (np.asarray(a[k]), np.asarray(b.get(k))) for k in a}
+    return list(a) == list(b) and all(x.dtype == y.dtype and np.array_equal(
+        x, y, equal_nan=x.dtype.kind in "fc") for x, y in arr.values())
+
+
 def _batch_of(feed: dict) -> int | None:
     """Samples per call of ``feed`` (axis 0 of its first array; None when it has none)."""
     for a in feed.values():
@@ -378,7 +385,7 @@ class OrtRunner(Runner):
                  opt_level: str = "all", disabled_optimizers: Sequence[str] = (),
                  threads: int = 0, tf32: bool | None = None, device_id: int = 0,
                  session_config: dict[str, str] | None = None,
-                 fallback_hint: str = "or pass --allow-cpu-fallback"):
+                 fallback_hint: str = "or pass --allow-cpu-fallback", cpu_chunk: bool = False):
         if ep not in ORT_EPS:
             raise UsageError(f"--ep {ep}: choose one of {sorted(set(ORT_EPS))}")
         if ep != "cpu":
@@ -418,8 +425,8 @@ class OrtRunner(Runner):
                 self.gpu_options["use_tf32"] = "1" if tf32 else "0"
         self.session = self._session(providers)
         self.used = self.session.get_providers()[0]
-        # the CPU EP runs a larger batch in chunks of CPU_CHUNK samples (see infer)
-        self.chunked: bool | None = None
+        # cpu_chunk: the CPU EP may run a larger batch in chunks of CPU_CHUNK samples (infer)
+        self.chunked: bool | None = None if cpu_chunk else False
         if self.used != self.requested and self.fallback_reason is None:
             self.fallback_reason = (f"{self.requested} failed to initialise (missing CUDA/cuDNN "
                                     "libraries on the loader path? source env.sh), session "
@@ -528,27 +535,34 @@ class OrtRunner(Runner):
         returned them with ``native``: e.g. float16 tensors of an FP16 graph, for callers that
         convert them themselves).
 
-        On the CPU EP, a feed of more than :data:`deploykit.torch_cpu.CPU_CHUNK` samples for a
-        model with a dynamic batch axis runs in chunks of that many (as PyTorch on the CPU
-        does), unless the outputs are not per sample (then whole, from then on;
-        ``cpu_chunk`` in :meth:`describe`). Measured on this project's 2-core Intel Xeon with
-        AVX512-VNNI (2026-12-07, onnxruntime 1.32.0, EfficientNet-Lite0, 256 images, median
-        of three): per image, batch 64 against chunks of 16, FP32 6.05 / 5.97 ms, FP16 graph
-        10.6 / 9.1 ms, ModelOpt INT8 (fp32 scales) 10.3 / 8.6 ms, INT4 6.7 / 6.0 ms, with
-        bit-identical outputs for all four files (a batch's activations no longer fit the
-        caches; benchmarks/README.md).
+        With ``cpu_chunk`` (stage 3's accuracy pass), on the CPU EP a feed of more than
+        :data:`deploykit.torch_cpu.CPU_CHUNK` samples for a model with a dynamic batch axis may
+        run in chunks of that many: the first such feed runs both ways, and chunks are used from
+        then on only when every output came back with the same dtype, shape and bits (a model
+        that mixes samples across the batch, an input or output without the batch axis, a chunk
+        that fails: whole batches for good); ``cpu_chunk`` in :meth:`describe`. Chunks of 16
+        took 1-17 % less time per image than batch 64 for EfficientNet-Lite0's four files on
+        this project's 2-core Intel Xeon, outputs bit-identical (benchmarks/README.md, stop 41).
 
         Raises:
             StageError: the feed does not fit the model (:meth:`check_feed`), or ORT fails.
         """
         feed = self.check_feed(feed)
-        if (self.used == "CPUExecutionProvider" and self.chunked is not False
-                and self.batch_range[1] is None):
-            out = infer_in_chunks(self, feed, _batch_of(feed),
-                                  lambda part: self._infer_one(part, native))
-            if out is not None:
-                return out
-        return self._infer_one(feed, native)
+        n = _batch_of(feed)
+        one = lambda part: self._infer_one(part, native)  # noqa: E731
+        if (self.chunked is False or self.used != "CPUExecutionProvider" or not n
+                or n <= CPU_CHUNK or self.batch_range[1] is not None):
+            return one(feed)
+        if self.chunked:
+            out = infer_in_chunks(self, feed, n, one)
+            return one(feed) if out is None else out
+        whole = one(feed)
+        try:
+            parts = infer_in_chunks(self, feed, n, one)
+        except Exception:  # noqa: BLE001 - a chunk the model refuses: whole batches for good
+            parts = None
+        self.chunked = parts is not None and _same_outputs(whole, parts)
+        return whole
 
     def _infer_one(self, feed, native: bool):
         outs = self._run(self.session, feed)

@@ -70,7 +70,9 @@ def infer_in_chunks(runner, feed: dict, n: int | None, infer=None) -> dict | Non
 
     Args:
         runner: the runner (``infer``, ``chunked``). feed: ``{name: array [n, ...]}``; arrays
-            without that batch axis go to every chunk whole. n: the batch (axis 0).
+            whose axis 0 is not ``n`` long go to every chunk whole (an array that is ``n`` long
+            by coincidence is cut: ``OrtRunner`` compares with a whole run first). n: the batch
+            (axis 0).
         infer: what runs one chunk (default ``runner.infer``).
     Returns:
         ``{output name: array [n, ...]}``, the chunks' outputs concatenated, or None.

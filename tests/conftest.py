@@ -51,10 +51,11 @@ def _allocator_env_restored():
 @pytest.fixture(autouse=True)
 def _folder_locks_released_and_never_in_the_checkout():
     """A stage's ``main`` run in this process takes ``deploykit.lock`` locks that a process
-    keeps until it exits. After each test, the locks it took are released, so that no later
-    test in this worker finds a folder held; and a test whose in-process stage locked a folder
-    inside the checkout (ARTIFACTS/RESULTS left at their defaults) fails: under pytest-xdist
-    two such tests on two workers lock each other out (CI, stop 38)."""
+    keeps until it exits. After each test, the locks the test itself took are released (a
+    fixture's stay held while it lives), so that no later test in this worker finds that folder
+    held; and a test whose in-process stage locked the checkout's default ``artifacts/`` or
+    ``results/`` (ARTIFACTS/RESULTS not set to a folder of its own) errors at teardown: under
+    pytest-xdist two such tests on two workers lock each other out (CI, stop 38)."""
     from deploykit import lock
 
     before = set(lock._HELD)
@@ -62,9 +63,10 @@ def _folder_locks_released_and_never_in_the_checkout():
     taken = [k for k in lock._HELD if k not in before]
     for k in taken:
         os.close(lock._HELD.pop(k))
-    inside = [k for k in taken if Path(k).is_relative_to(ROOT)]
-    assert not inside, (f"the test locked {inside} in the checkout: give it ARTIFACTS and "
-                        "RESULTS under tmp_path (monkeypatch.setenv)")
+    inside = [k for k in taken if any(Path(k).is_relative_to(ROOT / d)
+                                      for d in ("artifacts", "results"))]
+    assert not inside, (f"the test locked {inside}, the checkout's default folders: give it "
+                        "ARTIFACTS and RESULTS under tmp_path (monkeypatch.setenv)")
 
 
 @pytest.fixture(scope="session")

@@ -83,6 +83,26 @@ def test_evaluation_of_a_static_batch_file_without_latency_flag(tmp_path):
                               warmup=1, write=False, latency_batch=2)
 
 
+def test_the_row_says_how_the_accuracy_pass_ran(tmp_path):
+    """The row's runtime block is read after the accuracy pass: an ORT CPU pass that ran in
+    chunks says so (it said null, as it was read before the pass: code review of stop 41)."""
+    from deploykit.torch_cpu import CPU_CHUNK
+
+    g = helper.make_graph([helper.make_node("Tanh", ["x"], ["y"])], "tanh",
+                          [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", 3])],
+                          [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 3])])
+    src = tmp_path / "tanh.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8),
+              str(src))
+    x = np.random.default_rng(0).standard_normal((3 * CPU_CHUNK, 3)).astype(np.float32)
+    for chunk, want in ((True, CPU_CHUNK), (False, None)):
+        with OrtRunner(src, cpu_chunk=chunk) as r:
+            rec, out = evaluate(r, EvalData(feed={"x": x}, ref=None), stage="3_onnx_eval",
+                                precision="FP32", model="m", tag="t", args=argparse.Namespace(),
+                                started=time.time(), iters=3, warmup=1, write=False)
+        assert rec["runtime"]["cpu_chunk"] == want and out["y"].shape == x.shape
+
+
 # --------------------------------------------------------------------------------------------
 # A row whose outputs are NaN is not an ordinary "ok" row
 # --------------------------------------------------------------------------------------------

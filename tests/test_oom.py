@@ -27,12 +27,10 @@ def test_ort_allocation_failure_names_batch_memory_and_fix(tmp_path):
     with OrtRunner(_expand_model(tmp_path)) as r:
         with pytest.raises(StageError) as e:
             r.infer({"x": np.zeros((64, 1), np.float32)})
-    # the CPU EP runs 64 samples in chunks of 16 (deploykit.torch_cpu.CPU_CHUNK): the batch that
-    # failed is the chunk's, and the fix halves it
     msg = str(e.value)
-    assert "\n" not in msg and "huge.onnx ran out of memory at batch 16" in msg
-    assert "(it asked for 4.0 TiB)" in msg  # 16 * 2**36 * 4 bytes
-    assert "rerun with a smaller batch (--batch-size 8" in msg
+    assert "\n" not in msg and "huge.onnx ran out of memory at batch 64" in msg
+    assert "(it asked for 16.0 TiB)" in msg  # 64 * 2**36 * 4 bytes
+    assert "rerun with a smaller batch (--batch-size 32" in msg
 
 
 def test_torch_allocation_failure_names_batch_memory_and_fix():

@@ -210,9 +210,10 @@ def _count_runs(monkeypatch, runner):
     return sizes
 
 
-def test_ort_cpu_runs_a_large_batch_in_chunks_with_the_same_outputs(tmp_path, monkeypatch):
-    """The CPU EP runs a feed larger than CPU_CHUNK in chunks (the last one shorter), gives the
-    outputs of one whole-batch run, keeps the graph's dtype with ``native`` and says so."""
+def test_ort_cpu_runs_a_large_batch_in_chunks_once_both_ways_agree(tmp_path, monkeypatch):
+    """With cpu_chunk, the first feed larger than CPU_CHUNK runs whole and in chunks; equal
+    bits, dtypes and shapes: chunks from then on (the last one shorter), the graph's dtype kept
+    with ``native``, said in describe(). Without cpu_chunk: never."""
     from onnx import TensorProto, helper
 
     from deploykit.torch_cpu import CPU_CHUNK
@@ -220,21 +221,110 @@ def test_ort_cpu_runs_a_large_batch_in_chunks_with_the_same_outputs(tmp_path, mo
     path = _graph_file(tmp_path, "tanh", [helper.make_node("Tanh", ["x"], ["y"])],
                        ["N", 5], ["N", 5])
     x = np.random.default_rng(0).standard_normal((2 * CPU_CHUNK + 3, 5)).astype(np.float32)
-    with OrtRunner(path) as r:
+    n = len(x)
+    with OrtRunner(path, cpu_chunk=True) as r:
         sizes = _count_runs(monkeypatch, r)
+        assert r.describe()["cpu_chunk"] is None  # not decided before a run
         y = r.infer({"x": x})["y"]
-        assert sizes == [CPU_CHUNK, CPU_CHUNK, 3]
+        assert sizes == [n, CPU_CHUNK, CPU_CHUNK, 3] and r.describe()["cpu_chunk"] == CPU_CHUNK
         np.testing.assert_allclose(y, np.tanh(x), atol=1e-6)
-        np.testing.assert_array_equal(y, r.session.run(None, {"x": x})[0])
-        assert r.describe()["cpu_chunk"] == CPU_CHUNK
+        sizes.clear()
+        y2 = r.infer({"x": x})["y"]
+        assert sizes == [CPU_CHUNK, CPU_CHUNK, 3]
+        np.testing.assert_array_equal(y2, r.session.run(None, {"x": x})[0])
         sizes.clear()
         r.infer({"x": x[:CPU_CHUNK]})  # no larger than a chunk: one run
         assert sizes == [CPU_CHUNK]
+    with OrtRunner(path) as r:
+        sizes = _count_runs(monkeypatch, r)
+        r.infer({"x": x})
+        assert sizes == [n] and r.describe()["cpu_chunk"] is None
     h = _graph_file(tmp_path, "half", [helper.make_node("Tanh", ["x"], ["y"])], ["N", 5],
                     ["N", 5], TensorProto.FLOAT16)
-    with OrtRunner(h) as r:
-        y16 = r.infer({"x": x.astype(np.float16)}, native=True)["y"]
-        assert y16.dtype == np.float16 and y16.shape == x.shape
+    with OrtRunner(h, cpu_chunk=True) as r:
+        for _ in range(2):
+            y16 = r.infer({"x": x.astype(np.float16)}, native=True)["y"]
+            assert y16.dtype == np.float16 and y16.shape == x.shape
+        assert r.chunked is True
+
+
+def _mean_centred(tmp_path):
+    from onnx import helper
+
+    return _graph_file(tmp_path, "centred", [
+        helper.make_node("ReduceMean", ["x"], ["m"], axes=[0], keepdims=1),
+        helper.make_node("Sub", ["x", "m"], ["y"])], ["N", 4], ["N", 4])
+
+
+def _fixed_16(tmp_path):
+    """y [16, 4]: a constant whose first axis is 16 whatever the batch (beside a per-sample
+    output)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    c = numpy_helper.from_array(np.arange(64, dtype=np.float32).reshape(16, 4), "c")
+    g = helper.make_graph([helper.make_node("Relu", ["x"], ["z"]),
+                           helper.make_node("Identity", ["c"], ["y"])], "fixed16",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+                          [helper.make_tensor_value_info("z", TensorProto.FLOAT, ["N", 4]),
+                           helper.make_tensor_value_info("y", TensorProto.FLOAT, [16, 4])], [c])
+    path = tmp_path / "fixed16.onnx"
+    path.write_bytes(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)],
+                                       ir_version=8).SerializeToString())
+    return path
+
+
+def _with_table(tmp_path):
+    """y = x + t[:, None] * 0 + sum(t): a second input ``t`` [K] without the batch axis."""
+    from onnx import TensorProto, helper
+
+    g = helper.make_graph([helper.make_node("ReduceSum", ["t"], ["s"], keepdims=0),
+                           helper.make_node("Add", ["x", "s"], ["y"])], "table",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4]),
+                           helper.make_tensor_value_info("t", TensorProto.FLOAT, ["K"])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])])
+    path = tmp_path / "table.onnx"
+    path.write_bytes(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)],
+                                       ir_version=8).SerializeToString())
+    return path
+
+
+def _groups_of_3(tmp_path):
+    """Reshape [N, 4] -> [-1, 12]: a batch of 18 runs whole, a chunk of 16 fails."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    shape = numpy_helper.from_array(np.array([-1, 12], np.int64), "shape")
+    g = helper.make_graph([helper.make_node("Reshape", ["x", "shape"], ["y"])], "groups",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [shape])
+    path = tmp_path / "groups.onnx"
+    path.write_bytes(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)],
+                                       ir_version=8).SerializeToString())
+    return path
+
+
+@pytest.mark.parametrize("make,n", [(_mean_centred, 40), (_fixed_16, 32), (_with_table, 20),
+                                    (_groups_of_3, 18)])
+def test_ort_cpu_keeps_whole_batches_when_chunks_would_change_anything(tmp_path, monkeypatch,
+                                                                       make, n):
+    """Samples mixed across the batch, an output [16, 4] whatever the batch, an input without
+    the batch axis that happens to be N long, a chunk the model refuses: whole batches, for
+    good, with ORT's own outputs (code review of stop 41)."""
+    import onnxruntime as ort
+
+    rng = np.random.default_rng(2)
+    feed = {"x": rng.standard_normal((n, 4)).astype(np.float32)}
+    if make is _with_table:
+        feed["t"] = rng.standard_normal(n).astype(np.float32)
+    path = make(tmp_path)
+    want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feed)
+    with OrtRunner(path, cpu_chunk=True) as r:
+        sizes = _count_runs(monkeypatch, r)
+        for _ in range(2):
+            got = r.infer(feed)
+            for a, b in zip(got.values(), want):
+                np.testing.assert_array_equal(a, b, strict=True)
+        assert r.chunked is False and r.describe()["cpu_chunk"] is None
+        assert sizes[-1] == n  # the second feed: one whole run
 
 
 def test_ort_cpu_never_chunks_a_fixed_batch_or_outputs_that_are_not_per_sample(
@@ -247,7 +337,7 @@ def test_ort_cpu_never_chunks_a_fixed_batch_or_outputs_that_are_not_per_sample(
     x = np.random.default_rng(1).standard_normal((n, 4)).astype(np.float32)
     fixed = _graph_file(tmp_path, "fixed", [helper.make_node("Relu", ["x"], ["y"])], [n, 4],
                         [n, 4])
-    with OrtRunner(fixed) as r:
+    with OrtRunner(fixed, cpu_chunk=True) as r:
         sizes = _count_runs(monkeypatch, r)
         r.infer({"x": x})
         assert sizes == [n] and r.describe()["cpu_chunk"] is None
@@ -255,7 +345,7 @@ def test_ort_cpu_never_chunks_a_fixed_batch_or_outputs_that_are_not_per_sample(
     pooled = _graph_file(tmp_path, "pooled", [helper.make_node("ReduceSum", ["x"], ["y"],
                                                                keepdims=0, noop_with_empty_axes=0)],
                          ["N", 4], [])
-    with OrtRunner(pooled) as r:
+    with OrtRunner(pooled, cpu_chunk=True) as r:
         sizes = _count_runs(monkeypatch, r)
         y = r.infer({"x": x})["y"]
         np.testing.assert_allclose(y, x.sum(), rtol=1e-5)
