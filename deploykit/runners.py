@@ -535,9 +535,9 @@ class OrtRunner(Runner):
         returned them with ``native``: e.g. float16 tensors of an FP16 graph, for callers that
         convert them themselves).
 
-        With ``cpu_chunk`` (stage 3's accuracy pass), on the CPU EP a feed of more than
+        With ``cpu_chunk`` (stage 3's accuracy pass), on the CPU EP a feed of at least 4 x
         :data:`deploykit.torch_cpu.CPU_CHUNK` samples for a model with a dynamic batch axis may
-        run in chunks of that many: the first such feed runs both ways, and chunks are used from
+        run in chunks of ``CPU_CHUNK``: the first such feed runs both ways, and chunks are used from
         then on only when every output came back with the same dtype, shape and bits (a model
         that mixes samples across the batch, an input or output without the batch axis, a chunk
         that fails: whole batches for good); ``cpu_chunk`` in :meth:`describe`. Chunks of 16
@@ -551,7 +551,7 @@ class OrtRunner(Runner):
         n = _batch_of(feed)
         one = lambda part: self._infer_one(part, native)  # noqa: E731
         if (self.chunked is False or self.used != "CPUExecutionProvider" or not n
-                or n <= CPU_CHUNK or self.batch_range[1] is not None):
+                or n < 4 * CPU_CHUNK or self.batch_range[1] is not None):
             return one(feed)
         if self.chunked:
             out = infer_in_chunks(self, feed, n, one)

@@ -94,7 +94,7 @@ def test_the_row_says_how_the_accuracy_pass_ran(tmp_path):
     src = tmp_path / "tanh.onnx"
     onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8),
               str(src))
-    x = np.random.default_rng(0).standard_normal((3 * CPU_CHUNK, 3)).astype(np.float32)
+    x = np.random.default_rng(0).standard_normal((5 * CPU_CHUNK, 3)).astype(np.float32)
     for chunk, want in ((True, CPU_CHUNK), (False, None)):
         with OrtRunner(src, cpu_chunk=chunk) as r:
             rec, out = evaluate(r, EvalData(feed={"x": x}, ref=None), stage="3_onnx_eval",

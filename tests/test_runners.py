@@ -220,21 +220,21 @@ def test_ort_cpu_runs_a_large_batch_in_chunks_once_both_ways_agree(tmp_path, mon
 
     path = _graph_file(tmp_path, "tanh", [helper.make_node("Tanh", ["x"], ["y"])],
                        ["N", 5], ["N", 5])
-    x = np.random.default_rng(0).standard_normal((2 * CPU_CHUNK + 3, 5)).astype(np.float32)
+    x = np.random.default_rng(0).standard_normal((4 * CPU_CHUNK + 3, 5)).astype(np.float32)
     n = len(x)
     with OrtRunner(path, cpu_chunk=True) as r:
         sizes = _count_runs(monkeypatch, r)
         assert r.describe()["cpu_chunk"] is None  # not decided before a run
         y = r.infer({"x": x})["y"]
-        assert sizes == [n, CPU_CHUNK, CPU_CHUNK, 3] and r.describe()["cpu_chunk"] == CPU_CHUNK
+        assert sizes == [n] + [CPU_CHUNK] * 4 + [3] and r.describe()["cpu_chunk"] == CPU_CHUNK
         np.testing.assert_allclose(y, np.tanh(x), atol=1e-6)
         sizes.clear()
         y2 = r.infer({"x": x})["y"]
-        assert sizes == [CPU_CHUNK, CPU_CHUNK, 3]
+        assert sizes == [CPU_CHUNK] * 4 + [3]
         np.testing.assert_array_equal(y2, r.session.run(None, {"x": x})[0])
         sizes.clear()
-        r.infer({"x": x[:CPU_CHUNK]})  # no larger than a chunk: one run
-        assert sizes == [CPU_CHUNK]
+        r.infer({"x": x[:4 * CPU_CHUNK - 1]})  # fewer than 4 chunks: one run
+        assert sizes == [4 * CPU_CHUNK - 1]
     with OrtRunner(path) as r:
         sizes = _count_runs(monkeypatch, r)
         r.infer({"x": x})
@@ -289,7 +289,7 @@ def _with_table(tmp_path):
 
 
 def _groups_of_3(tmp_path):
-    """Reshape [N, 4] -> [-1, 12]: a batch of 18 runs whole, a chunk of 16 fails."""
+    """Reshape [N, 4] -> [-1, 12]: a batch of 66 runs whole, a chunk of 16 fails."""
     from onnx import TensorProto, helper, numpy_helper
 
     shape = numpy_helper.from_array(np.array([-1, 12], np.int64), "shape")
@@ -302,8 +302,8 @@ def _groups_of_3(tmp_path):
     return path
 
 
-@pytest.mark.parametrize("make,n", [(_mean_centred, 40), (_fixed_16, 32), (_with_table, 20),
-                                    (_groups_of_3, 18)])
+@pytest.mark.parametrize("make,n", [(_mean_centred, 80), (_fixed_16, 64), (_with_table, 64),
+                                    (_groups_of_3, 66)])
 def test_ort_cpu_keeps_whole_batches_when_chunks_would_change_anything(tmp_path, monkeypatch,
                                                                        make, n):
     """Samples mixed across the batch, an output [16, 4] whatever the batch, an input without
@@ -333,7 +333,7 @@ def test_ort_cpu_never_chunks_a_fixed_batch_or_outputs_that_are_not_per_sample(
 
     from deploykit.torch_cpu import CPU_CHUNK
 
-    n = 2 * CPU_CHUNK
+    n = 4 * CPU_CHUNK
     x = np.random.default_rng(1).standard_normal((n, 4)).astype(np.float32)
     fixed = _graph_file(tmp_path, "fixed", [helper.make_node("Relu", ["x"], ["y"])], [n, 4],
                         [n, 4])
