@@ -104,10 +104,11 @@ class NullRunner(Runner):
 
 
 def _same_outputs(a: dict, b: dict) -> bool:
-    """Two runs' outputs: the same names, dtypes, shapes and bits (NaN equal to NaN)."""
+    """Two runs' outputs: the same names, dtypes, shapes and bytes (-0.0 is not +0.0)."""
     arr = {k: (np.asarray(a[k]), np.asarray(b.get(k))) for k in a}
-    return list(a) == list(b) and all(x.dtype == y.dtype and np.array_equal(
-        x, y, equal_nan=x.dtype.kind in "fc") for x, y in arr.values())
+    return list(a) == list(b) and all(
+        x.dtype == y.dtype != object and x.shape == y.shape and x.tobytes() == y.tobytes()
+        for x, y in arr.values())
 
 
 def _batch_of(feed: dict) -> int | None:
@@ -536,13 +537,13 @@ class OrtRunner(Runner):
         convert them themselves).
 
         With ``cpu_chunk`` (stage 3's accuracy pass), on the CPU EP a feed of at least 4 x
-        :data:`deploykit.torch_cpu.CPU_CHUNK` samples for a model with a dynamic batch axis may
-        run in chunks of ``CPU_CHUNK``: the first such feed runs both ways, and chunks are used from
-        then on only when every output came back with the same dtype, shape and bits (a model
-        that mixes samples across the batch, an input or output without the batch axis, a chunk
-        that fails: whole batches for good); ``cpu_chunk`` in :meth:`describe`. Chunks of 16
-        took 1-17 % less time per image than batch 64 for EfficientNet-Lite0's four files on
-        this project's 2-core Intel Xeon, outputs bit-identical (benchmarks/README.md, stop 41).
+        :data:`deploykit.torch_cpu.CPU_CHUNK` samples whose axis 0 the model leaves free may run
+        in chunks of ``CPU_CHUNK``. Decided once, on the first such feed, run both ways: chunks
+        from then on only when every output has the same dtype, shape and bytes (else whole
+        batches for good: e.g. a model that mixes samples across that batch). A later feed
+        whose chunks fail runs whole. Chunks of 16 took 1-17 % less time per image than batch
+        64 for EfficientNet-Lite0's four files on this project's 2-core Intel Xeon, outputs
+        bit-identical (benchmarks/README.md, stop 41). ``cpu_chunk`` in :meth:`describe`.
 
         Raises:
             StageError: the feed does not fit the model (:meth:`check_feed`), or ORT fails.
@@ -553,14 +554,13 @@ class OrtRunner(Runner):
         if (self.chunked is False or self.used != "CPUExecutionProvider" or not n
                 or n < 4 * CPU_CHUNK or self.batch_range[1] is not None):
             return one(feed)
-        if self.chunked:
-            out = infer_in_chunks(self, feed, n, one)
-            return one(feed) if out is None else out
-        whole = one(feed)
+        whole = None if self.chunked else one(feed)
         try:
             parts = infer_in_chunks(self, feed, n, one)
-        except Exception:  # noqa: BLE001 - a chunk the model refuses: whole batches for good
+        except Exception:  # noqa: BLE001 - a chunk the model refuses: whole batches
             parts = None
+        if whole is None:  # decided before
+            return one(feed) if parts is None else parts
         self.chunked = parts is not None and _same_outputs(whole, parts)
         return whole
 

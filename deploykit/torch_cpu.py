@@ -71,8 +71,9 @@ def infer_in_chunks(runner, feed: dict, n: int | None, infer=None) -> dict | Non
     Args:
         runner: the runner (``infer``, ``chunked``). feed: ``{name: array [n, ...]}``; arrays
             whose axis 0 is not ``n`` long go to every chunk whole (an array that is ``n`` long
-            by coincidence is cut: ``OrtRunner`` compares with a whole run first). n: the batch
-            (axis 0).
+            by coincidence is cut, and an output whose axis 0 is the chunk's size by coincidence
+            is concatenated: ``OrtRunner`` compares its first chunked feed with a whole run).
+            n: the batch (axis 0).
         infer: what runs one chunk (default ``runner.infer``).
     Returns:
         ``{output name: array [n, ...]}``, the chunks' outputs concatenated, or None.

@@ -353,3 +353,34 @@ def test_ort_cpu_never_chunks_a_fixed_batch_or_outputs_that_are_not_per_sample(
         sizes.clear()
         r.infer({"x": x})  # decided for good: whole from then on
         assert sizes == [n]
+
+
+def test_chunks_are_compared_by_bytes_and_a_later_failing_chunk_runs_whole(tmp_path,
+                                                                           monkeypatch):
+    """-0.0 is not +0.0 and NaN is NaN (the same bytes); once chunks were chosen, a later feed
+    whose chunks fail runs whole instead of raising (re-review of stop 41)."""
+    from onnx import helper
+
+    from deploykit.runners import _same_outputs
+    from deploykit.torch_cpu import CPU_CHUNK
+
+    z = np.zeros(3, np.float32)
+    assert not _same_outputs({"y": z}, {"y": -z})
+    assert _same_outputs({"y": np.full(3, np.nan, np.float32)},
+                         {"y": np.full(3, np.nan, np.float32)})
+    assert not _same_outputs({"y": z}, {"y": z.astype(np.float64)})
+    path = _graph_file(tmp_path, "relu", [helper.make_node("Relu", ["x"], ["y"])], ["N", 4],
+                       ["N", 4])
+    x = np.random.default_rng(3).standard_normal((4 * CPU_CHUNK, 4)).astype(np.float32)
+    with OrtRunner(path, cpu_chunk=True) as r:
+        r.infer({"x": x})
+        assert r.chunked is True
+        real = r._infer_one
+
+        def refuse_chunks(feed, native):
+            if len(feed["x"]) <= CPU_CHUNK:
+                raise StageError("a chunk the model refuses")
+            return real(feed, native)
+
+        monkeypatch.setattr(r, "_infer_one", refuse_chunks)
+        np.testing.assert_array_equal(r.infer({"x": x})["y"], np.maximum(x, 0))
