@@ -202,9 +202,8 @@ def _threaded_collector(calibrator, threads: int):
             names = list(name_to_arr)
             if len(names) < 2:
                 return super().collect(name_to_arr)
-            sizes = {n: sum(np.asarray(a).size for a in name_to_arr[n])
-                     if isinstance(name_to_arr[n], list) else np.asarray(name_to_arr[n]).size
-                     for n in names}
+            sizes = {n: sum(map(np.size, v)) if isinstance(v, list) else np.size(v)
+                     for n, v in name_to_arr.items()}
             shares: list[list[str]] = [[] for _ in range(min(threads, len(names)))]
             load = [0] * len(shares)
             for n in sorted(names, key=lambda n: -sizes[n]):  # largest first, to the lightest
@@ -215,7 +214,7 @@ def _threaded_collector(calibrator, threads: int):
             with ThreadPoolExecutor(len(shares)) as pool:
                 done = [pool.submit(super(ThreadedHistogramCollector, self).collect,
                                     {n: name_to_arr[n] for n in names if n in share})
-                        for share in shares]
+                        for share in map(set, shares)]
                 for f in done:
                     f.result()  # a thread's exception is raised here
             self.histogram_dict = {n: self.histogram_dict[n] for n in order}
@@ -299,9 +298,10 @@ def _histogram_cache(folder: str | Path, label: str):
                   f"calibration data, EP and histogram settings (ORT's calibration session "
                   "not run)", flush=True)
             return None
-        if calibrator.collector is None and _histogram_threads() > 1:
+        threads = _histogram_threads()
+        if calibrator.collector is None and threads > 1:
             # ModelOpt's loop keeps a collector it finds (``if not calibrator.collector``)
-            calibrator.collector = _threaded_collector(calibrator, _histogram_threads())
+            calibrator.collector = _threaded_collector(calibrator, threads)
         out = real(calibrator, Replay(feeds))
         if calibrator.collector is not None:
             save(path, {**known, **calibrator.collector.histogram_dict})
