@@ -64,7 +64,7 @@ from deploykit.models import ModelSpec
 from deploykit.results import (measured_against, provenance, result_record, row_source,
                                write_result)
 from deploykit.runners import Runner, harness_overhead_ms
-from deploykit.timing import MIN_ITERS
+from deploykit.timing import MIN_ITERS, MIN_WARMUP, WARMUP_SECONDS
 from deploykit.sequential import (ALPHA, FIRST_LOOK_SEED, LOOK_ALPHA, decided_indices,
                                   failed_beyond_doubt, look_schedule)
 
@@ -646,7 +646,8 @@ def evaluate(runner: Runner, data: EvalData, *, stage: str, precision: str, mode
     if early:  # not a deployment candidate: its latency on a shorter budget (>= MIN_ITERS runs)
         runner.max_seconds = min(runner.max_seconds, FAILED_LATENCY_S)
         early["latency_budget_s"] = FAILED_LATENCY_S
-    print(f"{tag}: latency at batch {lat1}: {warmup} warm-up + up to {iters} timed runs (at "
+    print(f"{tag}: latency at batch {lat1}: up to {warmup} warm-up (at most "
+          f"{WARMUP_SECONDS:g} s after {MIN_WARMUP}) + up to {iters} timed runs (at "
           f"most {runner.max_seconds:g} s, at least {min(iters, MIN_ITERS)} runs)",
           file=sys.stderr, flush=True)
     rec["latency"] = latency(runner, data, lat1, warmup, iters)

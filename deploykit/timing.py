@@ -46,11 +46,14 @@ class Timing:
     extra: dict[str, tuple[list[float] | None, str]] = dataclasses.field(default_factory=dict)
 
     def stats(self, batch: int, warmup: int) -> dict:
-        """The ``latency`` block of a results row: ``{"batch", "warmup", "iters",
+        """The ``latency`` block of a results row: ``{"batch", "warmup" (warm-up calls made:
+        ``end_to_end_ms.warmup_runs`` of a :class:`LoopTimes`, else ``warmup``),
+        "warmup_requested", "iters",
         "end_to_end_ms": latency_stats, "end_to_end_timer", "gpu_compute_ms": latency_stats or
         None, "gpu_compute_timer"}`` plus ``"<name>_ms"`` and ``"<name>_timer"`` (or
         ``"<name>_error"``) for each extra figure."""
-        out = {"batch": batch, "warmup": warmup, "iters": len(self.end_to_end_ms),
+        out = {"batch": batch, "warmup": getattr(self.end_to_end_ms, "warmup_runs", warmup),
+               "warmup_requested": warmup, "iters": len(self.end_to_end_ms),
                "end_to_end_ms": latency_stats(self.end_to_end_ms, batch),
                "end_to_end_timer": self.end_to_end_timer,
                "gpu_compute_ms": (latency_stats(self.gpu_compute_ms, batch)
@@ -86,20 +89,50 @@ MAX_SECONDS = 5.0
 
 MIN_ITERS = 20
 
+#: Warm-up bound: the untimed calls before a timed loop stop after ``warmup`` calls or once this
+#: many seconds have passed, whichever comes first, but never before :data:`MIN_WARMUP` calls
+#: (trtexec's ``--warmUp`` is a duration, 200 ms by default). A call slow enough to hit it has
+#: already run its first-call work (allocations, kernel selection) in the first few calls.
+WARMUP_SECONDS = 0.2
+
+MIN_WARMUP = 3
+
+
+class LoopTimes(list):
+    """Per-iteration latencies (ms) of a timed loop, a list; ``warmup_runs`` is how many untimed
+    warm-up calls ran before it (:data:`WARMUP_SECONDS`)."""
+
+    warmup_runs: int = 0
+
+
+def _warm_up(fn: Callable[[], Any], warmup: int) -> int:
+    """Run ``fn()`` ``warmup`` times, stopping early once :data:`WARMUP_SECONDS` have passed
+    after at least :data:`MIN_WARMUP` calls; returns the calls made."""
+    start = time.perf_counter()
+    for i in range(warmup):
+        fn()
+        if i + 1 >= MIN_WARMUP and time.perf_counter() - start > WARMUP_SECONDS:
+            return i + 1
+    return max(0, warmup)
+
 
 def wall_loop(fn: Callable[[], Any], warmup: int, iters: int,
               sync: Callable[[], None] | None = None,
-              max_seconds: float | None = None) -> list[float]:
-    """Wall-clock latency (ms) of ``fn()``: ``warmup`` untimed calls, then up to ``iters`` timed
+              max_seconds: float | None = None) -> LoopTimes:
+    """Wall-clock latency (ms) of ``fn()``: up to ``warmup`` untimed calls (fewer once
+    :data:`WARMUP_SECONDS` have passed, at least :data:`MIN_WARMUP`), then up to ``iters`` timed
     ones with ``time.perf_counter`` (fewer once ``max_seconds``, default :data:`MAX_SECONDS`, has
     passed, but at least ``min(iters, MIN_ITERS)``); ``sync()`` (a device synchronisation) runs
-    before each timestamp so asynchronous work is counted."""
+    before each timestamp so asynchronous work is counted.
+
+    Returns:
+        :class:`LoopTimes`: the timed calls' latencies (ms) and ``warmup_runs``.
+    """
     budget = MAX_SECONDS if max_seconds is None else max_seconds
-    for _ in range(warmup):
-        fn()
+    times = LoopTimes()
+    times.warmup_runs = _warm_up(fn, warmup)
     if sync:
         sync()
-    times: list[float] = []
     start = time.perf_counter()
     for i in range(iters):
         t0 = time.perf_counter()
@@ -116,17 +149,17 @@ def wall_loop(fn: Callable[[], Any], warmup: int, iters: int,
 def cuda_event_loop(fn: Callable[[], Any], warmup: int, iters: int, stream=None,
                     max_seconds: float | None = None) -> list[float]:
     """Device time (ms) of the work ``fn()`` enqueues on ``stream`` (default: the current torch
-    stream), from a pair of CUDA events per iteration, after ``warmup`` untimed calls; the same
-    iteration/time bounds as :func:`wall_loop`."""
+    stream), from a pair of CUDA events per iteration, after the warm-up of :func:`wall_loop`
+    (time-bounded too: the calls are asynchronous, so each warm-up call's host time is what is
+    bounded); the same iteration/time bounds as :func:`wall_loop`. Returns :class:`LoopTimes`."""
     import torch
 
     budget = MAX_SECONDS if max_seconds is None else max_seconds
     stream = stream or torch.cuda.current_stream()
-    for _ in range(warmup):
-        fn()
+    times = LoopTimes()
+    times.warmup_runs = _warm_up(fn, warmup)
     stream.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times: list[float] = []
     t_start = time.perf_counter()
     for i in range(iters):
         start.record(stream)
