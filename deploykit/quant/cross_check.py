@@ -327,7 +327,7 @@ def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarr
             ref_rec["check"] = check = _reference_check(
                 ref, run(done, session_config=QDQ_OFF_CONFIG,
                          disabled_optimizers=QDQ_OFF_DISABLED), k0 if data.classifier else None)
-            print("backend cross-check: reference after the first look: "
+            print(f"backend cross-check: reference after the first look: "
                   + (f"ORT's default level with its Q/DQ rewrites off ({check['detail']})"
                      if check["used"] else
                      f"unoptimised ({check['detail']})"), file=sys.stderr, flush=True)
