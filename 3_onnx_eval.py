@@ -36,12 +36,8 @@ graph optimisations (e.g. ``WeightBiasQuantization``) change the numerics of a Q
 Q/DQ file this stage therefore also runs images with all graph optimisations disabled (plain
 DequantizeLinear + float ops, the graph's reference semantics): by default a seeded random 32,
 128, then 512 images (4 times more per look on larger splits), stopping at a look only when a
-disagreement or an agreement is beyond doubt there (exact bounds), else every image. After the
-first 32, the reference runs at ORT's default level with only its Q/DQ rewrites off
-(``session.disable_quant_qdq=1``, ``WeightBiasQuantization`` disabled: every Q/DQ node runs as
-written, float rewrites change results by FP32 rounding alone; about 3x faster), once it gives
-the same top-1 class on those 32 (``--cross-check-reference unoptimized``: every image with all
-optimisations off). It flags a backend disagreement when top-1 differs by more than ``--cross-check-tol`` points. A row decided
+disagreement or an agreement is beyond doubt there (exact bounds), else every image; and flags a
+backend disagreement when top-1 differs by more than ``--cross-check-tol`` points. A row decided
 on its first look is cross-checked on those samples, and the verdict is one beyond doubt about
 the whole split or none (``disagreement`` null). A "collapse" that disappears there is an ORT optimiser
 effect, not a quantization failure. A model that is not a classifier gets the same cross-check
@@ -89,7 +85,7 @@ from deploykit.layout import check_row_tag, model_artifacts, model_results
 from deploykit.models import model_spec
 from deploykit.onnx.graph import (detect_precision, load_onnx, precision_note,
                                   tolerance_precision)
-from deploykit.quant.cross_check import REFERENCES, X64_QUANT_PRECISION, backend_cross_check
+from deploykit.quant.cross_check import X64_QUANT_PRECISION, backend_cross_check
 from deploykit.results import (check_source, provenance, reference_row, weights_mismatch,
                                write_result)
 from deploykit.runners import ORT_EPS, OrtRunner
@@ -136,11 +132,6 @@ def get_args_parser() -> argparse.ArgumentParser:
                         "random looks of 32, 128, 512 (x4 on larger splits), final only on a "
                         "verdict beyond doubt, else every image; N: a seeded random N; 0 "
                         "disables it)")
-    p.add_argument("--cross-check-reference", choices=REFERENCES, default="qdq-off",
-                   help="how the cross-check's reference runs after its first look: qdq-off "
-                        "(default: ORT's default level with its Q/DQ rewrites off, about 3x "
-                        "faster, used once it matches the unoptimised run on the first look) "
-                        "or unoptimized (every image with all graph optimisations off)")
     p.add_argument("--cross-check-tol", type=float, default=2.0,
                    help="top-1 difference (points) that counts as a backend disagreement")
     p.add_argument("--layerwise", action="store_true",
@@ -312,7 +303,7 @@ def main(args: argparse.Namespace) -> dict:
         cc = diagnose(rec, "backend_cross_check", lambda: backend_cross_check(
             onnx_path, data, outputs, n=args.cross_check_images, batch=args.batch_size,
             tol_points=args.cross_check_tol, opt_level=args.opt_level, session_config=config,
-            population=n_split, reference=args.cross_check_reference))
+            population=n_split))
         if cc and cc["disagreement"]:
             print(f"WARNING: ORT backend disagreement on {onnx_path.name}: {cc['reason']}. ONNX Runtime, "
                   "not the quantization, changes the result: do not report this as a collapse."

@@ -308,10 +308,7 @@ def table_rows(rows: list[dict]) -> list[dict]:
             if cc.get("top1_unoptimized") is not None:
                 status += _PART + ("BACKEND DISAGREEMENT: top-1 "
                                    f"{cc['top1_unoptimized']:.1f}% with "
-                                   + ("ORT's Q/DQ rewrites off"
-                                      if (cc.get("reference") or {}).get("qdq_off") else
-                                      "ORT optimisations disabled")
-                                   + f" ({cc['n']} images)")
+                                   f"ORT optimisations disabled ({cc['n']} images)")
             else:  # a model without labels: the cross-check says what differs
                 status += _PART + f"BACKEND DISAGREEMENT: {cc.get('reason')}"
             status += f"; cause: {cc['cause']}" if cc.get("cause") else ""

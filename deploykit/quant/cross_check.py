@@ -28,28 +28,6 @@ X64_QUANT_PRECISION = {"session.x64quantprecision": "1"}
 
 CROSS_CHECK_FIRST = FIRST_LOOK  # samples of the adaptive cross-check's first look
 
-#: How the cross-check's reference runs after its first look, by default (``reference``):
-#: ORT's default optimisation level with every Q/DQ rewrite off. ``session.disable_quant_qdq=1``
-#: (onnxruntime_session_options_config_keys.h) turns off ORT's Q/DQ fusions into integer kernels
-#: and its Q/DQ propagation; ``WeightBiasQuantization`` (the bias re-quantization) is named in
-#: ``disabled_optimizers`` as well. Every QuantizeLinear / DequantizeLinear then runs as written,
-#: in float, and only float rewrites stay (Conv+activation fusion, NCHWc layout), which change
-#: results by FP32 rounding alone. Measured on this project's 2-core Intel Xeon (stop 42,
-#: benchmarks/README.md): 7.6 against 23.7 ms an image for Lite0's ``int8_hp32.onnx``, top-1
-#: the same on 128 of 128 images, logits cosine min 0.9986 against the unoptimised run.
-QDQ_OFF_CONFIG = {"session.disable_quant_qdq": "1"}
-QDQ_OFF_DISABLED = ("WeightBiasQuantization",)
-
-#: The reference kinds: ``"qdq-off"`` (the first look unoptimised, the rest with
-#: :data:`QDQ_OFF_CONFIG` once it matches the unoptimised run there) and ``"unoptimized"``
-#: (every sample with all graph optimisations off).
-REFERENCES = ("qdq-off", "unoptimized")
-
-#: Output cosine (min over samples) the Q/DQ-off reference must reach against the unoptimised
-#: run on the first look's samples, top-1 unchanged on each of them, before it is used (FP32
-#: rounding moves a value across a quantization step now and then: 0.9986 on Lite0).
-REFERENCE_MIN_COSINE = 0.99
-
 #: Samples of an earlier look inside the first one (a random part of it): a classifier whose two
 #: runs already disagree there beyond doubt (:func:`disagreement_beyond_doubt`, a collapse)
 #: needs no more.
@@ -240,7 +218,7 @@ def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarr
                         n: int = -1, batch: int = 64, tol_points: float = 2.0,
                         min_cosine: float = 0.99, opt_level: str = "all",
                         session_config: dict | None = None,
-                        population: int | None = None, reference: str = "qdq-off") -> dict:
+                        population: int | None = None) -> dict:
     """Rerun a Q/DQ model with every ORT graph optimisation off (DequantizeLinear + float ops:
     the graph's own semantics) on the samples of the main run and compare, for any model.
 
@@ -261,18 +239,7 @@ def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarr
     evaluated_data): every sample of ``data`` runs, whatever ``n``, and the verdict is one
     beyond doubt about
     the whole split (the same exact bounds, at :data:`CROSS_CHECK_ALPHA`), else ``None``
-    (undecided: ``--full-eval`` measures every sample).
-
-    ``reference="qdq-off"`` (default): the samples of the first look (the first call) run with
-    every optimisation off; the samples of later looks run at ORT's default level with its Q/DQ
-    rewrites off (:data:`QDQ_OFF_CONFIG`, about three times faster), once that run, made on the
-    first look's samples too, gives each of them the same top-1 class (classifiers) and every
-    output a cosine of at least :data:`REFERENCE_MIN_COSINE` against the unoptimised one; else
-    every sample runs unoptimised. A fixed ``n`` (one call) and a row's first look always run
-    unoptimised. ``reference="unoptimized"``: every sample unoptimised. The record's
-    ``reference`` says which samples ran how, and the check.
-
-    When the two disagree on an x86-64 CPU without VNNI, the optimised graph is
+    (undecided: ``--full-eval`` measures every sample). When the two disagree on an x86-64 CPU without VNNI, the optimised graph is
     run once more with :data:`X64_QUANT_PRECISION` to tell u8s8 kernel saturation from a graph
     optimiser effect (``cause``).
 
@@ -286,7 +253,6 @@ def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarr
             counts as a disagreement.
         opt_level, session_config: how the main run was made (for the saturation leg).
         population: see above (None or at most ``len(data)``: ``data`` is the split).
-        reference: one of :data:`REFERENCES` (see above).
     Returns:
         ``{"n", "n_total", "adaptive", "sample", "decided_on_first_look", "decided", "opt_level":
         "disable", "outputs": {name: parity}, "disagreement", "reason", "cause", "cpu_vnni"}``
@@ -294,16 +260,10 @@ def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarr
         ``top1_x64quantprecision`` on ``n_x64quantprecision`` samples after the saturation leg)
         for classifiers. ``sample`` is ``"all"``, or ``{"seed", "n"}`` of the seeded random
         sample the figures are on; ``n_total`` the split's size. ``disagreement`` is None when
-        a sample of a ``population`` decides nothing beyond doubt. ``reference``:
-        ``{"kind", "unoptimized": samples, "qdq_off": samples, "check"}`` (``check``: the
-        Q/DQ-off run against the unoptimised one on the first look, or None when not made).
+        a sample of a ``population`` decides nothing beyond doubt.
     Raises:
         StageError: ORT cannot load or run the model unoptimised.
-        ValueError: ``reference`` is not one of :data:`REFERENCES`.
     """
-    if reference not in REFERENCES:
-        raise ValueError(f"backend_cross_check: reference {reference!r} is not one of "
-                         f"{', '.join(REFERENCES)}")
     total = len(data)
     if population is not None and population > total:
         n = -1  # the row's first-look samples are all there is to compare: every one of them
@@ -317,25 +277,6 @@ def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarr
     def run(idx: np.ndarray, **kw) -> dict[str, np.ndarray]:
         with OrtRunner(onnx_path, "cpu", **kw) as r:
             return run_outputs(r, data.take(idx), batch, progress="cross-check")
-
-    ref_rec: dict = {"kind": reference, "unoptimized": 0, "qdq_off": 0, "check": None}
-
-    def run_ref(idx: np.ndarray, done: np.ndarray, ref: dict) -> dict[str, np.ndarray]:
-        """The reference on ``idx`` (new samples), after ``done`` ran with outputs ``ref``."""
-        fast = reference == "qdq-off" and len(done) > 0 and ref_rec["check"] is None
-        if fast:  # the first later look: the Q/DQ-off run on the first look's samples too
-            ref_rec["check"] = check = _reference_check(
-                ref, run(done, session_config=QDQ_OFF_CONFIG,
-                         disabled_optimizers=QDQ_OFF_DISABLED), k0 if data.classifier else None)
-            print(f"backend cross-check: reference after the first look: "
-                  + (f"ORT's default level with its Q/DQ rewrites off ({check['detail']})"
-                     if check["used"] else
-                     f"unoptimised ({check['detail']})"), file=sys.stderr, flush=True)
-        if ref_rec["check"] is not None and ref_rec["check"]["used"]:
-            ref_rec["qdq_off"] += len(idx)
-            return run(idx, session_config=QDQ_OFF_CONFIG, disabled_optimizers=QDQ_OFF_DISABLED)
-        ref_rec["unoptimized"] += len(idx)
-        return run(idx, opt_level="disable")
 
     def compare(ref: dict, main: dict) -> tuple[dict, tuple | None]:
         pars, worst = {}, None
@@ -363,17 +304,13 @@ def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarr
              "samples, then all of them unless a look decides beyond doubt"
              if adaptive and looks else
              f"on a seeded random {n} of {total} samples" if looks else
-             f"on all {total} samples{sample_of}")
-          + ("; after the first look at ORT's default level with its Q/DQ rewrites off, once "
-             "that matches the unoptimised run there" if adaptive and len(looks) > 1
-             and reference == "qdq-off" else ""), file=sys.stderr, flush=True)
-
+             f"on all {total} samples{sample_of}"), file=sys.stderr, flush=True)
     def extend(idx: np.ndarray, ref: dict, want: np.ndarray) -> tuple[np.ndarray, dict]:
         """Run the samples of ``want`` not run yet; indices and outputs in sample order."""
         new = np.setdiff1d(want, idx)
         if not len(new):
             return idx, ref
-        more = run_ref(new, idx, ref)
+        more = run(new, opt_level="disable")
         idx = np.concatenate([idx, new])
         ref = {k: np.concatenate([ref[k], v]) if k in ref else v for k, v in more.items()}
         order = np.argsort(idx, kind="stable")
@@ -398,11 +335,7 @@ def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarr
     main = {name: v[idx] for name, v in outputs.items()}
     pars, worst = compare(ref, main)
     sample = "all" if k == total else {"seed": FIRST_LOOK_SEED, "n": int(k)}
-    rec: dict = {"n": int(k), "adaptive": adaptive, "outputs": pars,
-                 "opt_level": ("disable" if not ref_rec["qdq_off"] else
-                               "disable on the first look, then all with "
-                               "session.disable_quant_qdq=1"),
-                 "reference": ref_rec,
+    rec: dict = {"n": int(k), "adaptive": adaptive, "opt_level": "disable", "outputs": pars,
                  "cause": None, "cpu_vnni": cpu_has_vnni(), "decided_on_first_look": early,
                  "decided": decided,
                  "n_total": int(total), "sample": sample}
@@ -417,9 +350,6 @@ def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarr
                     else f"--cross-check-images {total} for the exact figure"))
     elif sampled:
         seen += ": no verdict beyond doubt about the whole split; 3_onnx_eval.py --full-eval measures every image"
-    how = ("ORT graph optimisations disabled" if not ref_rec["qdq_off"] else
-           f"ORT's Q/DQ rewrites off ({ref_rec['unoptimized']} of the images with every graph "
-           "optimisation off)")
     if data.classifier:
         t_main = topk_accuracy(main[k0], y[idx], (1,))["top1"]
         t_ref = topk_accuracy(ref[k0], y[idx], (1,))["top1"]
@@ -429,15 +359,13 @@ def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarr
                    top1_agreement=float(100.0 * (ref[k0].argmax(1) == main[k0].argmax(1)).mean()),
                    disagreement=(decided == "disagreement" if early
                                  else None if sampled else _exceeds(net, k, tol_points)))
-        rec["reason"] = (f"top-1 {t_main:.1f}% at opt level {opt_level} vs {t_ref:.1f}% with "
-                         f"{how} ({seen})")
+        rec["reason"] = (f"top-1 {t_main:.1f}% at opt level {opt_level} vs {t_ref:.1f}% with ORT "
+                         f"graph optimisations disabled ({seen})")
     else:
         bad = worst is not None and worst[1]["cosine_min"] < min_cosine
         rec.update(min_cosine=min_cosine, disagreement=True if bad else None if sampled else False)
         rec["reason"] = (f"output {worst[0]}: cosine min {worst[1]['cosine_min']:.4f} between the "
-                         f"optimised run and the one with "
-                         f"{how.replace('images', 'samples')} "
-                         f"({seen.replace('images', 'samples')})"
+                         f"optimised and the unoptimised run ({seen.replace('images', 'samples')})"
                          if worst else
                          "no comparable output")
     if rec["disagreement"] and cpu_has_vnni() is False and not session_config:
@@ -464,41 +392,3 @@ def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarr
                             f"with session.x64quantprecision=1 {how} (rerun with "
                             "--x64-quant-precision; ORT PR #12088)")
     return rec
-
-
-def _reference_check(strict: dict[str, np.ndarray], fast: dict[str, np.ndarray],
-                     logits: str | None) -> dict:
-    """Whether the Q/DQ-off reference (:data:`QDQ_OFF_CONFIG`) computes what the unoptimised
-    run computes on the same samples: every output of ``strict`` is in ``fast`` with its shape
-    and a cosine (min over samples) of at least :data:`REFERENCE_MIN_COSINE`, and, for a
-    classifier (``logits``: its compared output), each sample's top-1 class is the same.
-
-    Args:
-        strict, fast: ``{output name: array [n, ...]}`` of the two runs, same samples in order.
-        logits: the classifier output whose top-1 must match, or None.
-    Returns:
-        ``{"used", "n", "cosine_min", "top1_agreement", "detail"}``; ``top1_agreement`` (%)
-        only with ``logits``.
-    """
-    n = len(next(iter(strict.values()))) if strict else 0
-    cos, bad = 1.0, []
-    for name, a in strict.items():
-        b = fast.get(name)
-        if b is None or np.shape(b) != np.shape(a):
-            bad.append(f"output {name} missing or of another shape")
-            continue
-        c = parity(a, b)["cosine_min"] if np.size(a) else 1.0
-        cos = min(cos, c) if np.isfinite(c) else -1.0
-    out = {"n": n, "cosine_min": cos}
-    if cos < REFERENCE_MIN_COSINE:
-        bad.append(f"cosine min {cos:.5f} < {REFERENCE_MIN_COSINE}")
-    if logits is not None and logits in fast and np.shape(fast[logits]) == np.shape(strict[logits]):
-        same = strict[logits].argmax(-1) == fast[logits].argmax(-1)
-        out["top1_agreement"] = float(100.0 * same.mean()) if n else 100.0
-        if not same.all():
-            bad.append(f"top-1 differs on {int((~same).sum())} of {n} samples")
-    out["used"] = not bad
-    out["detail"] = (f"checked against the unoptimised run on the first look's {n} samples: "
-                     + ("; ".join(bad) + ", so every sample runs unoptimised" if bad else
-                        f"top-1 the same on each, cosine min {cos:.5f}"))
-    return out

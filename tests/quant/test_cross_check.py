@@ -73,59 +73,13 @@ def test_adaptive_cross_check_stops_on_a_verdict_beyond_doubt(broken, tmp_path):
     else:
         assert cc["top1_agreement"] == 100.0
         assert "512 of 600 images, a seeded random sample, agreement beyond doubt" in cc["reason"]
-        # after the first 32 the reference ran with ORT's Q/DQ rewrites off, checked first
-        ref = cc["reference"]
-        assert (ref["kind"], ref["unoptimized"], ref["qdq_off"]) == ("qdq-off", 32, 480)
-        assert ref["check"]["used"] and ref["check"]["n"] == 32
-        assert ref["check"]["top1_agreement"] == 100.0 and ref["check"]["cosine_min"] >= 0.99
-        assert "Q/DQ rewrites off (32 of the images with every graph optimisation off)" \
-            in cc["reason"]
-        strict = backend_cross_check(q, data, main, batch=64, reference="unoptimized")
-        assert strict["reference"]["unoptimized"] == 512 and strict["reference"]["qdq_off"] == 0
-        assert strict["opt_level"] == "disable" and strict["decided"] == "agreement"
-        assert "with ORT graph optimisations disabled (512 of 600" in strict["reason"]
-    assert cc["reference"]["qdq_off"] == 0 or not broken  # a first-look verdict: unoptimised
-
-
-def test_a_qdq_off_reference_that_does_not_match_the_unoptimised_run_is_not_used(
-        tmp_path, monkeypatch):
-    """The check on the first look's samples is what makes the faster reference safe: with a
-    "Q/DQ-off" configuration that in fact keeps ORT's Q/DQ rewrites (here: nothing switched
-    off, so WeightBiasQuantization collapses the tiny-scale channel), top-1 differs there, the
-    check says so and every sample runs unoptimised; the verdict is the unoptimised one
-    (agreement with a main run that computes the graph's own numerics). Used unchecked, that
-    reference would make it a disagreement."""
-    q = _qdq_classifier([1e-12, 0.01], tmp_path / "q.onnx")
-    x = np.random.default_rng(1).integers(0, 256, (600, 3, 4, 4), dtype=np.uint8)
-    data = EvalData(x_u8=x, y=np.zeros(600, np.int64), files=[str(i) for i in range(600)],
-                    mean=(0.5,) * 3, std=(0.5,) * 3, input_name="x")
-    with OrtRunner(q, opt_level="disable") as r:
-        main = run_outputs(r, data, 64)  # the graph's own numerics
-    data.y = main["logits"].argmax(1)
-    monkeypatch.setattr(cross_check, "QDQ_OFF_CONFIG", {"session.intra_op.allow_spinning": "1"})
-    monkeypatch.setattr(cross_check, "QDQ_OFF_DISABLED", ())
-    cc = backend_cross_check(q, data, main, batch=64)
-    ref = cc["reference"]
-    assert not ref["check"]["used"] and ref["check"]["top1_agreement"] < 90
-    assert "so every sample runs unoptimised" in ref["check"]["detail"]
-    assert (ref["unoptimized"], ref["qdq_off"]) == (512, 0) and cc["opt_level"] == "disable"
-    assert cc["decided"] == "agreement" and cc["disagreement"] is False
-    monkeypatch.setattr(cross_check, "_reference_check",
-                        lambda *a: {"used": True, "detail": "unchecked"})
-    assert backend_cross_check(q, data, main, batch=64)["disagreement"]
-
-
-def test_an_unknown_reference_is_refused():
-    with pytest.raises(ValueError, match="reference 'fast' is not one of qdq-off, unoptimized"):
-        backend_cross_check("x.onnx", None, {}, reference="fast")
 
 
 def _fake_backend(monkeypatch, unoptimized: np.ndarray, x64: np.ndarray | None = None
                   ) -> list[int]:
     """Make the cross-check's unoptimised runs return rows of ``unoptimized`` [N, C] (looked up
-    by the samples' file names, their indices) - the Q/DQ-off reference too, a faithful one -
-    and its runs with ``X64_QUANT_PRECISION`` rows of ``x64``; returns the list of the samples
-    the reference ran (the Q/DQ-off run of the first look's samples, its check, not counted)."""
+    by the samples' file names, their indices), and its runs with a session config rows of
+    ``x64``; returns the list that counts the samples run unoptimised."""
     ran: list[int] = []
 
     class _Runner:
@@ -140,10 +94,9 @@ def _fake_backend(monkeypatch, unoptimized: np.ndarray, x64: np.ndarray | None =
 
     def fake_run_outputs(runner, sub, batch, progress=None):
         idx = [int(f) for f in sub.files]
-        if runner.kw.get("session_config") == cross_check.X64_QUANT_PRECISION:
+        if runner.kw.get("session_config"):
             return {"logits": x64[idx]}
-        if runner.kw.get("opt_level") == "disable" or idx[0] not in ran:
-            ran.extend(idx)  # the reference's samples (not the Q/DQ-off check's rerun)
+        ran.extend(idx)
         return {"logits": unoptimized[idx]}
 
     monkeypatch.setattr(cross_check, "OrtRunner", _Runner)
