@@ -56,6 +56,34 @@ def _exceeds(images: int, n: int, tol_points: float) -> bool:
     return 100 * images > Fraction(repr(float(tol_points))) * n
 
 
+def _parity_finite(ref: np.ndarray, out: np.ndarray) -> dict:
+    """:func:`deploykit.compare.parity` of one output of the two runs, where NaN/Inf are judged
+    as such: when both runs have the same non-finite values at the same places (the graph's
+    own), the cosine is of the finite values (the others set to 0 in both); when they differ,
+    ``nonfinite_differs`` counts the elements finite in one run only and the cosine stays NaN
+    (:func:`_cos`: the lowest)."""
+    if not (np.issubdtype(ref.dtype, np.floating) or np.issubdtype(out.dtype, np.floating)):
+        return parity(ref, out)
+    fr, fo = np.isfinite(ref), np.isfinite(out)
+    if fr.all() and fo.all():
+        return parity(ref, out)
+    if np.array_equal(fr, fo) and np.array_equal(ref[~fr], out[~fo], equal_nan=True):
+        par = parity(np.where(fr, ref, 0), np.where(fo, out, 0))
+        par["nonfinite_same"] = int((~fr).sum())
+        return par
+    par = parity(ref, out)
+    par["nonfinite_differs"] = int((fr != fo).sum())
+    return par
+
+
+def _cos(par: dict) -> float:
+    """An output's ``cosine_min`` for ranking and judging: NaN (non-finite values in one run
+    where the other has other values, :func:`_parity_finite`) counts as the lowest, ``-inf``, so
+    such an output is the worst and a disagreement."""
+    c = par["cosine_min"]
+    return c if np.isfinite(c) else -math.inf
+
+
 def _log_choose(n: int, k: int) -> float:
     return math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
 
@@ -282,8 +310,8 @@ def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarr
         pars, worst = {}, None
         for name, m in main.items():
             if name in ref and ref[name].shape == np.shape(m):
-                pars[name] = parity(ref[name], m)
-                if worst is None or pars[name]["cosine_min"] < worst[1]["cosine_min"]:
+                pars[name] = _parity_finite(ref[name], np.asarray(m))
+                if worst is None or _cos(pars[name]) < _cos(worst[1]):
                     worst = (name, pars[name])
         return pars, worst
 
@@ -295,7 +323,7 @@ def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarr
             return "agreement" if agreement_beyond_doubt(mp, rp, y[idx], tol_points, pop, a) \
                 else None
         _, w = compare(ref, {name: v[idx] for name, v in outputs.items()})
-        return "disagreement" if w is not None and w[1]["cosine_min"] < min_cosine else None
+        return "disagreement" if w is not None and _cos(w[1]) < min_cosine else None
 
     sample_of = (f" (the row's first look, of {population})"
                  if population is not None and population > total else "")
@@ -362,10 +390,13 @@ def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarr
         rec["reason"] = (f"top-1 {t_main:.1f}% at opt level {opt_level} vs {t_ref:.1f}% with ORT "
                          f"graph optimisations disabled ({seen})")
     else:
-        bad = worst is not None and worst[1]["cosine_min"] < min_cosine
+        bad = worst is not None and _cos(worst[1]) < min_cosine
         rec.update(min_cosine=min_cosine, disagreement=True if bad else None if sampled else False)
+        odd = (f", {worst[1]['nonfinite_differs']} value(s) NaN/Inf in one run only"
+               if worst and worst[1].get("nonfinite_differs") else "")
         rec["reason"] = (f"output {worst[0]}: cosine min {worst[1]['cosine_min']:.4f} between the "
-                         f"optimised and the unoptimised run ({seen.replace('images', 'samples')})"
+                         f"optimised and the unoptimised run{odd} "
+                         f"({seen.replace('images', 'samples')})"
                          if worst else
                          "no comparable output")
     if rec["disagreement"] and cpu_has_vnni() is False and not session_config:
@@ -385,7 +416,7 @@ def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarr
             how = f"top-1 is {t_fix:.1f}% vs {t_ref:.1f}% unoptimised on {kc} of the {k} images"
         else:
             _, w2 = compare(ref_c, fixed)
-            agrees = w2 is not None and w2[1]["cosine_min"] >= min_cosine
+            agrees = w2 is not None and _cos(w2[1]) >= min_cosine
             how = f"the outputs agree (cosine min {w2[1]['cosine_min']:.4f})" if w2 else ""
         if agrees:
             rec["cause"] = ("u8s8 saturation in ORT's int8 CPU kernels on this CPU without VNNI: "

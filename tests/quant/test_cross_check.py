@@ -354,3 +354,40 @@ def test_saturation_leg_names_u8s8_only_when_u8u8_kernels_agree(saturates, monke
     assert (cc["cause"] is not None) is saturates
     exact = backend_cross_check("fake.onnx", data, {"logits": main}, n=900)
     assert exact["n"] == 900 and exact["n_x64quantprecision"] == 900
+
+
+@pytest.mark.parametrize("same", [False, True])
+def test_nan_in_one_run_only_is_a_disagreement_for_any_model(monkeypatch, same):
+    """A model without labels: an output that is NaN in the optimised run where the
+    unoptimised one is finite is a backend disagreement (NaN compares false with the cosine
+    bound, so it used to pass as agreement); NaN at the same places in both runs is the graph's
+    own, judged on the finite values (agreement)."""
+    rng = np.random.default_rng(0)
+    ref_out = rng.standard_normal((40, 5)).astype(np.float32)
+    main = ref_out.copy()
+    main[3, 2] = np.nan
+    if same:
+        ref_out[3, 2] = np.nan
+
+    class _Runner:
+        def __init__(self, *a, **kw):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(cross_check, "OrtRunner", _Runner)
+    monkeypatch.setattr(cross_check, "run_outputs",
+                        lambda r, sub, batch, progress=None: {"y": ref_out[sub.feed["i"][:, 0]]})
+    data = EvalData(feed={"i": np.arange(40).reshape(40, 1)})
+    cc = backend_cross_check("fake.onnx", data, {"y": main})
+    assert cc["disagreement"] is (not same)
+    if same:
+        assert cc["outputs"]["y"]["cosine_min"] == pytest.approx(1.0)
+        assert cc["outputs"]["y"]["nonfinite_same"] == 1
+    else:
+        assert cc["outputs"]["y"]["nonfinite_differs"] == 1
+        assert "1 value(s) NaN/Inf in one run only" in cc["reason"]
