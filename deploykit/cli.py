@@ -208,7 +208,8 @@ _SHARED_FLAGS: dict[str, tuple[tuple[str, ...], Callable[[], dict]]] = {
     "latency_batch": (("--latency-batch",), lambda: dict(
         type=int, default=1, help="batch size of the latency measurement")),
     "warmup": (("--warmup",), lambda: dict(
-        type=int, default=20, help="untimed iterations before timing")),
+        type=int, default=20, help="untimed iterations before timing, at most: they stop "
+                                   "0.2 s after the first, never before 3")),
     "iters": (("--iters",), lambda: dict(
         type=int, default=200, help="timed iterations (each timed loop also stops after "
                                     "--max-seconds, never before 20 iterations)")),

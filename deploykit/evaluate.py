@@ -18,8 +18,9 @@ Row schema (``results/<model>/<tag>.json``; every field present, None when it do
     nonfinite_outputs {output: NaN/Inf values where the reference is finite} or None,
     outputs [every output name], output_used (the output compared with the reference logits,
     or {reference output: output} for other models: matched by name, else by index),
-    latency {batch, warmup, iters, end_to_end_ms {p50_ms, p90_ms, p99_ms, mean_ms, min_ms,
-    max_ms, fps}, end_to_end_timer, gpu_compute_ms {...} or None, gpu_compute_timer},
+    latency {batch, warmup (warm-up calls made), warmup_requested, iters, end_to_end_ms {p50_ms,
+    p90_ms, p99_ms, mean_ms, min_ms, max_ms, fps}, end_to_end_timer, gpu_compute_ms {...} or
+    None, gpu_compute_timer},
     latency_batch (same block at --latency-batch when it is not 1), harness_overhead_ms,
     size_mb, diagnostics {name: result}, timings_s {inference, latency, diagnostic:<name>},
     measured_against {role: {path, sha256}} (the reference compared with, the file evaluated,

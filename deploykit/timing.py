@@ -147,7 +147,7 @@ def wall_loop(fn: Callable[[], Any], warmup: int, iters: int,
 
 
 def cuda_event_loop(fn: Callable[[], Any], warmup: int, iters: int, stream=None,
-                    max_seconds: float | None = None) -> list[float]:
+                    max_seconds: float | None = None) -> LoopTimes:
     """Device time (ms) of the work ``fn()`` enqueues on ``stream`` (default: the current torch
     stream), from a pair of CUDA events per iteration, after the warm-up of :func:`wall_loop`
     (time-bounded too: the calls are asynchronous, so each warm-up call's host time is what is

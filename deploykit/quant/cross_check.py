@@ -59,29 +59,39 @@ def _exceeds(images: int, n: int, tol_points: float) -> bool:
 def _parity_finite(ref: np.ndarray, out: np.ndarray) -> dict:
     """:func:`deploykit.compare.parity` of one output of the two runs, where NaN/Inf are judged
     as such: when both runs have the same non-finite values at the same places (the graph's
-    own), the cosine is of the finite values (the others set to 0 in both); when they differ,
-    ``nonfinite_differs`` counts the elements finite in one run only and the cosine stays NaN
-    (:func:`_cos`: the lowest)."""
+    own), the cosine is of the finite values (the others set to 0 in both) and
+    ``nonfinite_same`` counts them; when they differ, ``nonfinite_differs`` counts the elements
+    that are NaN/Inf in one run only or another NaN/Inf in the other (+inf against -inf) and
+    the cosine stays NaN (:func:`_cos`: the lowest)."""
     if not (np.issubdtype(ref.dtype, np.floating) or np.issubdtype(out.dtype, np.floating)):
         return parity(ref, out)
     fr, fo = np.isfinite(ref), np.isfinite(out)
     if fr.all() and fo.all():
         return parity(ref, out)
-    if np.array_equal(fr, fo) and np.array_equal(ref[~fr], out[~fo], equal_nan=True):
+    with np.errstate(invalid="ignore"):
+        same = (ref == out) | (np.isnan(ref) & np.isnan(out))  # NaN, +inf, -inf alike
+    differs = (fr != fo) | (~fr & ~fo & ~same)
+    if not differs.any():
         par = parity(np.where(fr, ref, 0), np.where(fo, out, 0))
         par["nonfinite_same"] = int((~fr).sum())
         return par
-    par = parity(ref, out)
-    par["nonfinite_differs"] = int((fr != fo).sum())
+    with np.errstate(invalid="ignore"):
+        par = parity(ref, out)
+    par["nonfinite_differs"] = int(differs.sum())
     return par
 
 
 def _cos(par: dict) -> float:
-    """An output's ``cosine_min`` for ranking and judging: NaN (non-finite values in one run
-    where the other has other values, :func:`_parity_finite`) counts as the lowest, ``-inf``, so
-    such an output is the worst and a disagreement."""
+    """An output's ``cosine_min`` for ranking and judging: NaN from non-finite values in one run
+    where the other has other values (:func:`_parity_finite`) counts as the lowest, ``-inf``, so
+    such an output is the worst and a disagreement; NaN from the cosine's own overflow
+    (finite float64 values near 1e160) counts as ``+inf``."""
     c = par["cosine_min"]
-    return c if np.isfinite(c) else -math.inf
+    if np.isfinite(c):
+        return c
+    # NaN from finite outputs (float64 values so large that the norms overflow) is no finding
+    # about the backend: it ranks last and passes, as it always did
+    return -math.inf if par.get("nonfinite_differs") else math.inf
 
 
 def _log_choose(n: int, k: int) -> float:
@@ -392,14 +402,19 @@ def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarr
     else:
         bad = worst is not None and _cos(worst[1]) < min_cosine
         rec.update(min_cosine=min_cosine, disagreement=True if bad else None if sampled else False)
-        odd = (f", {worst[1]['nonfinite_differs']} value(s) NaN/Inf in one run only"
-               if worst and worst[1].get("nonfinite_differs") else "")
+        odd = (f", {worst[1]['nonfinite_differs']} value(s) NaN/Inf in one run only or "
+               "another NaN/Inf in the other" if worst and worst[1].get("nonfinite_differs") else
+               f", {worst[1]['nonfinite_same']} value(s) NaN/Inf at the same places in both "
+               "(the graph's own; the cosine is of the finite values)"
+               if worst and worst[1].get("nonfinite_same") else "")
         rec["reason"] = (f"output {worst[0]}: cosine min {worst[1]['cosine_min']:.4f} between the "
                          f"optimised and the unoptimised run{odd} "
                          f"({seen.replace('images', 'samples')})"
                          if worst else
                          "no comparable output")
-    if rec["disagreement"] and cpu_has_vnni() is False and not session_config:
+    nonfinite = not data.classifier and worst is not None and worst[1].get("nonfinite_differs")
+    if rec["disagreement"] and cpu_has_vnni() is False and not session_config and not nonfinite:
+        # (u8s8 saturation clamps integers: it cannot make a NaN/Inf)
         # The cause needs no more samples than the first look: the saturating and the u8u8
         # kernels run the same weights on every input.
         pick = np.isin(idx, looks[-1]) if looks and k > len(looks[-1]) else np.ones(k, bool)

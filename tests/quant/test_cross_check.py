@@ -388,6 +388,15 @@ def test_nan_in_one_run_only_is_a_disagreement_for_any_model(monkeypatch, same):
     if same:
         assert cc["outputs"]["y"]["cosine_min"] == pytest.approx(1.0)
         assert cc["outputs"]["y"]["nonfinite_same"] == 1
+        assert "1 value(s) NaN/Inf at the same places in both" in cc["reason"]
     else:
         assert cc["outputs"]["y"]["nonfinite_differs"] == 1
         assert "1 value(s) NaN/Inf in one run only" in cc["reason"]
+    # +inf against -inf at the same place: a disagreement, counted
+    ref_out[3, 2], main[3, 2] = np.inf, -np.inf
+    cc = backend_cross_check("fake.onnx", data, {"y": main})
+    assert cc["disagreement"] and cc["outputs"]["y"]["nonfinite_differs"] == 1
+    # identical finite float64 outputs whose norms overflow: no finding about the backend
+    huge = rng.standard_normal((40, 5)) * 1e160
+    ref_out = huge
+    assert backend_cross_check("fake.onnx", data, {"y": huge.copy()})["disagreement"] is False
