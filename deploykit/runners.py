@@ -224,9 +224,10 @@ class TorchRunner(Runner):
             raise StageError(oom) from e
 
     def infer(self, feed):
-        if self.device.type == "cpu" and self.chunked is not False:
-            out = infer_in_chunks(self, feed, _batch_of(feed))
-            if out is not None:
+        n = _batch_of(feed)
+        if self.device.type == "cpu" and self.chunked is not False and (n or 0) > CPU_CHUNK:
+            self.chunked = (out := infer_in_chunks(self.infer, feed, n)) is not None
+            if out is not None:  # else outputs not per sample: whole batches for good
                 return out
         try:
             out = self._forward(self._args(feed))
@@ -534,16 +535,14 @@ class OrtRunner(Runner):
     def infer(self, feed, native: bool = False):
         """Outputs of ``run`` on ``feed`` (floating outputs as float32, or in the dtype ORT
         returned them with ``native``: e.g. float16 tensors of an FP16 graph, for callers that
-        convert them themselves).
-
-        With ``cpu_chunk`` (stage 3's accuracy pass), on the CPU EP a feed of at least 4 x
+        convert them themselves). With ``cpu_chunk`` (stage 3's accuracy pass), on the CPU EP a feed of at least 4 x
         :data:`deploykit.torch_cpu.CPU_CHUNK` samples whose axis 0 the model leaves free may run
         in chunks of ``CPU_CHUNK``. Decided once, on the first such feed, run both ways: chunks
         from then on only when every output has the same dtype, shape and bytes (else whole
         batches for good: e.g. a model that mixes samples across that batch). A later feed
-        whose chunks fail runs whole. Chunks of 16 took 1-17 % less time per image than batch
-        64 for EfficientNet-Lite0's four files on this project's 2-core Intel Xeon, outputs
-        bit-identical (benchmarks/README.md, stop 41). ``cpu_chunk`` in :meth:`describe`.
+        whose chunks fail runs whole. Chunks of 16: 1-17 % less time per image than batch 64,
+        outputs bit-identical, for EfficientNet-Lite0's four files on this project's 2-core
+        Intel Xeon (benchmarks/README.md, stop 41); ``cpu_chunk`` in :meth:`describe`.
 
         Raises:
             StageError: the feed does not fit the model (:meth:`check_feed`), or ORT fails.
@@ -556,7 +555,7 @@ class OrtRunner(Runner):
             return one(feed)
         whole = None if self.chunked else one(feed)
         try:
-            parts = infer_in_chunks(self, feed, n, one)
+            parts = infer_in_chunks(one, feed, n)
         except Exception:  # noqa: BLE001 - a chunk the model refuses: whole batches
             parts = None
         if whole is None:  # decided before

@@ -63,30 +63,27 @@ def forward_cpu_layout(runner, args: list, model):
         return model(*as_cl(args))
 
 
-def infer_in_chunks(runner, feed: dict, n: int | None, infer=None) -> dict | None:
-    """``runner.infer`` of ``feed`` in chunks of :data:`CPU_CHUNK` samples, or None when the
-    feed is no larger than a chunk or the model's outputs are not per sample (then the caller
-    runs the whole batch, and ``runner.chunked`` is set False for good).
+def infer_in_chunks(infer, feed: dict, n: int | None) -> dict | None:
+    """``infer`` of ``feed`` in chunks of :data:`CPU_CHUNK` samples, or None when the feed is
+    no larger than a chunk or the model's outputs are not per sample (then the caller runs the
+    whole batch; the runners record what they decided in ``chunked``).
 
     Args:
-        runner: the runner (``infer``, ``chunked``). feed: ``{name: array [n, ...]}``; arrays
-            whose axis 0 is not ``n`` long go to every chunk whole (an array that is ``n`` long
-            by coincidence is cut, and an output whose axis 0 is the chunk's size by coincidence
-            is concatenated: ``OrtRunner`` compares its first chunked feed with a whole run).
-            n: the batch (axis 0).
-        infer: what runs one chunk (default ``runner.infer``).
+        infer: what runs one chunk (``{name: array}`` -> ``{output name: array}``).
+        feed: ``{name: array [n, ...]}``; arrays whose axis 0 is not ``n`` long go to every
+            chunk whole (an array that is ``n`` long by coincidence is cut, and an output whose
+            axis 0 is the chunk's size by coincidence is concatenated: ``OrtRunner`` compares
+            its first chunked feed with a whole run).
+        n: the batch (axis 0).
     Returns:
         ``{output name: array [n, ...]}``, the chunks' outputs concatenated, or None.
     """
     if not n or n <= CPU_CHUNK:
         return None
-    infer = runner.infer if infer is None else infer
     starts = range(0, n, CPU_CHUNK)
     parts = [infer({k: v[i:i + CPU_CHUNK] if np.ndim(v) and len(v) == n else v
                     for k, v in feed.items()}) for i in starts]
     sizes = [min(CPU_CHUNK, n - i) for i in starts]
     if all(np.ndim(p[k]) and len(p[k]) == m for p, m in zip(parts, sizes) for k in p):
-        runner.chunked = True
         return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-    runner.chunked = False
     return None
