@@ -39,6 +39,7 @@ and the stage exits 0 with a ``WARNING:`` line (the failure, the fix command, ``
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -120,6 +121,35 @@ def get_args_parser() -> argparse.ArgumentParser:
                    help="seconds for the onnx.reference run of the FP16 file (true FP16 "
                         "arithmetic, one sample at a time, at most 2); 0 skips it")
     return p
+
+
+#: Where a failed export is recorded while ``export.json`` still describes the earlier files,
+#: installed and unchanged (as stage 5 keeps ``quant_<variant>.failed.json``).
+FAILED_RECORD = "export.failed.json"
+
+
+def _write_failed_record(results_json: Path, record: dict, final: dict[str, Path]) -> Path:
+    """Record a failed export (nothing installed): in ``export.json`` when it describes no
+    installed file, else beside it in :data:`FAILED_RECORD`, so the earlier files keep the
+    record that stages 3-8 match them by (``deploykit.results.source_of``: their SHA-256).
+    Returns the file written."""
+    try:
+        earlier = json.loads(results_json.read_text())
+    except (OSError, ValueError):
+        earlier = None
+    files = earlier.get("files") if isinstance(earlier, dict) else None
+    keeps = isinstance(files, dict) and earlier.get("status") in ("ok", "partial") and any(
+        isinstance(f, dict) and f.get("installed") and final[k].is_file()
+        and f.get("sha256") == sha256_file(final[k])
+        for k, f in files.items() if k in final)
+    out = results_json.with_name(FAILED_RECORD) if keeps else results_json
+    write_json(out, record)
+    if not keeps:
+        results_json.with_name(FAILED_RECORD).unlink(missing_ok=True)  # an older failure's
+    else:
+        print(f"note: {results_json} describes the earlier files, still installed: kept; this "
+              f"failed export is recorded in {out.name}", file=sys.stderr)
+    return out
 
 
 def main(args: argparse.Namespace) -> dict:
@@ -236,14 +266,14 @@ def main(args: argparse.Namespace) -> dict:
                 record["files"][name]["rejected_as"] = str(rej)
             record["status"], record["installed"] = "failed", []
             record["provenance"] = provenance(args, [], started)
-            write_json(results_json, record)
+            failed_json = _write_failed_record(results_json, record, final)
             lines = [format_result(r) for k in failed for r in res[k]
                      if r["status"] == "fail" and not r.get("summary")]
             kept = ", ".join(str(rejected_path(final[k])) for k in failed)
             prev = [str(p) for p in final.values() if p.exists()]
             raise StageError(
                 f"export check failed for {failed}; kept as {kept} (reason beside it, and in "
-                f"{results_json}); nothing installed"
+                f"{failed_json}); nothing installed"
                 + (f" (earlier files left as they were: {', '.join(prev)})" if prev else "")
                 + ":\n" + "\n".join(lines))
         # FP32 passed: it is installed whatever FP16 gives. An earlier fp16.onnx was converted
@@ -263,6 +293,7 @@ def main(args: argparse.Namespace) -> dict:
         record["installed"] = installed
         record["provenance"] = provenance(args, [final["fp32"]], started)
         write_json(results_json, record)
+        results_json.with_name(FAILED_RECORD).unlink(missing_ok=True)
         print(f"installed {', '.join(str(final[k]) for k in installed)} -> {results_json}")
         if stale is not None:
             print(f"note: the earlier {final['fp16'].name} (converted from an earlier "

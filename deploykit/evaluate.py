@@ -647,8 +647,10 @@ def evaluate(runner: Runner, data: EvalData, *, stage: str, precision: str, mode
     if early:  # not a deployment candidate: its latency on a shorter budget (>= MIN_ITERS runs)
         runner.max_seconds = min(runner.max_seconds, FAILED_LATENCY_S)
         early["latency_budget_s"] = FAILED_LATENCY_S
-    print(f"{tag}: latency at batch {lat1}: up to {warmup} warm-up (at most "
-          f"{WARMUP_SECONDS:g} s after {MIN_WARMUP}) + up to {iters} timed runs (at "
+    print(f"{tag}: latency at batch {lat1}: "
+          + (f"up to {warmup} warm-up (at most {WARMUP_SECONDS:g} s after {MIN_WARMUP})"
+             if warmup > MIN_WARMUP else f"{warmup} warm-up")
+          + f" + up to {iters} timed runs (at "
           f"most {runner.max_seconds:g} s, at least {min(iters, MIN_ITERS)} runs)",
           file=sys.stderr, flush=True)
     rec["latency"] = latency(runner, data, lat1, warmup, iters)

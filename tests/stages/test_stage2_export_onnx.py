@@ -242,3 +242,41 @@ def test_stage2_success_removes_leftovers_of_a_killed_run_only(tmp_path):
     assert not any(d.exists() for d in dead) and live.is_dir()
     assert (victim / "keep").read_text() == "x" and (onnx_dir / ".tmp-link").is_symlink()
     assert (onnx_dir / "fp32.onnx").exists()
+
+
+@pytest.mark.slow
+def test_a_failed_rerun_keeps_the_record_of_the_files_it_left_installed(tmp_path):
+    """A rerun whose export check fails installs nothing and leaves the earlier fp32.onnx and
+    fp16.onnx as they were: export.json, which stages 3-8 match those files by, must stay
+    theirs (it was overwritten with ``status: failed``, so the good fp16 row became stale); the
+    failure goes to export.failed.json, which the next good export removes."""
+    (tmp_path / "s2_toggle.py").write_text(
+        "import os, torch\n"
+        "class Net(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(); torch.manual_seed(0)\n"
+        "        self.conv, self.fc = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Linear(8, 4)\n"
+        "    def forward(self, x):\n"
+        "        y = torch.relu(self.conv(x)).mean((2, 3), keepdim=True)\n"
+        "        return self.fc(y.squeeze() if os.environ.get('S2_BREAK') else y.flatten(1))\n"
+        "def build():\n"
+        "    return Net().eval()\n")
+    env = _env(tmp_path, tmp_path)
+    argv = ["--model", "s2_toggle:build", "--input-shape", "input:1,3,8,8"]
+    _stage2(argv, env, check=0)
+    out, res = _onnx_dir(tmp_path, "s2_toggle:build"), tmp_path / "r" / model_tag("s2_toggle:build")
+    good = (res / "export.json").read_bytes()
+    files = {n: (out / n).read_bytes() for n in ("fp32.onnx", "fp16.onnx")}
+    p = _stage2(argv, dict(env, S2_BREAK="1"), check=1)
+    assert "export.failed.json" in p.stderr and "nothing installed" in p.stderr
+    assert (res / "export.json").read_bytes() == good
+    assert {n: (out / n).read_bytes() for n in files} == files
+    assert json.loads((res / "export.failed.json").read_text())["status"] == "failed"
+    _stage2(argv, env, check=0)
+    assert not (res / "export.failed.json").exists()
+    # with no earlier record of installed files, the failure is export.json itself
+    shutil.rmtree(out)
+    (res / "export.json").unlink()
+    _stage2(argv, dict(env, S2_BREAK="1"), check=1)
+    assert json.loads((res / "export.json").read_text())["status"] == "failed"
+    assert not (res / "export.failed.json").exists()
