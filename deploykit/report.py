@@ -12,7 +12,8 @@ from deploykit.io import atomic_path
 from deploykit.layout import model_tag, results_dir
 from deploykit.results import result_record, row_artifacts_root, staleness
 from deploykit.variants import PRECISION_ORDER, VARIANTS, variant_order
-from deploykit.verdict import Budget, deploy_baselines, deploy_group, is_rerun, render_verdicts, verdicts
+from deploykit.verdict import (Budget, clip_text, deploy_baselines, deploy_group, is_rerun,
+                              render_verdicts, verdicts)
 
 
 COLUMNS = ["backend", "precision", "tag", "EP/device", "images", "top-1 %", "top-1 agree %",
@@ -278,7 +279,7 @@ def table_rows(rows: list[dict]) -> list[dict]:
         if r.get("status_reason"):  # a measured row's verdict: the metrics out of bounds
             status += _HEAD + verdict_summary(r["status_reason"])
         elif r.get("reason"):
-            status += _HEAD + f"{r['reason'].splitlines()[0][:320]}"
+            status += _HEAD + clip_text(r['reason'].splitlines()[0], 320)
         if r.get("nonfinite_outputs"):
             status += _PART + "NON-FINITE OUTPUTS: " + ", ".join(
                 f"{n} NaN/Inf values in {k}" for k, n in r["nonfinite_outputs"].items()) + (
@@ -302,7 +303,7 @@ def table_rows(rows: list[dict]) -> list[dict]:
                                + (f", top-1 agreement {100 * agree:.1f}%" if agree is not None else ""))
         for name, d in diags.items():
             if isinstance(d, dict) and d.get("status") == "error":
-                status += _PART + f"diagnostic {name} failed: {str(d.get('error'))[:120]}"
+                status += _PART + f"diagnostic {name} failed: {clip_text(str(d.get('error')), 120)}"
         cc = diags.get("backend_cross_check") or {}
         if cc.get("disagreement"):
             if cc.get("top1_unoptimized") is not None:
@@ -400,7 +401,7 @@ def verdict_summary(reason: str, n: int = 2) -> str:
     the BACKEND DISAGREEMENT note), ``+k more`` for the rest."""
     parts = [p for p in reason.split("; ") if not p.startswith("the backend cross-check")]
     more = f" (+{len(parts) - n} more)" if len(parts) > n else ""
-    return "; ".join(parts[:n])[:240] + more
+    return clip_text("; ".join(parts[:n]), 240) + more
 
 
 def split_builds(rows: list[dict]) -> tuple[list[dict], list[dict]]:
@@ -424,7 +425,7 @@ def gpu_table(rows: list[dict]) -> str:
                for k in ("end_to_end", "gpu_compute", "cuda_graph", "device_buffers", "compile")}
         for k in ("cuda_graph", "device_buffers"):
             if lat.get(f"{k}_error"):
-                p50[k] = "n/a: " + lat[f"{k}_error"][:90].replace("|", "/")
+                p50[k] = "n/a: " + clip_text(lat[f"{k}_error"], 90).replace("|", "/")
         tf32 = (r.get("runtime") or {}).get("tf32")
         out.append([r["tag"], r.get("device_name") or "", p50["end_to_end"], p50["gpu_compute"],
                     p50["cuda_graph"], p50["device_buffers"], p50["compile"],
@@ -710,7 +711,7 @@ def render_markdown(model: str, rows: list[dict], data: dict | None,
             detail = (b.get("reason") or b.get("plan") or "").splitlines()
             st = b["status"] + (f" (latest rerun, {b['_file']}; the ok row above is kept)"
                                 if _is_rerun(b) else "")
-            key = (st, (detail[0] if detail else "")[:200].replace("|", "/"))
+            key = (st, clip_text(detail[0] if detail else "", 200).replace("|", "/"))
             same.setdefault(key, []).append(b["tag"].removeprefix("trt_build_"))
         for (st, detail), names in same.items():
             buf.write(f"| {', '.join(names)} | {st} | {detail} |\n")

@@ -299,7 +299,7 @@ def render_verdicts(vs: list[dict], budget: Budget) -> str:
                 by_why.setdefault(j.why, []).append(r["tag"])
         for why, tags in by_why.items():
             lines.append(f"  - not eligible ({len(tags)}): " + ", ".join(f"`{t}`" for t in tags)
-                         + f": {_clip(why, 450)}")
+                         + f": {clip_text(why, 450)}")
     return "\n".join(lines) + "\n\n"
 
 
@@ -319,9 +319,10 @@ def _interleaved_words(v: dict) -> str:
             + f"; `ship_timing.json`); {same}")
 
 
-def _clip(text: str, n: int) -> str:
-    """``text`` cut to at most about ``n`` characters at a clause or word boundary, with an
-    ellipsis (the whole text is in the row's JSON and REPORT.csv)."""
+def clip_text(text: str, n: int) -> str:
+    """``text`` cut to at most ``n`` characters plus an ellipsis (`` ...``), at a clause or
+    word boundary in its second half, else at ``n`` (the whole text is in the row's JSON and
+    REPORT.csv). A text of ``n`` characters or fewer is returned as it is."""
     if len(text) <= n:
         return text
     cut = text[:n]

@@ -222,9 +222,9 @@ def test_the_verdict_names_why_a_row_is_stale_but_leaves_its_commands_whole_to_s
     assert j.why == ("stale: the reference /a/ref.npz has changed since this row was measured "
                      "(the commands that remake it: Stale rows, below)")
     long = "; ".join(f"reason {i} with words" for i in range(40))
-    clipped = verdict._clip(long, 100)
+    clipped = verdict.clip_text(long, 100)
     assert len(clipped) <= 104 and clipped.endswith(" ...") and "; reason" in clipped
-    assert verdict._clip("short", 100) == "short"
+    assert verdict.clip_text("short", 100) == "short"
 
 
 def test_the_data_line_tells_a_first_look_row_from_a_limit_row():

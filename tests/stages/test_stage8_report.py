@@ -44,6 +44,29 @@ def test_report_shows_int8_macs_beside_agreement(tmp_path):
     assert "225 more images" in md and "[auto_precision.md](auto_precision.md)" in md
 
 
+def test_long_reasons_are_cut_between_words_with_an_ellipsis(tmp_path):
+    """The report cut a row's reason and a TensorRT build's detail at a fixed width, mid-word
+    ("...requires TensorRT 10.x; installe"); the whole text stays in the row's JSON."""
+    words = " ".join(f"word{i:03d}" for i in range(80))  # 639 characters, no clause breaks
+    folder = tmp_path / "m"
+    build = result_record("6_build_engines", "TensorRT", "INT8", "m", "trt_build_int8",
+                          status="skipped", reason="trtexec not found: " + words)
+    row = base_record("t", "FP32", "m", "ort_fp32", {"backend": "ORT", "device": "cpu"},
+                      accuracy=None, n_images=0)
+    row.update(status="skipped", reason="no data: " + words)
+    for r in (build, row):
+        write_json(folder / f"{r['tag']}.json", r)
+    md = report.render_markdown("m", report.load_rows(folder), None)
+    build_line = next(ln for ln in md.splitlines() if ln.startswith("| int8 |"))
+    detail = build_line.split(" | ")[2].removesuffix(" |")
+    assert detail.endswith(" ...") and len(detail) <= 204
+    assert all(w.startswith("word") and len(w) == 7 for w in detail[:-4].split()[4:]), detail
+    row_line = next(ln for ln in md.splitlines() if "no data: word000" in ln)
+    shown = row_line.split("no data: ", 1)[1].split(" ...", 1)[0]
+    assert all(len(w) == 7 for w in shown.split()), shown  # no word cut short
+    assert " ..." in row_line
+
+
 MODEL = "efficientnet_lite0"
 
 
