@@ -40,18 +40,10 @@ def forward_error(model_name: str, model, feed: dict[str, np.ndarray], e: Except
         the inputs given do not fit) or when the first layer contradicts the shape given;
         StageError for any other exception (the model's own code failed: fix it).
     """
-    import traceback
-
     n = len(next(iter(feed.values()))) if feed else 0
     given = (f"{flag} {' '.join(given)} (run at batch {n})" if given else "the inputs " + ", ".join(
         f"{k}:{','.join(str(d) for d in v.shape)}:{v.dtype}" for k, v in feed.items()))
-    first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")[:300]
-    repo = Path(__file__).resolve().parents[1]  # our stage scripts are not the user's code
-    frames = [f for f in traceback.extract_tb(e.__traceback__)
-              if f"{Path('torch') / 'nn'}" not in f.filename
-              and "site-packages" not in f.filename and "deploykit" not in f.filename
-              and Path(f.filename).resolve().parent != repo]
-    where = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+    first, where = exception_origin(e)
     exp, mismatch = "", False
     fl = first_layer_expectation(model)
     if fl is not None and len(feed) == 1:
@@ -74,6 +66,22 @@ def forward_error(model_name: str, model, feed: dict[str, np.ndarray], e: Except
         return UsageError(f"{msg}; give one {flag} per forward() argument, in order, with the "
                           "model's input shape (the batch first) and dtype")
     return StageError(f"{msg}; the model's own code raised: fix it (the line above), then rerun")
+
+
+def exception_origin(e: BaseException) -> tuple[str, str]:
+    """``(first line of the message (at most 300 characters), " at file.py:LINE")`` of an
+    exception raised inside a user's model: the line is the innermost frame of the user's code
+    (not torch.nn, site-packages, deploykit or this project's stage scripts), ``""`` when there
+    is none."""
+    import traceback
+
+    first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")[:300]
+    repo = Path(__file__).resolve().parents[1]  # our stage scripts are not the user's code
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if f"{Path('torch') / 'nn'}" not in f.filename
+              and "site-packages" not in f.filename and "deploykit" not in f.filename
+              and Path(f.filename).resolve().parent != repo]
+    return first, f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
 
 
 def _float_inputs_wider_than_model(model, feed: dict[str, np.ndarray]) -> list[str]:

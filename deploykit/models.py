@@ -17,6 +17,7 @@ from typing import Sequence
 import numpy as np
 
 from deploykit.errors import StageError, UsageError
+from deploykit.model_errors import exception_origin
 
 
 # --------------------------------------------------------------------------------------------
@@ -364,19 +365,20 @@ def carried_preprocessing(model) -> tuple[dict | None, str]:
                   "transforms attribute) and none given (--preprocess / $PREPROCESS)")
 
 
-def _n_outputs(model, crop: int) -> int | None:
-    """Width of the model's output on one ``[1, 3, crop, crop]`` image (None when it does not
-    run on one image or returns no single ``[1, C]`` tensor)."""
+def _n_outputs(model, crop: int) -> tuple[int | None, Exception | None]:
+    """``(width, error)`` of the model's output on one ``[1, 3, crop, crop]`` image: the width
+    C of a single ``[1, C]`` tensor, else None; ``error`` the exception ``forward()`` raised
+    (then the width is None)."""
     import torch
 
     try:
         with torch.inference_mode():
             out = model(torch.zeros(1, 3, crop, crop))
-    except Exception:  # noqa: BLE001 - not an image model: decided by the caller
-        return None
+    except Exception as e:  # noqa: BLE001 - not an image model, or its own bug: the caller says
+        return None, e
     if isinstance(out, torch.Tensor) and out.ndim == 2 and out.shape[0] == 1:
-        return int(out.shape[1])
-    return None
+        return int(out.shape[1]), None
+    return None, None
 
 
 @functools.lru_cache(maxsize=16)
@@ -392,8 +394,11 @@ def custom_spec(name: str, preprocess: str | None = None) -> ModelSpec:
 
     Raises:
         UsageError: ``preprocess`` given but the model does not map one image to 1000 ImageNet
-            logits; bad ``preprocess``; import/factory problems (:func:`_factory_model`).
-        StageError: the factory raised.
+            logits, or its ``forward()`` raises a ``TypeError``/``RuntimeError`` on one image
+            (an input it does not take); bad ``preprocess``; import/factory problems
+            (:func:`_factory_model`).
+        StageError: the factory raised, or ``preprocess`` given and ``forward()`` raised
+            another exception on one image (the model's own code).
     """
     model = _factory_model(name)
     if preprocess:
@@ -402,10 +407,25 @@ def custom_spec(name: str, preprocess: str | None = None) -> ModelSpec:
         pp, origin = carried_preprocessing(model)
     if pp is None:
         return ModelSpec(name, "custom", classifier=False, preprocessing_from=origin)
-    width = _n_outputs(model, pp["crop"])
+    width, err = _n_outputs(model, pp["crop"])
+    image = f"one [1, 3, {pp['crop']}, {pp['crop']}] image"
+    if err is not None:
+        first, where = exception_origin(err)
+        why = f"forward() raises on {image} ({type(err).__name__}: {first}){where}"
+        if preprocess and not isinstance(err, (TypeError, RuntimeError)):
+            # not an input mismatch (forward_error's rule): the model's own code failed
+            raise StageError(f"--model {name}: {why}, while checking that --preprocess fits "
+                             "it: the model's own code raised: fix it (the line above), then "
+                             "rerun")
+        if preprocess:
+            raise UsageError(f"--preprocess makes the ImageNet images this model's data, but "
+                             f"{why}: if it reads another image size, state it "
+                             f"(--preprocess ...,crop=N; now {pp['crop']}); if it reads no "
+                             "images, drop --preprocess (and unset PREPROCESS) and give your own "
+                             "samples with --inputs (and --labels)")
     if width != IMAGENET_CLASSES:
-        why = (f"one [1, 3, {pp['crop']}, {pp['crop']}] image gives "
-               + (f"{width} outputs" if width else "no single [1, C] output"))
+        if err is None:
+            why = f"{image} gives " + (f"{width} outputs" if width else "no single [1, C] output")
         if preprocess:
             raise UsageError(f"--preprocess makes the ImageNet images this model's data, but "
                              f"{why}, not ImageNet's {IMAGENET_CLASSES} logits: drop "

@@ -250,6 +250,25 @@ def two_inputs():
         def forward(self, image, depth):
             return image.mean((1, 2, 3)) + depth.mean((1, 2, 3))
     return Two()
+
+
+class Buggy(Head):
+    def forward(self, x):
+        raise ValueError("unsupported mode 'foo'")
+
+
+def buggy():
+    m = Buggy(1000)
+    m.pretrained_cfg = {"mean": (0.5,) * 3, "std": (0.25,) * 3, "input_size": (3, 40, 40),
+                        "crop_pct": 0.8, "interpolation": "bicubic"}
+    return m
+
+
+def wrong_features():
+    class Wrong(Head):
+        def forward(self, x):
+            return self.fc(x.mean((2, 3))[:, :2])  # 2 features into a Linear(4, ...)
+    return Wrong(1000)
 '''
 
 
@@ -296,6 +315,30 @@ def test_preprocess_makes_a_factory_an_imagenet_classifier(factories, monkeypatc
     # stated for a model that does not map one image to 1000 logits: refused, with the way out
     with pytest.raises(UsageError, match="give your own samples with --inputs"):
         model_spec("userfac:two_inputs")
+
+
+def test_a_forward_that_raises_on_one_image_is_named_not_taken_for_a_non_classifier(
+        factories, monkeypatch):
+    """--preprocess on a model whose forward() raised was refused with "one image gives no
+    single [1, C] output, not ImageNet's 1000 logits: drop --preprocess": the exception and the
+    user's line were lost. The model's own error (ValueError) is a runtime error (1); a
+    TypeError/RuntimeError (an input it does not take) a usage error (2) that names both ways
+    out."""
+    from deploykit.errors import StageError
+
+    monkeypatch.setenv("PREPROCESS", "mean=0.5,std=0.5,crop=32")
+    with pytest.raises(StageError, match=r"forward\(\) raises on one \[1, 3, 32, 32\] image "
+                       r"\(ValueError: unsupported mode 'foo'\) at userfac\.py:\d+.*fix it"):
+        model_spec("userfac:buggy")
+    with pytest.raises(UsageError, match=r"\(RuntimeError: .*\) at userfac\.py:\d+: if it "
+                       r"reads another image size.*crop=N; now 32\).*--inputs"):
+        model_spec("userfac:wrong_features")
+    # carried preprocessing, nothing stated: not a classifier, and the note says why
+    monkeypatch.delenv("PREPROCESS")
+    models_mod.custom_spec.cache_clear()
+    spec = model_spec("userfac:buggy")
+    assert not spec.classifier
+    assert "forward() raises on one [1, 3, 40, 40] image (ValueError" in spec.preprocessing_from
 
 
 @pytest.mark.parametrize("text, match", [
