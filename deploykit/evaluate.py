@@ -18,9 +18,9 @@ Row schema (``results/<model>/<tag>.json``; every field present, None when it do
     nonfinite_outputs {output: NaN/Inf values where the reference is finite} or None,
     outputs [every output name], output_used (the output compared with the reference logits,
     or {reference output: output} for other models: matched by name, else by index),
-    latency {batch, warmup (warm-up calls made), warmup_requested, iters, end_to_end_ms {p50_ms,
-    p90_ms, p99_ms, mean_ms, min_ms, max_ms, fps}, end_to_end_timer, gpu_compute_ms {...} or
-    None, gpu_compute_timer},
+    latency {batch, warmup (calls made), warmup_requested, iters, other_cpu (deploykit.timing.
+    OtherCpu), end_to_end_ms {p50_ms, p90_ms, p99_ms, mean_ms, min_ms, max_ms, fps},
+    end_to_end_timer, gpu_compute_ms {...} or None, gpu_compute_timer},
     latency_batch (same block at --latency-batch when it is not 1), harness_overhead_ms,
     size_mb, diagnostics {name: result}, timings_s {inference, latency, diagnostic:<name>},
     measured_against {role: {path, sha256}} (the reference compared with, the file evaluated,
@@ -65,7 +65,7 @@ from deploykit.models import ModelSpec
 from deploykit.results import (measured_against, provenance, result_record, row_source,
                                write_result)
 from deploykit.runners import Runner, harness_overhead_ms
-from deploykit.timing import MIN_ITERS, MIN_WARMUP, WARMUP_SECONDS
+from deploykit.timing import MIN_ITERS, MIN_WARMUP, WARMUP_SECONDS, busy_machine_note
 from deploykit.sequential import (ALPHA, FIRST_LOOK_SEED, LOOK_ALPHA, decided_indices,
                                   failed_beyond_doubt, look_schedule)
 
@@ -275,12 +275,15 @@ def latency(runner: Runner, data: EvalData, batch: int, warmup: int, iters: int
                          f"{hi if hi is not None else 'any'}")
     feed = data.batch(np.arange(batch) % len(data))
     block = runner.time(feed, warmup, iters).stats(batch, warmup)
-    budget = runner.max_seconds
-    block["max_seconds"] = budget if budget < float("inf") else None
+    block["max_seconds"] = budget if (budget := runner.max_seconds) < float("inf") else None
     if block["iters"] < iters:  # the time budget stopped the loop: say so, never silently
         print(f"note: latency at batch {batch}: {block['iters']} of --iters {iters} timed runs "
-              f"(the loop stops after --max-seconds {budget:g}; --max-seconds 0 "
-              "runs all of them)", file=sys.stderr)
+              f"(the loop stops after --max-seconds {budget:g}; --max-seconds 0 runs all)",
+              file=sys.stderr)
+    if busy_machine_note(block.get("other_cpu")):  # real figures, not a quiet machine's
+        print(f"WARNING: latency at batch {batch} timed on a busy machine: "
+              f"{busy_machine_note(block['other_cpu'])}; rerun this stage on a quiet machine "
+              "before comparing its latency with other rows'", file=sys.stderr)
     return block
 
 

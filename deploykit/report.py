@@ -11,6 +11,7 @@ from deploykit.evaluate import primary_latency
 from deploykit.io import atomic_path
 from deploykit.layout import model_tag, results_dir
 from deploykit.results import result_record, row_artifacts_root, staleness
+from deploykit.timing import BUSY_CORES, busy_machine_note
 from deploykit.variants import PRECISION_ORDER, VARIANTS, variant_order
 from deploykit.verdict import (Budget, clip_text, deploy_baselines, deploy_group, is_rerun,
                               render_verdicts, verdicts)
@@ -315,7 +316,10 @@ def table_rows(rows: list[dict]) -> list[dict]:
             status += f"; cause: {cc['cause']}" if cc.get("cause") else ""
         if r.get("_quant_check") and r["_quant_check"] != "check: clean":
             status += _PART + f"Q/DQ {r['_quant_check']} (qdq_tools.py check)"
-        if lat.get("mean_ms") and lat.get("p50_ms") and lat["mean_ms"] > 1.5 * lat["p50_ms"]:
+        busy = busy_machine_note((r.get("latency") or {}).get("other_cpu"))
+        if busy:
+            status += _PART + f"BUSY MACHINE while timed: {busy} (latency not comparable)"
+        elif lat.get("mean_ms") and lat.get("p50_ms") and lat["mean_ms"] > 1.5 * lat["p50_ms"]:
             status += _PART + (f"noisy timing: mean {lat['mean_ms']:.1f} ms vs p50 "
                                f"{lat['p50_ms']:.1f} ms (busy machine?)")
         top1 = acc.get("top1")
@@ -685,6 +689,13 @@ def render_markdown(model: str, rows: list[dict], data: dict | None,
               "deployment baseline's p50 / this row's: ORT FP32 on the same EP (CPU EP, CUDA EP), the "
               "TensorRT FP32 engine for TensorRT rows. Parity vs PyTorch FP32 logits.\n\n")
     buf.write(markdown_table(trs))
+    busy = [r["tag"] for r in runs if busy_machine_note((r.get("latency") or {}).get("other_cpu"))]
+    if busy:
+        buf.write("\nTimed on a busy machine (other processes used at least "
+                  f"{BUSY_CORES:g} of a core during the timed loop): "
+                  + ", ".join(f"`{t}`" for t in busy) + ". Their latency, and every speedup "
+                  "against them, is not comparable with the other rows': rerun their stages on a "
+                  "quiet machine.\n")
     buf.write(stale_section(rows))
     warn = artifacts_warning(model, rows)
     if warn:

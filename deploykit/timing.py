@@ -5,6 +5,7 @@ interleaved loop that compares several calls on a drifting host, and their stati
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Any, Callable, Mapping, Sequence
 
@@ -48,12 +49,13 @@ class Timing:
     def stats(self, batch: int, warmup: int) -> dict:
         """The ``latency`` block of a results row: ``{"batch", "warmup" (warm-up calls made:
         ``end_to_end_ms.warmup_runs`` of a :class:`LoopTimes`, else ``warmup``),
-        "warmup_requested", "iters",
-        "end_to_end_ms": latency_stats, "end_to_end_timer", "gpu_compute_ms": latency_stats or
+        "warmup_requested", "iters", "other_cpu" (:class:`OtherCpu` of the end-to-end loop, or
+        None), "end_to_end_ms": latency_stats, "end_to_end_timer", "gpu_compute_ms": latency_stats or
         None, "gpu_compute_timer"}`` plus ``"<name>_ms"`` and ``"<name>_timer"`` (or
         ``"<name>_error"``) for each extra figure."""
         out = {"batch": batch, "warmup": getattr(self.end_to_end_ms, "warmup_runs", warmup),
                "warmup_requested": warmup, "iters": len(self.end_to_end_ms),
+               "other_cpu": getattr(self.end_to_end_ms, "other_cpu", None),
                "end_to_end_ms": latency_stats(self.end_to_end_ms, batch),
                "end_to_end_timer": self.end_to_end_timer,
                "gpu_compute_ms": (latency_stats(self.gpu_compute_ms, batch)
@@ -100,9 +102,85 @@ MIN_WARMUP = 3
 
 class LoopTimes(list):
     """Per-iteration latencies (ms) of a timed loop, a list; ``warmup_runs`` is how many untimed
-    warm-up calls ran before it (:data:`WARMUP_SECONDS`)."""
+    warm-up calls ran before it (:data:`WARMUP_SECONDS`); ``other_cpu`` what other processes
+    used of this process's CPUs meanwhile (:class:`OtherCpu`, None where it cannot be read)."""
 
     warmup_runs: int = 0
+    other_cpu: dict | None = None
+
+
+#: Mean cores that other processes (and a hypervisor's steal) may use on this process's CPUs
+#: during a timed loop before its figures are marked as taken on a busy machine. A compiler or a
+#: second pipeline on a 2-core host uses about 1 core; an idle Linux host's own housekeeping
+#: stays near 0.01.
+BUSY_CORES = 0.25
+
+
+class OtherCpu:
+    """CPU time used by everything but this process on the CPUs this process may run on, while
+    a block runs: a timed loop's figures are only as good as the machine was quiet.
+
+    Linux only: the per-CPU busy time of ``/proc/stat`` (user, nice, system, irq, softirq,
+    steal; ``proc(5)``) of the CPUs in ``os.sched_getaffinity(0)``, minus this process's own
+    user + system time (``os.times``, all its threads: ORT's and PyTorch's pools count as its
+    own). ``result`` is then ``{"cores": mean cores used by others over the block's wall time,
+    "steal_cores": the hypervisor's share of that, "of_cores": CPUs counted, "seconds": wall
+    time}``, or None where ``/proc/stat`` cannot be read (macOS, Windows). Resolution: one clock
+    tick (10 ms at USER_HZ 100) per CPU, so a block of under 0.2 s gets None too.
+    """
+
+    _MIN_SECONDS = 0.2
+
+    def __init__(self):
+        self.result: dict | None = None
+        self._start = None
+
+    @staticmethod
+    def _sample():
+        try:
+            cpus = {f"cpu{i}" for i in os.sched_getaffinity(0)}
+            busy = steal = 0
+            with open("/proc/stat") as f:
+                for line in f:
+                    name, *vals = line.split()
+                    if name in cpus:
+                        v = [int(x) for x in vals[:8]]
+                        busy += v[0] + v[1] + v[2] + v[5] + v[6] + v[7]
+                        steal += v[7]
+            if not cpus:
+                return None
+            t = os.times()
+            return time.perf_counter(), busy, steal, t.user + t.system, len(cpus)
+        except (OSError, AttributeError, ValueError, IndexError):
+            return None
+
+    def __enter__(self) -> "OtherCpu":
+        self._start = self._sample()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        end = self._sample()
+        if self._start is None or end is None:
+            return
+        wall = end[0] - self._start[0]
+        if wall < self._MIN_SECONDS:
+            return
+        tick = os.sysconf("SC_CLK_TCK") or 100
+        others = (end[1] - self._start[1]) / tick - (end[3] - self._start[3])
+        self.result = {"cores": round(max(0.0, others) / wall, 3),
+                       "steal_cores": round((end[2] - self._start[2]) / tick / wall, 3),
+                       "of_cores": end[4], "seconds": round(wall, 3)}
+
+
+def busy_machine_note(other_cpu: dict | None) -> str | None:
+    """``"other processes used 1.3 of the 2 cores it ran on"`` when a timed loop's
+    :class:`OtherCpu` record is at or above :data:`BUSY_CORES`, else None."""
+    if not other_cpu or other_cpu.get("cores", 0) < BUSY_CORES:
+        return None
+    steal = other_cpu.get("steal_cores") or 0
+    return (f"other processes used {other_cpu['cores']:.2f} of the {other_cpu['of_cores']} "
+            f"core(s) it ran on" + (f" ({steal:.2f} of them the hypervisor's steal)"
+                                    if steal >= BUSY_CORES / 2 else ""))
 
 
 def _warm_up(fn: Callable[[], Any], warmup: int) -> int:
@@ -126,23 +204,26 @@ def wall_loop(fn: Callable[[], Any], warmup: int, iters: int,
     before each timestamp so asynchronous work is counted.
 
     Returns:
-        :class:`LoopTimes`: the timed calls' latencies (ms) and ``warmup_runs``.
+        :class:`LoopTimes`: the timed calls' latencies (ms), ``warmup_runs`` and ``other_cpu``
+        (what other processes used of this process's CPUs during the timed calls).
     """
     budget = MAX_SECONDS if max_seconds is None else max_seconds
     times = LoopTimes()
     times.warmup_runs = _warm_up(fn, warmup)
     if sync:
         sync()
-    start = time.perf_counter()
-    for i in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        if sync:
-            sync()
-        t1 = time.perf_counter()
-        times.append((t1 - t0) * 1e3)
-        if i + 1 >= MIN_ITERS and t1 - start > budget:
-            break
+    with OtherCpu() as other:
+        start = time.perf_counter()
+        for i in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            if sync:
+                sync()
+            t1 = time.perf_counter()
+            times.append((t1 - t0) * 1e3)
+            if i + 1 >= MIN_ITERS and t1 - start > budget:
+                break
+    times.other_cpu = other.result
     return times
 
 
@@ -160,15 +241,17 @@ def cuda_event_loop(fn: Callable[[], Any], warmup: int, iters: int, stream=None,
     times.warmup_runs = _warm_up(fn, warmup)
     stream.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t_start = time.perf_counter()
-    for i in range(iters):
-        start.record(stream)
-        fn()
-        end.record(stream)
-        end.synchronize()
-        times.append(float(start.elapsed_time(end)))
-        if i + 1 >= MIN_ITERS and time.perf_counter() - t_start > budget:
-            break
+    with OtherCpu() as other:
+        t_start = time.perf_counter()
+        for i in range(iters):
+            start.record(stream)
+            fn()
+            end.record(stream)
+            end.synchronize()
+            times.append(float(start.elapsed_time(end)))
+            if i + 1 >= MIN_ITERS and time.perf_counter() - t_start > budget:
+                break
+    times.other_cpu = other.result
     return times
 
 

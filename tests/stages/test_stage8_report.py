@@ -67,6 +67,28 @@ def test_long_reasons_are_cut_between_words_with_an_ellipsis(tmp_path):
     assert " ..." in row_line
 
 
+def test_a_row_timed_on_a_busy_machine_is_marked_in_its_status_and_under_the_table(tmp_path):
+    """The mean-vs-p50 check cannot see a loop slowed evenly by another process: the row's
+    other_cpu record (deploykit.timing.OtherCpu) can."""
+    folder = tmp_path / "m"
+    for tag, cores in (("pytorch_fp32_cpu", 1.1), ("ort_fp32", 0.02)):
+        r = base_record("t", "FP32", "m", tag, {"backend": "PyTorch" if tag[0] == "p" else "ORT",
+                                                "device": "cpu"},
+                        accuracy={"top1": 88.0, "top5": 97.0}, n_images=900)
+        r["latency"] = {"batch": 1, "iters": 200, "end_to_end_ms": {
+            "p50_ms": 9.0, "mean_ms": 9.2, "p90_ms": 9.5, "p99_ms": 9.9},
+            "other_cpu": {"cores": cores, "steal_cores": 0.0, "of_cores": 2, "seconds": 1.8}}
+        write_json(folder / f"{tag}.json", r)
+    rows = report.load_rows(folder)
+    status = {t["tag"]: t["status"] for t in report.table_rows(rows)}
+    assert "BUSY MACHINE while timed: other processes used 1.10 of the 2" in \
+        status["pytorch_fp32_cpu"]
+    assert "BUSY" not in status["ort_fp32"]
+    md = report.render_markdown("m", rows, None)
+    assert "Timed on a busy machine" in md and "`pytorch_fp32_cpu`" in md.split(
+        "Timed on a busy machine")[1].splitlines()[0]
+
+
 MODEL = "efficientnet_lite0"
 
 
