@@ -19,6 +19,23 @@ class UsageError(ValueError):
     """Bad command-line input. Exit status 2, with the usage line and the message."""
 
 
+def clip_text(text: str, n: int) -> str:
+    """``text`` on one line (every run of whitespace, newlines included, becomes one space: a
+    multi-line ORT or torch message would break a markdown table row), cut to at most ``n``
+    characters plus an ellipsis (`` ...``) at a clause or word boundary in its second half, else
+    at ``n``; a text of ``n`` characters or fewer after that is returned whole. The caller keeps
+    the whole text elsewhere (the row's JSON, REPORT.csv)."""
+    text = " ".join(str(text).split())
+    if len(text) <= n:
+        return text
+    cut = text[:n]
+    for sep in ("; ", ", ", " "):
+        i = cut.rfind(sep)
+        if i > n // 2:
+            return cut[:i] + " ..."
+    return cut + " ..."
+
+
 # --------------------------------------------------------------------------------------------
 # Out-of-memory errors of the backends, translated into one line with the fix
 # --------------------------------------------------------------------------------------------

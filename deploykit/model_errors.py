@@ -3,12 +3,13 @@ first line, the user's source line and what the model's first layer expects (a s
 problem is a usage error, anything else the model's own)."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
-from deploykit.errors import StageError, UsageError
+from deploykit.errors import StageError, UsageError, clip_text
 
 
 def first_layer_expectation(model) -> tuple[str, str, int, int] | None:
@@ -68,20 +69,40 @@ def forward_error(model_name: str, model, feed: dict[str, np.ndarray], e: Except
     return StageError(f"{msg}; the model's own code raised: fix it (the line above), then rerun")
 
 
+def _not_the_models_code(filename: str) -> bool:
+    """Whether a traceback frame's file is ours or torch's (torch's module machinery and
+    ``torch._assert``, this package, a pipeline script at the repository root), not the model's
+    code."""
+    import torch
+
+    f = Path(filename).resolve()
+    repo = Path(__file__).resolve().parents[1]
+    own = (Path(torch.__file__).resolve().parent, Path(__file__).resolve().parent)
+    if any(f.is_relative_to(d) for d in own):
+        return True
+    return f.parent == repo and (re.match(r"\d+b?_\w+\.py$", f.name) is not None
+                                 or f.name in ("common.py", "qdq_tools.py", "layerwise.py"))
+
+
 def exception_origin(e: BaseException) -> tuple[str, str]:
-    """``(first line of the message (at most 300 characters), " at file.py:LINE")`` of an
-    exception raised inside a user's model: the line is the innermost frame of the user's code
-    (not torch.nn, site-packages, deploykit or this project's stage scripts), ``""`` when there
-    is none."""
+    """``(message, " at file.py:LINE")`` of an exception raised inside a model: the message's
+    lines joined with spaces (:func:`deploykit.errors.clip_text` at 300 characters; ``""`` for
+    none), and the innermost frame of the model's code - any file but torch's module machinery,
+    this package and the pipeline scripts (a user's module at the repository root and a
+    pip-installed model library such as timm count; a library's file is named by its path in
+    site-packages, ``timm/layers/patch_embed.py``) - or ``""`` when there is none."""
     import traceback
 
-    first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")[:300]
-    repo = Path(__file__).resolve().parents[1]  # our stage scripts are not the user's code
+    text = clip_text(str(e), 300)
     frames = [f for f in traceback.extract_tb(e.__traceback__)
-              if f"{Path('torch') / 'nn'}" not in f.filename
-              and "site-packages" not in f.filename and "deploykit" not in f.filename
-              and Path(f.filename).resolve().parent != repo]
-    return first, f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+              if not _not_the_models_code(f.filename)]
+    if not frames:
+        return text, ""
+    parts = Path(frames[-1].filename).parts
+    # an installed library's file by its place in the library (timm/layers/patch_embed.py)
+    shown = ("/".join(parts[parts.index("site-packages") + 1:]) if "site-packages" in parts
+             else parts[-1])
+    return text, f" at {shown}:{frames[-1].lineno}"
 
 
 def _float_inputs_wider_than_model(model, feed: dict[str, np.ndarray]) -> list[str]:

@@ -8,13 +8,14 @@ import sys
 from pathlib import Path
 from deploykit.compare import rejudge_row
 from deploykit.evaluate import primary_latency
+from deploykit.errors import clip_text
 from deploykit.io import atomic_path
 from deploykit.layout import model_tag, results_dir
 from deploykit.results import result_record, row_artifacts_root, staleness
 from deploykit.timing import BUSY_CORES, busy_machine_note
 from deploykit.variants import PRECISION_ORDER, VARIANTS, variant_order
-from deploykit.verdict import (Budget, clip_text, deploy_baselines, deploy_group, is_rerun,
-                              render_verdicts, verdicts)
+from deploykit.verdict import (Budget, deploy_baselines, deploy_group, is_rerun, render_verdicts,
+                              verdicts)
 
 
 COLUMNS = ["backend", "precision", "tag", "EP/device", "images", "top-1 %", "top-1 agree %",

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from deploykit.timing import interleaved_times
-from deploykit.verdict import INTERLEAVED, INTERLEAVED_INPUT, deploy_baselines, verdicts
+from deploykit.timing import OtherCpu, busy_machine_note, interleaved_times
+from deploykit.verdict import (INTERLEAVED, INTERLEAVED_BUSY, INTERLEAVED_INPUT, deploy_baselines,
+                               verdicts)
 from deploykit.sweep.report import p50_ms
 
 #: Rounds of the interleaved loop (:func:`deploykit.timing.interleaved_times`); each row runs
@@ -126,7 +127,8 @@ def retime(rows: list[dict], budget, model: str, rounds: int | None = None,
             feed = load_feed(ref, model if classifier else None, n, r["onnx"])
             feed = runner.check_feed({k: v[:n] for k, v in feed.items()})
             calls[r["tag"]] = (lambda s, f: lambda: s.run(None, f))(runner.session, feed)
-        times = interleaved_times(calls, rounds, iters, warmup)
+        with OtherCpu() as other:
+            times = interleaved_times(calls, rounds, iters, warmup)
     finally:
         for runner in runners:
             runner.close()
@@ -135,7 +137,7 @@ def retime(rows: list[dict], budget, model: str, rounds: int | None = None,
                 "the verdict ranks, interleaved in one process (order rotated each round)",
         "model": model, "device": device,
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "rounds": rounds, "iters": iters, "warmup": warmup,
+        "rounds": rounds, "iters": iters, "warmup": warmup, "other_cpu": other.result,
         "input": ("the first eval images" if classifier else
                   f"the first samples of {ref}" if ref else "seeded random inputs (synthetic)"),
         "rows": {r["tag"]: {"batch": batches[r["tag"]],
@@ -156,8 +158,8 @@ def annotate(rows: list[dict], record: dict | None) -> list[str]:
         the tags annotated (empty: the rows' own p50s rank them).
     """
     for r in rows:
-        r.pop(INTERLEAVED, None)
-        r.pop(INTERLEAVED_INPUT, None)
+        for key in (INTERLEAVED, INTERLEAVED_INPUT, INTERLEAVED_BUSY):
+            r.pop(key, None)
     if not isinstance(record, dict) or not isinstance(record.get("rows"), dict):
         return []
     hits = []
@@ -172,4 +174,5 @@ def annotate(rows: list[dict], record: dict | None) -> list[str]:
     for r in hits:
         r[INTERLEAVED] = float(record["rows"][r["tag"]]["p50_ms"])
         r[INTERLEAVED_INPUT] = str(record.get("input") or "")
+        r[INTERLEAVED_BUSY] = busy_machine_note(record.get("other_cpu"))
     return [r["tag"] for r in hits]

@@ -103,30 +103,33 @@ MIN_WARMUP = 3
 class LoopTimes(list):
     """Per-iteration latencies (ms) of a timed loop, a list; ``warmup_runs`` is how many untimed
     warm-up calls ran before it (:data:`WARMUP_SECONDS`); ``other_cpu`` what other processes
-    used of this process's CPUs meanwhile (:class:`OtherCpu`, None where it cannot be read)."""
+    used of the machine's CPUs meanwhile (:class:`OtherCpu`, None where it cannot be read)."""
 
     warmup_runs: int = 0
     other_cpu: dict | None = None
 
 
-#: Mean cores that other processes (and a hypervisor's steal) may use on this process's CPUs
-#: during a timed loop before its figures are marked as taken on a busy machine. A compiler or a
-#: second pipeline on a 2-core host uses about 1 core; an idle Linux host's own housekeeping
-#: stays near 0.01.
+#: Mean cores that other processes (and a hypervisor's steal) may use during a timed loop before
+#: its figures are marked as taken on a busy machine. A compiler or a second pipeline on a 2-core
+#: host uses about 1 core; an idle Linux host's own housekeeping stays near 0.01 (measured on
+#: this project's 2-core CPU host: benchmarks/README.md, stop 43).
 BUSY_CORES = 0.25
 
 
 class OtherCpu:
-    """CPU time used by everything but this process on the CPUs this process may run on, while
-    a block runs: a timed loop's figures are only as good as the machine was quiet.
+    """CPU time used by everything but this process on the machine while a block runs: a timed
+    loop's figures are only as good as the machine was quiet.
 
-    Linux only: the per-CPU busy time of ``/proc/stat`` (user, nice, system, irq, softirq,
-    steal; ``proc(5)``) of the CPUs in ``os.sched_getaffinity(0)``, minus this process's own
-    user + system time (``os.times``, all its threads: ORT's and PyTorch's pools count as its
-    own). ``result`` is then ``{"cores": mean cores used by others over the block's wall time,
-    "steal_cores": the hypervisor's share of that, "of_cores": CPUs counted, "seconds": wall
-    time}``, or None where ``/proc/stat`` cannot be read (macOS, Windows). Resolution: one clock
-    tick (10 ms at USER_HZ 100) per CPU, so a block of under 0.2 s gets None too.
+    Linux only: the busy time of every CPU in ``/proc/stat`` (user, nice, system, irq, softirq,
+    steal; ``proc(5)``; CPUs present in both samples), minus this process's own user + system
+    time (``os.times``, all its threads: ORT's and PyTorch's pools count as its own). Every CPU,
+    not the caller's affinity: a thread pinned by ``OMP_PROC_BIND`` has an affinity of one CPU
+    while its pool runs on the others, and a process on another core still slows a loop through
+    the shared cache and memory (a reviewer saw p50 6-36 % higher). ``result`` is then
+    ``{"cores": mean cores used by others over the block's wall time (at most the CPUs
+    counted), "steal_cores": the hypervisor's share, "of_cores": CPUs counted, "seconds": wall
+    time}``; None where ``/proc/stat`` cannot be read (macOS, Windows); and ``cores`` None with
+    ``not_judged`` for a block under 0.2 s (``/proc/stat`` counts 10 ms ticks per CPU).
     """
 
     _MIN_SECONDS = 0.2
@@ -137,21 +140,18 @@ class OtherCpu:
 
     @staticmethod
     def _sample():
+        """``(perf_counter s, {cpu: (busy ticks, steal ticks)}, own CPU s)`` or None."""
         try:
-            cpus = {f"cpu{i}" for i in os.sched_getaffinity(0)}
-            busy = steal = 0
+            per_cpu = {}
             with open("/proc/stat") as f:
                 for line in f:
                     name, *vals = line.split()
-                    if name in cpus:
+                    if name.startswith("cpu") and name != "cpu":
                         v = [int(x) for x in vals[:8]]
-                        busy += v[0] + v[1] + v[2] + v[5] + v[6] + v[7]
-                        steal += v[7]
-            if not cpus:
-                return None
+                        per_cpu[name] = (v[0] + v[1] + v[2] + v[5] + v[6] + v[7], v[7])
             t = os.times()
-            return time.perf_counter(), busy, steal, t.user + t.system, len(cpus)
-        except (OSError, AttributeError, ValueError, IndexError):
+            return (time.perf_counter(), per_cpu, t.user + t.system) if per_cpu else None
+        except (OSError, ValueError, IndexError):
             return None
 
     def __enter__(self) -> "OtherCpu":
@@ -163,24 +163,32 @@ class OtherCpu:
         if self._start is None or end is None:
             return
         wall = end[0] - self._start[0]
-        if wall < self._MIN_SECONDS:
+        cpus = sorted(set(self._start[1]) & set(end[1]))  # a CPU going off-line is left out
+        if wall < self._MIN_SECONDS or not cpus:
+            self.result = {"cores": None, "steal_cores": None, "of_cores": len(cpus),
+                           "seconds": round(wall, 3),
+                           "not_judged": f"under {self._MIN_SECONDS:g} s: /proc/stat counts "
+                                         "10 ms ticks per CPU"}
             return
         tick = os.sysconf("SC_CLK_TCK") or 100
-        others = (end[1] - self._start[1]) / tick - (end[3] - self._start[3])
-        self.result = {"cores": round(max(0.0, others) / wall, 3),
-                       "steal_cores": round((end[2] - self._start[2]) / tick / wall, 3),
-                       "of_cores": end[4], "seconds": round(wall, 3)}
+        busy = sum(end[1][c][0] - self._start[1][c][0] for c in cpus) / tick
+        steal = sum(end[1][c][1] - self._start[1][c][1] for c in cpus) / tick
+        others = min(max(0.0, busy - (end[2] - self._start[2])) / wall, len(cpus))
+        self.result = {"cores": round(others, 3), "steal_cores": round(steal / wall, 3),
+                       "of_cores": len(cpus), "seconds": round(wall, 3)}
 
 
 def busy_machine_note(other_cpu: dict | None) -> str | None:
-    """``"other processes used 1.3 of the 2 cores it ran on"`` when a timed loop's
-    :class:`OtherCpu` record is at or above :data:`BUSY_CORES`, else None."""
-    if not other_cpu or other_cpu.get("cores", 0) < BUSY_CORES:
+    """``"other processes used 1.30 of the machine's 2 cores"`` when a timed loop's
+    :class:`OtherCpu` record is at or above :data:`BUSY_CORES`, else None (also for a record
+    without a figure: None, not judged, hand-edited)."""
+    cores = (other_cpu or {}).get("cores")
+    if not isinstance(cores, (int, float)) or cores < BUSY_CORES:
         return None
     steal = other_cpu.get("steal_cores") or 0
-    return (f"other processes used {other_cpu['cores']:.2f} of the {other_cpu['of_cores']} "
-            f"core(s) it ran on" + (f" ({steal:.2f} of them the hypervisor's steal)"
-                                    if steal >= BUSY_CORES / 2 else ""))
+    return (f"other processes used {cores:.2f} of the machine's {other_cpu.get('of_cores')} "
+            "cores" + (f" ({steal:.2f} of them the hypervisor's steal)"
+                       if isinstance(steal, (int, float)) and steal >= BUSY_CORES / 2 else ""))
 
 
 def _warm_up(fn: Callable[[], Any], warmup: int) -> int:
@@ -205,14 +213,14 @@ def wall_loop(fn: Callable[[], Any], warmup: int, iters: int,
 
     Returns:
         :class:`LoopTimes`: the timed calls' latencies (ms), ``warmup_runs`` and ``other_cpu``
-        (what other processes used of this process's CPUs during the timed calls).
+        (what other processes used of the machine's CPUs during the warm-up and timed calls).
     """
     budget = MAX_SECONDS if max_seconds is None else max_seconds
     times = LoopTimes()
-    times.warmup_runs = _warm_up(fn, warmup)
-    if sync:
-        sync()
-    with OtherCpu() as other:
+    with OtherCpu() as other:  # the warm-up too: a short loop alone is too short to judge
+        times.warmup_runs = _warm_up(fn, warmup)
+        if sync:
+            sync()
         start = time.perf_counter()
         for i in range(iters):
             t0 = time.perf_counter()
@@ -238,10 +246,10 @@ def cuda_event_loop(fn: Callable[[], Any], warmup: int, iters: int, stream=None,
     budget = MAX_SECONDS if max_seconds is None else max_seconds
     stream = stream or torch.cuda.current_stream()
     times = LoopTimes()
-    times.warmup_runs = _warm_up(fn, warmup)
-    stream.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with OtherCpu() as other:
+        times.warmup_runs = _warm_up(fn, warmup)
+        stream.synchronize()
         t_start = time.perf_counter()
         for i in range(iters):
             start.record(stream)

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 
+from deploykit.errors import clip_text
 from deploykit.models import RANDOM_INIT_NOTE
 from deploykit.results import staleness
 from deploykit.sweep.report import judge as budget_judge
 from deploykit.sweep.report import p50_ms, parity, reference_row, top1
 from deploykit.sweep.spec import Budget
+from deploykit.timing import BUSY_CORES, busy_machine_note
 
 __all__ = ["Budget", "Judgement", "deploy_group", "deploy_baselines", "judge_row", "verdicts",
            "is_rerun", "GROUP_ORDER"]
@@ -29,6 +31,8 @@ GROUP_ORDER = ("CPU EP", "CUDA EP", "TensorRT")
 INTERLEAVED = "_interleaved_p50_ms"
 #: In-memory key: what that re-timing fed the model (the record's ``input``).
 INTERLEAVED_INPUT = "_interleaved_input"
+#: In-memory key: :func:`deploykit.timing.busy_machine_note` of that re-timing (None: quiet).
+INTERLEAVED_BUSY = "_interleaved_busy"
 
 
 def pair_ms(a: dict, b: dict, interleaved: bool = True) -> tuple[float | None, float | None]:
@@ -266,6 +270,9 @@ def render_verdicts(vs: list[dict], budget: Budget) -> str:
         else:
             lines.append(f"- **{g}: no row to ship**: no row of it is eligible (failed, "
                          "skipped, not run or stale: below).")
+        caution = _busy_caution(v, measured, inter)
+        if caution:
+            lines.append(caution)
         s_ship = _size(ship) if ship is not None else None
         rest = []
         for r, j in measured:
@@ -303,6 +310,26 @@ def render_verdicts(vs: list[dict], budget: Budget) -> str:
     return "\n".join(lines) + "\n\n"
 
 
+def _busy_caution(v: dict, measured: list, inter: bool) -> str | None:
+    """An indented caution line when the figures that rank a group by speed were timed on a busy
+    machine (:func:`deploykit.timing.busy_machine_note`): the interleaved re-timing's own loop
+    when it ranks the group, else each measured row's and the baseline's timed loop."""
+    if inter:
+        note = next((r.get(INTERLEAVED_BUSY) for r, _ in measured if r.get(INTERLEAVED_BUSY)),
+                    None)
+        return (f"  - caution: the interleaved re-timing ran on a busy machine ({note}): rerun "
+                "`8_report.py --retime` on a quiet machine before trusting this ranking by "
+                "speed." if note else None)
+    rows = [r for r, _ in measured] + ([v["baseline"]] if v.get("baseline") else [])
+    busy = sorted({r["tag"] for r in rows
+                   if busy_machine_note((r.get("latency") or {}).get("other_cpu"))})
+    if not busy:
+        return None
+    return ("  - caution: " + ", ".join(f"`{t}`" for t in busy) + " timed on a busy machine "
+            f"(other processes used {BUSY_CORES:g} of a core or more during the timed loop): "
+            "this ranking by speed may not hold; rerun their stages on a quiet machine.")
+
+
 def _interleaved_words(v: dict) -> str:
     """`` in an interleaved re-timing (...)``: the ranking's figures, and whether the rows' own
     p50s (separate processes) ranked them the same."""
@@ -317,17 +344,3 @@ def _interleaved_words(v: dict) -> str:
     return (f" in an interleaved re-timing in one process on this machine ({figs} p50"
             + (", on seeded random inputs (synthetic)" if synthetic else "")
             + f"; `ship_timing.json`); {same}")
-
-
-def clip_text(text: str, n: int) -> str:
-    """``text`` cut to at most ``n`` characters plus an ellipsis (`` ...``), at a clause or
-    word boundary in its second half, else at ``n`` (the whole text is in the row's JSON and
-    REPORT.csv). A text of ``n`` characters or fewer is returned as it is."""
-    if len(text) <= n:
-        return text
-    cut = text[:n]
-    for sep in ("; ", ", ", " "):
-        i = cut.rfind(sep)
-        if i > n // 2:
-            return cut[:i] + " ..."
-    return cut + " ..."

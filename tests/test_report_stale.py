@@ -222,9 +222,13 @@ def test_the_verdict_names_why_a_row_is_stale_but_leaves_its_commands_whole_to_s
     assert j.why == ("stale: the reference /a/ref.npz has changed since this row was measured "
                      "(the commands that remake it: Stale rows, below)")
     long = "; ".join(f"reason {i} with words" for i in range(40))
-    clipped = verdict.clip_text(long, 100)
+    from deploykit.errors import clip_text
+
+    clipped = clip_text(long, 100)
     assert len(clipped) <= 104 and clipped.endswith(" ...") and "; reason" in clipped
-    assert verdict.clip_text("short", 100) == "short"
+    assert clip_text("short", 100) == "short"
+    # a multi-line message (ORT, torch) is one line: a markdown table row must not break
+    assert clip_text("ORT failed:\n  node | Conv_3\n  more", 100) == "ORT failed: node | Conv_3 more"
 
 
 def test_the_data_line_tells_a_first_look_row_from_a_limit_row():

@@ -11,6 +11,7 @@ from deploykit.report import gpu_table, markdown_table, row_sort_key
 from deploykit.evaluate import base_record
 from deploykit.io import write_json
 from deploykit.results import result_record
+from deploykit.sweep.report import p50_ms
 
 from tests.helpers.stages import load_stage, run_stage
 from tests.helpers.artifacts import _stage3
@@ -81,7 +82,7 @@ def test_a_row_timed_on_a_busy_machine_is_marked_in_its_status_and_under_the_tab
         write_json(folder / f"{tag}.json", r)
     rows = report.load_rows(folder)
     status = {t["tag"]: t["status"] for t in report.table_rows(rows)}
-    assert "BUSY MACHINE while timed: other processes used 1.10 of the 2" in \
+    assert "BUSY MACHINE while timed: other processes used 1.10 of the machine's 2" in \
         status["pytorch_fp32_cpu"]
     assert "BUSY" not in status["ort_fp32"]
     md = report.render_markdown("m", rows, None)
@@ -374,6 +375,32 @@ def test_cpu_verdict_ships_int8_within_budget_and_faster_and_the_flags_move_the_
     md = (folder / "REPORT.md").read_text()
     assert _verdict_line(md, "CPU EP").startswith("- **CPU EP: ship `ort_fp32`**")
     assert "delta top-1 -0.24 < -0.1 points" in md
+
+
+def test_a_verdict_ranked_on_busy_timings_says_so(tmp_path):
+    """The verdict ranks rows by p50: one timed on a busy machine gets a caution line, the
+    rows' own loops or, when the interleaved re-timing ranks them, that loop's record."""
+    from deploykit import ship_timing
+
+    rows = _cpu_rows(int8_top1=88.2, int8_agree=99.3)
+    busy = {"cores": 0.9, "steal_cores": 0.0, "of_cores": 2, "seconds": 1.0}
+    rows[1]["latency"]["other_cpu"] = busy  # ort_fp32, the baseline
+    md = report.render_markdown(MODEL, report.load_rows(_write(tmp_path / "a" / MODEL, rows)),
+                                None)
+    (caution,) = [ln for ln in md.splitlines() if ln.startswith("  - caution:")]
+    assert "`ort_fp32` timed on a busy machine" in caution
+    rows[1]["latency"]["other_cpu"] = dict(busy, cores=0.01)  # quiet: no caution
+    quiet = report.load_rows(_write(tmp_path / "b" / MODEL, rows))
+    assert "caution:" not in report.render_markdown(MODEL, quiet, None)
+    # the interleaved re-timing ranks them: its own loop's record decides
+    record = {"device": quiet[0]["provenance"]["device"] if quiet[0].get("provenance") else None,
+              "input": "the first eval images", "other_cpu": busy,
+              "rows": {r["tag"]: {"p50_ms": p50_ms(r), **ship_timing._row_key(r)}
+                       for r in quiet if r["tag"] != "pytorch_fp32_cpu"}}
+    assert len(ship_timing.annotate(quiet, record)) >= 2
+    md = report.render_markdown(MODEL, quiet, None)
+    (caution,) = [ln for ln in md.splitlines() if ln.startswith("  - caution:")]
+    assert "the interleaved re-timing ran on a busy machine (other processes used 0.90" in caution
 
 
 @pytest.mark.parametrize("flag,value,needle", [("--min-agreement", "101", "0..100"),
