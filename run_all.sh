@@ -527,6 +527,7 @@ run() {
     log_text "$log" | tail -n 25 | sed 's/^/  | /' >&2
     echo "  full log: $log" >&2
     echo "  after fixing it, resume with: $(resume_cmd "$cur_stage")" >&2
+    [ "$rc" = 2 ] && exit 2  # the stage's usage error stays one (bad input, not a crash)
     exit 1
   fi
   stop_ticker
@@ -586,6 +587,14 @@ if [ -n "$limit" ]; then
     "runs; INT8 variants but $SMOKE_VARIANT and INT4 (unless --all-variants); the verdict's" \
     "interleaved re-timing (8_report.py --retime). Its rows are no accuracy figures: rerun" \
     "without --limit for those"
+fi
+
+# A classifier's images must be there before anything runs or moves (stage 0 reads them).
+data_dir="${VAL_ROOT:-data/imagenet-sample-1k}"
+if [ "$custom" = 0 ] && want 0 && [ ! -d "$data_dir" ]; then
+  echo "run_all.sh: data folder $data_dir does not exist; nothing was run or moved: set" \
+    "VAL_ROOT to the ImageNet val folder, or unset it for the embedded sample" >&2
+  exit 2
 fi
 
 # A full run replaces the model's results: rows of an earlier run (other variants, another

@@ -190,7 +190,9 @@ def test_run_all_end_to_end(tmp_path):
 def test_run_all_full_run_moves_previous_results(tmp_path):
     """A full run must not mix an earlier run's rows into its report: with a stale row present,
     a partial run leaves it in place and a full run moves it to artifacts/previous_results/
-    (the full run is stopped right after, at stage 0, by a nonexistent VAL_ROOT)."""
+    (the full run is stopped right after, at stage 0, by a VAL_ROOT without images). A
+    VAL_ROOT that does not exist is refused before anything is moved (a typo used to leave
+    results/<model>/ empty)."""
     import sys
 
     res = tmp_path / "r" / "efficientnet_lite0"
@@ -203,8 +205,14 @@ def test_run_all_full_run_moves_previous_results(tmp_path):
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr
     assert (res / "ort_stale.json").exists()  # partial run: rows stay in place
-    # A full run starts by moving them (stop it right after by making stage 0 fail).
     env["VAL_ROOT"] = str(tmp_path / "nonexistent")
+    p = subprocess.run(["bash", "run_all.sh"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 2 and "nothing was run or moved" in p.stderr, p.stderr
+    assert (res / "ort_stale.json").exists() and "previous results" not in p.stdout
+    # A full run starts by moving them (stop it right after by making stage 0 fail).
+    env["VAL_ROOT"] = str(tmp_path / "no_images")
+    (tmp_path / "no_images").mkdir()
     p = subprocess.run(["bash", "run_all.sh"], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=600)
     assert p.returncode == 1 and "previous results" in p.stdout
@@ -308,9 +316,11 @@ def test_stale_lock_of_a_killed_run_is_cleared(tmp_path):
 # ------------------------------------------------------------------------------- smoke runs
 @pytest.mark.slow
 def test_smoke_run_never_moves_or_replaces_a_full_runs_results(tmp_path):
-    """A full-range smoke run (stopped at stage 0 by a missing data folder): the old script
-    moved results/<model>/ aside before stage 0; now the smoke run works in its own folders."""
-    env = _env(tmp_path, VAL_ROOT=str(tmp_path / "nonexistent"))
+    """A full-range smoke run (stopped at stage 0 by a data folder without images): the old
+    script moved results/<model>/ aside before stage 0; now the smoke run works in its own
+    folders."""
+    (tmp_path / "no_images").mkdir()
+    env = _env(tmp_path, VAL_ROOT=str(tmp_path / "no_images"))
     row = _good_row(env)
     before = row.read_text()
     p = _run_all(env, "--limit", "4")
@@ -460,6 +470,17 @@ def test_run_all_own_data_flags_paths_and_kind(tmp_path):
     # a classifier refuses the own-data settings instead of dropping them
     p = _run_all(_env(tmp_path), "--inputs", str(user / "eval.npz"))
     assert p.returncode == 2 and "INPUTS is for models with their own data" in p.stderr
+
+
+@pytest.mark.slow
+def test_a_stages_usage_error_stays_a_usage_error(tmp_path):
+    """run_all.sh turned every failed stage into exit 1: an INPUT_SHAPE the model rejects (stage
+    1's usage error, 2) must stay 2, with the stage's message and the resume line."""
+    p = _run_all(_env(tmp_path, INPUT_SHAPE="x:1,5,8,8"), "--model", "tests.custom_models:tiny_net",
+                 "--stop-stage", "1")
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "forward() fails on --input-shape x:1,5,8,8" in p.stderr
+    assert "resume with:" in p.stderr
 
 
 @pytest.mark.slow
