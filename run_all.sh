@@ -443,6 +443,15 @@ start_preload() {
   export PIPELINE_PRELOAD_SOCKET="$preload_dir/socket"
   python -m deploykit.zygote serve "$PIPELINE_PRELOAD_SOCKET" </dev/null >"$LOG_DIR/preload.log" 2>&1 &
   preload_pid=$!
+  # Its socket before the first command (up to 10 s; it takes about 0.3 s): a command that
+  # finds none runs plain, and the server's imports would then run beside it unseen (a timed
+  # stage 1 of an own-data model, which has no stage 0 before it, was slowed that way).
+  local i
+  for i in $(seq 100); do
+    [ -S "$PIPELINE_PRELOAD_SOCKET" ] && break
+    kill -0 "$preload_pid" 2>/dev/null || break
+    sleep 0.1
+  done
 }
 stop_preload() {
   if [ -n "$preload_pid" ]; then
@@ -589,12 +598,30 @@ if [ -n "$limit" ]; then
     "without --limit for those"
 fi
 
-# A classifier's images must be there before anything runs or moves (stage 0 reads them).
+# A classifier's images must be there before anything runs or moves: stage 0's own listing
+# (deploykit.data.images.list_images: the folder, its layout, its labels) runs first.
 data_dir="${VAL_ROOT:-data/imagenet-sample-1k}"
-if [ "$custom" = 0 ] && want 0 && [ ! -d "$data_dir" ]; then
-  echo "run_all.sh: data folder $data_dir does not exist; nothing was run or moved: set" \
-    "VAL_ROOT to the ImageNet val folder, or unset it for the embedded sample" >&2
-  exit 2
+if [ "$custom" = 0 ] && want 0; then
+  if ! python - "$data_dir" <<'EOF'
+import contextlib, io, os, sys
+from deploykit.errors import StageError
+from deploykit.data.images import list_images
+root = sys.argv[1]
+why = (f"data folder {root} does not exist" if not os.path.exists(root) else
+       f"{root} is not a folder" if not os.path.isdir(root) else None)
+if why is None:
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # its warnings: stage 0 prints them
+            list_images(root, None, os.environ.get("ALLOW_CLASS_SUBSET", "") not in ("", "0"))
+    except (StageError, OSError) as e:
+        why = str(e)
+if why:
+    sys.exit(f"run_all.sh: {why}; nothing was run or moved: set VAL_ROOT to the ImageNet val "
+             "folder, or unset it for the embedded sample")
+EOF
+  then
+    exit 2
+  fi
 fi
 
 # A full run replaces the model's results: rows of an earlier run (other variants, another

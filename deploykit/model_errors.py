@@ -3,6 +3,7 @@ first line, the user's source line and what the model's first layer expects (a s
 problem is a usage error, anything else the model's own)."""
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Sequence
@@ -56,53 +57,80 @@ def forward_error(model_name: str, model, feed: dict[str, np.ndarray], e: Except
                f"{'channels on axis 1' if axis == 1 else 'features on the last axis'}"
                + (f", the input has {got}" if mismatch else ""))
     shape_error = mismatch or isinstance(e, (TypeError, RuntimeError))
+    raised = type(e).__name__ + (f": {first}" if first else "")
     msg = (f"--model {model_name}: forward() fails on {given} "
-           f"({type(e).__name__}: {first}){where}{exp if shape_error else ''}")
+           f"({raised}){where}{exp if shape_error else ''}")
     wide = _float_inputs_wider_than_model(model, feed)
     if wide and isinstance(e, (TypeError, RuntimeError)):  # a dtype, not a shape, problem
-        return UsageError(f"--model {model_name}: forward() fails on {given} ({type(e).__name__}: "
-                          f"{first}): input {', '.join(wide)} is wider than the model's "
-                          f"parameters: cast it (x.astype(np.float32)) in {flag}")
+        return UsageError(f"--model {model_name}: forward() fails on {given} ({raised}): input "
+                          f"{', '.join(wide)} is wider than the model's parameters: cast it "
+                          f"(x.astype(np.float32)) in {flag}")
     if shape_error:
         return UsageError(f"{msg}; give one {flag} per forward() argument, in order, with the "
                           "model's input shape (the batch first) and dtype")
-    return StageError(f"{msg}; the model's own code raised: fix it (the line above), then rerun")
+    return StageError(f"{msg}; the model's own code raised: fix it"
+                      + (f" (the line{where})" if where else "") + ", then rerun")
 
 
 def _not_the_models_code(filename: str) -> bool:
-    """Whether a traceback frame's file is ours or torch's (torch's module machinery and
-    ``torch._assert``, this package, a pipeline script at the repository root), not the model's
-    code."""
+    """Whether a traceback frame's file is not the model's code: a pseudo-file (``<frozen
+    importlib._bootstrap>``, ``<string>``), Python's standard library (``json/decoder.py``, but
+    not the site-packages inside it), torch (its module machinery, ``torch._assert``), this
+    package, or a pipeline script at the repository root."""
+    import sysconfig
+
     import torch
 
+    if filename.startswith("<"):
+        return True
     f = Path(filename).resolve()
     repo = Path(__file__).resolve().parents[1]
     own = (Path(torch.__file__).resolve().parent, Path(__file__).resolve().parent)
     if any(f.is_relative_to(d) for d in own):
         return True
+    library = "site-packages" in f.parts or "dist-packages" in f.parts
+    paths = sysconfig.get_paths()
+    if not library and any(f.is_relative_to(Path(paths[k]).resolve())
+                           for k in ("stdlib", "platstdlib") if paths.get(k)):
+        return True
     return f.parent == repo and (re.match(r"\d+b?_\w+\.py$", f.name) is not None
                                  or f.name in ("common.py", "qdq_tools.py", "layerwise.py"))
 
 
+def _shown_path(filename: str) -> str:
+    """A frame's file as the user imports it: its path below the ``sys.path`` entry that holds
+    it (``userpkg/common.py``, ``timm/layers/patch_embed.py``, ``mymodel.py``), else its name."""
+    import sys
+
+    f = Path(filename).resolve()
+    rels = []
+    for entry in sys.path:
+        try:
+            base = Path(entry or os.getcwd()).resolve()
+        except (OSError, RuntimeError):
+            continue
+        if f.is_relative_to(base):
+            rels.append(f.relative_to(base))
+    return min(rels, key=lambda r: len(r.parts)).as_posix() if rels else f.name
+
+
 def exception_origin(e: BaseException) -> tuple[str, str]:
-    """``(message, " at file.py:LINE")`` of an exception raised inside a model: the message's
+    """``(message, " at path.py:LINE")`` of an exception raised inside a model: the message's
     lines joined with spaces (:func:`deploykit.errors.clip_text` at 300 characters; ``""`` for
-    none), and the innermost frame of the model's code - any file but torch's module machinery,
-    this package and the pipeline scripts (a user's module at the repository root and a
-    pip-installed model library such as timm count; a library's file is named by its path in
-    site-packages, ``timm/layers/patch_embed.py``) - or ``""`` when there is none."""
+    none, or for a ``__str__`` that raises), and the innermost frame of the model's code (see
+    :func:`_not_the_models_code`: a user's module anywhere and a pip-installed library such as
+    timm count; named by :func:`_shown_path`), or ``""`` when there is none."""
     import traceback
 
-    text = clip_text(str(e), 300)
+    try:
+        text = clip_text(str(e), 300)
+    except Exception:  # noqa: BLE001 - a broken __str__ must not hide the exception's type
+        text = ""
     frames = [f for f in traceback.extract_tb(e.__traceback__)
               if not _not_the_models_code(f.filename)]
     if not frames:
         return text, ""
-    parts = Path(frames[-1].filename).parts
-    # an installed library's file by its place in the library (timm/layers/patch_embed.py)
-    shown = ("/".join(parts[parts.index("site-packages") + 1:]) if "site-packages" in parts
-             else parts[-1])
-    return text, f" at {shown}:{frames[-1].lineno}"
+    return text, f" at {_shown_path(frames[-1].filename)}:{frames[-1].lineno}"
 
 
 def _float_inputs_wider_than_model(model, feed: dict[str, np.ndarray]) -> list[str]:

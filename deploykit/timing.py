@@ -5,6 +5,7 @@ interleaved loop that compares several calls on a drifting host, and their stati
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 from typing import Any, Callable, Mapping, Sequence
@@ -178,17 +179,24 @@ class OtherCpu:
                        "of_cores": len(cpus), "seconds": round(wall, 3)}
 
 
-def busy_machine_note(other_cpu: dict | None) -> str | None:
+def busy_machine_note(other_cpu) -> str | None:
     """``"other processes used 1.30 of the machine's 2 cores"`` when a timed loop's
-    :class:`OtherCpu` record is at or above :data:`BUSY_CORES`, else None (also for a record
-    without a figure: None, not judged, hand-edited)."""
-    cores = (other_cpu or {}).get("cores")
-    if not isinstance(cores, (int, float)) or cores < BUSY_CORES:
+    :class:`OtherCpu` record is at or above :data:`BUSY_CORES`, else None: also for a record
+    without a figure (None, not judged) and for one no loop wrote (a hand-edited value that is
+    no dict, or whose ``cores`` is no finite number)."""
+    def number(v):
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        return v if ok else None
+
+    cores = number(other_cpu.get("cores")) if isinstance(other_cpu, dict) else None
+    if cores is None or cores < BUSY_CORES:
         return None
-    steal = other_cpu.get("steal_cores") or 0
-    return (f"other processes used {cores:.2f} of the machine's {other_cpu.get('of_cores')} "
-            "cores" + (f" ({steal:.2f} of them the hypervisor's steal)"
-                       if isinstance(steal, (int, float)) and steal >= BUSY_CORES / 2 else ""))
+    n, steal = other_cpu.get("of_cores"), number(other_cpu.get("steal_cores"))
+    of = (f"the machine's {n} cores" if isinstance(n, int) and not isinstance(n, bool) and n > 0
+          else "the machine's cores")
+    return (f"other processes used {cores:.2f} of {of}"
+            + (f" ({steal:.2f} of them the hypervisor's steal)"
+               if steal is not None and steal >= BUSY_CORES / 2 else ""))
 
 
 def _warm_up(fn: Callable[[], Any], warmup: int) -> int:

@@ -318,16 +318,17 @@ def _busy_caution(v: dict, measured: list, inter: bool) -> str | None:
         note = next((r.get(INTERLEAVED_BUSY) for r, _ in measured if r.get(INTERLEAVED_BUSY)),
                     None)
         return (f"  - caution: the interleaved re-timing ran on a busy machine ({note}): rerun "
-                "`8_report.py --retime` on a quiet machine before trusting this ranking by "
-                "speed." if note else None)
+                "`8_report.py --retime` on a quiet machine before trusting its speed figures."
+                if note else None)
     rows = [r for r, _ in measured] + ([v["baseline"]] if v.get("baseline") else [])
     busy = sorted({r["tag"] for r in rows
                    if busy_machine_note((r.get("latency") or {}).get("other_cpu"))})
     if not busy:
         return None
     return ("  - caution: " + ", ".join(f"`{t}`" for t in busy) + " timed on a busy machine "
-            f"(other processes used {BUSY_CORES:g} of a core or more during the timed loop): "
-            "this ranking by speed may not hold; rerun their stages on a quiet machine.")
+            f"(other processes used {BUSY_CORES:g} of a core or more while it was timed): "
+            "speed figures and speedups against them may not hold; rerun their stages on a "
+            "quiet machine.")
 
 
 def _interleaved_words(v: dict) -> str:

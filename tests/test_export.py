@@ -339,3 +339,33 @@ def test_export_fp32_out_of_place_gives_the_same_graph(tmp_path, monkeypatch):
     monkeypatch.setattr(dx, "out_of_place", None)  # never entered by the legacy exporter
     _, _, n1 = dx.export_fp32(m, ex, tmp_path / "c.onnx", "legacy", 17, ["out"])
     assert n1 == 0
+
+
+def test_the_models_line_is_its_own_not_the_standard_librarys(tmp_path, monkeypatch):
+    """exception_origin named json/decoder.py (the standard library) or <frozen importlib>
+    as the model's line, a user's userpkg/common.py as common.py (the repository's own
+    name), and crashed on an exception whose __str__ raises."""
+    import importlib
+
+    from deploykit.model_errors import exception_origin
+
+    pkg = tmp_path / "userpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "common.py").write_text(
+        "import importlib, json\n\n"
+        "def bad_json():\n    json.loads('{bad')\n\n"
+        "def bad_import():\n    importlib.import_module('no_such_module_here')\n\n"
+        "class Unprintable(Exception):\n"
+        "    def __str__(self):\n        raise RuntimeError('no')\n\n"
+        "def unprintable():\n    raise Unprintable()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mod = importlib.import_module("userpkg.common")
+    for fn, line, text in ((mod.bad_json, 4, "Expecting property name"),
+                           (mod.bad_import, 7, "No module named 'no_such_module_here'"),
+                           (mod.unprintable, 14, "")):
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001
+            got = exception_origin(e)
+        assert got == (got[0], f" at userpkg/common.py:{line}") and got[0].startswith(text), got

@@ -190,9 +190,9 @@ def test_run_all_end_to_end(tmp_path):
 def test_run_all_full_run_moves_previous_results(tmp_path):
     """A full run must not mix an earlier run's rows into its report: with a stale row present,
     a partial run leaves it in place and a full run moves it to artifacts/previous_results/
-    (the full run is stopped right after, at stage 0, by a VAL_ROOT without images). A
-    VAL_ROOT that does not exist is refused before anything is moved (a typo used to leave
-    results/<model>/ empty)."""
+    (the full run is stopped soon after, at stage 1, by a checkpoint it cannot load). A VAL_ROOT
+    that does not exist, or holds no images, is refused before anything is moved (a typo used
+    to leave results/<model>/ empty)."""
     import sys
 
     res = tmp_path / "r" / "efficientnet_lite0"
@@ -210,12 +210,20 @@ def test_run_all_full_run_moves_previous_results(tmp_path):
                        text=True, timeout=600)
     assert p.returncode == 2 and "nothing was run or moved" in p.stderr, p.stderr
     assert (res / "ort_stale.json").exists() and "previous results" not in p.stdout
-    # A full run starts by moving them (stop it right after by making stage 0 fail).
+    # so is a folder without images (stage 0's own listing runs first)
     env["VAL_ROOT"] = str(tmp_path / "no_images")
     (tmp_path / "no_images").mkdir()
     p = subprocess.run(["bash", "run_all.sh"], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=600)
-    assert p.returncode == 1 and "previous results" in p.stdout
+    assert p.returncode == 2 and "no images in" in p.stderr and "nothing was run" in p.stderr
+    assert (res / "ort_stale.json").exists()
+    # A full run starts by moving them (stop it soon after: a checkpoint stage 1 cannot load).
+    del env["VAL_ROOT"]
+    (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
+    env["WEIGHTS"] = str(tmp_path / "bad.pt")
+    p = subprocess.run(["bash", "run_all.sh"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 1 and "previous results" in p.stdout, p.stderr
     assert not (res / "ort_stale.json").exists()
     moved = list((tmp_path / "a" / "previous_results").glob("efficientnet_lite0-*/ort_stale.json"))
     assert len(moved) == 1
@@ -316,19 +324,20 @@ def test_stale_lock_of_a_killed_run_is_cleared(tmp_path):
 # ------------------------------------------------------------------------------- smoke runs
 @pytest.mark.slow
 def test_smoke_run_never_moves_or_replaces_a_full_runs_results(tmp_path):
-    """A full-range smoke run (stopped at stage 0 by a data folder without images): the old
+    """A full-range smoke run (stopped at stage 1 by a checkpoint it cannot load): the old
     script moved results/<model>/ aside before stage 0; now the smoke run works in its own
     folders."""
-    (tmp_path / "no_images").mkdir()
-    env = _env(tmp_path, VAL_ROOT=str(tmp_path / "no_images"))
+    (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
+    env = _env(tmp_path, VAL_ROOT=str(_tiny_data(tmp_path)), ALLOW_CLASS_SUBSET="1",
+               WEIGHTS=str(tmp_path / "bad.pt"))
     row = _good_row(env)
     before = row.read_text()
     p = _run_all(env, "--limit", "4")
-    assert p.returncode == 1
+    assert p.returncode == 1, p.stdout + p.stderr
     assert row.read_text() == before and "previous results" not in p.stdout
     assert f"results: {tmp_path / 'r' / 'smoke'}; smoke run on 4 images" in p.stdout
     assert f"resume with: MODEL={MODEL} ARTIFACTS={tmp_path / 'a'} RESULTS={tmp_path / 'r'} " \
-           "VAL_ROOT=" in p.stderr and "--stage 0 --limit 4" in p.stderr
+           in p.stderr and " VAL_ROOT=" in p.stderr and "--stage 1 --limit 4" in p.stderr
     assert (tmp_path / "a" / "smoke" / "logs" / MODEL / "0_prepare_data.log").exists()
     assert not (tmp_path / "a" / "logs").exists()
 
