@@ -525,7 +525,10 @@ run() {
   if [ "$1" = python ] && [ -n "$preload_pid" ]; then
     python -m deploykit.zygote run "${@:2}" >&8 2>&1 || rc=$?  # the same command, preloaded
   else
+    # not forked by the server (bash 5_quantize.sh, ...): its imports wait meanwhile
+    [ -z "$preload_dir" ] || : > "$preload_dir/hold.run_all" 2>/dev/null || true
     "$@" >&8 2>&1 || rc=$?
+    [ -z "$preload_dir" ] || rm -f "$preload_dir/hold.run_all"
   fi
   exec 8>&-
   printf '%s\t%s\n' "$name" "$(awk -v a="$t0" -v b="$(date +%s.%N)" \
@@ -609,15 +612,14 @@ from deploykit.data.images import list_images
 root = sys.argv[1]
 why = (f"data folder {root} does not exist" if not os.path.exists(root) else
        f"{root} is not a folder" if not os.path.isdir(root) else None)
-if why is None:
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):  # its warnings: stage 0 prints them
-            list_images(root, None, os.environ.get("ALLOW_CLASS_SUBSET", "") not in ("", "0"))
-    except (StageError, OSError) as e:
-        why = str(e)
-if why:
+if why is not None:
     sys.exit(f"run_all.sh: {why}; nothing was run or moved: set VAL_ROOT to the ImageNet val "
              "folder, or unset it for the embedded sample")
+try:
+    with contextlib.redirect_stderr(io.StringIO()):  # its warnings: stage 0 prints them
+        list_images(root, None, os.environ.get("ALLOW_CLASS_SUBSET", "") not in ("", "0"))
+except (StageError, OSError) as e:
+    sys.exit(f"run_all.sh: stage 0 cannot use {root}: {e}; nothing was run or moved")
 EOF
   then
     exit 2

@@ -81,9 +81,12 @@ def _not_the_models_code(filename: str) -> bool:
 
     import torch
 
-    if filename.startswith("<"):
+    if not filename or filename.startswith("<"):
         return True
-    f = Path(filename).resolve()
+    try:
+        f = Path(filename).resolve()
+    except (OSError, RuntimeError):  # a relative name whose folder is gone: not judged
+        return False
     repo = Path(__file__).resolve().parents[1]
     own = (Path(torch.__file__).resolve().parent, Path(__file__).resolve().parent)
     if any(f.is_relative_to(d) for d in own):

@@ -185,8 +185,13 @@ def busy_machine_note(other_cpu) -> str | None:
     without a figure (None, not judged) and for one no loop wrote (a hand-edited value that is
     no dict, or whose ``cores`` is no finite number)."""
     def number(v):
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-        return v if ok else None
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            return None
+        try:
+            v = float(v)  # an int of 400 digits: OverflowError
+        except OverflowError:
+            return None
+        return v if math.isfinite(v) else None
 
     cores = number(other_cpu.get("cores")) if isinstance(other_cpu, dict) else None
     if cores is None or cores < BUSY_CORES:

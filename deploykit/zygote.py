@@ -78,6 +78,29 @@ def may_import_beside(running: list[list[str]]) -> bool:
     return all(argv and os.path.basename(argv[0]) in IMPORT_BESIDE for argv in running)
 
 
+#: A file ``hold.<pid>`` or ``hold.run_all`` in the socket's folder: a command the server did
+#: not fork runs (a plain fallback, which writes ``hold.<its pid>`` before it starts; run_all.sh
+#: around ``bash 5_quantize.sh`` and every other command it runs itself). The server imports
+#: nothing while one is there (a ``hold.<pid>`` only while that process lives).
+HOLD_PREFIX = "hold."
+
+
+def held(folder: str) -> bool:
+    """Whether a command the server did not fork holds its imports (:data:`HOLD_PREFIX`); the
+    file of a process that has ended is removed."""
+    try:
+        names = [n for n in os.listdir(folder) if n.startswith(HOLD_PREFIX)]
+    except OSError:
+        return False
+    for name in names:
+        who = name[len(HOLD_PREFIX):]
+        if not who.isdigit() or _alive(int(who)):
+            return True
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(folder, name))
+    return False
+
+
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 #: Signals the client passes on to the command (and whose ignored state it keeps).
 _FORWARDED = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
@@ -140,8 +163,8 @@ def _send(conn: socket.socket, obj: dict) -> None:
 
 def serve(path: str, preload: tuple[str, ...] = PRELOAD) -> dict | None:
     """Serve requests on the Unix socket ``path`` until SIGTERM; import ``preload`` meanwhile,
-    one module at a time when no request waits and :func:`may_import_beside` the commands
-    running.
+    one module at a time when no request waits, :func:`may_import_beside` the commands
+    running and no other command :func:`held` the imports.
 
     Returns:
         in a forked child only: its job (``argv``, ``cwd``, ``env``), with its standard
@@ -165,11 +188,22 @@ def serve(path: str, preload: tuple[str, ...] = PRELOAD) -> dict | None:
     todo = list(preload)
     jobs: dict[int, socket.socket] = {}  # child pid -> its client's connection
     job_argv: dict[int, list[str]] = {}  # child pid -> its command line
+
+    server_pid = os.getpid()
+
+    def on_sigterm(*_):
+        # no command to wait for: end now, also in the middle of an import (a refused run_all.sh
+        # waited seconds for torch's); a child forked a moment ago only notes it
+        if not jobs and os.getpid() == server_pid:
+            _stop(lsock, path, jobs)
+        stopping.append(1)
+    signal.signal(signal.SIGTERM, on_sigterm)
     print(f"preload server {os.getpid()}: {path}; importing {' '.join(todo)}", flush=True)
     while True:
         if stopping:  # SIGTERM: no new command; the running ones report their status first
             _stop(lsock, path, jobs)
-        importing = bool(todo) and may_import_beside(list(job_argv.values()))
+        importing = (bool(todo) and may_import_beside(list(job_argv.values()))
+                     and not held(os.path.dirname(path)))
         ready, _, _ = select.select([lsock], [], [], 0 if importing else 0.05)
         for pid, conn in list(jobs.items()):  # finished children: their status to the client
             done, status = os.waitpid(pid, os.WNOHANG)
@@ -366,9 +400,14 @@ def _fast_exit(code: int | None, sig: int | None = None) -> None:
 # Client
 # --------------------------------------------------------------------------------------------
 def _plain(argv: list[str], why: str | None = None) -> None:
-    """``python ARGV`` in place of this process."""
+    """``python ARGV`` in place of this process (the same pid), holding the server's imports
+    while it runs (:data:`HOLD_PREFIX`) when a server's socket folder is named."""
     if why and os.environ.get("PIPELINE_PRELOAD_DEBUG"):
         print(f"preload: plain python ({why})", file=sys.stderr, flush=True)
+    sock = os.environ.get(SOCKET_ENV)
+    if sock:
+        with contextlib.suppress(OSError):
+            open(os.path.join(os.path.dirname(sock), f"{HOLD_PREFIX}{os.getpid()}"), "w").close()
     import shutil
 
     found = shutil.which("python")  # run_all.sh's "python", as it would have run the command

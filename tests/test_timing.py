@@ -68,7 +68,7 @@ def test_other_processes_on_the_machine_are_counted_and_named(monkeypatch):
     assert timing.busy_machine_note(None) is None
     assert timing.busy_machine_note({"cores": None}) is None  # not judged, or hand-edited
     for edited in ("busy", [1, 2], {"cores": float("nan")}, {"cores": float("inf")},
-                   {"cores": True}, {"cores": "0.9"}, {"cores": -1.0}):
+                   {"cores": True}, {"cores": "0.9"}, {"cores": -1.0}, {"cores": 10 ** 400}):
         assert timing.busy_machine_note(edited) is None, edited
     assert timing.busy_machine_note({"cores": 0.5}) == \
         "other processes used 0.50 of the machine's cores"

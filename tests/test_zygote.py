@@ -320,3 +320,28 @@ def test_no_import_runs_beside_a_stage_that_times(tmp_path, script, beside):
     finally:
         srv.terminate()
         srv.wait(10)
+
+
+def test_commands_the_server_did_not_fork_hold_its_imports(tmp_path):
+    """A plain fallback (and run_all.sh's `bash 5_quantize.sh`) ran beside the server's imports
+    unseen: each leaves hold.<pid> (hold.run_all) in the socket's folder while it runs."""
+    assert not zygote.held(str(tmp_path))
+    (tmp_path / "hold.run_all").write_text("")
+    assert zygote.held(str(tmp_path))
+    (tmp_path / "hold.run_all").unlink()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / f"hold.{dead.pid}").write_text("")
+    assert not zygote.held(str(tmp_path)) and not (tmp_path / f"hold.{dead.pid}").exists()
+    (tmp_path / f"hold.{os.getpid()}").write_text("")
+    assert zygote.held(str(tmp_path))
+    (tmp_path / f"hold.{os.getpid()}").unlink()
+    # a client that finds no server runs plain, and holds the imports while it runs
+    script = tmp_path / "job.py"
+    script.write_text("import os, sys\nprint(os.path.exists(os.path.join(sys.argv[1], "
+                      "f'hold.{os.getpid()}')))\n")
+    env = dict(os.environ, PIPELINE_PRELOAD_SOCKET=str(tmp_path / "no_server"),
+               PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-m", "deploykit.zygote", "run", str(script),
+                        str(tmp_path)], env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout.strip() == "True", p.stdout + p.stderr

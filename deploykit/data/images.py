@@ -90,13 +90,22 @@ def _images_under(folder: Path, seen: set | None = None, repeats: list | None = 
         seen: ``(st_dev, st_ino)`` of the folders already listed (shared between calls;
             updated). repeats: receives each link not followed, as ``(link, real folder)``.
         unread: receives the files with a suffix of :data:`UNREAD_IMAGE_SUFFIXES`.
+    Raises:
+        StageError: a folder below ``folder`` cannot be listed (permissions): its class would
+            drop out unseen (``os.walk`` skips such folders silently).
     """
     seen = set() if seen is None else seen
     key = _dir_key(folder)
     if key is not None:
         seen.add(key)
     out = []
-    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
+
+    def cannot_list(e: OSError) -> None:
+        raise StageError(f"cannot list {e.filename} ({e.strerror}): its images would be left "
+                         "out without a word; make it readable (chmod -R u+rX) or move it out "
+                         "of the data folder")
+
+    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True, onerror=cannot_list):
         keep = []
         for d in dirnames:
             if d.startswith("."):

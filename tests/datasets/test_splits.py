@@ -160,3 +160,29 @@ def test_truncated_reference_is_named_with_the_stage_that_rewrites_it(tmp_path):
     np.savez(ref, logits=np.zeros((4, 10), np.float32))
     with pytest.raises(StageError, match=r"lacks \['files'\]"):
         align_reference(ref, ["a"])
+
+
+def test_a_class_folder_that_cannot_be_listed_is_named_not_dropped(tmp_path, monkeypatch):
+    """os.walk skips a folder it cannot list without a word: with ALLOW_CLASS_SUBSET its class
+    vanished, without it the error blamed missing classes. (Root reads every folder, so the
+    permission error is made by the walk itself.)"""
+    import os
+
+    import deploykit.data.images as images
+
+    for wnid in ("n01440764", "n01443537"):
+        (tmp_path / wnid / "sub").mkdir(parents=True)
+        (tmp_path / wnid / "a.JPEG").write_bytes(b"x")
+    real_walk = os.walk
+
+    def walk(top, *a, onerror=None, **kw):
+        if str(top).endswith("n01443537"):
+            err = PermissionError(13, "Permission denied", str(top))
+            if onerror is not None:
+                onerror(err)
+            return iter(())
+        return real_walk(top, *a, onerror=onerror, **kw)
+
+    monkeypatch.setattr(images.os, "walk", walk)
+    with pytest.raises(StageError, match=r"cannot list .*n01443537 \(Permission denied\).*chmod"):
+        list_images(tmp_path, allow_subset=True)
