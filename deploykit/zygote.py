@@ -194,9 +194,9 @@ def serve(path: str, preload: tuple[str, ...] = PRELOAD) -> dict | None:
     def on_sigterm(*_):
         # no command to wait for: end now, also in the middle of an import (a refused run_all.sh
         # waited seconds for torch's); a child forked a moment ago only notes it
+        stopping.append(1)  # first: whatever happens to the exit below, the loop stops
         if not jobs and os.getpid() == server_pid:
             _stop(lsock, path, jobs)
-        stopping.append(1)
     signal.signal(signal.SIGTERM, on_sigterm)
     print(f"preload server {os.getpid()}: {path}; importing {' '.join(todo)}", flush=True)
     while True:
@@ -231,8 +231,12 @@ def serve(path: str, preload: tuple[str, ...] = PRELOAD) -> dict | None:
                 _send(conn, {"fallback": why})
                 conn.close()
                 continue
+            # no SIGTERM between the fork and the client's answer: ended there, the server
+            # would leave the child running and its client running the command again, plain
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
             pid = os.fork()
             if pid == 0:  # the child: becomes the stage
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
                 lsock.close()
                 for c in jobs.values():
                     c.close()
@@ -245,7 +249,10 @@ def serve(path: str, preload: tuple[str, ...] = PRELOAD) -> dict | None:
                 os.close(fd)
             jobs[pid] = conn
             job_argv[pid] = list(req.get("argv", []))
-            _send(conn, {"pid": pid})
+            try:
+                _send(conn, {"pid": pid})
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             print(f"{time.strftime('%H:%M:%S')} pid {pid}: {' '.join(req['argv'])}", flush=True)
         elif importing:
             name = todo.pop(0)
@@ -262,13 +269,16 @@ def serve(path: str, preload: tuple[str, ...] = PRELOAD) -> dict | None:
 def _stop(lsock: socket.socket, path: str, jobs: dict[int, socket.socket]) -> None:
     """End the server: no new connection (the socket file removed, and its folder when it is
     run_all.sh's ``deploykit-preload.*``), each running command waited for and its status sent
-    to its client, then exit 0."""
+    to its client, then exit 0 (``os._exit``)."""
     lsock.close()
     folder = os.path.dirname(path)
     with contextlib.suppress(OSError):
         os.unlink(path)
     if os.path.basename(folder).startswith("deploykit-preload."):
         with contextlib.suppress(OSError):
+            for name in os.listdir(folder):  # holds left by commands (HOLD_PREFIX)
+                if name.startswith(HOLD_PREFIX):
+                    os.unlink(os.path.join(folder, name))
             os.rmdir(folder)
     for pid, conn in jobs.items():
         try:
@@ -277,7 +287,13 @@ def _stop(lsock: socket.socket, path: str, jobs: dict[int, socket.socket]) -> No
         except ChildProcessError:
             pass  # already reaped: its status is lost
         conn.close()
-    sys.exit(0)
+    # os._exit, not sys.exit: called from the SIGTERM handler, a SystemExit could be swallowed
+    # by the module being imported (a bare except), and a thread an import started would keep
+    # the process alive (a review saw both)
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(0)
 
 
 def _become(req: dict) -> None:

@@ -345,3 +345,41 @@ def test_commands_the_server_did_not_fork_hold_its_imports(tmp_path):
     p = subprocess.run([sys.executable, "-m", "deploykit.zygote", "run", str(script),
                         str(tmp_path)], env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and p.stdout.strip() == "True", p.stdout + p.stderr
+
+
+@pytest.mark.slow  # starts processes
+def test_sigterm_mid_import_ends_an_idle_server_at_once_and_cleans_its_folder(tmp_path):
+    """A refused run_all.sh waited for the import under way (torch, seconds); the first cut ended
+    the server from its SIGTERM handler with sys.exit, which a module's bare except swallowed
+    (then a traceback, exit 1) and which a thread started by an import outlived (a hang).
+    Hold files must not keep the folder either."""
+    (tmp_path / "swallow.py").write_text(textwrap.dedent(f"""\
+        import threading, time
+        threading.Thread(target=time.sleep, args=(3600,)).start()  # not a daemon
+        open({str(tmp_path / 'started')!r}, 'w').close()
+        try:
+            time.sleep(30)
+        except BaseException:
+            pass
+        """))
+    folder = tmp_path / "deploykit-preload.t"
+    folder.mkdir()
+    sock = folder / "socket"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(tmp_path)]))
+    srv = subprocess.Popen([sys.executable, "-m", "deploykit.zygote", "serve", str(sock),
+                            "swallow"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    try:
+        end = time.time() + 30
+        while not (tmp_path / "started").exists() and time.time() < end:
+            time.sleep(0.02)
+        (folder / "hold.run_all").write_text("")  # left by a killed command
+        t0 = time.time()
+        srv.send_signal(signal.SIGTERM)
+        assert srv.wait(10) == 0, srv.stdout.read()
+        assert time.time() - t0 < 5
+        assert "Traceback" not in srv.stdout.read()
+        assert not folder.exists()
+    finally:
+        if srv.poll() is None:
+            srv.kill()
