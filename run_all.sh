@@ -446,8 +446,7 @@ start_preload() {
   # Its socket before the first command (up to 10 s; it takes about 0.3 s): a command that
   # finds none runs plain, and the server's imports would then run beside it unseen (a timed
   # stage 1 of an own-data model, which has no stage 0 before it, was slowed that way).
-  local i
-  for i in $(seq 100); do
+  for _ in $(seq 100); do
     [ -S "$PIPELINE_PRELOAD_SOCKET" ] && break
     kill -0 "$preload_pid" 2>/dev/null || break
     sleep 0.1
