@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """Stage 5: INT8 (and the broken INT4 CLI reproduction) with ModelOpt's ONNX PTQ (its CLI flags,
 run through qdq_tools.py modelopt for the calibration batch), any number of variants per
-command in one process: int8 and int8_hp32 come from one calibration, and a later variant takes
-the entropy histograms an earlier run of the command already made for its tensors (same files
-as one ModelOpt CLI run per variant).
+command in one process: int8 and int8_hp32 come from one calibration, ModelOpt's entropy
+calibration of one batch is computed as max calibration (the same file:
+deploykit.quant.modelopt.entropy_as_max), and a later variant takes the calibration statistics an
+earlier run of the command already made for its tensors (same files as one ModelOpt CLI run per
+variant).
 
 Reads:  artifacts/<model>/onnx/fp32.onnx (2_export_onnx.py), artifacts/<model>/calib.npz
         (4_make_calib.py).

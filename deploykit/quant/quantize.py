@@ -27,7 +27,8 @@ from deploykit.quant.calibration import (
 from deploykit.quant.health import check_model, summary_line
 from deploykit.quant.inspect import inspect_model
 from deploykit.quant.macs import mac_summary
-from deploykit.quant.modelopt import (calibration_ep, ep_fallback_warning, histograms_reused_from,
+from deploykit.quant.modelopt import (calibration_ep, entropy_computed_as_max,
+                                      ep_fallback_warning, histograms_reused_from,
                                       log_warnings, ort_smoke)
 from deploykit.quant.record import calibration_summary, flag_unquantized, print_check
 from deploykit.commands import script_command
@@ -205,7 +206,9 @@ def quant_record(args: argparse.Namespace, inputs: dict, variant: str, status: s
         ``calibration``, ``shared_calibration``, ``calibration_histograms_from`` (the earlier
         ModelOpt run of the stage whose calibration histograms this run took, by its output
         name: :func:`deploykit.quant.modelopt.histograms_reused_from`; None: calibrated
-        itself); when ok also ``inspect``, ``macs``, ``size_mb``, ``ort_cpu_smoke``,
+        itself), ``entropy_computed_as_max`` (why ModelOpt's entropy calibration ran as max
+        calibration, the same file: :func:`deploykit.quant.modelopt.entropy_as_max`; None: as
+        requested); when ok also ``inspect``, ``macs``, ``size_mb``, ``ort_cpu_smoke``,
         ``check``, and ``unquantized`` when no MAC node is quantized
         (:func:`deploykit.quant.record.flag_unquantized`); ``provenance`` (input hashes: the bytes ModelOpt was given);
         ``source`` (:func:`deploykit.results.source_block`: the output's, the fp32.onnx's and
@@ -224,11 +227,13 @@ def quant_record(args: argparse.Namespace, inputs: dict, variant: str, status: s
                    f"fp32); {shared['fp16']} is its calibrated model after ModelOpt's own FP16 "
                    "conversion (the step --high_precision_dtype fp16 runs after calibration; "
                    "the same file as ModelOpt's CLI with that flag)")},
-           "calibration_histograms_from": None}
+           "calibration_histograms_from": None, "entropy_computed_as_max": None}
     if log.exists():
         # a variant whose calibration histograms an earlier variant's run of this stage made
-        rec["calibration_histograms_from"] = histograms_reused_from(
-            log.read_text(errors="replace"))
+        text = log.read_text(errors="replace")
+        rec["calibration_histograms_from"] = histograms_reused_from(text)
+        # entropy calibration of one batch computed as max calibration (the same file)
+        rec["entropy_computed_as_max"] = entropy_computed_as_max(text)
         # the EP ModelOpt's ORT sessions really ran on (a requested CUDA EP that this
         # onnxruntime lacks falls back to the CPU)
         rec["calibration_ep"] = calibration_ep(inputs["eps"], log)

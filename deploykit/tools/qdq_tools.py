@@ -28,10 +28,12 @@ Subcommands
   different scales; ``deploykit.quant.placement``).
 - ``check-calib F.onnx --calib C.npz [--model M]``: refuse calibration data that does not fit the
   model or the evaluation data; print the calibration batch stage 5 uses.
-- ``modelopt [--calib-batch B] [--fp16-output F] [--histogram-cache DIR] -- FLAGS``: ModelOpt's
-  ONNX PTQ with its own flags and a calibration batch of its own (:func:`modelopt_quantize`);
-  ``--fp16-output``: also the ``--high_precision_dtype fp16`` file of the same calibration;
-  ``--histogram-cache``: calibration histograms shared with earlier runs of the same inputs.
+- ``modelopt [--calib-batch B] [--fp16-output F] [--histogram-cache DIR] [--entropy-histograms]
+  -- FLAGS``: ModelOpt's ONNX PTQ with its own flags and a calibration batch of its own
+  (:func:`modelopt_quantize`); ``--fp16-output``: also the ``--high_precision_dtype fp16`` file
+  of the same calibration; ``--histogram-cache``: calibration histograms shared with earlier runs
+  of the same inputs; ``--entropy-histograms``: ORT's entropy histograms even where max
+  calibration gives the same file.
 - ``modelopt-int4 --onnx F --output O --log L --method M --block B --eps E [--calib NPZ]``:
   stage 5b's ModelOpt INT4 run alone (:func:`deploykit.quant.int4.run_modelopt`; what stage 5's
   worker runs for 5b).
@@ -142,6 +144,10 @@ def get_args_parser() -> argparse.ArgumentParser:
                    help="keep the entropy/percentile calibration histograms in DIR and reuse "
                         "them when an earlier run there had the same graph, calibration data, "
                         "EP and settings (stage 5 passes its work folder)")
+    s.add_argument("--entropy-histograms", action="store_true",
+                   help="run ORT's entropy histograms even where max calibration gives the "
+                        "same file (one calibration batch: see deploykit.quant.modelopt."
+                        "entropy_as_max)")
     s.add_argument("modelopt_args", nargs=argparse.REMAINDER,
                    help="-- then the flags of python -m modelopt.onnx.quantization")
     s = sub.add_parser("modelopt-int4", help="stage 5b's ModelOpt INT4 run alone (what stage "
@@ -274,7 +280,8 @@ def main(args: argparse.Namespace):
         return check_calib_cli(args)
     if args.cmd == "modelopt":
         argv = args.modelopt_args[1:] if args.modelopt_args[:1] == ["--"] else args.modelopt_args
-        return modelopt_quantize(argv, args.calib_batch, args.fp16_output, args.histogram_cache)
+        return modelopt_quantize(argv, args.calib_batch, args.fp16_output, args.histogram_cache,
+                                 args.entropy_histograms)
     if args.cmd == "modelopt-int4":
         from deploykit.quant.int4 import int4_worker_job
 

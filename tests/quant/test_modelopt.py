@@ -96,18 +96,20 @@ def test_fp16_file_of_the_fp32_calibration_is_the_file_modelopts_fp16_run_writes
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("histograms", [True, False], ids=["entropy_histograms", "max_ranges"])
 def test_histograms_of_an_earlier_run_give_the_same_file_and_only_for_the_same_inputs(
-        tmp_path, capsys):
-    """The stage's histogram cache (modelopt_quantize's histogram_cache): a Conv/Gemm run after
+        tmp_path, capsys, histograms):
+    """The stage's calibration cache (modelopt_quantize's histogram_cache): a Conv/Gemm run after
     a run with ModelOpt's default op types (a superset of its tensors) skips ORT's calibration
     session and writes byte for byte the file it writes without the cache; other calibration
-    data is a cache miss (a new calibration, another file)."""
+    data is a cache miss (a new calibration, another file). Both ways: ORT's entropy histograms,
+    and the per-tensor ranges of the max calibration that stands for them (entropy_as_max)."""
     pytest.importorskip("modelopt.onnx.quantization")
     import shutil
 
     import torch
 
-    from deploykit.quant.modelopt import HISTOGRAM_MARK
+    from deploykit.quant.modelopt import ENTROPY_AS_MAX_MARK, HISTOGRAM_MARK
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU6(),
@@ -133,17 +135,20 @@ def test_histograms_of_an_earlier_run_give_the_same_file_and_only_for_the_same_i
             ["--onnx_path", str(work), "--quantize_mode", "int8", *flags,
              "--calibration_data_path", str(tmp_path / f"{calib}.npz"), "--calibration_eps",
              "cpu", "--output_path", str(tmp_path / f"{out}.onnx"), "--log_level", "ERROR"],
-            "all", None, cache if use_cache else None)
-        return (tmp_path / f"{out}.onnx").read_bytes(), HISTOGRAM_MARK in capsys.readouterr().out
+            "all", None, cache if use_cache else None, histograms)
+        text = capsys.readouterr().out
+        assert (ENTROPY_AS_MAX_MARK in text) is not histograms
+        return (tmp_path / f"{out}.onnx").read_bytes(), HISTOGRAM_MARK in text
 
     plain, seen = run("plain", use_cache=False)
     assert not seen and not cache.exists()
     _, seen = run("all_ops", ops=None)  # default op types: Conv, Gemm, Clip, Add ...
-    assert not seen and len(list(cache.glob("*.npz"))) == 1
+    files = "[!r]*.npz" if histograms else "ranges-*.npz"
+    assert not seen and len(list(cache.glob(files))) == 1 == len(list(cache.glob("*.npz")))
     cached, seen = run("cached")
     assert seen and cached == plain
     other, seen = run("other", calib="d")  # other data: calibrated anew, other scales
-    assert not seen and other != plain and len(list(cache.glob("*.npz"))) == 2
+    assert not seen and other != plain and len(list(cache.glob(files))) == 2
 
 
 def test_the_shown_command_leaves_the_stages_histogram_cache_out(tmp_path):
@@ -221,3 +226,119 @@ def test_a_histogram_threads_error_is_raised_in_the_calibration():
     with pytest.raises(ValueError, match="Only 'entropy', 'percentile' or 'distribution'"):
         _threaded_collector(cal, 2).collect({"a": [np.ones(4, np.float32)],
                                             "b": [np.ones(3, np.float32)]})
+
+
+def _entropy_cnn(tmp_path, scale_last: float = 1.0):
+    """A small CNN whose calibrated tensors are signed (a Conv with no activation), clipped
+    (ReLU6), depthwise and summed (a residual Add), with a Gemm; its FP32 ONNX path."""
+    import torch
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = torch.nn.Conv2d(3, 16, 3, padding=1)
+            self.dw = torch.nn.Conv2d(16, 16, 3, padding=1, groups=16)
+            self.pw = torch.nn.Conv2d(16, 16, 1)
+            self.fc = torch.nn.Linear(16, 10)
+
+        def forward(self, x):
+            y = self.stem(x)  # signed
+            z = torch.nn.functional.relu6(self.dw(y))
+            y = y + self.pw(z)  # residual Add of a signed and a mixed tensor
+            return self.fc(y.mean((2, 3)))
+
+    torch.manual_seed(0)
+    net = Net().eval()
+    with torch.no_grad():
+        net.pw.weight.mul_(scale_last)
+    src = tmp_path / "fp32.onnx"
+    torch.onnx.export(net, (torch.zeros(1, 3, 8, 8),), str(src), input_names=["x"],
+                      output_names=["y"], opset_version=17, dynamo=False,
+                      dynamic_axes={"x": {0: "N"}, "y": {0: "N"}})
+    return src
+
+
+@pytest.mark.slow
+def test_entropy_of_one_batch_is_computed_as_max_and_gives_the_same_file(tmp_path, capsys):
+    """ModelOpt's default INT8 calibration (entropy) of one batch runs as max calibration
+    (entropy_as_max: one candidate threshold, each tensor's (min, max)) and writes byte for byte
+    the file ORT's entropy histograms give, for ModelOpt's default op types and for
+    --high_precision_dtype fp32; with several batches (the histograms grow bins, the search has
+    more candidates) entropy runs as it is; a non-finite range (an activation that overflows
+    FP32) makes the run go again with entropy, which ModelOpt handles its own way."""
+    pytest.importorskip("modelopt.onnx.quantization")
+    from deploykit.quant.modelopt import ENTROPY_AS_MAX_MARK
+
+    src = _entropy_cnn(tmp_path)
+    x = np.random.default_rng(0).standard_normal((24, 3, 8, 8)).astype(np.float32)
+    x[::5] *= 3  # a few wide samples
+    np.savez(tmp_path / "c.npz", x=x)
+
+    def run(name, batch="all", histograms=False, flags=(), model=src):
+        out = tmp_path / f"{name}.onnx"
+        capsys.readouterr()
+        modelopt_quantize(["--onnx_path", str(model), "--quantize_mode", "int8", *flags,
+                           "--calibration_data_path", str(tmp_path / "c.npz"),
+                           "--calibration_eps", "cpu", "--output_path", str(out),
+                           "--log_level", "ERROR"], batch, None, None, histograms)
+        return out.read_bytes(), capsys.readouterr().out
+
+    for flags in (("--high_precision_dtype", "fp32"), ()):
+        as_max, text = run("max", flags=flags)
+        assert ENTROPY_AS_MAX_MARK in text and "runs of 10" in text
+        entropy, text = run("entropy", histograms=True, flags=flags)
+        assert ENTROPY_AS_MAX_MARK not in text
+        assert as_max == entropy
+    # the same file as ModelOpt's max calibration itself (one batch, default flags)
+    assert run("cli_max", flags=("--calibration_method", "max"), histograms=True)[0] == as_max
+    several, text = run("b4", batch=4)
+    assert ENTROPY_AS_MAX_MARK not in text
+    assert several == run("b4_hist", batch=4, histograms=True)[0]
+    assert several != as_max  # several batches: entropy's own thresholds, not (min, max)
+
+    (tmp_path / "wide").mkdir()
+    wide = _entropy_cnn(tmp_path / "wide", scale_last=3e38)  # the residual Add overflows
+    # ModelOpt 0.47.0's entropy path fails on it (numpy's histogram of inf values): the run
+    # that stood in for it goes back to it and fails the same way
+    with pytest.raises(IndexError) as own:
+        run("wide_hist", model=wide, histograms=True)
+    with pytest.raises(IndexError) as ours:
+        run("wide", model=wide)
+    text = capsys.readouterr().out
+    assert ENTROPY_AS_MAX_MARK not in text
+    assert "max calibration is not what entropy gives here" in text and "inf" in text
+    assert str(ours.value) == str(own.value)
+
+
+def test_entropy_as_max_holds_only_where_shown(monkeypatch):
+    """entropy_as_max: INT8, entropy (ModelOpt's default, None), one batch, no per-node
+    calibration, no calibration cache, verified versions; anything else runs as requested."""
+    pytest.importorskip("modelopt.onnx.quantization")
+    import argparse
+
+    from deploykit.quant import modelopt as mo
+
+    def args(**kw):
+        base = {"quantize_mode": "int8", "calibration_method": None,
+                "calibrate_per_node": False, "calibration_cache_path": None}
+        return argparse.Namespace(**{**base, **kw})
+
+    one = {"n_samples": 100, "batches": [100]}
+    assert mo.entropy_as_max(args(), one)
+    assert mo.entropy_as_max(args(calibration_method="entropy"), one)
+    assert mo.entropy_as_max(args(), None) is None  # no calibration data: ModelOpt's random
+    assert mo.entropy_as_max(args(), {"n_samples": 100, "batches": [50, 50]}) is None
+    for kw in ({"calibration_method": "max"}, {"quantize_mode": "fp8"},
+               {"calibrate_per_node": True}, {"calibration_cache_path": "c.cache"}):
+        assert mo.entropy_as_max(args(**kw), one) is None, kw
+    monkeypatch.setattr(mo, "ENTROPY_AS_MAX_VERIFIED", frozenset())
+    assert mo.entropy_as_max(args(), one) is None
+
+
+def test_the_record_says_when_entropy_ran_as_max():
+    """quant_<variant>.json's entropy_computed_as_max comes from the child's log line."""
+    from deploykit.quant.modelopt import ENTROPY_AS_MAX_MARK, entropy_computed_as_max
+
+    assert entropy_computed_as_max("calibration batch 100\nINFO done\n") is None
+    log = f"x\n{ENTROPY_AS_MAX_MARK}one batch of 100 samples ...\ny\n"
+    assert entropy_computed_as_max(log) == "one batch of 100 samples ..."
