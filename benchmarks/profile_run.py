@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
 import tempfile
@@ -72,14 +73,62 @@ def main() -> None:
     env = dict(os.environ, ARTIFACTS=str(scratch / "artifacts"), RESULTS=str(scratch / "results"))
     env.update(kv.split("=", 1) for kv in args.env)
     cmd = ["bash", "run_all.sh"] + (["--limit", str(args.limit_run)] if args.limit_run else [])
+    host = {"before": host_probe()}
+    ticks0, cpu0 = proc_stat_ticks(), resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     total = time.perf_counter() - t0
+    ticks1, cpu1 = proc_stat_ticks(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    host["after"] = host_probe()
+    hz = os.sysconf("SC_CLK_TCK")
+    host["steal_s"] = (round((ticks1["steal"] - ticks0["steal"]) / hz, 1)
+                       if ticks0 and ticks1 else None)
+    host["cpu_s"] = {"user": round(cpu1.ru_utime - cpu0.ru_utime, 1),
+                     "system": round(cpu1.ru_stime - cpu0.ru_stime, 1)}
     log = proc.stdout + proc.stderr
     if proc.returncode:
         sys.exit(f"run_all.sh failed (rc={proc.returncode}):\n{log[-3000:]}")
     art = Path(env["ARTIFACTS"]) / ("smoke" if args.limit_run else "")
-    report(args, args.env + cmd, log, total, Path(env["RESULTS"]), times_root=art / "logs")
+    report(args, args.env + cmd, log, total, Path(env["RESULTS"]), times_root=art / "logs",
+           host=host)
+
+
+def host_probe(seconds: float = 0.5) -> dict:
+    """How fast this host is right now, so that runs made at different times can be read
+    against each other (a shared VM host drifted by 20-45 % within an hour here; stops 41-43):
+    float32 256x256 matmuls per second on NumPy's BLAS threads, and the GB/s of copying a 64 MB
+    float32 array (one thread), each for ``seconds``.
+
+    Returns:
+        ``{"matmul_per_s", "copy_gb_s"}`` (higher is faster).
+    """
+    import numpy as np
+
+    a = np.random.default_rng(0).standard_normal((256, 256), dtype=np.float32)
+    src = np.ones(16 * 2 ** 20, np.float32)
+    dst = np.empty_like(src)
+    out = {}
+    for name, work, unit in (("matmul_per_s", lambda: a @ a, 1.0),
+                             ("copy_gb_s", lambda: np.copyto(dst, src), src.nbytes / 1e9)):
+        work()
+        n, t0 = 0, time.perf_counter()
+        while (t := time.perf_counter() - t0) < seconds:
+            work()
+            n += 1
+        out[name] = round(n * unit / t, 1)
+    return out
+
+
+def proc_stat_ticks() -> dict[str, int] | None:
+    """The machine's CPU ticks so far by kind (``/proc/stat``'s ``cpu`` line: ``user``,
+    ``system``, ``idle``, ``steal`` ...), or None off Linux. ``steal`` is the time a virtual
+    machine's CPUs were ready to run but the hypervisor ran something else."""
+    names = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+    try:
+        first = Path("/proc/stat").read_text().splitlines()[0].split()
+    except (OSError, IndexError):
+        return None
+    return dict(zip(names, map(int, first[1:1 + len(names)])))
 
 
 def parse_stages(log: str) -> dict[int, float]:
@@ -103,11 +152,14 @@ def command_times(root: Path | None) -> dict[str, float]:
 
 
 def report(args, cmd: list[str], log: str, total: float, res_root: Path,
-           load: tuple | None | str = "now", times_root: Path | None = None) -> None:
+           load: tuple | None | str = "now", times_root: Path | None = None,
+           host: dict | None = None) -> None:
     """Write and print the profile: stage times, command times (``times_root``'s
     ``times.tsv``), ModelOpt times (the quant records'; the console's ``finished`` lines when
     there are none), each row's ``timings_s``; ``load``: the load average to record ("now":
-    this machine's, None: unknown, e.g. a run profiled afterwards with --parse)."""
+    this machine's, None: unknown, e.g. a run profiled afterwards with --parse); ``host``:
+    :func:`host_probe` before and after the run, the run's ``steal_s`` and ``cpu_s`` (user and
+    system seconds of the processes it waited for), None with --parse."""
     load = os.getloadavg() if load == "now" else load
     stages = parse_stages(log)
     quant = {m.group(1): float(m.group(2))
@@ -130,10 +182,17 @@ def report(args, cmd: list[str], log: str, total: float, res_root: Path,
     commands = command_times(times_root)
     out = {"machine": device_info(), "date_utc": time.strftime("%Y-%m-%d"),
            "command": " ".join(cmd), "total_s": round(total, 1), "stages_s": stages,
-           "commands_s": commands, "modelopt_s": quant, "rows_s": rows, "load_average": load}
+           "commands_s": commands, "modelopt_s": quant, "rows_s": rows, "load_average": load,
+           "host": host}
     write_json(args.out, out)
     print(f"{' '.join(cmd)}: {total:.0f} s in all"
           + (f" (load average {load[0]:.1f} at the end)" if load else ""))
+    if host:
+        b, a = host["before"], host["after"]
+        print(f"  host: {b['matmul_per_s']:.0f} -> {a['matmul_per_s']:.0f} matmuls/s, "
+              f"{b['copy_gb_s']:.1f} -> {a['copy_gb_s']:.1f} GB/s copy (before -> after); "
+              f"CPU {host['cpu_s']['user']:.0f} s user + {host['cpu_s']['system']:.0f} s "
+              f"system; steal {host['steal_s']} s")
     for k, v in sorted(stages.items()):
         print(f"  stage {k}: {v:6.0f} s")
     for k, v in commands.items():

@@ -48,3 +48,23 @@ def test_the_smoke_benchmarks_user_factory_is_one_seeded_resnet18(monkeypatch):
     x = torch.randn(2, 3, 224, 224)
     with torch.inference_mode():
         assert torch.equal(a(x), b(x)) and a(x).shape == (2, 1000)
+
+
+def test_profile_runs_record_how_fast_the_host_was(monkeypatch):
+    """profile_run.py's host probe: two figures that grow with the host's speed (positive and
+    finite), and the machine's CPU ticks by kind, steal among them, which only grow."""
+    import math
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import profile_run
+
+    probe = profile_run.host_probe(seconds=0.05)
+    assert set(probe) == {"matmul_per_s", "copy_gb_s"}
+    assert all(math.isfinite(v) and v > 0 for v in probe.values())
+    a = profile_run.proc_stat_ticks()
+    if a is None:
+        pytest.skip("no /proc/stat here")
+    sum(i * i for i in range(200_000))  # a little CPU time between the two readings
+    b = profile_run.proc_stat_ticks()
+    assert {"user", "system", "idle", "steal"} <= set(a)
+    assert all(b[k] >= a[k] for k in a) and sum(b.values()) >= sum(a.values())
