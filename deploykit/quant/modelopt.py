@@ -101,6 +101,34 @@ def entropy_computed_as_max(log_text: str) -> str | None:
     return lines[-1] if lines else None
 
 
+def _read_cache(path: Path, load) -> tuple[dict, str]:
+    """``load(path)`` of a calibration cache file: ``({tensor: statistics}, the run that wrote
+    it)``; ``({}, "")`` when there is none, or when it cannot be read (a truncated or foreign
+    file: said in one line, and the run calibrates anew and writes it again)."""
+    import zipfile
+
+    if not path.exists():
+        return {}, ""
+    try:
+        return load(path)
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
+        print(f"deploykit: calibration cache {path.name} unreadable ({type(e).__name__}: "
+              f"{e}); calibrating anew", flush=True)
+        return {}, ""
+
+
+def _write_cache(path: Path, arrays: dict) -> None:
+    """Write a calibration cache file atomically; one that cannot be written is said in one line
+    (the run's own file does not depend on it; a later run calibrates itself)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(path) as tmp:
+            np.savez(tmp, **arrays)
+    except (OSError, StageError) as e:
+        print(f"deploykit: calibration cache {path} not written ({e}); later runs calibrate "
+              "themselves", flush=True)
+
+
 @contextlib.contextmanager
 def _ranges_as_entropy_gives(cache: str | Path | None = None, label: str = ""):
     """While the block runs, ModelOpt's max calibration (``MinMaxCalibrater.collect_data`` as
@@ -131,8 +159,6 @@ def _ranges_as_entropy_gives(cache: str | Path | None = None, label: str = ""):
     real_collect = ort_patching._collect_data_minmax_calibrator
     real_augment = MinMaxCalibrater.augment_graph
     folder = Path(cache) if cache else None
-    if folder is not None:
-        folder.mkdir(parents=True, exist_ok=True)
 
     class Replay:  # a CalibrationDataReader over the feeds already read
         def __init__(self, feeds):
@@ -161,6 +187,11 @@ def _ranges_as_entropy_gives(cache: str | Path | None = None, label: str = ""):
         h.update(repr(settings).encode())
         return h.hexdigest()
 
+    def load(path: Path) -> tuple[dict, str]:
+        with np.load(path, allow_pickle=False) as z:
+            return ({str(n): (z[f"{i}_lo"], z[f"{i}_hi"]) for i, n in enumerate(z["names"])},
+                    str(z["label"]))
+
     def check(ranges) -> None:
         for name, td in (ranges.data.items() if ranges else []):
             for v in td.range_value:
@@ -178,16 +209,13 @@ def _ranges_as_entropy_gives(cache: str | Path | None = None, label: str = ""):
         while (f := data_reader.get_next()):
             feeds.append(f)
         path = folder / f"ranges-{key(calibrator, feeds)}.npz"
-        known, source = {}, ""
-        if path.exists():
-            with np.load(path, allow_pickle=False) as z:
-                known = {str(n): (z[f"{i}_lo"], z[f"{i}_hi"]) for i, n in enumerate(z["names"])}
-                source = str(z["label"])
+        known, source = _read_cache(path, load)
         added = [o.name for o in calibrator.model.graph.output][calibrator.num_model_outputs:]
         want = [added[i].rpartition("_")[0] for i in range(0, len(added), 2)]
         if feeds and want and all(t in known for t in want):
             calibrator.calibrate_tensors_range = TensorsData(CalibrationMethod.MinMax, {
                 t: TensorData(lowest=known[t][0], highest=known[t][1]) for t in want})
+            check(calibrator.calibrate_tensors_range)
             print(f"{HISTOGRAM_MARK}{source}'s run: {len(want)} tensor ranges, same graph, "
                   "calibration data, EP and settings (ORT's calibration session not run)",
                   flush=True)
@@ -200,8 +228,7 @@ def _ranges_as_entropy_gives(cache: str | Path | None = None, label: str = ""):
             arrays = {"names": np.array(list(known)), "label": np.array(label)}
             for i, (lo, hi) in enumerate(known.values()):  # each as it was: dtype and shape
                 arrays[f"{i}_lo"], arrays[f"{i}_hi"] = np.asarray(lo), np.asarray(hi)
-            with atomic_path(path) as tmp:
-                np.savez(tmp, **arrays)
+            _write_cache(path, arrays)
         return out
 
     ort_patching._collect_data_minmax_calibrator = collect  # installed by patch_ort_modules
@@ -470,7 +497,6 @@ def _histogram_cache(folder: str | Path, label: str):
     from onnxruntime.quantization.calibrate import HistogramCalibrater, HistogramCollector
 
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     real = ort_patching._collect_data_histogram_calibrator
 
     class Replay:  # a CalibrationDataReader over the feeds already read
@@ -494,8 +520,7 @@ def _histogram_cache(folder: str | Path, label: str):
         for i, v in enumerate(hist.values()):
             for j, a in enumerate(v):
                 arrays[f"{i}_{j}"] = np.asarray(a)
-        with atomic_path(path) as tmp:
-            np.savez(tmp, **arrays)
+        _write_cache(path, arrays)
 
     def collect(calibrator, data_reader):
         if calibrator.group_qdq_tensors or not hasattr(calibrator, "num_quantized_bins"):
@@ -504,7 +529,7 @@ def _histogram_cache(folder: str | Path, label: str):
         while (f := data_reader.get_next()):
             feeds.append(f)
         path = folder / f"{_histogram_key(calibrator, feeds)}.npz"
-        known, source = load(path) if path.exists() else ({}, "")
+        known, source = _read_cache(path, load)
         want = [o.name for o in calibrator.model.graph.output
                 if o.name in calibrator.tensors_to_calibrate]
         if feeds and want and all(t in known for t in want):

@@ -342,3 +342,44 @@ def test_the_record_says_when_entropy_ran_as_max():
     assert entropy_computed_as_max("calibration batch 100\nINFO done\n") is None
     log = f"x\n{ENTROPY_AS_MAX_MARK}one batch of 100 samples ...\ny\n"
     assert entropy_computed_as_max(log) == "one batch of 100 samples ..."
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("histograms", [True, False], ids=["entropy_histograms", "max_ranges"])
+def test_a_calibration_cache_that_cannot_be_read_or_written_is_said_and_skipped(
+        tmp_path, capsys, histograms):
+    """The calibration cache only saves time: a truncated cache file is a miss (said, then
+    written again), a cache folder that cannot be made is said, and either way the file is the
+    one a run without a cache writes."""
+    pytest.importorskip("modelopt.onnx.quantization")
+    import shutil
+
+    src = _entropy_cnn(tmp_path)
+    np.savez(tmp_path / "c.npz",
+             x=np.random.default_rng(0).standard_normal((12, 3, 8, 8)).astype(np.float32))
+
+    def run(name, cache):
+        work = tmp_path / f"{name}.in.onnx"
+        shutil.copyfile(src, work)
+        capsys.readouterr()
+        modelopt_quantize(["--onnx_path", str(work), "--quantize_mode", "int8",
+                           "--calibration_data_path", str(tmp_path / "c.npz"),
+                           "--calibration_eps", "cpu", "--output_path",
+                           str(tmp_path / f"{name}.onnx"), "--log_level", "ERROR"],
+                          "all", None, cache, histograms)
+        return (tmp_path / f"{name}.onnx").read_bytes(), capsys.readouterr().out
+
+    plain, _ = run("plain", None)
+    cache = tmp_path / "cache"
+    first, text = run("first", cache)
+    (made,) = cache.glob("*.npz")
+    made.write_bytes(made.read_bytes()[:100])  # truncated
+    again, text = run("again", cache)
+    assert "unreadable" in text and made.name in text and "calibrating anew" in text
+    assert plain == first == again
+    with np.load(made) as z:  # written again, whole
+        assert len(z["names"])
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    nowhere, text = run("nowhere", blocker / "cache")
+    assert "not written" in text and nowhere == plain
