@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import re
 from pathlib import Path
 from typing import Sequence
 import numpy as np
 
-from deploykit.io import atomic_path, load_npz
+from deploykit.io import load_npz
 from deploykit.errors import StageError, UsageError
 from deploykit.quant.calibration import calibration_plan, deployment_shapes
 from deploykit.runners import ORT_DTYPES, ort_session_options
@@ -31,17 +32,18 @@ FP16_MARK = "deploykit: FP16 conversion of the calibrated model (ModelOpt conver
 #: ModelOpt's entropy calibration as it is.
 ENTROPY_AS_MAX_VERIFIED = frozenset({("0.47.0", "1.32.0")})
 
-#: Samples per calibration run when max calibration stands for a one-batch entropy one: the
-#: per-tensor min and max merge exactly over runs (ModelOpt's ``_merge_range_minmax_calibrator``
-#: without moving average), so the batch only bounds the memory of ORT's session. Measured on
-#: this project's 2-core Intel Xeon, EfficientNet-Lite0, 100 samples, ``qdq_tools.py modelopt``
-#: whole process: entropy (one batch of 100) 23.4 s wall, 28.0 s CPU, 6.5 GB peak; max in one run
-#: 12.0 s, 16.5 s, 6.0 GB; max in runs of 10 9.9 s, 12.5 s, 2.2 GB; the same file all three ways.
-MAX_AS_ENTROPY_RUN_BATCH = 10
-
-#: Printed by the child when ModelOpt's entropy calibration is computed as max calibration
+#: Measured on this project's 2-core Intel Xeon, EfficientNet-Lite0, 100 samples in one batch,
+#: ``qdq_tools.py modelopt`` whole process: entropy 24.6 s wall, 29.2 s CPU, 6.5 GB peak; max
+#: (with the NaN term of :func:`_nan_into_minimum`) 13.5 s, 18.5 s, 6.0 GB; the same file. (Max
+#: calibration in runs of 10 took 9.9 s and 2.2 GB, but a layer that mixes the samples of a
+#: batch, e.g. ``x - x.mean(0)``, then sees other batches than entropy's one: another file.)
+#: Printed by the child before ModelOpt's entropy calibration is computed as max calibration
 #: (:func:`entropy_as_max`); the rest of the line says why (:func:`entropy_computed_as_max`).
 ENTROPY_AS_MAX_MARK = "deploykit: entropy calibration computed as max calibration: "
+
+#: Printed by the child when the max calibration it tried is not what entropy calibration gives
+#: (a NaN/Inf activation, a range entropy's histogram cannot bin): ModelOpt's entropy runs next.
+ENTROPY_FALLBACK_MARK = "deploykit: max calibration is not what entropy gives here"
 
 
 class _RangeNotEquivalent(Exception):
@@ -62,14 +64,19 @@ def entropy_as_max(args, plan: dict | None) -> str | None:
     ``(min, max)``. So every tensor gets exactly its ``(min, max)``: what max calibration (ORT's
     ``MinMaxCalibrater`` with ModelOpt's patches, not symmetric, no moving average) gives.
     Max calibration reads each tensor through a ReduceMin/ReduceMax in the graph instead of
-    returning every activation of the batch and binning it with NumPy.
+    returning every activation of the batch and binning it with NumPy; it runs in the same one
+    batch (a layer may mix the samples of a batch).
 
     It holds when: INT8, entropy (ModelOpt's default), the whole calibration set in one batch
     (with several batches the histograms grow bins and the search has more candidates), no
     per-node calibration, no calibration cache, and the ModelOpt/onnxruntime versions of
-    :data:`ENTROPY_AS_MAX_VERIFIED`. A range that is not finite or not float32 (ModelOpt's entropy
-    path replaces an infinite/NaN min by float32's tiny and max by its max) makes the run go
-    again with entropy (:func:`modelopt_quantize`).
+    :data:`ENTROPY_AS_MAX_VERIFIED`. Where the two could still differ the run goes again with
+    entropy (:func:`modelopt_quantize`, :func:`_ranges_as_entropy_gives`): a NaN or Inf in a
+    tensor (ModelOpt's entropy path replaces a NaN/Inf min by float32's tiny and max by its
+    max; ORT's ReduceMin/ReduceMax skip a NaN unless it comes first, so a NaN-propagating
+    sum is folded into each minimum), a range that is not float32, or a range whose
+    128-bin histogram NumPy cannot make (``Too many bins for data range``: a tensor of
+    subnormal values, on which ModelOpt's entropy path fails).
 
     Args:
         args: ModelOpt's parsed CLI arguments. plan: :func:`deploykit.quant.calibration.
@@ -88,17 +95,80 @@ def entropy_as_max(args, plan: dict | None) -> str | None:
             or versions not in ENTROPY_AS_MAX_VERIFIED):
         return None
     return (f"one batch of {plan['n_samples']} samples and 128 histogram bins leave ORT's entropy "
-            "search one candidate, each tensor's (min, max) (ModelOpt "
-            f"{versions[0]}, onnxruntime {versions[1]}; deploykit.quant.modelopt.entropy_as_max)"
-            f"; min/max read in runs of {MAX_AS_ENTROPY_RUN_BATCH}")
+            "search one candidate, each tensor's (min, max): the same file (ModelOpt "
+            f"{versions[0]}, onnxruntime {versions[1]}; deploykit.quant.modelopt.entropy_as_max;"
+            " ModelOpt's log below says 'method: max')")
 
 
 def entropy_computed_as_max(log_text: str) -> str | None:
-    """The reason a child gave for computing entropy calibration as max calibration (its
-    :data:`ENTROPY_AS_MAX_MARK` line), or None when it ran entropy calibration as it is."""
-    lines = [line.split(ENTROPY_AS_MAX_MARK, 1)[1].strip()
-             for line in log_text.splitlines() if ENTROPY_AS_MAX_MARK in line]
-    return lines[-1] if lines else None
+    """The reason a child gave for computing entropy calibration as max calibration (its last
+    :data:`ENTROPY_AS_MAX_MARK` line), or None when it ran entropy calibration as it is (no such
+    line, or an :data:`ENTROPY_FALLBACK_MARK` line after it)."""
+    why = None
+    for line in log_text.splitlines():
+        if ENTROPY_AS_MAX_MARK in line:
+            why = line.split(ENTROPY_AS_MAX_MARK, 1)[1].strip()
+        elif ENTROPY_FALLBACK_MARK in line:
+            why = None
+    return why
+
+
+@contextlib.contextmanager
+def _own_tempdir():
+    """While the block runs, ``tempfile``'s default folder is a private one, removed afterwards
+    with whatever is left in it (ModelOpt's ``mkstemp`` intermediate files stay behind when an
+    exception leaves ``quantize()``)."""
+    import shutil
+    import tempfile
+
+    before = tempfile.tempdir
+    own = tempfile.mkdtemp(prefix="deploykit-modelopt-")
+    tempfile.tempdir = own
+    try:
+        yield own
+    finally:
+        tempfile.tempdir = before
+        shutil.rmtree(own, ignore_errors=True)
+
+
+def _nan_into_minimum(model) -> int:
+    """Fold a NaN-propagating term into each minimum that ORT's ``MinMaxCalibrater.augment_graph``
+    added (node ``<t>_ReduceMin`` -> ``<t>_ReduceMin_Reshape``): the minimum becomes
+    ``ReduceMin(t) - 0 * |ReduceSum(t)|``, the same value bit for bit while ``t`` is finite (the
+    term is +0), NaN when ``t`` holds a NaN or an Inf (or when its sum overflows FP32: then
+    entropy runs, which is only slower). ORT's CPU ReduceMin/ReduceMax return NaN only when the
+    NaN is a tensor's first element. Float32 tensors only (another type fails the range check
+    anyway). Returns the number of minima changed."""
+    import uuid
+
+    import onnx
+    from onnx import helper, numpy_helper
+
+    g = model.graph
+    types = {v.name: v.type.tensor_type.elem_type
+             for v in list(g.value_info) + list(g.input) + list(g.output)}
+    zero = f"deploykit_zero_{uuid.uuid4().hex}"
+    changed = 0
+    for i in range(len(g.node) - 1, -1, -1):
+        n = g.node[i]
+        t = n.input[0] if n.input else ""
+        if (n.op_type != "ReduceMin" or n.name != f"{t}_ReduceMin"
+                or list(n.output) != [f"{t}_ReduceMin_Reshape"]
+                or types.get(t) != onnx.TensorProto.FLOAT):
+            continue
+        raw, total, size, term = (f"{t}_deploykit_{k}" for k in ("min", "sum", "abs", "term"))
+        out = n.output[0]
+        n.output[0] = raw
+        new = [helper.make_node("ReduceSum", [t], [total], keepdims=1, name=total),
+               helper.make_node("Abs", [total], [size], name=size),
+               helper.make_node("Mul", [size, zero], [term], name=term),
+               helper.make_node("Sub", [raw, term], [out], name=f"{t}_deploykit_sub")]
+        for k, node in enumerate(new):
+            g.node.insert(i + 1 + k, node)
+        changed += 1
+    if changed:
+        g.initializer.append(numpy_helper.from_array(np.zeros((), np.float32), zero))
+    return changed
 
 
 def _read_cache(path: Path, load) -> tuple[dict, str]:
@@ -120,13 +190,16 @@ def _read_cache(path: Path, load) -> tuple[dict, str]:
 def _write_cache(path: Path, arrays: dict) -> None:
     """Write a calibration cache file atomically; one that cannot be written is said in one line
     (the run's own file does not depend on it; a later run calibrates itself)."""
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.npz")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_path(path) as tmp:
-            np.savez(tmp, **arrays)
-    except (OSError, StageError) as e:
-        print(f"deploykit: calibration cache {path} not written ({e}); later runs calibrate "
-              "themselves", flush=True)
+        np.savez(tmp, **arrays)
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        print(f"deploykit: calibration cache {path} not written ({e.strerror or e}; "
+              "--histogram-cache names the folder); later runs calibrate themselves", flush=True)
 
 
 @contextlib.contextmanager
@@ -172,7 +245,11 @@ def _ranges_as_entropy_gives(cache: str | Path | None = None, label: str = ""):
         g.CopyFrom(calibrator.model.graph)
         calibrator._deploykit_graph = hashlib.sha256(
             g.SerializeToString(deterministic=True)).hexdigest()
-        return real_augment(calibrator)
+        out = real_augment(calibrator)
+        if _nan_into_minimum(calibrator.model):  # saved again where the session reads it
+            onnx.save(calibrator.model, calibrator.augmented_model_path,
+                      save_as_external_data=calibrator.use_external_data_format)
+        return out
 
     def key(calibrator, feeds: list[dict]) -> str:
         h = hashlib.sha256(calibrator._deploykit_graph.encode())
@@ -194,10 +271,17 @@ def _ranges_as_entropy_gives(cache: str | Path | None = None, label: str = ""):
 
     def check(ranges) -> None:
         for name, td in (ranges.data.items() if ranges else []):
-            for v in td.range_value:
-                a = np.asarray(v)
+            lo, hi = (np.asarray(v) for v in td.range_value)
+            for a in (lo, hi):
                 if a.dtype != np.float32 or not np.all(np.isfinite(a)):
                     raise _RangeNotEquivalent(f"tensor {name}: range value {a!r}")
+            # ModelOpt's entropy path bins [-t, t] in 128 bins of the tensor's dtype
+            # (ort_patching._collect_value); NumPy refuses when they cannot all be finite-sized
+            t = float(max(np.max(np.abs(lo)), np.max(np.abs(hi))))
+            try:
+                np.histogram(np.zeros(0, lo.dtype), 128, range=(-t, t))
+            except ValueError as e:
+                raise _RangeNotEquivalent(f"tensor {name}: max |x| {t:.3g}: {e}") from None
 
     def collect(calibrator, data_reader):
         if (folder is None or calibrator.group_qdq_tensors or calibrator.moving_average
@@ -216,8 +300,8 @@ def _ranges_as_entropy_gives(cache: str | Path | None = None, label: str = ""):
             calibrator.calibrate_tensors_range = TensorsData(CalibrationMethod.MinMax, {
                 t: TensorData(lowest=known[t][0], highest=known[t][1]) for t in want})
             check(calibrator.calibrate_tensors_range)
-            print(f"{HISTOGRAM_MARK}{source}'s run: {len(want)} tensor ranges, same graph, "
-                  "calibration data, EP and settings (ORT's calibration session not run)",
+            print(f"{HISTOGRAM_MARK}{source}'s run: {len(want)} tensor ranges (min, max), same "
+                  "graph, calibration data, EP and settings (ORT's calibration session not run)",
                   flush=True)
             return None
         out = real_collect(calibrator, Replay(feeds))
@@ -307,26 +391,24 @@ def modelopt_quantize(argv: Sequence[str], calib_batch: str | int = "all",
         print(f"calibration batch {plan['batch_size']} ({len(plan['batches'])} batch(es) of "
               f"{plan['batches'][:4]}); ModelOpt's GEMV rule sees {kw['calibration_shapes']}")
     why = None if entropy_histograms else entropy_as_max(args, plan)
-    if why:
-        run = calibration_plan(args.onnx_path, data,
-                               min(plan["n_samples"], MAX_AS_ENTROPY_RUN_BATCH))
+    if why:  # the same one batch as entropy's (a fresh reader: the other one may run after)
         kw_max = {**kw, "calibration_method": "max",
                   "calibration_data_reader": CalibrationDataProvider(
-                      args.onnx_path, data, run["calibration_shapes"])}
+                      args.onnx_path, data, plan["calibration_shapes"])}
     cache = (_histogram_cache(histogram_cache, Path(args.output_path).stem)
              if histogram_cache else contextlib.nullcontext())
 
     def calibrate_and_quantize():
         if why:
+            print(ENTROPY_AS_MAX_MARK + why, flush=True)
             try:
-                with _ranges_as_entropy_gives(histogram_cache,
-                                              Path(args.output_path).stem):
+                with _ranges_as_entropy_gives(histogram_cache, Path(args.output_path).stem), \
+                        _own_tempdir():
                     quantize(args.onnx_path, **kw_max)
-                print(ENTROPY_AS_MAX_MARK + why, flush=True)
                 return
             except _RangeNotEquivalent as e:
-                print(f"deploykit: max calibration is not what entropy gives here ({e}): "
-                      "entropy calibration as ModelOpt runs it", flush=True)
+                print(f"{ENTROPY_FALLBACK_MARK} ({e}): entropy calibration as ModelOpt runs it; "
+                      "the rest of this log is that run's", flush=True)
                 seen[:] = []
         with cache:
             quantize(args.onnx_path, **kw)
@@ -370,7 +452,7 @@ def _runtime_precision_call():
 
 #: Printed by the child when a variant's calibration histograms come from an earlier run
 #: (:func:`_histogram_cache`); the rest of the line names that run (:func:`histograms_reused_from`).
-HISTOGRAM_MARK = "deploykit: calibration histograms reused from "
+HISTOGRAM_MARK = "deploykit: calibration statistics reused from "
 
 
 def histograms_reused_from(log_text: str) -> str | None:

@@ -141,9 +141,10 @@ def get_args_parser() -> argparse.ArgumentParser:
                         "calibration here (the flags after -- must say --high_precision_dtype "
                         "fp32); the log marks where that conversion starts")
     s.add_argument("--histogram-cache", type=Path, default=None, metavar="DIR",
-                   help="keep the entropy/percentile calibration histograms in DIR and reuse "
-                        "them when an earlier run there had the same graph, calibration data, "
-                        "EP and settings (stage 5 passes its work folder)")
+                   help="keep the calibration statistics (entropy/percentile histograms, or "
+                        "the per-tensor ranges of max calibration) in DIR and reuse them when "
+                        "an earlier run there had the same graph, calibration data, EP and "
+                        "settings (stage 5 passes its work folder)")
     s.add_argument("--entropy-histograms", action="store_true",
                    help="run ORT's entropy histograms even where max calibration gives the "
                         "same file (one calibration batch: see deploykit.quant.modelopt."

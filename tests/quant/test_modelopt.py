@@ -267,7 +267,7 @@ def test_entropy_of_one_batch_is_computed_as_max_and_gives_the_same_file(tmp_pat
     more candidates) entropy runs as it is; a non-finite range (an activation that overflows
     FP32) makes the run go again with entropy, which ModelOpt handles its own way."""
     pytest.importorskip("modelopt.onnx.quantization")
-    from deploykit.quant.modelopt import ENTROPY_AS_MAX_MARK
+    from deploykit.quant.modelopt import ENTROPY_AS_MAX_MARK, entropy_computed_as_max
 
     src = _entropy_cnn(tmp_path)
     x = np.random.default_rng(0).standard_normal((24, 3, 8, 8)).astype(np.float32)
@@ -285,14 +285,14 @@ def test_entropy_of_one_batch_is_computed_as_max_and_gives_the_same_file(tmp_pat
 
     for flags in (("--high_precision_dtype", "fp32"), ()):
         as_max, text = run("max", flags=flags)
-        assert ENTROPY_AS_MAX_MARK in text and "runs of 10" in text
+        assert ENTROPY_AS_MAX_MARK in text and "method: max" in text
         entropy, text = run("entropy", histograms=True, flags=flags)
         assert ENTROPY_AS_MAX_MARK not in text
         assert as_max == entropy
     # the same file as ModelOpt's max calibration itself (one batch, default flags)
     assert run("cli_max", flags=("--calibration_method", "max"), histograms=True)[0] == as_max
     several, text = run("b4", batch=4)
-    assert ENTROPY_AS_MAX_MARK not in text
+    assert ENTROPY_AS_MAX_MARK not in text and entropy_computed_as_max(text) is None
     assert several == run("b4_hist", batch=4, histograms=True)[0]
     assert several != as_max  # several batches: entropy's own thresholds, not (min, max)
 
@@ -305,8 +305,8 @@ def test_entropy_of_one_batch_is_computed_as_max_and_gives_the_same_file(tmp_pat
     with pytest.raises(IndexError) as ours:
         run("wide", model=wide)
     text = capsys.readouterr().out
-    assert ENTROPY_AS_MAX_MARK not in text
-    assert "max calibration is not what entropy gives here" in text and "inf" in text
+    assert ENTROPY_AS_MAX_MARK in text and entropy_computed_as_max(text) is None
+    assert "max calibration is not what entropy gives here" in text and "nan" in text
     assert str(ours.value) == str(own.value)
 
 
@@ -383,3 +383,87 @@ def test_a_calibration_cache_that_cannot_be_read_or_written_is_said_and_skipped(
     blocker.write_text("not a folder")
     nowhere, text = run("nowhere", blocker / "cache")
     assert "not written" in text and nowhere == plain
+
+
+def _export(tmp_path, name, forward):
+    """A two-conv model (16 channels: ModelOpt quantizes them) with ``forward(x, c1, c2)``,
+    exported to ``tmp_path/<name>.onnx`` (dynamic batch); its path."""
+    import torch
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1 = torch.nn.Conv2d(3, 16, 3, padding=1)
+            self.c2 = torch.nn.Conv2d(16, 16, 3, padding=1)
+
+        def forward(self, x):
+            return forward(x, self.c1, self.c2)
+
+    torch.manual_seed(0)
+    path = tmp_path / f"{name}.onnx"
+    torch.onnx.export(Net().eval(), (torch.zeros(1, 3, 8, 8),), str(path), input_names=["x"],
+                      output_names=["y"], opset_version=17, dynamo=False,
+                      dynamic_axes={"x": {0: "N"}, "y": {0: "N"}})
+    return path
+
+
+@pytest.mark.slow
+def test_entropy_as_max_holds_where_a_batch_mixes_samples_and_not_where_it_cannot(
+        tmp_path, capsys):
+    """Cases a review found (the file must be entropy's, byte for byte, or fail as entropy
+    fails): a layer that mixes the samples of the batch (max calibration runs in entropy's one
+    batch); a NaN that is not a tensor's first element (ORT's ReduceMin/ReduceMax skip it; the
+    NaN-propagating term sends the run back to entropy); a tensor of subnormal values (ModelOpt's
+    entropy histogram cannot be made: the run fails as entropy's does)."""
+    pytest.importorskip("modelopt.onnx.quantization")
+    import shutil
+
+    import torch
+
+    from deploykit.quant.modelopt import (ENTROPY_AS_MAX_MARK, ENTROPY_FALLBACK_MARK,
+                                          entropy_computed_as_max)
+
+    def run(model, x, histograms):
+        np.savez(tmp_path / "c.npz", x=x)
+        work, out = tmp_path / "in.onnx", tmp_path / f"out_{histograms}.onnx"
+        shutil.copyfile(model, work)
+        capsys.readouterr()
+        modelopt_quantize(["--onnx_path", str(work), "--quantize_mode", "int8",
+                           "--high_precision_dtype", "fp32", "--calibration_data_path",
+                           str(tmp_path / "c.npz"), "--calibration_eps", "cpu",
+                           "--output_path", str(out), "--log_level", "ERROR"],
+                          "all", None, None, histograms)
+        return out.read_bytes(), capsys.readouterr().out
+
+    x = np.random.default_rng(0).standard_normal((24, 3, 8, 8)).astype(np.float32)
+    mixing = _export(tmp_path, "mix", lambda x, c1, c2: c2(
+        c1(x) - c1(x).mean(0, keepdim=True)))
+    got, text = run(mixing, x, False)
+    assert entropy_computed_as_max(text) and got == run(mixing, x, True)[0]
+
+    nan = _export(tmp_path, "nan", lambda x, c1, c2: c2(torch.relu(c1(torch.sqrt(x + 2.5)))))
+    xn = x.copy()
+    xn[:, :, :4, :4] = np.maximum(xn[:, :, :4, :4], -2)  # no NaN at a tensor's first element
+    assert (xn + 2.5 < 0).any()
+    got, text = run(nan, xn, False)
+    assert ENTROPY_AS_MAX_MARK in text and ENTROPY_FALLBACK_MARK in text and "nan" in text
+    assert entropy_computed_as_max(text) is None
+    assert got == run(nan, xn, True)[0]
+
+    tiny = _export(tmp_path, "tiny", lambda x, c1, c2: c2(c1(x) * 1e-44))
+    with pytest.raises(ValueError, match="Too many bins") as own:
+        run(tiny, x, True)
+    with pytest.raises(ValueError, match="Too many bins") as ours:
+        run(tiny, x, False)
+    text = capsys.readouterr().out
+    assert ENTROPY_FALLBACK_MARK in text and str(ours.value) == str(own.value)
+
+
+def test_a_fallback_after_the_max_attempt_clears_the_records_reason():
+    """The reason is printed before ModelOpt runs; a fallback line after it means entropy ran."""
+    from deploykit.quant.modelopt import (ENTROPY_AS_MAX_MARK, ENTROPY_FALLBACK_MARK,
+                                          entropy_computed_as_max)
+
+    log = f"{ENTROPY_AS_MAX_MARK}why\nINFO method: max\n{ENTROPY_FALLBACK_MARK} (nan): ...\n"
+    assert entropy_computed_as_max(log) is None
+    assert entropy_computed_as_max(log + f"{ENTROPY_AS_MAX_MARK}again\n") == "again"
