@@ -75,8 +75,9 @@ def entropy_as_max(args, plan: dict | None) -> str | None:
     tensor (ModelOpt's entropy path replaces a NaN/Inf min by float32's tiny and max by its
     max; ORT's ReduceMin/ReduceMax skip a NaN unless it comes first, so a NaN-propagating
     sum is folded into each minimum), a range that is not float32, or a range whose
-    128-bin histogram NumPy cannot make (``Too many bins for data range``: a tensor of
-    subnormal values, on which ModelOpt's entropy path fails).
+    128-bin histogram NumPy cannot make (``Too many bins for data range`` for a tensor of
+    subnormal values; an index overflow where its max plus max |x| exceeds FP32's largest
+    value), on which ModelOpt's entropy path fails.
 
     Args:
         args: ModelOpt's parsed CLI arguments. plan: :func:`deploykit.quant.calibration.
@@ -117,7 +118,7 @@ def entropy_computed_as_max(log_text: str) -> str | None:
 def _own_tempdir():
     """While the block runs, ``tempfile``'s default folder is a private one, removed afterwards
     with whatever is left in it (ModelOpt's ``mkstemp`` intermediate files stay behind when an
-    exception leaves ``quantize()``)."""
+    exception leaves ``quantize()``). Not used with ModelOpt's ``--keep_intermediate_files``."""
     import shutil
     import tempfile
 
@@ -169,6 +170,17 @@ def _nan_into_minimum(model) -> int:
     if changed:
         g.initializer.append(numpy_helper.from_array(np.zeros((), np.float32), zero))
     return changed
+
+
+def _session_providers(calibrator) -> list:
+    """The EPs of a calibrator's ORT session, as the session runs them (ModelOpt 0.47.0 leaves
+    ``calibrator.execution_providers`` empty and hands its EP list to the session itself; a
+    requested CUDA EP that this onnxruntime lacks is not in the session's list), then any the
+    calibrator keeps: part of a calibration cache's key."""
+    sess = getattr(calibrator, "infer_session", None)
+    return [list(sess.get_providers()) if sess is not None else None,
+            list(getattr(calibrator, "execution_providers", []) or []),
+            list(getattr(calibrator, "providers", []) or [])]
 
 
 def _read_cache(path: Path, load) -> tuple[dict, str]:
@@ -259,8 +271,7 @@ def _ranges_as_entropy_gives(cache: str | Path | None = None, label: str = ""):
                 h.update(f"{name}|{a.dtype.str}|{a.shape}".encode())
                 h.update(a.tobytes())
         settings = (type(calibrator).__name__, calibrator.symmetric, calibrator.per_channel,
-                    list(getattr(calibrator, "execution_providers", []) or []),
-                    list(getattr(calibrator, "providers", []) or []), ort.__version__)
+                    _session_providers(calibrator), ort.__version__)
         h.update(repr(settings).encode())
         return h.hexdigest()
 
@@ -275,12 +286,16 @@ def _ranges_as_entropy_gives(cache: str | Path | None = None, label: str = ""):
             for a in (lo, hi):
                 if a.dtype != np.float32 or not np.all(np.isfinite(a)):
                     raise _RangeNotEquivalent(f"tensor {name}: range value {a!r}")
-            # ModelOpt's entropy path bins [-t, t] in 128 bins of the tensor's dtype
-            # (ort_patching._collect_value); NumPy refuses when they cannot all be finite-sized
+            # ModelOpt's entropy path bins the tensor over [-t, t] in 128 bins of its dtype
+            # (ort_patching._collect_value). NumPy refuses bins that cannot all be finite-sized
+            # (subnormal t), and its index arithmetic overflows where max + t exceeds FP32's
+            # largest value: binning the two extreme values runs that same code.
             t = float(max(np.max(np.abs(lo)), np.max(np.abs(hi))))
+            ends = np.concatenate([lo.ravel(), hi.ravel()]).astype(lo.dtype)
             try:
-                np.histogram(np.zeros(0, lo.dtype), 128, range=(-t, t))
-            except ValueError as e:
+                with np.errstate(all="ignore"):
+                    np.histogram(ends, 128, range=(-t, t))
+            except (ValueError, IndexError, FloatingPointError) as e:
                 raise _RangeNotEquivalent(f"tensor {name}: max |x| {t:.3g}: {e}") from None
 
     def collect(calibrator, data_reader):
@@ -402,8 +417,9 @@ def modelopt_quantize(argv: Sequence[str], calib_batch: str | int = "all",
         if why:
             print(ENTROPY_AS_MAX_MARK + why, flush=True)
             try:
+                keep = getattr(args, "keep_intermediate_files", False)  # ModelOpt's own files
                 with _ranges_as_entropy_gives(histogram_cache, Path(args.output_path).stem), \
-                        _own_tempdir():
+                        (contextlib.nullcontext() if keep else _own_tempdir()):
                     quantize(args.onnx_path, **kw_max)
                 return
             except _RangeNotEquivalent as e:
@@ -485,8 +501,7 @@ def _histogram_key(calibrator, feeds: list[dict]) -> str:
             h.update(a.tobytes())
     settings = (type(calibrator).__name__, calibrator.method, calibrator.symmetric,
                 calibrator.num_bins, calibrator.num_quantized_bins, calibrator.percentile,
-                calibrator.scenario, list(getattr(calibrator, "execution_providers", []) or []),
-                list(getattr(calibrator, "providers", []) or []), ort.__version__)
+                calibrator.scenario, _session_providers(calibrator), ort.__version__)
     h.update(repr(settings).encode())
     return h.hexdigest()
 

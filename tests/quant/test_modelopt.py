@@ -413,8 +413,9 @@ def test_entropy_as_max_holds_where_a_batch_mixes_samples_and_not_where_it_canno
     """Cases a review found (the file must be entropy's, byte for byte, or fail as entropy
     fails): a layer that mixes the samples of the batch (max calibration runs in entropy's one
     batch); a NaN that is not a tensor's first element (ORT's ReduceMin/ReduceMax skip it; the
-    NaN-propagating term sends the run back to entropy); a tensor of subnormal values (ModelOpt's
-    entropy histogram cannot be made: the run fails as entropy's does)."""
+    NaN-propagating term sends the run back to entropy); a tensor of subnormal values, and one
+    whose largest value plus max |x| exceeds FP32 (ModelOpt's entropy histogram cannot be made:
+    the run fails as entropy's does)."""
     pytest.importorskip("modelopt.onnx.quantization")
     import shutil
 
@@ -458,6 +459,17 @@ def test_entropy_as_max_holds_where_a_batch_mixes_samples_and_not_where_it_canno
     text = capsys.readouterr().out
     assert ENTROPY_FALLBACK_MARK in text and str(ours.value) == str(own.value)
 
+    # finite, but max + max|x| exceeds FP32: NumPy's binning overflows in entropy's histogram
+    plain = _export(tmp_path, "plain", lambda x, c1, c2: c2(c1(x) * 1e-3))
+    xb = x.copy()
+    xb[0, 0, 0, 0] = 1.8e38
+    with pytest.raises(IndexError) as own:
+        run(plain, xb, True)
+    with pytest.raises(IndexError) as ours:
+        run(plain, xb, False)
+    text = capsys.readouterr().out
+    assert ENTROPY_FALLBACK_MARK in text and str(ours.value) == str(own.value)
+
 
 def test_a_fallback_after_the_max_attempt_clears_the_records_reason():
     """The reason is printed before ModelOpt runs; a fallback line after it means entropy ran."""
@@ -467,3 +479,20 @@ def test_a_fallback_after_the_max_attempt_clears_the_records_reason():
     log = f"{ENTROPY_AS_MAX_MARK}why\nINFO method: max\n{ENTROPY_FALLBACK_MARK} (nan): ...\n"
     assert entropy_computed_as_max(log) is None
     assert entropy_computed_as_max(log + f"{ENTROPY_AS_MAX_MARK}again\n") == "again"
+
+
+def test_a_calibration_cache_key_holds_the_eps_the_session_runs():
+    """ModelOpt 0.47.0 leaves the calibrator's own EP list empty: the key takes the session's
+    (a CPU run and a CUDA run must not share statistics)."""
+    from types import SimpleNamespace
+
+    from deploykit.quant.modelopt import _session_providers
+
+    def calibrator(eps):
+        return SimpleNamespace(infer_session=SimpleNamespace(get_providers=lambda: eps),
+                               execution_providers=[], providers=[])
+
+    cpu = _session_providers(calibrator(["CPUExecutionProvider"]))
+    cuda = _session_providers(calibrator(["CUDAExecutionProvider", "CPUExecutionProvider"]))
+    assert cpu != cuda and cpu[0] == ["CPUExecutionProvider"]
+    assert _session_providers(SimpleNamespace())[0] is None
