@@ -245,13 +245,6 @@ def _ranges_as_entropy_gives(cache: str | Path | None = None, label: str = ""):
     real_augment = MinMaxCalibrater.augment_graph
     folder = Path(cache) if cache else None
 
-    class Replay:  # a CalibrationDataReader over the feeds already read
-        def __init__(self, feeds):
-            self._it = iter(feeds)
-
-        def get_next(self):
-            return next(self._it, None)
-
     def augment(calibrator):
         g = onnx.GraphProto()
         g.CopyFrom(calibrator.model.graph)
@@ -264,16 +257,9 @@ def _ranges_as_entropy_gives(cache: str | Path | None = None, label: str = ""):
         return out
 
     def key(calibrator, feeds: list[dict]) -> str:
-        h = hashlib.sha256(calibrator._deploykit_graph.encode())
-        for feed in feeds:
-            for name in sorted(feed):
-                a = np.ascontiguousarray(feed[name])
-                h.update(f"{name}|{a.dtype.str}|{a.shape}".encode())
-                h.update(a.tobytes())
         settings = (type(calibrator).__name__, calibrator.symmetric, calibrator.per_channel,
                     _session_providers(calibrator), ort.__version__)
-        h.update(repr(settings).encode())
-        return h.hexdigest()
+        return _cache_key(calibrator._deploykit_graph.encode(), feeds, settings)
 
     def load(path: Path) -> tuple[dict, str]:
         with np.load(path, allow_pickle=False) as z:
@@ -304,9 +290,7 @@ def _ranges_as_entropy_gives(cache: str | Path | None = None, label: str = ""):
             out = real_collect(calibrator, data_reader)
             check(calibrator.calibrate_tensors_range)
             return out
-        feeds = []
-        while (f := data_reader.get_next()):
-            feeds.append(f)
+        feeds = _read_feeds(data_reader)
         path = folder / f"ranges-{key(calibrator, feeds)}.npz"
         known, source = _read_cache(path, load)
         added = [o.name for o in calibrator.model.graph.output][calibrator.num_model_outputs:]
@@ -319,7 +303,7 @@ def _ranges_as_entropy_gives(cache: str | Path | None = None, label: str = ""):
                   "graph, calibration data, EP and settings (ORT's calibration session not run)",
                   flush=True)
             return None
-        out = real_collect(calibrator, Replay(feeds))
+        out = real_collect(calibrator, _Replay(feeds))
         ranges = calibrator.calibrate_tensors_range
         check(ranges)
         if ranges:
@@ -480,30 +464,54 @@ def histograms_reused_from(log_text: str) -> str | None:
     return names[-1] if names else None
 
 
-def _histogram_key(calibrator, feeds: list[dict]) -> str:
-    """SHA-256 of everything a histogram calibrator's per-tensor histograms depend on: the graph
-    it runs (its calibration outputs left out), the calibration feeds (names, dtypes, shapes,
-    bytes), the histogram settings, the EPs and the onnxruntime version."""
+class _Replay:
+    """A ``CalibrationDataReader`` over feeds already read (:func:`_read_feeds`)."""
+
+    def __init__(self, feeds: list[dict]):
+        self._it = iter(feeds)
+
+    def get_next(self):
+        return next(self._it, None)
+
+
+def _read_feeds(data_reader) -> list[dict]:
+    """Every feed a ``CalibrationDataReader`` gives, in order."""
+    feeds = []
+    while (f := data_reader.get_next()):
+        feeds.append(f)
+    return feeds
+
+
+def _cache_key(graph: bytes, feeds: list[dict], settings: tuple) -> str:
+    """SHA-256 of what a calibration's per-tensor statistics depend on: ``graph`` (the graph's
+    bytes as the key's owner defines them), the feeds (names, dtypes, shapes, bytes) and
+    ``settings`` (calibrator, EPs, onnxruntime version...)."""
     import hashlib
 
-    import onnx
-    import onnxruntime as ort
-
-    h = hashlib.sha256()
-    g = onnx.GraphProto()
-    g.CopyFrom(calibrator.model.graph)
-    del g.output[:]  # the tensors this run calibrates were added as outputs
-    h.update(g.SerializeToString(deterministic=True))
+    h = hashlib.sha256(graph)
     for feed in feeds:
         for name in sorted(feed):
             a = np.ascontiguousarray(feed[name])
             h.update(f"{name}|{a.dtype.str}|{a.shape}".encode())
             h.update(a.tobytes())
+    h.update(repr(settings).encode())
+    return h.hexdigest()
+
+
+def _histogram_key(calibrator, feeds: list[dict]) -> str:
+    """:func:`_cache_key` of a histogram calibrator's per-tensor histograms: the graph it runs
+    (its calibration outputs left out), the feeds, the histogram settings, the EPs and the
+    onnxruntime version."""
+    import onnx
+    import onnxruntime as ort
+
+    g = onnx.GraphProto()
+    g.CopyFrom(calibrator.model.graph)
+    del g.output[:]  # the tensors this run calibrates were added as outputs
     settings = (type(calibrator).__name__, calibrator.method, calibrator.symmetric,
                 calibrator.num_bins, calibrator.num_quantized_bins, calibrator.percentile,
                 calibrator.scenario, _session_providers(calibrator), ort.__version__)
-    h.update(repr(settings).encode())
-    return h.hexdigest()
+    return _cache_key(g.SerializeToString(deterministic=True), feeds, settings)
 
 
 #: Threads that make the calibration histograms of a batch, at most (each takes whole tensors;
@@ -596,13 +604,6 @@ def _histogram_cache(folder: str | Path, label: str):
     folder = Path(folder)
     real = ort_patching._collect_data_histogram_calibrator
 
-    class Replay:  # a CalibrationDataReader over the feeds already read
-        def __init__(self, feeds):
-            self._it = iter(feeds)
-
-        def get_next(self):
-            return next(self._it, None)
-
     def load(path: Path) -> tuple[dict, str]:
         with np.load(path, allow_pickle=False) as z:
             names = [str(n) for n in z["names"]]
@@ -622,9 +623,7 @@ def _histogram_cache(folder: str | Path, label: str):
     def collect(calibrator, data_reader):
         if calibrator.group_qdq_tensors or not hasattr(calibrator, "num_quantized_bins"):
             return real(calibrator, data_reader)
-        feeds = []
-        while (f := data_reader.get_next()):
-            feeds.append(f)
+        feeds = _read_feeds(data_reader)
         path = folder / f"{_histogram_key(calibrator, feeds)}.npz"
         known, source = _read_cache(path, load)
         want = [o.name for o in calibrator.model.graph.output
@@ -643,7 +642,7 @@ def _histogram_cache(folder: str | Path, label: str):
         if calibrator.collector is None and threads > 1:
             # ModelOpt's loop keeps a collector it finds (``if not calibrator.collector``)
             calibrator.collector = _threaded_collector(calibrator, threads)
-        out = real(calibrator, Replay(feeds))
+        out = real(calibrator, _Replay(feeds))
         if calibrator.collector is not None:
             save(path, {**known, **calibrator.collector.histogram_dict})
         return out
