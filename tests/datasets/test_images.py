@@ -480,3 +480,22 @@ def test_labels_csv_not_utf8_or_a_fifo_is_named(tmp_path):
     os.mkfifo(fifo)
     with pytest.raises(StageError, match=r"--labels-csv .*labels\.csv is a FIFO \(named pipe\)"):
         list_images(val, labels_csv=fifo, allow_subset=True)
+
+
+@pytest.mark.parametrize("mean, std", [((0.5,) * 3, (0.5,) * 3), (IMAGENET_MEAN, IMAGENET_STD)])
+def test_normalize_gives_the_bits_of_the_float32_expression(mean, std):
+    """normalize computes in place: every uint8 value of every channel, in a contiguous and a
+    strided array, gives the bits of ``(x.astype(float32) / 255 - mean) / std``; a one-channel
+    array still broadcasts to the three channels."""
+    rng = np.random.default_rng(0)
+    x = np.concatenate([np.broadcast_to(np.arange(256, dtype=np.uint8).reshape(16, 16), (1, 3, 16, 16)),
+                        rng.integers(0, 256, (3, 3, 16, 16), dtype=np.uint8)])
+    m = np.asarray(mean, np.float32).reshape(1, 3, 1, 1)
+    s = np.asarray(std, np.float32).reshape(1, 3, 1, 1)
+    for a in (x, x[:, :, ::2, ::3]):
+        want = (a.astype(np.float32) / 255.0 - m) / s
+        got = normalize(a, mean, std)
+        assert got.dtype == np.float32 and got.tobytes() == want.tobytes()
+    one = normalize(x[:, :1], mean, std)
+    assert one.shape == x.shape and one.tobytes() == ((x[:, :1].astype(np.float32) / 255.0 - m)
+                                                      / s).tobytes()
