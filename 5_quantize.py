@@ -83,7 +83,7 @@ from deploykit.quant.modelopt import MODELOPT_MIN_OPSET
 from deploykit.quant.auto.search import anchored
 from deploykit.quant.nodes import list_depthwise, list_stem
 from deploykit.variants import for_stage, get_variant
-from deploykit.quant.modelopt import calibration_ep
+from deploykit.quant.modelopt_log import calibration_ep
 from deploykit.quant.quantize import quantize_all, default_eps, env_settings
 
 #: The INT4 variant: made by 5b_quantize_int4.py (ModelOpt's Python API), run inside this

@@ -16,7 +16,7 @@ from deploykit.io import load_npz
 from deploykit.layout import model_results
 from deploykit.onnx.graph import attr, constants, consumers
 from deploykit.quant.health import check_against_float, check_weights
-from deploykit.quant.modelopt import log_warnings
+from deploykit.quant.modelopt_log import log_warnings
 from deploykit.quant.qdq import reduction_axis, weight_consumers
 
 

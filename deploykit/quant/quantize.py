@@ -27,9 +27,9 @@ from deploykit.quant.calibration import (
 from deploykit.quant.health import check_model, summary_line
 from deploykit.quant.inspect import inspect_model
 from deploykit.quant.macs import mac_summary
-from deploykit.quant.modelopt import (calibration_ep, entropy_computed_as_max,
-                                      ep_fallback_warning, histograms_reused_from,
-                                      log_warnings, ort_smoke)
+from deploykit.quant.modelopt import entropy_computed_as_max, histograms_reused_from
+from deploykit.quant.modelopt_log import (calibration_ep, ep_fallback_warning, log_warnings,
+                                          ort_smoke)
 from deploykit.quant.record import calibration_summary, flag_unquantized, print_check
 from deploykit.commands import script_command
 from deploykit.results import provenance, source_block

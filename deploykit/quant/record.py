@@ -17,7 +17,7 @@ from deploykit.io import load_npz
 from deploykit.quant.health import check_model, summary_line
 from deploykit.quant.inspect import inspect_model
 from deploykit.quant.macs import mac_summary
-from deploykit.quant.modelopt import log_warnings, ort_smoke
+from deploykit.quant.modelopt_log import log_warnings, ort_smoke
 from deploykit.results import provenance
 
 

@@ -496,3 +496,51 @@ def test_a_calibration_cache_key_holds_the_eps_the_session_runs():
     cuda = _session_providers(calibrator(["CUDAExecutionProvider", "CPUExecutionProvider"]))
     assert cpu != cuda and cpu[0] == ["CPUExecutionProvider"]
     assert _session_providers(SimpleNamespace())[0] is None
+
+
+def test_the_calibration_session_runs_in_the_augmented_graphs_order(tmp_path, capsys):
+    """_in_graph_order remakes ORT's calibration session with PRIORITY_BASED execution (the
+    order in which MinMaxCalibrater.augment_graph placed each reduction before the tensor's
+    consumer: activations freed once read); options, EPs and outputs stay as they were, and a
+    session that cannot be remade is kept, with a line that says so."""
+    import onnxruntime as ort
+    from onnx import helper, numpy_helper
+
+    from deploykit.quant.modelopt import _in_graph_order
+
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal(
+        (4, 3, 3, 3)).astype(np.float32), "w")
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("ReduceMin", ["c"], ["c_min"], keepdims=1),
+             helper.make_node("ReduceMax", ["c"], ["c_max"], keepdims=1),
+             helper.make_node("Relu", ["c"], ["y"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", 1, [2, 3, 8, 8])],
+                          [helper.make_tensor_value_info(n, 1, None)
+                           for n in ("y", "c_min", "c_max")], [w])
+    path = tmp_path / "augmented.onnx"
+    path.write_bytes(helper.make_model(
+        g, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString())
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.enable_cpu_mem_arena = False
+
+    class Calibrator:
+        augmented_model_path = str(path)
+        infer_session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+    cal = Calibrator()
+    x = {"x": np.random.default_rng(1).standard_normal((2, 3, 8, 8)).astype(np.float32)}
+    before = cal.infer_session.run(None, x)
+    _in_graph_order(cal)
+    opts = cal.infer_session.get_session_options()
+    assert opts.execution_order == ort.ExecutionOrder.PRIORITY_BASED
+    assert opts.graph_optimization_level == ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    assert not opts.enable_cpu_mem_arena
+    assert cal.infer_session.get_providers() == ["CPUExecutionProvider"]
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(before, cal.infer_session.run(None, x)))
+    cal.augmented_model_path = str(tmp_path / "gone.onnx")
+    cal.infer_session = kept = ort.InferenceSession(str(path), so,
+                                                    providers=["CPUExecutionProvider"])
+    _in_graph_order(cal)
+    assert cal.infer_session is kept
+    assert "calibration session kept in ORT's default order" in capsys.readouterr().out

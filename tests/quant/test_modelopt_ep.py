@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import onnxruntime as ort
 
-from deploykit.quant.modelopt import SESSION_MARK, calibration_ep, ep_fallback_warning
+from deploykit.quant.modelopt_log import SESSION_MARK, calibration_ep, ep_fallback_warning
 
 
 def test_calibration_ep_reads_sessions_and_flags_a_fallback(tmp_path):
