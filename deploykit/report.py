@@ -310,8 +310,8 @@ def table_rows(rows: list[dict]) -> list[dict]:
         if cc.get("disagreement"):
             if cc.get("top1_unoptimized") is not None:
                 status += _PART + ("BACKEND DISAGREEMENT: top-1 "
-                                   f"{cc['top1_unoptimized']:.1f}% with "
-                                   f"ORT optimisations disabled ({cc['n']} images)")
+                                   f"{cc['top1_unoptimized']:.1f}% in the graph's own "
+                                   f"Q/DQ numerics ({cc['n']} images)")
             else:  # a model without labels: the cross-check says what differs
                 status += _PART + f"BACKEND DISAGREEMENT: {cc.get('reason')}"
             status += f"; cause: {cc['cause']}" if cc.get("cause") else ""

@@ -124,10 +124,6 @@ def harness_overhead_ms(iters: int = 200) -> float:
     return float(np.median(NullRunner().time({}, 10, iters).end_to_end_ms))
 
 
-def _host_name() -> str:
-    return device_info()["cpu"]
-
-
 # --------------------------------------------------------------------------------------------
 # PyTorch
 # --------------------------------------------------------------------------------------------
@@ -319,7 +315,7 @@ class TorchRunner(Runner):
                          bool(torch.backends.cuda.matmul.allow_tf32),
                          "torch.backends.cudnn.allow_tf32": bool(torch.backends.cudnn.allow_tf32)}
         else:
-            d["device_name"] = _host_name()
+            d["device_name"] = device_info()["cpu"]
             d["threads"] = torch.get_num_threads()
             d["memory_format"] = {True: "channels_last", False: "contiguous (NCHW)",
                                   None: "not run yet"}[self.channels_last]
@@ -372,6 +368,7 @@ class OrtRunner(Runner):
         tf32: CUDA EP ``use_tf32`` (None: ORT's default). device_id: CUDA device.
         session_config: ``SessionOptions.add_session_config_entry`` pairs, e.g.
             ``{"session.x64quantprecision": "1"}``.
+        save_optimized: file ORT writes its optimised graph to (``optimized_model_filepath``).
         fallback_hint: the way out that the error without the requested EP names (the
             caller's own flag: stage 3's ``--allow-cpu-fallback`` by default).
     Raises:
@@ -387,7 +384,8 @@ class OrtRunner(Runner):
                  opt_level: str = "all", disabled_optimizers: Sequence[str] = (),
                  threads: int = 0, tf32: bool | None = None, device_id: int = 0,
                  session_config: dict[str, str] | None = None,
-                 fallback_hint: str = "or pass --allow-cpu-fallback", cpu_chunk: bool = False):
+                 fallback_hint: str = "or pass --allow-cpu-fallback", cpu_chunk: bool = False,
+                 save_optimized: Path | str | None = None):
         if ep not in ORT_EPS:
             raise UsageError(f"--ep {ep}: choose one of {sorted(set(ORT_EPS))}")
         if ep != "cpu":
@@ -405,7 +403,7 @@ class OrtRunner(Runner):
         self.label = "<in-memory model>" if isinstance(path, bytes) else str(self.path)
         self.requested = ORT_EPS[ep]
         self.opt_level, self.disabled_optimizers = opt_level, list(disabled_optimizers)
-        self.session_config = dict(session_config or {})
+        self.session_config, self.save_optimized = dict(session_config or {}), save_optimized
         available = ort.get_available_providers()
         providers = [self.requested] + (["CPUExecutionProvider"]
                                         if self.requested != "CPUExecutionProvider" else [])
@@ -444,6 +442,8 @@ class OrtRunner(Runner):
         so = ort_session_options(self.opt_level, threads=self.threads)
         for k, v in self.session_config.items():
             so.add_session_config_entry(k, v)
+        if self.save_optimized is not None:
+            so.optimized_model_filepath = str(self.save_optimized)
         src = self.path if isinstance(self.path, bytes) else str(self.path)
         opts = [({**self.gpu_options, **(extra_options or {})}
                  if p == "CUDAExecutionProvider" else {}) for p in providers]
@@ -632,7 +632,7 @@ class OrtRunner(Runner):
             if torch is not None and torch.cuda.is_available():
                 d["device_name"] = torch.cuda.get_device_name(d["device_index"])
         else:
-            d["device_name"] = _host_name()
+            d["device_name"] = device_info()["cpu"]
             d["threads"] = self.threads or None
             d["cpu_chunk"] = CPU_CHUNK if self.chunked else None
         return d

@@ -171,7 +171,10 @@ def fp16_range_audit(fp32_model, feed: dict[str, np.ndarray], fp16_model=None, *
             and (held is None or n.input[0] in held)}
     stats: dict[str, RangeStat] = {}
     acc: dict[str, float] = {}
-    for acts, _ in ort_activations(m32, feed, batch=batch, opt_level="disable"):
+    # the FP32 graph's float ops at ORT's default level (reordered sums; its optimised graph is
+    # checked node by node: deploykit.quant.reference): 64 Lite0 samples 1.0 s against 2.1-2.5 s
+    # unoptimised (benchmarks/README.md, stop 45)
+    for acts, _ in ort_activations(m32, feed, batch=batch, opt_level="reference"):
         for name, a in acts.items():
             if not np.issubdtype(np.asarray(a).dtype, np.floating):
                 continue

@@ -92,6 +92,12 @@ def _ort_session(model_or_path, ep: str, tmp: Path, opt_level: str,
         path = tmp / f"m{len(list(tmp.iterdir()))}.onnx"
         big = model_or_path.ByteSize() > 1_500_000_000
         onnx.save(model_or_path, str(path), save_as_external_data=big)
+    if opt_level == "reference":  # the graph's own numerics, fast where ORT keeps them
+        from deploykit.quant.reference import qdq_reference_runner
+
+        if ep != "cpu":
+            raise ValueError("opt_level 'reference' runs on the CPU EP only")
+        return qdq_reference_runner(path)[0]
     return OrtRunner(path, ep=ep, opt_level=opt_level, disabled_optimizers=disabled_optimizers,
                      fallback_hint="a layer-wise comparison runs on the EP it names: run it "
                                    "where that EP exists, or name the CPU EP (cpu) instead")
@@ -113,6 +119,10 @@ def ort_activations(model_or_path, feed: dict[str, np.ndarray], *, ep: str = "cp
         batch: chunk size (default: the whole feed at once); see :func:`feed_plan` for a model
             with a static batch. Float32 inputs are cast to float16 where the model declares
             float16 inputs.
+        opt_level: ORT's optimisation level (``disable``/``basic``/``extended``/``all``), or
+            ``reference``: the graph's own numerics on the CPU EP, fast where ORT's optimised
+            graph keeps every Q/DQ (:func:`deploykit.quant.reference.qdq_reference_runner`; the
+            same float ops, reordered).
         mark_all: expose every intermediate tensor (else only the model's outputs).
         disabled_optimizers: ORT graph optimizers to switch off (e.g. WeightBiasQuantization).
         native: tensors in the dtype ORT returns (float16 stays float16) instead of float32

@@ -4,6 +4,7 @@ judged by its effect on the node's output, and quantized bias scale = s_in * s_w
 from __future__ import annotations
 
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 import numpy as np
@@ -384,11 +385,12 @@ def check_bias_requant(model, consts: dict | None = None, activations: dict | No
     """
     consts = constants(model) if consts is None else consts
     prod = producers(model)
-    findings, rows = [], []
-    for c in wbq_candidates(model, consts):
+    def one(c: dict) -> tuple[list[dict], list[Finding]]:
+        row_out: list[dict] = []
+        found: list[Finding] = []
         n, dq_in, dq_w = c["node"], c["dq_in"], c["dq_w"]
         if c["bias"] is None:
-            continue  # only the float weight is quantized: not a bias effect
+            return row_out, found  # only the float weight is quantized: not a bias effect
         bias = consts[c["bias"]]
         s_in = consts[dq_in.input[1]]
         if dq_w is not None:
@@ -405,10 +407,10 @@ def check_bias_requant(model, consts: dict | None = None, activations: dict | No
         try:
             b_new, q_int = simulate_bias_requant(bias, s_in, s_w)
         except StageError as e:
-            findings.append(Finding("bias_requant", n.name, c["bias"],
+            found.append(Finding("bias_requant", n.name, c["bias"],
                                     f"{c['label']}: {e}", "keep the bias float and "
                                     "check the scale dtypes (input and weight scale must match)"))
-            continue
+            return row_out, found
         beta = float(attr(n, "beta", 1.0)) if n.op_type == "Gemm" else 1.0
         b64 = bias.astype(np.float64).ravel()
         b_new = np.broadcast_to(b_new, b64.shape)
@@ -443,7 +445,7 @@ def check_bias_requant(model, consts: dict | None = None, activations: dict | No
             zx = 0.0 if wq_in[1] is None else float(np.asarray(wq_in[1], np.float64).ravel()[0])
             x_lo, x_hi = min((xr[0] - zx) * sx, 0.0), max((xr[1] - zx) * sx, 0.0)
             if w is None:
-                continue
+                return row_out, found
             lo, hi = _contribution_bounds(n, w, x_lo, x_hi)
             ch = _worst_change(beta * b64, d, lo, hi, bounds,
                                np.broadcast_to(lo_out, b64.shape),
@@ -452,9 +454,9 @@ def check_bias_requant(model, consts: dict | None = None, activations: dict | No
             row.update(basis="scales", max_change_steps=float(ch.max()) if ch.size else 0.0)
         bad = np.flatnonzero(ch > tol_steps)
         row.update(channels_changed=bad[:50].tolist(), n_channels_changed=int(bad.size))
-        rows.append(row)
+        row_out.append(row)
         if not bad.size:
-            continue
+            return row_out, found
         k = int(bad[np.argmax(ch[bad])])
         how = ("on calibration data" if row["basis"] == "calibration" else
                "at worst over the input range its scales allow (no --calib)")
@@ -474,13 +476,25 @@ def check_bias_requant(model, consts: dict | None = None, activations: dict | No
                "float; meanwhile run ORT with --disable-optimizer WeightBiasQuantization (stage 3) "
                "or --opt-level disable, and do not report its ORT numbers as the quantization "
                "result")
-        findings.append(Finding("bias_requant", n.name, c["bias"], msg, fix, row))
+        found.append(Finding("bias_requant", n.name, c["bias"], msg, fix, row))
+        return row_out, found
+
+    findings, rows = [], []
+    # one candidate node per task: NumPy's array operations release the GIL, so the nodes of a
+    # large model are simulated on two threads (the same results, in the graph's order)
+    cands = list(wbq_candidates(model, consts))
+    with ThreadPoolExecutor(max_workers=min(2, max(1, len(cands)))) as pool:
+        for r, f in pool.map(one, cands):
+            rows += r
+            findings += f
     return findings, rows
 
 
 def candidate_outputs(path: Path | str, data: dict[str, np.ndarray], tensors: list[str],
                       limit: int = 32, concat: bool = True) -> dict[str, np.ndarray | list]:
-    """Run ``path`` on ORT's CPU EP with graph optimisations off and return ``tensors`` (node
+    """Run ``path`` on ORT's CPU EP in the graph's own numerics (its Q/DQ rewrites off, the
+    optimised graph checked node by node, else every optimisation off:
+    :func:`deploykit.quant.reference.qdq_reference_runner`) and return ``tensors`` (node
     outputs made graph outputs) for the first ``limit`` samples of ``data``, in chunks that fit a
     static batch axis: ``{tensor: array [n, ...]}``, or with ``concat=False`` the list of the
     runs' arrays in sample order (no copy of them into one: what check_bias_requant takes).
@@ -489,7 +503,8 @@ def candidate_outputs(path: Path | str, data: dict[str, np.ndarray], tensors: li
         StageError: ORT cannot load or run the model.
     """
     import onnx
-    import onnxruntime as ort
+
+    from deploykit.quant.reference import qdq_reference_runner
 
     if not tensors:
         return {}
@@ -503,14 +518,13 @@ def candidate_outputs(path: Path | str, data: dict[str, np.ndarray], tensors: li
     batch = min(static) if static else 8
     n = min(limit, min(len(v) for v in data.values()))
     try:
-        sess = ort.InferenceSession(model.SerializeToString(),
-                                    ort_session_options("disable"),
-                                    providers=["CPUExecutionProvider"])
-        parts: dict[str, list] = defaultdict(list)
-        for i in range(0, n - n % batch if static else n, batch):
-            feed = {name: np.asarray(data[name][i:i + batch]) for name, _, _ in inputs}
-            for t, v in zip(tensors, sess.run(tensors, feed)):
-                parts[t].append(np.asarray(v))
+        runner, _ = qdq_reference_runner(model.SerializeToString())
+        with runner:
+            parts: dict[str, list] = defaultdict(list)
+            for i in range(0, n - n % batch if static else n, batch):
+                feed = {name: np.asarray(data[name][i:i + batch]) for name, _, _ in inputs}
+                for t, v in zip(tensors, runner.session.run(tensors, feed)):
+                    parts[t].append(np.asarray(v))
     except Exception as e:  # noqa: BLE001
         raise StageError(f"onnxruntime cannot run {path} on the calibration data: "
                          f"{e}") from e

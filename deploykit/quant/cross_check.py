@@ -13,6 +13,7 @@ import numpy as np
 from deploykit.compare import parity, topk_accuracy
 from deploykit.envinfo import cpu_has_vnni
 from deploykit.evaluate import run_outputs
+from deploykit.quant.reference import qdq_reference_runner
 from deploykit.runners import OrtRunner
 from deploykit.sequential import (ALPHA, FIRST_LOOK, FIRST_LOOK_SEED, FIRST_PEEK, look_schedule,
                                   seeded_sample)
@@ -316,6 +317,16 @@ def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarr
         with OrtRunner(onnx_path, "cpu", **kw) as r:
             return run_outputs(r, data.take(idx), batch, progress="cross-check")
 
+    reference: list = []  # [runner, how]: made at the first look, closed at the end
+
+    def run_reference(idx: np.ndarray) -> dict[str, np.ndarray]:
+        if not reference:
+            reference.extend(qdq_reference_runner(onnx_path))
+            if reference[1]["why"]:
+                print(f"  reference: ORT with every graph optimisation off "
+                      f"({reference[1]['why']})", file=sys.stderr, flush=True)
+        return run_outputs(reference[0], data.take(idx), batch, progress="cross-check")
+
     def compare(ref: dict, main: dict) -> tuple[dict, tuple | None]:
         pars, worst = {}, None
         for name, m in main.items():
@@ -337,7 +348,8 @@ def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarr
 
     sample_of = (f" (the row's first look, of {population})"
                  if population is not None and population > total else "")
-    print(f"backend cross-check: {Path(onnx_path).name} with ORT graph optimisations disabled "
+    print(f"backend cross-check: {Path(onnx_path).name} against the graph's own numerics (ORT "
+          "with its Q/DQ rewrites off, checked node by node: deploykit.quant.reference) "
           + (f"on a seeded random {' then '.join(str(len(i)) for i in looks)} of {total} "
              "samples, then all of them unless a look decides beyond doubt"
              if adaptive and looks else
@@ -348,22 +360,26 @@ def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarr
         new = np.setdiff1d(want, idx)
         if not len(new):
             return idx, ref
-        more = run(new, opt_level="disable")
+        more = run_reference(new)
         idx = np.concatenate([idx, new])
         ref = {k: np.concatenate([ref[k], v]) if k in ref else v for k, v in more.items()}
         order = np.argsort(idx, kind="stable")
         return idx[order], {k: v[order] for k, v in ref.items()}
 
     idx, ref, decided = np.zeros(0, np.int64), {}, None
-    for want in looks if adaptive else []:  # nested looks: each adds the samples it lacks
-        idx, ref = extend(idx, ref, want)
-        decided = decide(idx, ref, total, CROSS_CHECK_ALPHA / len(looks))
-        if decided:
-            break
-    early = decided is not None
-    if not early:
-        idx, ref = extend(idx, ref, looks[0] if looks and not adaptive
-                          else np.arange(total, dtype=np.int64))
+    try:
+        for want in looks if adaptive else []:  # nested looks: each adds the samples it lacks
+            idx, ref = extend(idx, ref, want)
+            decided = decide(idx, ref, total, CROSS_CHECK_ALPHA / len(looks))
+            if decided:
+                break
+        early = decided is not None
+        if not early:
+            idx, ref = extend(idx, ref, looks[0] if looks and not adaptive
+                              else np.arange(total, dtype=np.int64))
+    finally:
+        if reference:
+            reference[0].close()
     k = len(idx)
     sampled = population is not None and population > total and k == total
     if sampled:  # a sample of the split: only a verdict beyond doubt about all of it
@@ -373,7 +389,10 @@ def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarr
     main = {name: v[idx] for name, v in outputs.items()}
     pars, worst = compare(ref, main)
     sample = "all" if k == total else {"seed": FIRST_LOOK_SEED, "n": int(k)}
-    rec: dict = {"n": int(k), "adaptive": adaptive, "opt_level": "disable", "outputs": pars,
+    how = reference[1] if reference else {"reference": None, "why": None}
+    rec: dict = {"n": int(k), "adaptive": adaptive, "outputs": pars,
+                 "opt_level": "all" if how["reference"] == "qdq_rewrites_off" else "disable",
+                 "reference": how["reference"], "reference_why": how["why"],
                  "cause": None, "cpu_vnni": cpu_has_vnni(), "decided_on_first_look": early,
                  "decided": decided,
                  "n_total": int(total), "sample": sample}
@@ -397,8 +416,8 @@ def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarr
                    top1_agreement=float(100.0 * (ref[k0].argmax(1) == main[k0].argmax(1)).mean()),
                    disagreement=(decided == "disagreement" if early
                                  else None if sampled else _exceeds(net, k, tol_points)))
-        rec["reason"] = (f"top-1 {t_main:.1f}% at opt level {opt_level} vs {t_ref:.1f}% with ORT "
-                         f"graph optimisations disabled ({seen})")
+        rec["reason"] = (f"top-1 {t_main:.1f}% at opt level {opt_level} vs {t_ref:.1f}% in the "
+                         f"graph's own numerics ({seen})")
     else:
         bad = worst is not None and _cos(worst[1]) < min_cosine
         rec.update(min_cosine=min_cosine, disagreement=True if bad else None if sampled else False)
@@ -408,7 +427,7 @@ def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarr
                "(the graph's own; the cosine is of the finite values)"
                if worst and worst[1].get("nonfinite_same") else "")
         rec["reason"] = (f"output {worst[0]}: cosine min {worst[1]['cosine_min']:.4f} between the "
-                         f"optimised and the unoptimised run{odd} "
+                         f"optimised run and the graph's own numerics{odd} "
                          f"({seen.replace('images', 'samples')})"
                          if worst else
                          "no comparable output")
@@ -428,7 +447,8 @@ def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarr
             rec["top1_x64quantprecision"] = t_fix
             rec["n_x64quantprecision"] = kc
             agrees = abs(t_fix - t_ref) <= tol_points
-            how = f"top-1 is {t_fix:.1f}% vs {t_ref:.1f}% unoptimised on {kc} of the {k} images"
+            how = (f"top-1 is {t_fix:.1f}% vs {t_ref:.1f}% in the graph's own numerics on {kc} "
+                   f"of the {k} images")
         else:
             _, w2 = compare(ref_c, fixed)
             agrees = w2 is not None and _cos(w2[1]) >= min_cosine

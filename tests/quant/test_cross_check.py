@@ -60,6 +60,8 @@ def test_adaptive_cross_check_stops_on_a_verdict_beyond_doubt(broken, tmp_path):
         main = run_outputs(r, data, 64)
     cc = backend_cross_check(q, data, main, batch=64)
     assert cc["adaptive"] and cc["disagreement"] is broken
+    # the reference: ORT's default level with its Q/DQ rewrites off, checked node by node
+    assert cc["reference"] == "qdq_rewrites_off" and cc["reference_why"] is None
     assert cc["n"] == (CROSS_CHECK_PEEK if broken else CROSS_CHECK_AGREE_LOOK)
     assert cc["decided_on_first_look"] and cc["sample"] == {"seed": 0, "n": cc["n"]}
     assert cc["decided"] == ("disagreement" if broken else "agreement")
@@ -92,6 +94,9 @@ def _fake_backend(monkeypatch, unoptimized: np.ndarray, x64: np.ndarray | None =
         def __exit__(self, *exc):
             return False
 
+        def close(self):
+            pass
+
     def fake_run_outputs(runner, sub, batch, progress=None):
         idx = [int(f) for f in sub.files]
         if runner.kw.get("session_config"):
@@ -100,6 +105,8 @@ def _fake_backend(monkeypatch, unoptimized: np.ndarray, x64: np.ndarray | None =
         return {"logits": unoptimized[idx]}
 
     monkeypatch.setattr(cross_check, "OrtRunner", _Runner)
+    monkeypatch.setattr(cross_check, "qdq_reference_runner", lambda path, **kw: (
+        _Runner(), {"reference": "qdq_rewrites_off", "why": None}))
     monkeypatch.setattr(cross_check, "run_outputs", fake_run_outputs)
     return ran
 
@@ -379,7 +386,12 @@ def test_nan_in_one_run_only_is_a_disagreement_for_any_model(monkeypatch, same):
         def __exit__(self, *exc):
             return False
 
+        def close(self):
+            pass
+
     monkeypatch.setattr(cross_check, "OrtRunner", _Runner)
+    monkeypatch.setattr(cross_check, "qdq_reference_runner", lambda path, **kw: (
+        _Runner(), {"reference": "qdq_rewrites_off", "why": None}))
     monkeypatch.setattr(cross_check, "run_outputs",
                         lambda r, sub, batch, progress=None: {"y": ref_out[sub.feed["i"][:, 0]]})
     data = EvalData(feed={"i": np.arange(40).reshape(40, 1)})

@@ -180,7 +180,7 @@ def test_table_uses_p50_end_to_end_and_same_device_speedup(rows):
     assert t["pytorch_fp32_cuda"]["speedup vs PyTorch FP32"] == "1.00x"  # vs the CUDA PyTorch row, not CPU
     assert t["pytorch_fp32_cuda"]["GPU compute p50 ms"] == "1.500"
     assert "BACKEND DISAGREEMENT" in t["ort_int8"]["status"]
-    assert "88.3% with ORT optimisations disabled (900 images)" in t["ort_int8"]["status"]
+    assert "88.3% in the graph's own Q/DQ numerics (900 images)" in t["ort_int8"]["status"]
     assert t["trt_fp32"]["status"].startswith("skipped: TensorRT") and t["trt_fp32"]["p50 ms"] == ""
 
 
