@@ -4,6 +4,8 @@ backends, and the verdict with the ``--keep-fp32`` remedy.
 """
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import sys
 import time
 import warnings
@@ -175,10 +177,15 @@ def fp16_range_audit(fp32_model, feed: dict[str, np.ndarray], fp16_model=None, *
     # checked node by node: deploykit.quant.reference): 64 Lite0 samples 1.0 s against 2.1-2.5 s
     # unoptimised (benchmarks/README.md, stop 45)
     for acts, _ in ort_activations(m32, feed, batch=batch, opt_level="reference"):
-        for name, a in acts.items():
-            if not np.issubdtype(np.asarray(a).dtype, np.floating):
-                continue
-            stats.setdefault(name, RangeStat()).update(a)
+        # each tensor's statistics on one of two threads (NumPy releases the GIL; each
+        # RangeStat is updated by one task: the same figures as one after the other)
+        floats = [(name, a) for name, a in acts.items()
+                  if np.issubdtype(np.asarray(a).dtype, np.floating)]
+        for name, _ in floats:
+            stats.setdefault(name, RangeStat())
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            list(pool.map(lambda item: stats[item[0]].update(item[1]), floats))
+        for name, a in floats:
             if name in reds and reds[name].input[0] in acts and np.size(a):
                 top = float(np.abs(a).max())
                 if ACCUMULATING_REDUCTIONS[reds[name].op_type] == "l2":
