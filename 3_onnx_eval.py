@@ -33,8 +33,10 @@ sample once. ``--full-eval`` measures all of them.
 
 Backend cross-check (Q/DQ models): ONNX Runtime is not a neutral judge of Q/DQ graphs: some of its
 graph optimisations (e.g. ``WeightBiasQuantization``) change the numerics of a Q/DQ model. For a
-Q/DQ file this stage therefore also runs images with all graph optimisations disabled (plain
-DequantizeLinear + float ops, the graph's reference semantics): by default a seeded random 32,
+Q/DQ file this stage therefore also runs images in the graph's own numerics (each Q/DQ as
+written + float ops, the graph's reference semantics: ORT's default level with its Q/DQ rewrites
+off, its optimised graph checked node by node, else every optimisation off;
+``deploykit.quant.reference``): by default a seeded random 32,
 128, then 512 images (4 times more per look on larger splits), stopping at a look only when a
 disagreement or an agreement is beyond doubt there (exact bounds), else every image; and flags a
 backend disagreement when top-1 differs by more than ``--cross-check-tol`` points. A row decided

@@ -376,9 +376,10 @@ def check_bias_requant(model, consts: dict | None = None, activations: dict | No
     Args:
         activations: optional ``{node output tensor: float array [N, C, ...] (Gemm [N, C]), or
             a list of such arrays of consecutive samples}``
-            of the candidate nodes on calibration data (pre-activation, graph optimisations
-            off, see :func:`candidate_outputs`); without it the change is bounded from the
-            scales alone.
+            of the candidate nodes on calibration data (pre-activation, in the graph's own
+            numerics, see :func:`candidate_outputs`); without it the change is bounded from the
+            scales alone. The candidate nodes are simulated on two threads (NumPy releases the
+            GIL), the results in the graph's order.
     Returns:
         ``(findings, rows)``: ``rows`` has one entry per candidate node with the simulated
         bias change and the output change in steps (``basis``: ``calibration`` or ``scales``).

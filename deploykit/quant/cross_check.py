@@ -1,5 +1,6 @@
-"""The backend cross-check: a Q/DQ model on ORT at its default optimisation level versus
-unoptimised (and the u8s8 saturation cause on CPUs without VNNI).
+"""The backend cross-check: a Q/DQ model on ORT at its default optimisation level versus the
+graph's own numerics (:mod:`deploykit.quant.reference`), and the u8s8 saturation cause on CPUs
+without VNNI.
 """
 from __future__ import annotations
 
@@ -258,8 +259,11 @@ def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarr
                         min_cosine: float = 0.99, opt_level: str = "all",
                         session_config: dict | None = None,
                         population: int | None = None) -> dict:
-    """Rerun a Q/DQ model with every ORT graph optimisation off (DequantizeLinear + float ops:
-    the graph's own semantics) on the samples of the main run and compare, for any model.
+    """Rerun a Q/DQ model in the graph's own numerics (each DequantizeLinear/QuantizeLinear as
+    written + float ops: :func:`deploykit.quant.reference.qdq_reference_runner`, ORT's default
+    level with its Q/DQ rewrites off where its optimised graph passes the node check, else every
+    optimisation off; ``reference`` / ``reference_why`` in the record) on the samples of the
+    main run and compare, for any model.
 
     ONNX Runtime is not a neutral judge of Q/DQ graphs (``WeightBiasQuantization``, QDQ fusions
     into integer kernels): a result that changes here is the backend's, not the quantization's.
@@ -293,9 +297,12 @@ def backend_cross_check(onnx_path: Path | str, data, outputs: dict[str, np.ndarr
         opt_level, session_config: how the main run was made (for the saturation leg).
         population: see above (None or at most ``len(data)``: ``data`` is the split).
     Returns:
-        ``{"n", "n_total", "adaptive", "sample", "decided_on_first_look", "decided", "opt_level":
-        "disable", "outputs": {name: parity}, "disagreement", "reason", "cause", "cpu_vnni"}``
-        plus ``top1_main``/``top1_unoptimized``/``top1_agreement``/``tolerance_points`` (and
+        ``{"n", "n_total", "adaptive", "sample", "decided_on_first_look", "decided", "opt_level"
+        (the reference's: "all" or "disable"), "reference" ("qdq_rewrites_off" or "unoptimised"),
+        "reference_why", "outputs": {name: parity}, "disagreement", "reason", "cause",
+        "cpu_vnni"}``
+        plus ``top1_main``/``top1_unoptimized`` (the reference's top-1; the name is kept from
+        when it always ran unoptimised)/``top1_agreement``/``tolerance_points`` (and
         ``top1_x64quantprecision`` on ``n_x64quantprecision`` samples after the saturation leg)
         for classifiers. ``sample`` is ``"all"``, or ``{"seed", "n"}`` of the seeded random
         sample the figures are on; ``n_total`` the split's size. ``disagreement`` is None when
