@@ -526,9 +526,30 @@ def _reference_ops() -> list:
     return [LayerNormalizationStash, ConvHalf, MatMulHalf]
 
 
+def reference_estimate(fp16_path: Path | str, feed: dict[str, np.ndarray]) -> float:
+    """Seconds ``onnx.reference`` would take for one run of the FP16 file: one timed ORT CPU
+    run of its first sample (its static batch) times :data:`REFERENCE_SLOWDOWN` (0.0 when ORT
+    cannot run it: that file is judged elsewhere). Taken alone, before anything runs beside it."""
+    import onnx
+
+    model = onnx.load(str(fp16_path), load_external_data=False)
+    ins = [n for n, _, _ in graph_inputs(model)]
+    step = static_batch(model) or 1
+    one = {k: v[:step] for k, v in feed.items() if k in ins}
+    try:
+        run = ort_runner(fp16_path)
+        run(one)
+        t = time.time()
+        run(one)
+        return (time.time() - t) * REFERENCE_SLOWDOWN
+    except Exception:  # noqa: BLE001 - a file ORT cannot run is judged elsewhere
+        return 0.0
+
+
 def fp16_true_arithmetic(fp16_path: Path | str, feed: dict[str, np.ndarray],
                          ref: dict[str, np.ndarray], min_cosine: float, *,
-                         max_samples: int = 2, budget_s: float = 60.0) -> list[dict]:
+                         max_samples: int = 2, budget_s: float = 60.0,
+                         estimate: float | None = None) -> list[dict]:
     """Run the FP16 file with ``onnx.reference`` (the ONNX reference evaluator computes every op
     in the graph's dtypes, with :func:`_reference_ops` where it ignores ``stash_type``; unlike
     ORT's CPU EP, which inserts Casts and computes most FP16
@@ -538,6 +559,9 @@ def fp16_true_arithmetic(fp16_path: Path | str, feed: dict[str, np.ndarray],
     :data:`REFERENCE_SLOWDOWN`); compare with
     PyTorch and name the first node whose FP16 output is non-finite.
 
+    Args:
+        estimate: the seconds one run would take (:func:`reference_estimate`; None: measured
+            here). Above ``budget_s`` the check is skipped.
     Returns:
         one ``fp16_true_arithmetic`` row: ``fail`` for non-finite outputs or cosine below
         ``min_cosine``; ``warn`` when the first non-finite node is one the reference computes
@@ -549,15 +573,8 @@ def fp16_true_arithmetic(fp16_path: Path | str, feed: dict[str, np.ndarray],
     model = onnx.load(str(fp16_path))
     ins = [n for n, _, _ in graph_inputs(model)]
     step = static_batch(model) or 1  # samples per run: a static batch is fed whole
-    one = {k: v[:step] for k, v in feed.items() if k in ins}
-    try:  # estimate the evaluator's time from one ORT run (measured ratio, see the constant)
-        run = ort_runner(fp16_path)
-        run(one)
-        t = time.time()
-        run(one)
-        estimate = (time.time() - t) * REFERENCE_SLOWDOWN
-    except Exception:  # noqa: BLE001 - a file ORT cannot run is judged elsewhere
-        estimate = 0.0
+    if estimate is None:
+        estimate = reference_estimate(fp16_path, feed)
     if estimate > budget_s:
         return [check_result("fp16_true_arithmetic", "skip",
                              f"onnx.reference would take about {estimate:.0f} s per sample here "
@@ -706,16 +723,24 @@ def fp16_checks(fp32_model, fp16_path: Path | str, feed: dict[str, np.ndarray],
     m16 = load_onnx(fp16_path)
     out = [r for r in lint(m16) if r["status"] != "skip"]
     out += fp16_converter_changes(fp32_model, m16, converter_warnings, keep_fp32)
-    out += fp16_range_audit(fp32_model, feed, m16, batch=batch, real_inputs=real_inputs,
-                            keep_fp32=keep_fp32)
-    if ref is not None:
-        if true_fp16_budget_s > 0:
+    # the true-FP16 run (onnx.reference: mostly one thread of Python) beside the range audit
+    # (ORT and NumPy on two): independent computations, the same rows in the same order
+    # (its time estimate is taken first, alone)
+    run_true16 = ref is not None and true_fp16_budget_s > 0
+    estimate = reference_estimate(fp16_path, feed) if run_true16 else None
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        true16 = (pool.submit(fp16_true_arithmetic, fp16_path, feed, ref, min_cosine,
+                              max_samples=true_fp16_samples, budget_s=true_fp16_budget_s,
+                              estimate=estimate)
+                  if run_true16 else None)
+        out += fp16_range_audit(fp32_model, feed, m16, batch=batch, real_inputs=real_inputs,
+                                keep_fp32=keep_fp32)
+        if true16 is not None:
             names = {n.name for n in fp32_model.graph.node}
-            for r in fp16_true_arithmetic(fp16_path, feed, ref, min_cosine,
-                                          max_samples=true_fp16_samples,
-                                          budget_s=true_fp16_budget_s):
+            for r in true16.result():
                 r["keep_fp32"] = [k for k in r.get("keep_fp32", []) if k in names]
                 out.append(r)
+    if ref is not None:
         out += fp16_backends(fp16_path, feed, ref, min_cosine, batch)
     if not trained or not real_inputs:  # one warning per range check, not a verdict per tensor
         why = ("random weights (--random-init): value ranges are not the trained model's"

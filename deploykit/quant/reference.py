@@ -14,18 +14,24 @@ config_keys.h``): ORT then folds each weight's Q/DQ into a float constant with i
 DequantizeLinear kernel (the bits the unoptimised run computes) and fuses and re-lays out the
 float ops (NCHWc convolutions with their activation, Conv+Add, ...: FP32 reordering, as every
 backend, TensorRT too, does). It does not take that on trust: ORT writes the graph it will run
-(``optimized_model_filepath``) and :func:`unfaithful` checks it against the file before a sample
-runs, node by node:
+(``optimized_model_filepath``) and :func:`unfaithful` checks it against ORT's unoptimised graph
+of the file before a sample runs, node by node:
 
 - every activation QuantizeLinear/DequantizeLinear of the file (one whose input is not computed
-  from constants alone) is still there, under its output name, with the same attributes and
-  the same scale and zero-point values, and there is no other;
+  from constants alone) is still there, under its output name, reading the same input tensor
+  (no float op in front of it folded into it: ORT's ``ReluQuantFusion`` drops a Relu before a
+  QuantizeLinear whatever its zero point and scale sign, and the session keys leave it on),
+  with the same attributes and the same scale and zero-point values, and there is no other;
 - every other node is an op the file has, a Cast (ORT's CPU EP inserts them around FP16 ops at
   every level), an NCHWc op (``com.microsoft.nchwc``) or one of :data:`FLOAT_FUSIONS`: no
-  integer kernel (QLinearConv, MatInteger, MatMulNBits, ...) and no op this check does not know.
+  integer kernel (QLinearConv, MatMulInteger, MatMulNBits, ...) and no op this check does not know.
 
-Anything else, a graph with control flow (If/Loop/Scan: their subgraphs are not checked), or a
-graph ORT cannot write, runs unoptimised as before, and the record says why.
+Anything else runs unoptimised as before, and the record says why; so does a graph with control
+flow (If/Loop/Scan: their subgraphs are not checked), one ORT cannot write, and one that holds
+FP16/BF16 constants (ORT's constant folding computes, e.g., an FP16 weight's DequantizeLinear in
+FP16, where its unoptimised run casts the scale to FP32 first: ModelOpt's default fp16-scale
+INT8 files moved 1000 times more activations by a step than FP32 reordering does; found by the
+stop-45 review).
 """
 from __future__ import annotations
 
@@ -81,31 +87,63 @@ def _constant_tensors(graph) -> set[str]:
     return const
 
 
-def _values(graph) -> dict[str, np.ndarray]:
-    """Initializer and Constant-node tensors of ``graph`` by name, and the tensors Cast (or
-    Identity) nodes make of them: ORT's CPU EP casts FP16 scales to float32 at every level and
-    folds the cast where it optimises (a float16 to float32 cast is exact; NumPy rounds to
-    float16 to nearest even, as IEEE 754 conversion does)."""
-    from onnx import helper, numpy_helper
+class _Values:
+    """Initializer and Constant-node tensors of a graph by name, read on demand (a large model's
+    weights are never converted; external data is read for the tensors asked for, from
+    ``base_dir``), and the tensors Cast (or Identity) nodes make of them: ORT's CPU EP casts
+    FP16 scales to float32 at every level and folds the cast where it optimises (a float16 to
+    float32 cast is exact; NumPy rounds to float16 to nearest even, as IEEE 754 conversion
+    does)."""
 
-    vals = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
-    for n in graph.node:
-        if not n.output:
-            continue
-        if n.op_type == "Constant" and _domain(n) == "":
-            for a in n.attribute:
-                if a.name == "value":
-                    vals[n.output[0]] = numpy_helper.to_array(a.t)
-        elif n.op_type in ("Cast", "Identity") and _domain(n) == "" and n.input \
-                and n.input[0] in vals:
-            to = {a.name: a.i for a in n.attribute}.get("to")
-            x = vals[n.input[0]]
-            try:
-                vals[n.output[0]] = x if to is None else x.astype(
-                    helper.tensor_dtype_to_np_dtype(to))
-            except (KeyError, TypeError, ValueError):
-                pass  # a type NumPy does not have: not a known constant
-    return vals
+    def __init__(self, graph, base_dir: Path | str | None = None):
+        self.base_dir = str(base_dir) if base_dir is not None else None
+        self.tensors = {t.name: t for t in graph.initializer}
+        self.made = {n.output[0]: n for n in graph.node if n.output and _domain(n) == ""
+                     and n.op_type in ("Constant", "Cast", "Identity")}
+        self.memo: dict[str, np.ndarray | None] = {}
+
+    def get(self, name: str) -> np.ndarray | None:
+        if name not in self.memo:
+            self.memo[name] = None  # a cycle reads as unknown
+            self.memo[name] = self._read(name)
+        return self.memo[name]
+
+    def _read(self, name: str) -> np.ndarray | None:
+        from onnx import helper, numpy_helper
+        from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
+
+        t = self.tensors.get(name)
+        if t is not None:
+            if uses_external_data(t):
+                if self.base_dir is None:
+                    return None
+                load_external_data_for_tensor(t, self.base_dir)
+            return numpy_helper.to_array(t)
+        n = self.made.get(name)
+        if n is None:
+            return None
+        if n.op_type == "Constant":
+            return next((numpy_helper.to_array(a.t) for a in n.attribute if a.name == "value"),
+                        None)
+        x = self.get(n.input[0]) if n.input else None
+        to = {a.name: a.i for a in n.attribute}.get("to")
+        if x is None or to is None:
+            return x
+        try:
+            return x.astype(helper.tensor_dtype_to_np_dtype(to))
+        except (KeyError, TypeError, ValueError):
+            return None  # a type NumPy does not have: not a known constant
+
+
+_HALF = frozenset({10, 16})  # TensorProto.FLOAT16, TensorProto.BFLOAT16
+
+
+def _half_constants(graph) -> list[str]:
+    """Initializers and Constant nodes of ``graph`` held in FP16 or BF16."""
+    out = [t.name for t in graph.initializer if t.data_type in _HALF]
+    out += [n.output[0] for n in graph.node if n.op_type == "Constant" and n.output
+            and any(a.name == "value" and a.t.data_type in _HALF for a in n.attribute)]
+    return out
 
 
 def _same_array(a: np.ndarray | None, b: np.ndarray | None) -> bool:
@@ -125,21 +163,78 @@ def _attrs(node) -> dict:
     return {**_QDQ_DEFAULTS, **{a.name: helper.get_attribute_value(a) for a in node.attribute}}
 
 
-def unfaithful(original, optimized) -> str | None:
+#: Integer ranges of the QuantizeLinear output types (TensorProto codes) whose clamp
+#: :func:`_clamp_redundant` can judge.
+_Q_RANGES = {2: (0, 255), 3: (-128, 127), 4: (0, 65535), 5: (-32768, 32767), 21: (0, 15),
+             22: (-8, 7)}
+
+
+def _clamp_redundant(clamp, src: str, q, vals) -> bool:
+    """Whether ``clamp`` (a Relu, or a Clip with constant bounds, reading ``src``) in front of
+    the per-tensor QuantizeLinear ``q`` can change no quantized value: its lower bound quantizes
+    to the end of the integer range that values below it reach, and its upper bound to the
+    other (ORT's ``ReluQuantFusion``/``ClipQuantFusion`` then drop it; any other case keeps
+    the graph on the unoptimised run)."""
+    if clamp is None or _domain(clamp) != "" or not clamp.input or clamp.input[0] != src \
+            or clamp.op_type not in ("Relu", "Clip") or q.op_type != "QuantizeLinear":
+        return False
+    s = vals.get(q.input[1]) if len(q.input) > 1 else None
+    zp = vals.get(q.input[2]) if len(q.input) > 2 and q.input[2] else np.zeros((), np.uint8)
+    if s is None or zp is None or s.size != 1 or zp.size != 1 or s.dtype != np.float32:
+        return False
+    from onnx import helper
+
+    rng = _Q_RANGES.get(helper.np_dtype_to_tensor_dtype(zp.dtype))
+    if rng is None or zp.dtype == np.float32:
+        return False
+    lo, hi = np.float32(-np.inf), np.float32(np.inf)
+    if clamp.op_type == "Relu":
+        lo = np.float32(0)
+    else:
+        attrs = {a.name: a.f for a in clamp.attribute}
+        lo, hi = np.float32(attrs.get("min", lo)), np.float32(attrs.get("max", hi))
+        for k, name in ((1, "lo"), (2, "hi")):
+            if len(clamp.input) > k and clamp.input[k]:
+                v = vals.get(clamp.input[k])
+                if v is None or v.size != 1:
+                    return False
+                if name == "lo":
+                    lo = np.float32(v.ravel()[0])
+                else:
+                    hi = np.float32(v.ravel()[0])
+    scale, z = np.float32(s.ravel()[0]), int(zp.ravel()[0])
+
+    def quant(v):  # ONNX QuantizeLinear: round half to even, then saturate
+        with np.errstate(all="ignore"):
+            r = np.rint(np.float32(v) / scale)
+        return rng[0] if r == -np.inf else rng[1] if r == np.inf else \
+            int(min(max(float(r) + z, rng[0]), rng[1]))
+
+    low_end, high_end = (rng[0], rng[1]) if scale > 0 else (rng[1], rng[0])
+    return quant(lo) == low_end and quant(hi) == high_end
+
+
+def unfaithful(original, optimized, original_dir: Path | str | None = None,
+               optimized_dir: Path | str | None = None) -> str | None:
     """Why ``optimized`` (ORT's graph written with its Q/DQ rewrites off) may not compute the
-    numerics of ``original`` (the file, or ORT's unoptimised graph of it), or None when it does
+    numerics of ``original`` (ORT's unoptimised graph of the file), or None when it does
     (module docstring).
 
     Args:
-        original, optimized: ``onnx.ModelProto`` (initializers loaded).
+        original, optimized: ``onnx.ModelProto`` (external data need not be loaded: the Q/DQ
+            scales and zero points are read from ``original_dir`` / ``optimized_dir``).
     Returns:
         None, or one sentence naming the first node that breaks the rule.
     """
     g0, g1 = original.graph, optimized.graph
     if any(n.op_type in _CONTROL_FLOW for n in g0.node):
         return "the graph has control flow (If/Loop/Scan), whose subgraphs this check does not read"
+    half = _half_constants(g0)
+    if half:
+        return (f"the graph holds FP16/BF16 constants ({half[0]}, ...): ORT's constant folding "
+                "computes them in FP16 where its unoptimised run casts them to FP32 first")
     const0, const1 = _constant_tensors(g0), _constant_tensors(g1)
-    vals0, vals1 = _values(g0), _values(g1)
+    vals0, vals1 = _Values(g0, original_dir), _Values(g1, optimized_dir)
     acts0, alias = {}, {}  # canonical output -> node; every output -> its canonical one
     first: dict[tuple, str] = {}
     for n in g0.node:
@@ -151,27 +246,37 @@ def unfaithful(original, optimized) -> str | None:
             alias[n.output[0]] = first.setdefault(key, n.output[0])
             acts0.setdefault(alias[n.output[0]], n)
     seen = set()
+    prod0 = {o: n for n in g0.node for o in n.output if o}
     known = {(_domain(n), n.op_type) for n in g0.node} | _MADE_BY_FUSIONS | FLOAT_FUSIONS
     for n in g1.node:
         dom, op = _domain(n), n.op_type
         if op in _QDQ and dom in ("", "com.microsoft"):
             if n.input and n.input[0] in const1:
                 continue  # a constant's Q/DQ ORT left unfolded: computed as written
-            ref = acts0.get(alias.get(n.output[0] if n.output else "", ""))
+            out = n.output[0] if n.output else "?"
+            ref = acts0.get(alias.get(out, ""))
             if ref is None:
-                return f"ORT's graph has a {op} ({n.output[0] if n.output else '?'}) the file has not"
+                return f"ORT's graph has a {op} ({out}) the file has not"
             if dom != _domain(ref) or op != ref.op_type or _attrs(n) != _attrs(ref):
-                return f"ORT changed the {op} that writes {n.output[0]}"
+                return f"ORT changed the {op} that writes {out}"
+            # the same input tensor: a float op in front of it was not folded into it (ORT's
+            # ReluQuantFusion drops a Relu before a QuantizeLinear whatever its zero point),
+            # unless that op cannot change a quantized value (_clamp_redundant)
+            if not n.input or (n.input[0] != ref.input[0] and not _clamp_redundant(
+                    prod0.get(ref.input[0]), n.input[0], ref, vals0)):
+                return (f"ORT feeds the {op} that writes {out} from "
+                        f"{n.input[0] if n.input else 'nothing'}, not {ref.input[0]}")
             for k in (1, 2):
-                a = vals0.get(ref.input[k]) if len(ref.input) > k and ref.input[k] else None
+                has = len(ref.input) > k and bool(ref.input[k])
+                a = vals0.get(ref.input[k]) if has else None
                 b = vals1.get(n.input[k]) if len(n.input) > k and n.input[k] else None
-                if len(ref.input) > k and ref.input[k] and a is None:
-                    return f"the {op} that writes {n.output[0]} takes a scale or zero point " \
-                           "that is not a constant"
+                if has and a is None:
+                    return (f"the {op} that writes {out} takes a scale or zero point that is "
+                            "not a constant")
                 if not _same_array(a, b):
                     return (f"ORT changed the {'scale' if k == 1 else 'zero point'} of the "
-                            f"{op} that writes {n.output[0]}")
-            seen.add(alias[n.output[0]])
+                            f"{op} that writes {out}")
+            seen.add(alias[out])
         elif dom == "com.microsoft.nchwc":
             continue
         elif (dom, op) not in known:
@@ -206,17 +311,30 @@ def qdq_reference_runner(onnx_path: Path | str | bytes, *, threads: int = 0):
     why = None
     with tempfile.TemporaryDirectory(prefix="qdq-reference-") as tmp:
         plain_graph, fast_graph = Path(tmp) / "unoptimised.onnx", Path(tmp) / "optimised.onnx"
+        # initializers of 1 KiB and more go to a file beside each written graph (a model with
+        # external data keeps working, and none is read whole: only the Q/DQ scales are)
+        ext = lambda name: {  # noqa: E731
+            "session.optimized_model_external_initializers_file_name": name,
+            "session.optimized_model_external_initializers_min_size_in_bytes": "1024"}
         # one session at a time (a large model's memory): the unoptimised one is made for its
         # graph and dropped, and made again only when the fast one is not used
         OrtRunner(onnx_path, "cpu", opt_level="disable", threads=threads,
-                  save_optimized=plain_graph)
+                  session_config=ext("unoptimised.data"), save_optimized=plain_graph)
+        fast = None
         try:
             fast = OrtRunner(onnx_path, "cpu", opt_level="all", threads=threads,
-                             session_config=QDQ_REWRITES_OFF, save_optimized=fast_graph,
-                             disabled_optimizers=QDQ_OPTIMIZERS_OFF)
-            why = unfaithful(onnx.load(str(plain_graph)), onnx.load(str(fast_graph)))
+                             session_config={**QDQ_REWRITES_OFF, **ext("optimised.data")},
+                             save_optimized=fast_graph, disabled_optimizers=QDQ_OPTIMIZERS_OFF)
+            g0 = onnx.load(str(plain_graph), load_external_data=False)
+            g1 = onnx.load(str(fast_graph), load_external_data=False)
         except Exception as e:  # noqa: BLE001 - any doubt runs the graph unoptimised
-            why = f"ORT's optimised graph could not be written or read ({type(e).__name__}: {e})"
+            why = (f"ORT could not make or write its optimised graph ({type(e).__name__}: "
+                   f"{str(e).splitlines()[0][:200] if str(e) else ''})")
+        if why is None:
+            try:
+                why = unfaithful(g0, g1, tmp, tmp)
+            except Exception as e:  # noqa: BLE001
+                why = f"the node check failed ({type(e).__name__}: {e})"
     if why is None:
         return fast, {"reference": "qdq_rewrites_off", "why": None}
     return (OrtRunner(onnx_path, "cpu", opt_level="disable", threads=threads),

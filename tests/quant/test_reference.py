@@ -73,7 +73,7 @@ def test_a_rewrite_the_check_does_not_know_runs_unoptimised(monkeypatch, tmp_pat
     """When ORT's optimised graph fails the node check, the reference is ORT with every
     optimisation off, and says why."""
     path = _save(_conv_qdq(), tmp_path / "q.onnx")
-    monkeypatch.setattr(reference, "unfaithful", lambda a, b: "a reason")
+    monkeypatch.setattr(reference, "unfaithful", lambda *a: "a reason")
     runner, how = qdq_reference_runner(path)
     assert how == {"reference": "unoptimised", "why": "a reason"}
     assert runner.opt_level == "disable"
@@ -116,6 +116,12 @@ def test_the_node_check_names_each_kind_of_change():
         g.node.extend([helper.make_node("QuantizeLinear", ["y", "sy", "z"], ["extra_q"])])
     assert "the file has not" in unfaithful(m, edit(extra_pair))
 
+    def rewire(g):  # a float op folded into the quantizer: it reads another tensor
+        for n in g.node:
+            if n.output[0] == "rq":
+                n.input[0] = "c"
+    assert "from c, not r" in unfaithful(m, edit(rewire))
+
     def fold_weight(g):  # ORT's constant folding: the weight DQ becomes a float initializer
         keep = [n for n in g.node if n.output[0] != "w"]
         del g.node[:]
@@ -147,23 +153,49 @@ def test_the_node_check_names_each_kind_of_change():
     assert "control flow" in unfaithful(loop, loop)
 
 
-def test_an_fp16_scale_cast_by_ort_is_read_as_the_constant_it_is():
-    """The CPU EP casts an FP16 scale to float32 at every level (a Cast of an initializer in
-    the unoptimised graph) and folds it where it optimises: the same value, not a change."""
+def test_a_cast_scale_is_read_as_the_constant_it_is():
+    """A scale made by a Cast of a constant (float64 to float32) in one graph and folded into an
+    initializer in the other is the same value, not a change; a different value is one. FP16
+    constants send the graph to the unoptimised run before any of this (ORT folds them in
+    FP16)."""
     m = _conv_qdq()
-    c = type(m)()
-    c.CopyFrom(m)
-    for t in c.graph.initializer:
-        if t.name == "sy":
-            t.CopyFrom(numpy_helper.from_array(np.array(0.05, np.float16), "sy16"))
-    c.graph.node.insert(0, helper.make_node("Cast", ["sy16"], ["sy"], to=TensorProto.FLOAT))
-    folded = type(m)()
-    folded.CopyFrom(m)
-    for t in folded.graph.initializer:
-        if t.name == "sy":
-            t.CopyFrom(numpy_helper.from_array(np.array(np.float16(0.05), np.float32), "sy"))
-    assert unfaithful(c, folded) is None
-    assert "changed the scale" in unfaithful(c, m)  # 0.05 in float32 is not float16's 0.05
+
+    def with_scale(node_cast: bool, value):
+        c = type(m)()
+        c.CopyFrom(m)
+        for t in c.graph.initializer:
+            if t.name == "sy":
+                t.CopyFrom(numpy_helper.from_array(np.asarray(value), "sy64" if node_cast
+                                                   else "sy"))
+        if node_cast:
+            c.graph.node.insert(0, helper.make_node("Cast", ["sy64"], ["sy"],
+                                                    to=TensorProto.FLOAT))
+        return c
+
+    cast = with_scale(True, np.float64(0.05))
+    assert unfaithful(cast, with_scale(False, np.float32(0.05))) is None
+    assert "changed the scale" in unfaithful(cast, with_scale(False, np.float32(0.051)))
+    half = with_scale(False, np.float16(0.05))
+    assert "FP16/BF16 constants (sy" in unfaithful(half, half)
+
+
+@pytest.mark.parametrize("lo, zp, scale, redundant", [
+    (0.0, -128, 0.02, True),     # Relu before int8 [-128, 127] from 0: drops nothing
+    (0.0, 0, 0.02, False),       # zero point 0: Relu clamps half the range
+    (0.0, -128, -0.02, False),   # negative scale: the Relu's 0 is the top of the range
+    (-1.0, 0, 0.02, False)])     # a Clip whose lower bound is inside the range
+def test_a_clamp_before_a_quantizer_is_redundant_only_where_it_changes_no_value(
+        lo, zp, scale, redundant):
+    """_clamp_redundant: a Relu/Clip folded into the QuantizeLinear after it is accepted only
+    when its bounds quantize to the ends of the integer range, compared with ONNX's rounding."""
+    q = helper.make_node("QuantizeLinear", ["r", "s", "z"], ["q"])
+    clamp = (helper.make_node("Relu", ["x"], ["r"]) if lo == 0.0 else
+             helper.make_node("Clip", ["x", "lo"], ["r"]))
+    g = helper.make_graph([clamp, q], "g", [], [], [
+        numpy_helper.from_array(np.array(scale, np.float32), "s"),
+        numpy_helper.from_array(np.array(zp, np.int8), "z"),
+        numpy_helper.from_array(np.array(lo, np.float32), "lo")])
+    assert reference._clamp_redundant(clamp, "x", q, reference._Values(g)) is redundant
 
 
 def test_two_qdq_pairs_in_a_row_stay_two(tmp_path):
@@ -184,3 +216,71 @@ def test_two_qdq_pairs_in_a_row_stay_two(tmp_path):
     assert how["reference"] == "qdq_rewrites_off"
     assert np.abs(one_pair - plain).max() > 0.1
     np.testing.assert_allclose(ref, plain, rtol=0, atol=1e-5)
+
+
+def test_a_relu_folded_into_a_quantizer_is_seen_and_the_graph_runs_unoptimised(tmp_path):
+    """The stop-45 review's case: ORT's ReluQuantFusion drops a Relu in front of a
+    QuantizeLinear with a negative scale (zero point -128), changing every negative input by
+    up to 150 steps, and the Q/DQ session keys leave it on. The node check sees the
+    QuantizeLinear read the Relu's input, so the reference runs unoptimised and computes the
+    graph's numerics, while ORT's own run does not."""
+    g = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["r"]),
+         helper.make_node("QuantizeLinear", ["r", "s", "z"], ["q"]),
+         helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", 1, [4, 4, 8, 8])],
+        [helper.make_tensor_value_info("y", 1, None)],
+        [numpy_helper.from_array(np.array(-0.02, np.float32), "s"),
+         numpy_helper.from_array(np.array(-128, np.int8), "z")])
+    path = _save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]),
+                 tmp_path / "relu_q.onnx")
+    x = {"x": np.random.default_rng(0).uniform(-3, 3, (4, 4, 8, 8)).astype(np.float32)}
+    runner, how = qdq_reference_runner(path)
+    assert how["reference"] == "unoptimised" and "not r" in how["why"]
+    with runner:
+        ref = runner.infer(x)["y"]
+    with OrtRunner(path, opt_level="disable") as r:
+        plain = r.infer(x)["y"]
+    with OrtRunner(path, session_config=reference.QDQ_REWRITES_OFF,
+                   disabled_optimizers=reference.QDQ_OPTIMIZERS_OFF) as r:
+        fused = r.infer(x)["y"]
+    assert ref.tobytes() == plain.tobytes()
+    assert np.abs(fused - plain).max() > 1.0  # the rewrite is real: the check is needed
+
+
+def test_fp16_constants_run_unoptimised(tmp_path):
+    """A Q/DQ graph with FP16 weights and scales: ORT would fold the weight's
+    DequantizeLinear in FP16 where its unoptimised run casts to FP32 first, so the reference is
+    the unoptimised run, and says why."""
+    rng = np.random.default_rng(0)
+    inits = {"wq": rng.integers(-127, 128, (4, 4, 3, 3)).astype(np.int8),
+             "ws": np.full(4, 0.013, np.float16), "wz": np.zeros(4, np.int8)}
+    nodes = [helper.make_node("Cast", ["x"], ["xh"], to=TensorProto.FLOAT16),
+             helper.make_node("DequantizeLinear", ["wq", "ws", "wz"], ["w"], axis=0),
+             helper.make_node("Conv", ["xh", "w"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Cast", ["c"], ["y"], to=TensorProto.FLOAT)]
+    path = _save(_graph(nodes, inits), tmp_path / "fp16.onnx")
+    runner, how = qdq_reference_runner(path)
+    assert how["reference"] == "unoptimised" and "FP16/BF16 constants (ws" in how["why"]
+    assert runner.opt_level == "disable"
+
+
+def test_a_model_with_external_data_takes_the_fast_path(tmp_path):
+    """A Q/DQ model saved with its initializers in an external file: the graphs ORT writes
+    keep theirs beside them, the check reads only the Q/DQ scales, and the fast reference gives
+    the unoptimised run's outputs (no temporary folder left behind)."""
+    import glob
+    import onnx
+
+    path = tmp_path / "ext.onnx"
+    onnx.save(_conv_qdq(), str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+              location="ext.data", size_threshold=0)
+    before = set(glob.glob("/tmp/qdq-reference-*"))
+    runner, how = qdq_reference_runner(path)
+    assert how == {"reference": "qdq_rewrites_off", "why": None}
+    assert set(glob.glob("/tmp/qdq-reference-*")) == before
+    feed = _x()
+    with runner:
+        ref = runner.infer(feed)["y"]
+    with OrtRunner(path, opt_level="disable") as r:
+        np.testing.assert_allclose(ref, r.infer(feed)["y"], rtol=0, atol=1e-5)
