@@ -87,3 +87,41 @@ def infer_in_chunks(infer, feed: dict, n: int | None) -> dict | None:
     if all(np.ndim(p[k]) and len(p[k]) == m for p, m in zip(parts, sizes) for k in p):
         return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
     return None
+
+
+def infer_chunks_decided(one, feed: dict, n: int, chunked: bool | None
+                         ) -> tuple[dict, bool]:
+    """``one`` (a whole-batch run: ``{name: array}`` -> ``{output name: array}``) of ``feed``
+    (``n`` samples on axis 0) in chunks of :data:`CPU_CHUNK` where that gives the same outputs.
+
+    ``chunked`` None: undecided; the feed's first two chunks run whole and as two chunks, and
+    chunks are chosen when every output has the same dtype, shape and bytes (else whole batches
+    for good: a model that mixes samples across its batch). True: chunks (a feed whose chunks
+    fail runs whole). Returns ``(outputs [n, ...], chunked)``.
+    """
+    from deploykit.runners import _same_outputs
+
+    def chunks(part, m):
+        try:
+            return infer_in_chunks(one, part, m)
+        except Exception:  # noqa: BLE001 - a chunk the model refuses: whole batches
+            return None
+
+    if chunked:
+        parts = chunks(feed, n)
+        return (one(feed) if parts is None else parts), True
+    k = 2 * CPU_CHUNK
+    cut = lambda a, b: {name: v[a:b] if np.ndim(v) and len(v) == n else v  # noqa: E731
+                        for name, v in feed.items()}
+    head = cut(0, k)
+    try:
+        whole = one(head)
+    except Exception:  # noqa: BLE001 - a batch the model refuses (e.g. a reshape by 3 samples)
+        return one(feed), False
+    parts = chunks(head, k)
+    if parts is None or not _same_outputs(whole, parts):
+        return one(feed), False
+    tail = chunks(cut(k, n), n - k)
+    if tail is None:
+        return one(feed), True
+    return {name: np.concatenate([parts[name], tail[name]]) for name in parts}, True
