@@ -50,7 +50,6 @@ QDQ_REWRITES_OFF = {"session.disable_quant_qdq": "1", "session.disable_double_qd
 QDQ_OPTIMIZERS_OFF = ("WeightBiasQuantization",)
 
 _QDQ = ("QuantizeLinear", "DequantizeLinear")
-_QDQ_DOMAINS = ("", "ai.onnx", "com.microsoft")
 
 #: ORT's float fusions (contrib ops, domain ``com.microsoft``) whose kernels compute the float
 #: ops they replace, reordered (onnxruntime docs, "Graph optimizations"; ``FastGelu``, the tanh
