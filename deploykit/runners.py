@@ -28,8 +28,8 @@ import numpy as np
 
 from deploykit.envinfo import device_info
 from deploykit.errors import StageError, UsageError, ort_load_error, out_of_memory_message
-from deploykit.torch_cpu import (CPU_CHUNK, _same_outputs, forward_cpu_layout,  # noqa: F401
-                                 infer_chunks_decided, infer_in_chunks)
+from deploykit.torch_cpu import (CPU_CHUNK, forward_cpu_layout, infer_chunks_decided,
+                                 infer_in_chunks)
 from deploykit.timing import MAX_SECONDS, Timing, cuda_event_loop, try_extra, wall_loop
 from deploykit.trt.parsers import PLAN_HEADER_BYTES, classify_plan_load_error, parse_layer_info
 
@@ -102,6 +102,14 @@ class NullRunner(Runner):
 
     def describe(self):
         return {"backend": self.backend, "device": "cpu"}
+
+
+def _same_outputs(a: dict, b: dict) -> bool:
+    """Two runs' outputs: the same names, dtypes, shapes and bytes (-0.0 is not +0.0)."""
+    arr = {k: (np.asarray(a[k]), np.asarray(b.get(k))) for k in a}
+    return list(a) == list(b) and all(
+        x.dtype == y.dtype != object and x.shape == y.shape and x.tobytes() == y.tobytes()
+        for x, y in arr.values())
 
 
 def _batch_of(feed: dict) -> int | None:

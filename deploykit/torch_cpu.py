@@ -99,6 +99,8 @@ def infer_chunks_decided(one, feed: dict, n: int, chunked: bool | None
     for good: a model that mixes samples across its batch). True: chunks (a feed whose chunks
     fail runs whole). Returns ``(outputs [n, ...], chunked)``.
     """
+    from deploykit.runners import _same_outputs
+
     def chunks(part, m):
         try:
             return infer_in_chunks(one, part, m)
@@ -123,11 +125,3 @@ def infer_chunks_decided(one, feed: dict, n: int, chunked: bool | None
     if tail is None:
         return one(feed), True
     return {name: np.concatenate([parts[name], tail[name]]) for name in parts}, True
-
-
-def _same_outputs(a: dict, b: dict) -> bool:
-    """Two runs' outputs: the same names, dtypes, shapes and bytes (-0.0 is not +0.0)."""
-    arr = {k: (np.asarray(a[k]), np.asarray(b.get(k))) for k in a}
-    return list(a) == list(b) and all(
-        x.dtype == y.dtype != object and x.shape == y.shape and x.tobytes() == y.tobytes()
-        for x, y in arr.values())
