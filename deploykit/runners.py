@@ -28,8 +28,7 @@ import numpy as np
 
 from deploykit.envinfo import device_info
 from deploykit.errors import StageError, UsageError, ort_load_error, out_of_memory_message
-from deploykit.torch_cpu import (CPU_CHUNK, forward_cpu_layout, infer_chunks_decided,
-                                 infer_in_chunks)
+from deploykit.torch_cpu import CPU_CHUNK, forward_cpu_layout, infer_in_chunks
 from deploykit.timing import MAX_SECONDS, Timing, cuda_event_loop, try_extra, wall_loop
 from deploykit.trt.parsers import PLAN_HEADER_BYTES, classify_plan_load_error, parse_layer_info
 
@@ -538,10 +537,10 @@ class OrtRunner(Runner):
         returned them with ``native``: e.g. float16 tensors of an FP16 graph, for callers that
         convert them themselves). With ``cpu_chunk`` (stage 3's accuracy pass), on the CPU EP a feed of at least 4 x
         :data:`deploykit.torch_cpu.CPU_CHUNK` samples whose axis 0 the model leaves free may run
-        in chunks of ``CPU_CHUNK``. Decided once, on the first such feed, whose first two chunks
-        run whole and as two chunks: chunks from then on only when every output has the same
-        dtype, shape and bytes (else whole batches for good: e.g. a model that mixes samples
-        across its batch). A later feed whose chunks fail runs whole. Chunks of 16: 1-17 % less time per image than batch 64,
+        in chunks of ``CPU_CHUNK``. Decided once, on the first such feed, run both ways: chunks
+        from then on only when every output has the same dtype, shape and bytes (else whole
+        batches for good: e.g. a model that mixes samples across that batch). A later feed
+        whose chunks fail runs whole. Chunks of 16: 1-17 % less time per image than batch 64,
         outputs bit-identical, for EfficientNet-Lite0's four files on this project's 2-core
         Intel Xeon (benchmarks/README.md, stop 41); ``cpu_chunk`` in :meth:`describe`.
 
@@ -554,8 +553,15 @@ class OrtRunner(Runner):
         if (self.chunked is False or self.used != "CPUExecutionProvider" or not n
                 or n < 4 * CPU_CHUNK or self.batch_range[1] is not None):
             return one(feed)
-        out, self.chunked = infer_chunks_decided(one, feed, n, self.chunked)
-        return out
+        whole = None if self.chunked else one(feed)
+        try:
+            parts = infer_in_chunks(one, feed, n)
+        except Exception:  # noqa: BLE001 - a chunk the model refuses: whole batches
+            parts = None
+        if whole is None:  # decided before
+            return one(feed) if parts is None else parts
+        self.chunked = parts is not None and _same_outputs(whole, parts)
+        return whole
 
     def _infer_one(self, feed, native: bool):
         outs = self._run(self.session, feed)
