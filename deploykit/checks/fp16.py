@@ -529,7 +529,7 @@ def _reference_ops() -> list:
 def reference_estimate(fp16_path: Path | str, feed: dict[str, np.ndarray]) -> float:
     """Seconds ``onnx.reference`` would take for one run of the FP16 file: one timed ORT CPU
     run of its first sample (its static batch) times :data:`REFERENCE_SLOWDOWN` (0.0 when ORT
-    cannot run it: that file is judged elsewhere). Taken alone, before anything runs beside it."""
+    cannot run it: that file is judged elsewhere)."""
     import onnx
 
     model = onnx.load(str(fp16_path), load_external_data=False)
@@ -723,24 +723,16 @@ def fp16_checks(fp32_model, fp16_path: Path | str, feed: dict[str, np.ndarray],
     m16 = load_onnx(fp16_path)
     out = [r for r in lint(m16) if r["status"] != "skip"]
     out += fp16_converter_changes(fp32_model, m16, converter_warnings, keep_fp32)
-    # the true-FP16 run (onnx.reference: mostly one thread of Python) beside the range audit
-    # (ORT and NumPy on two): independent computations, the same rows in the same order
-    # (its time estimate is taken first, alone)
-    run_true16 = ref is not None and true_fp16_budget_s > 0
-    estimate = reference_estimate(fp16_path, feed) if run_true16 else None
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        true16 = (pool.submit(fp16_true_arithmetic, fp16_path, feed, ref, min_cosine,
-                              max_samples=true_fp16_samples, budget_s=true_fp16_budget_s,
-                              estimate=estimate)
-                  if run_true16 else None)
-        out += fp16_range_audit(fp32_model, feed, m16, batch=batch, real_inputs=real_inputs,
-                                keep_fp32=keep_fp32)
-        if true16 is not None:
+    out += fp16_range_audit(fp32_model, feed, m16, batch=batch, real_inputs=real_inputs,
+                            keep_fp32=keep_fp32)
+    if ref is not None:
+        if true_fp16_budget_s > 0:
             names = {n.name for n in fp32_model.graph.node}
-            for r in true16.result():
+            for r in fp16_true_arithmetic(fp16_path, feed, ref, min_cosine,
+                                          max_samples=true_fp16_samples,
+                                          budget_s=true_fp16_budget_s):
                 r["keep_fp32"] = [k for k in r.get("keep_fp32", []) if k in names]
                 out.append(r)
-    if ref is not None:
         out += fp16_backends(fp16_path, feed, ref, min_cosine, batch)
     if not trained or not real_inputs:  # one warning per range check, not a verdict per tensor
         why = ("random weights (--random-init): value ranges are not the trained model's"

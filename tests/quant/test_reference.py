@@ -284,3 +284,37 @@ def test_a_model_with_external_data_takes_the_fast_path(tmp_path):
         ref = runner.infer(feed)["y"]
     with OrtRunner(path, opt_level="disable") as r:
         np.testing.assert_allclose(ref, r.infer(feed)["y"], rtol=0, atol=1e-5)
+
+
+def test_a_layernorm_pattern_ort_fuses_runs_unoptimised(tmp_path):
+    """The stop-45 review's case: ORT fuses the explicit LayerNorm pattern into
+    LayerNormalization, whose variance on ill-conditioned rows (mean 300, spread 0.01) moves
+    int8 values after it by a step far more often than reordering does: such a graph runs
+    unoptimised, and says so."""
+    d = 64
+    inits = {"ax": np.array([-1], np.int64), "two": np.array(2, np.float32),
+             "eps": np.array(1e-5, np.float32), "g": np.ones(d, np.float32),
+             "b": np.zeros(d, np.float32), "s": np.array(0.02, np.float32),
+             "z": np.array(0, np.int8)}
+    nodes = [helper.make_node("ReduceMean", ["x", "ax"], ["mu"]),
+             helper.make_node("Sub", ["x", "mu"], ["d"]),
+             helper.make_node("Pow", ["d", "two"], ["d2"]),
+             helper.make_node("ReduceMean", ["d2", "ax"], ["var"]),
+             helper.make_node("Add", ["var", "eps"], ["ve"]),
+             helper.make_node("Sqrt", ["ve"], ["sd"]),
+             helper.make_node("Div", ["d", "sd"], ["n"]),
+             helper.make_node("Mul", ["n", "g"], ["ng"]),
+             helper.make_node("Add", ["ng", "b"], ["l"]),
+             helper.make_node("QuantizeLinear", ["l", "s", "z"], ["q"]),
+             helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", 1, [32, 16, d])],
+                          [helper.make_tensor_value_info("y", 1, None)],
+                          [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    path = _save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]),
+                 tmp_path / "ln.onnx")
+    runner, how = qdq_reference_runner(path)
+    assert how["reference"] == "unoptimised" and "LayerNormalization" in how["why"]
+    x = {"x": (300 + 0.01 * np.random.default_rng(0).standard_normal((32, 16, d))).astype(
+        np.float32)}
+    with runner, OrtRunner(path, opt_level="disable") as plain:
+        assert runner.infer(x)["y"].tobytes() == plain.infer(x)["y"].tobytes()
