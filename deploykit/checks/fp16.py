@@ -176,23 +176,23 @@ def fp16_range_audit(fp32_model, feed: dict[str, np.ndarray], fp16_model=None, *
     # the FP32 graph's float ops at ORT's default level (reordered sums; its optimised graph is
     # checked node by node: deploykit.quant.reference): 64 Lite0 samples 1.0 s against 2.1-2.5 s
     # unoptimised (benchmarks/README.md, stop 45)
-    for acts, _ in ort_activations(m32, feed, batch=batch, opt_level="reference"):
-        # each tensor's statistics on one of two threads (NumPy releases the GIL; each
-        # RangeStat is updated by one task: the same figures as one after the other)
-        floats = [(name, a) for name, a in acts.items()
-                  if np.issubdtype(np.asarray(a).dtype, np.floating)]
-        for name, _ in floats:
-            stats.setdefault(name, RangeStat())
-        with ThreadPoolExecutor(max_workers=2) as pool:
+    # each tensor's statistics on one of two threads (NumPy releases the GIL; each RangeStat is
+    # updated by one task at a time, chunk after chunk: the same figures as one after the other)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for acts, _ in ort_activations(m32, feed, batch=batch, opt_level="reference"):
+            floats = [(name, a) for name, a in acts.items()
+                      if np.issubdtype(np.asarray(a).dtype, np.floating)]
+            for name, _ in floats:
+                stats.setdefault(name, RangeStat())
             list(pool.map(lambda item: stats[item[0]].update(item[1]), floats))
-        for name, a in floats:
-            if name in reds and reds[name].input[0] in acts and np.size(a):
-                top = float(np.abs(a).max())
-                if ACCUMULATING_REDUCTIONS[reds[name].op_type] == "l2":
-                    run = top * top
-                else:
-                    run = top * np.size(acts[reds[name].input[0]]) / np.size(a)
-                acc[name] = max(acc.get(name, 0.0), run)
+            for name, a in floats:
+                if name in reds and reds[name].input[0] in acts and np.size(a):
+                    top = float(np.abs(a).max())
+                    if ACCUMULATING_REDUCTIONS[reds[name].op_type] == "l2":
+                        run = top * top
+                    else:
+                        run = top * np.size(acts[reds[name].input[0]]) / np.size(a)
+                    acc[name] = max(acc.get(name, 0.0), run)
     for name in feed:  # graph inputs (cast to FP16 by keep_io_types)
         if np.issubdtype(np.asarray(feed[name]).dtype, np.floating):
             stats.setdefault(name, RangeStat()).update(feed[name])
@@ -526,30 +526,9 @@ def _reference_ops() -> list:
     return [LayerNormalizationStash, ConvHalf, MatMulHalf]
 
 
-def reference_estimate(fp16_path: Path | str, feed: dict[str, np.ndarray]) -> float:
-    """Seconds ``onnx.reference`` would take for one run of the FP16 file: one timed ORT CPU
-    run of its first sample (its static batch) times :data:`REFERENCE_SLOWDOWN` (0.0 when ORT
-    cannot run it: that file is judged elsewhere)."""
-    import onnx
-
-    model = onnx.load(str(fp16_path), load_external_data=False)
-    ins = [n for n, _, _ in graph_inputs(model)]
-    step = static_batch(model) or 1
-    one = {k: v[:step] for k, v in feed.items() if k in ins}
-    try:
-        run = ort_runner(fp16_path)
-        run(one)
-        t = time.time()
-        run(one)
-        return (time.time() - t) * REFERENCE_SLOWDOWN
-    except Exception:  # noqa: BLE001 - a file ORT cannot run is judged elsewhere
-        return 0.0
-
-
 def fp16_true_arithmetic(fp16_path: Path | str, feed: dict[str, np.ndarray],
                          ref: dict[str, np.ndarray], min_cosine: float, *,
-                         max_samples: int = 2, budget_s: float = 60.0,
-                         estimate: float | None = None) -> list[dict]:
+                         max_samples: int = 2, budget_s: float = 60.0) -> list[dict]:
     """Run the FP16 file with ``onnx.reference`` (the ONNX reference evaluator computes every op
     in the graph's dtypes, with :func:`_reference_ops` where it ignores ``stash_type``; unlike
     ORT's CPU EP, which inserts Casts and computes most FP16
@@ -559,9 +538,6 @@ def fp16_true_arithmetic(fp16_path: Path | str, feed: dict[str, np.ndarray],
     :data:`REFERENCE_SLOWDOWN`); compare with
     PyTorch and name the first node whose FP16 output is non-finite.
 
-    Args:
-        estimate: the seconds one run would take (:func:`reference_estimate`; None: measured
-            here). Above ``budget_s`` the check is skipped.
     Returns:
         one ``fp16_true_arithmetic`` row: ``fail`` for non-finite outputs or cosine below
         ``min_cosine``; ``warn`` when the first non-finite node is one the reference computes
@@ -573,8 +549,15 @@ def fp16_true_arithmetic(fp16_path: Path | str, feed: dict[str, np.ndarray],
     model = onnx.load(str(fp16_path))
     ins = [n for n, _, _ in graph_inputs(model)]
     step = static_batch(model) or 1  # samples per run: a static batch is fed whole
-    if estimate is None:
-        estimate = reference_estimate(fp16_path, feed)
+    one = {k: v[:step] for k, v in feed.items() if k in ins}
+    try:  # estimate the evaluator's time from one ORT run (measured ratio, see the constant)
+        run = ort_runner(fp16_path)
+        run(one)
+        t = time.time()
+        run(one)
+        estimate = (time.time() - t) * REFERENCE_SLOWDOWN
+    except Exception:  # noqa: BLE001 - a file ORT cannot run is judged elsewhere
+        estimate = 0.0
     if estimate > budget_s:
         return [check_result("fp16_true_arithmetic", "skip",
                              f"onnx.reference would take about {estimate:.0f} s per sample here "

@@ -162,29 +162,29 @@ def quant_backend_table(fp32_onnx: Path | str, qdq_onnx: Path | str, feed: dict[
     quant: dict[str, TensorStat] = {}
     backend: dict[str, TensorStat] = {}
     b_of: dict[str, str | None] = {}
-    for (f, n), (q0, _), (q1, _) in zip(f_it, q0_it, q1_it):
-        names = set(q0)
-        todo = []
-        for name, a in f.items():
-            if name not in b_of:
-                b_of[name] = b_name_for(name, names, alias_inv)
-            b = b_of[name]
-            if b is None or b not in q0 or b not in q1:
-                continue
-            quant.setdefault(name, TensorStat())
-            backend.setdefault(name, TensorStat())
-            todo.append((name, a, b))
+    # each tensor on one of two threads (NumPy releases the GIL; each TensorStat is updated by
+    # one task at a time, in chunk order: the same figures as one after the other)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for (f, n), (q0, _), (q1, _) in zip(f_it, q0_it, q1_it):
+            names = set(q0)
+            todo = []
+            for name, a in f.items():
+                if name not in b_of:
+                    b_of[name] = b_name_for(name, names, alias_inv)
+                b = b_of[name]
+                if b is None or b not in q0 or b not in q1:
+                    continue
+                quant.setdefault(name, TensorStat())
+                backend.setdefault(name, TensorStat())
+                todo.append((name, a, b))
 
-        def update(item, q0=q0, q1=q1, n=n):
-            name, a, b = item
-            # the dtype recorded is the one the runs' float32 outputs had before (reports);
-            # per channel (axis 1) too for the quantization error (channel_sums)
-            quant[name].update(a, q0[b], n, _shown_dtype(q0[b]), channels=True)
-            backend[name].update(q0[b], q1[b], n, _shown_dtype(q1[b]))
+            def update(item, q0=q0, q1=q1, n=n):
+                name, a, b = item
+                # the dtype recorded is the one the runs' float32 outputs had before (reports);
+                # per channel (axis 1) too for the quantization error (channel_sums)
+                quant[name].update(a, q0[b], n, _shown_dtype(q0[b]), channels=True)
+                backend[name].update(q0[b], q1[b], n, _shown_dtype(q1[b]))
 
-        # each tensor on one of two threads (NumPy releases the GIL; each TensorStat is
-        # updated by one task, in chunk order: the same figures as one after the other)
-        with ThreadPoolExecutor(max_workers=2) as pool:
             list(pool.map(update, todo))
     inits = {t.name for t in a_model.graph.initializer}
     rows = []

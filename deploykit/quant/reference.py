@@ -216,6 +216,18 @@ def _clamp_redundant(clamp, src: str, q, vals) -> bool:
     return quant(lo) == low_end and quant(hi) == high_end
 
 
+def _not_checkable(graph) -> str | None:
+    """Why the node check cannot vouch for ``graph`` whatever ORT makes of it (control flow,
+    FP16/BF16 constants), or None."""
+    if any(n.op_type in _CONTROL_FLOW for n in graph.node):
+        return "the graph has control flow (If/Loop/Scan), whose subgraphs this check does not read"
+    half = _half_constants(graph)
+    if half:
+        return (f"the graph holds FP16/BF16 constants ({half[0]}, ...): ORT's constant folding "
+                "computes them in FP16 where its unoptimised run casts them to FP32 first")
+    return None
+
+
 def unfaithful(original, optimized, original_dir: Path | str | None = None,
                optimized_dir: Path | str | None = None) -> str | None:
     """Why ``optimized`` (ORT's graph written with its Q/DQ rewrites off) may not compute the
@@ -229,12 +241,9 @@ def unfaithful(original, optimized, original_dir: Path | str | None = None,
         None, or one sentence naming the first node that breaks the rule.
     """
     g0, g1 = original.graph, optimized.graph
-    if any(n.op_type in _CONTROL_FLOW for n in g0.node):
-        return "the graph has control flow (If/Loop/Scan), whose subgraphs this check does not read"
-    half = _half_constants(g0)
-    if half:
-        return (f"the graph holds FP16/BF16 constants ({half[0]}, ...): ORT's constant folding "
-                "computes them in FP16 where its unoptimised run casts them to FP32 first")
+    why = _not_checkable(g0)
+    if why:
+        return why
     const0, const1 = _constant_tensors(g0), _constant_tensors(g1)
     vals0, vals1 = _Values(g0, original_dir), _Values(g1, optimized_dir)
     acts0, alias = {}, {}  # canonical output -> node; every output -> its canonical one
@@ -318,18 +327,23 @@ def qdq_reference_runner(onnx_path: Path | str | bytes, *, threads: int = 0):
         ext = lambda name: {  # noqa: E731
             "session.optimized_model_external_initializers_file_name": name,
             "session.optimized_model_external_initializers_min_size_in_bytes": "1024"}
-        # one session at a time (a large model's memory): the unoptimised one is made for its
-        # graph and dropped, and made again only when the fast one is not used
-        OrtRunner(onnx_path, "cpu", opt_level="disable", threads=threads,
-                  session_config=ext("unoptimised.data"), save_optimized=plain_graph)
-        fast = None
+        plain = OrtRunner(onnx_path, "cpu", opt_level="disable", threads=threads,
+                          session_config=ext("unoptimised.data"), save_optimized=plain_graph)
+        try:
+            g0 = onnx.load(str(plain_graph), load_external_data=False)
+            why = _not_checkable(g0.graph)
+        except Exception as e:  # noqa: BLE001 - any doubt runs the graph unoptimised
+            why = (f"ORT could not write its unoptimised graph ({type(e).__name__}: "
+                   f"{str(e).splitlines()[0][:200] if str(e) else ''})")
+        if why is not None:  # this session is the reference
+            return plain, {"reference": "unoptimised", "why": why}
+        plain = None  # one session at a time (a large model's memory)
         try:
             fast = OrtRunner(onnx_path, "cpu", opt_level="all", threads=threads,
                              session_config={**QDQ_REWRITES_OFF, **ext("optimised.data")},
                              save_optimized=fast_graph, disabled_optimizers=QDQ_OPTIMIZERS_OFF)
-            g0 = onnx.load(str(plain_graph), load_external_data=False)
             g1 = onnx.load(str(fast_graph), load_external_data=False)
-        except Exception as e:  # noqa: BLE001 - any doubt runs the graph unoptimised
+        except Exception as e:  # noqa: BLE001
             why = (f"ORT could not make or write its optimised graph ({type(e).__name__}: "
                    f"{str(e).splitlines()[0][:200] if str(e) else ''})")
         if why is None:
@@ -339,5 +353,6 @@ def qdq_reference_runner(onnx_path: Path | str | bytes, *, threads: int = 0):
                 why = f"the node check failed ({type(e).__name__}: {e})"
     if why is None:
         return fast, {"reference": "qdq_rewrites_off", "why": None}
+    fast = None
     return (OrtRunner(onnx_path, "cpu", opt_level="disable", threads=threads),
             {"reference": "unoptimised", "why": why})
