@@ -15,10 +15,13 @@ Writes: artifacts/<model>/onnx/<variant>.onnx, artifacts/<model>/onnx/<variant>.
         `qdq_tools.py inspect` summary and the `qdq_tools.py check` findings of the file).
 Rerun:  MODEL=efficientnet_lite0 ./5_quantize.sh int8   (5_quantize.sh runs this file)
 
-The whole stage in one process (what run_all.sh runs): ``int4`` among the variants runs
-5b_quantize_int4.py here, after the ModelOpt variants; every ModelOpt run of the stage (INT4's
-too) goes to one ModelOpt child process, which imports ModelOpt once while this process reads
-the calibration data (deploykit.quant.modelopt_runner.ModelOptWorker). ``--eval`` then gives
+The whole stage in one command (what run_all.sh runs): every ModelOpt run of the stage goes to
+one ModelOpt child process, which imports ModelOpt once while this process reads the calibration
+data (deploykit.quant.modelopt_runner.ModelOptWorker). ``int4`` among the variants runs
+5b_quantize_int4.py: beside the ModelOpt variants, in a process of its own (it needs only
+fp32.onnx and calib.npz, and nothing in this phase is timed; its output is printed after
+theirs; deploykit.quant.beside), where the machine has two CPUs and 8 GiB available, else in
+this process after them, its ModelOpt run in the stage's ModelOpt process. ``--eval`` then gives
 each file, once every file is made, its results row, 3_onnx_eval.py --onnx <file> --tag ort_<variant> run in this process (the row
 records that command; ``--eval-args`` adds flags to every row; failure reproductions such as
 int4_cli_broken are left out), and the stage ends with one summary line per row.
@@ -72,10 +75,11 @@ from pathlib import Path
 from deploykit.cli import HelpFormatter, add_shared_args, cli, load_script, run_script
 from deploykit.errors import StageError, UsageError
 from deploykit.evaluate import summary_line
-from deploykit.io import check_writable, remove_leftovers, report_leftovers
+from deploykit.io import check_writable, load_json, remove_leftovers, report_leftovers
 from deploykit.lock import lock_folders
 from deploykit import layout
 from deploykit.quant import modelopt_runner
+from deploykit.quant.beside import ScriptBeside, beside_ok
 from deploykit.layout import calib_path, fp32_onnx_path, model_artifacts, model_results
 from deploykit.checks.lint import lint_opset_conversion
 from deploykit.onnx.graph import load_onnx, onnx_opset
@@ -262,22 +266,37 @@ def main(args: argparse.Namespace) -> list[dict]:
         _check_eval_args(args.model, eval_args)  # before any quantization: fail in seconds
     made = [v for v in selected if v != INT4]
     # Every file first, in one ModelOpt process (modelopt_runner.shared_worker: ModelOpt is
-    # imported once, in that process, never in this one), then every row.
+    # imported once, in that process, never in this one), then every row. INT4 needs only
+    # fp32.onnx and calib.npz: with INT8 variants to make, it runs meanwhile in a process of
+    # its own (deploykit.quant.beside), its output printed after theirs.
     int4_rec, int4_error = None, None
+    int4_argv = ["--model", args.model, "--no-eval"] + (
+        ["--calib-inputs", str(args.calib_inputs)] if args.calib_inputs else [])
+    beside = None
     old_handlers = _exit_on_signals()  # SIGTERM/SIGHUP leave through the worker's kill
     try:
         with modelopt_runner.shared_worker():
+            if INT4 in selected and made:
+                beside, beside_why = _start_int4_beside(args.model, int4_argv)
             records = _quantize(args, made) if made else []
             if INT4 in selected:
-                print(f"Stage 5: quantize {INT4}: 5b_quantize_int4.py in this process (ModelOpt "
-                      "in the stage's ModelOpt process)", flush=True)
-                try:
-                    int4_rec = run_script("5b_quantize_int4", ["--model", args.model,
-                                                               "--no-eval"] + (
-                        ["--calib-inputs", str(args.calib_inputs)] if args.calib_inputs else []))
-                except StageError as e:  # the other files' rows are still made, then it fails
-                    int4_error = e
+                if beside is not None:
+                    print(f"Stage 5: quantize {INT4}: 5b_quantize_int4.py in a process of its "
+                          f"own, beside the variants above ({beside_why}); its output:",
+                          flush=True)
+                    int4_rec, int4_error = _collect_int4(beside, args.model)
+                else:
+                    print(f"Stage 5: quantize {INT4}: 5b_quantize_int4.py in this process "
+                          "(ModelOpt in the stage's ModelOpt process)"
+                          + (f"; not beside the others: {beside_why}" if made else ""),
+                          flush=True)
+                    try:
+                        int4_rec = run_script("5b_quantize_int4", int4_argv)
+                    except StageError as e:  # the other rows are still made, then it fails
+                        int4_error = e
     finally:
+        if beside is not None:
+            beside.stop()  # the stage failed first: end it (its output is printed)
         _restore_signals(old_handlers)
     rows: list[dict] = []
     if want_eval:
@@ -301,6 +320,50 @@ def main(args: argparse.Namespace) -> list[dict]:
     if int4_error is not None:
         raise int4_error
     return records
+
+
+def _start_int4_beside(model: str, argv: list[str]) -> tuple[ScriptBeside | None, str]:
+    """5b_quantize_int4.py ARGV started in a child process (:mod:`deploykit.quant.beside`)
+    when :func:`deploykit.quant.beside.beside_ok` says it pays, after this process has taken
+    the writer locks of every folder 5b writes (it is their holder's child, so it may write
+    there too; no other writer can come in between).
+
+    Returns:
+        ``(the running child or None, why)``: None runs 5b in this process after the others.
+    """
+    ok, why = beside_ok()
+    if not ok:
+        return None, why
+    lock_folders(model_artifacts(model), layout.variant_onnx_path(model, INT4).parent,
+                 model_results(model))
+    try:
+        return ScriptBeside("5b_quantize_int4.py", argv).start(), why
+    except OSError as e:
+        return None, f"could not start it: {e}"
+
+
+def _collect_int4(beside: ScriptBeside, model: str) -> tuple[dict | None, Exception | None]:
+    """Wait for the INT4 child, print its output, and give what its in-process run would have
+    given :func:`main`: ``(its record, None)`` on exit 0 (``quant_int4.json``, which it has just
+    written), else ``(None, StageError)``.
+
+    Raises:
+        UsageError: it exited 2 (a usage error, as in-process it would have raised).
+        KeyboardInterrupt: it was interrupted (exit 130, or SIGINT).
+    """
+    rc = beside.collect()
+    if rc == 0:
+        path = model_results(model) / "quant_int4.json"
+        try:
+            return load_json(path, "5b_quantize_int4.py"), None
+        except StageError as e:
+            return None, e
+    what = f"5b_quantize_int4.py {shlex.join(beside.argv)} exited {rc} (its output above)"
+    if rc == 2:
+        raise UsageError(what)
+    if rc in (130, -signal.SIGINT):
+        raise KeyboardInterrupt
+    return None, StageError(what)
 
 
 #: 3_onnx_eval.py flags that ``--eval`` sets for each row itself (file, tag, model), and help.

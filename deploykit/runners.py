@@ -28,7 +28,8 @@ import numpy as np
 
 from deploykit.envinfo import device_info
 from deploykit.errors import StageError, UsageError, ort_load_error, out_of_memory_message
-from deploykit.torch_cpu import CPU_CHUNK, forward_cpu_layout, infer_in_chunks
+from deploykit.torch_cpu import (CPU_CHUNK, ORT_CHUNK_MIN_FEED, ORT_CPU_CHUNK,
+                                 forward_cpu_layout, infer_in_chunks)
 from deploykit.timing import MAX_SECONDS, Timing, cuda_event_loop, try_extra, wall_loop
 from deploykit.trt.parsers import PLAN_HEADER_BYTES, classify_plan_load_error, parse_layer_info
 
@@ -425,7 +426,7 @@ class OrtRunner(Runner):
                 self.gpu_options["use_tf32"] = "1" if tf32 else "0"
         self.session = self._session(providers)
         self.used = self.session.get_providers()[0]
-        # cpu_chunk: the CPU EP may run a larger batch in chunks of CPU_CHUNK samples (infer)
+        # cpu_chunk: the CPU EP may run a larger batch in chunks of ORT_CPU_CHUNK samples (infer)
         self.chunked: bool | None = None if cpu_chunk else False
         if self.used != self.requested and self.fallback_reason is None:
             self.fallback_reason = (f"{self.requested} failed to initialise (missing CUDA/cuDNN "
@@ -535,14 +536,12 @@ class OrtRunner(Runner):
     def infer(self, feed, native: bool = False):
         """Outputs of ``run`` on ``feed`` (floating outputs as float32, or in the dtype ORT
         returned them with ``native``: e.g. float16 tensors of an FP16 graph, for callers that
-        convert them themselves). With ``cpu_chunk`` (stage 3's accuracy pass), on the CPU EP a feed of at least 4 x
-        :data:`deploykit.torch_cpu.CPU_CHUNK` samples whose axis 0 the model leaves free may run
-        in chunks of ``CPU_CHUNK``. Decided once, on the first such feed, run both ways: chunks
-        from then on only when every output has the same dtype, shape and bytes (else whole
-        batches for good: e.g. a model that mixes samples across that batch). A later feed
-        whose chunks fail runs whole. Chunks of 16: 1-17 % less time per image than batch 64,
-        outputs bit-identical, for EfficientNet-Lite0's four files on this project's 2-core
-        Intel Xeon (benchmarks/README.md, stop 41); ``cpu_chunk`` in :meth:`describe`.
+        convert them themselves). With ``cpu_chunk`` (stage 3's accuracy pass), on the CPU EP a
+        feed of at least :data:`ORT_CHUNK_MIN_FEED` samples whose axis 0 the model leaves free
+        may run in chunks of :data:`ORT_CPU_CHUNK`. Decided once, on the first such feed, run
+        both ways: chunks from then on only when every output has the same dtype, shape and
+        bytes (else whole batches for good: e.g. a model that mixes samples across that batch).
+        A later feed whose chunks fail runs whole. ``cpu_chunk`` in :meth:`describe`.
 
         Raises:
             StageError: the feed does not fit the model (:meth:`check_feed`), or ORT fails.
@@ -551,11 +550,11 @@ class OrtRunner(Runner):
         n = _batch_of(feed)
         one = lambda part: self._infer_one(part, native)  # noqa: E731
         if (self.chunked is False or self.used != "CPUExecutionProvider" or not n
-                or n < 4 * CPU_CHUNK or self.batch_range[1] is not None):
+                or n < ORT_CHUNK_MIN_FEED or self.batch_range[1] is not None):
             return one(feed)
         whole = None if self.chunked else one(feed)
         try:
-            parts = infer_in_chunks(one, feed, n)
+            parts = infer_in_chunks(one, feed, n, ORT_CPU_CHUNK)
         except Exception:  # noqa: BLE001 - a chunk the model refuses: whole batches
             parts = None
         if whole is None:  # decided before
@@ -634,7 +633,7 @@ class OrtRunner(Runner):
         else:
             d["device_name"] = device_info()["cpu"]
             d["threads"] = self.threads or None
-            d["cpu_chunk"] = CPU_CHUNK if self.chunked else None
+            d["cpu_chunk"] = ORT_CPU_CHUNK if self.chunked else None
         return d
 
 

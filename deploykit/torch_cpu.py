@@ -1,5 +1,6 @@
 """PyTorch on the CPU at its floor (issue 21): channels-last layout and chunked batches for
-:class:`deploykit.runners.TorchRunner`, with the fallbacks that keep any model running.
+:class:`deploykit.runners.TorchRunner`, with the fallbacks that keep any model running; the
+chunk sizes of PyTorch and of ORT's CPU EP (:class:`deploykit.runners.OrtRunner`).
 
 Measured (EfficientNet-Lite0 FP32, 128 images, 2-core Intel Xeon with AVX512-VNNI,
 2026-12-02, torch 2.14.1, 2 threads): NCHW 6.1 s at batch 64, 4.0 s at 16; channels-last
@@ -16,6 +17,19 @@ from deploykit.errors import out_of_memory_message
 #: Samples per forward() of PyTorch on the CPU: a larger accuracy batch runs in chunks of this
 #: size (see the module docstring for the figures).
 CPU_CHUNK = 16
+
+#: Samples per ``InferenceSession.run`` when ORT's CPU EP runs a large accuracy batch in chunks
+#: (``OrtRunner(cpu_chunk=True)``). Chunks of 4 against 16, per image, median of five
+#: interleaved passes over 256 eval images (2-core Intel Xeon with AVX512-VNNI, onnxruntime
+#: 1.32.0, 2026-12-07, stop 46): EfficientNet-Lite0 FP32 4.16 / 4.39 ms, FP16 graph 6.28 /
+#: 7.37, INT8 (ModelOpt, fp32 scales) 7.22 / 7.64, INT4 4.43 / 4.58; ResNet-18 FP32 12.77 /
+#: 13.53, FP16 12.79 / 13.15, INT8 20.45 / 20.53; chunks of 2 and 1 no faster (benchmarks/
+#: README.md). Outputs are compared bit for bit before chunks are kept
+#: (``deploykit.runners.OrtRunner.infer``).
+ORT_CPU_CHUNK = 4
+
+#: Feeds shorter than this run whole (a failed row's 32-image first look is not run twice).
+ORT_CHUNK_MIN_FEED = 64
 
 
 def forward_cpu_layout(runner, args: list, model):
@@ -63,8 +77,9 @@ def forward_cpu_layout(runner, args: list, model):
         return model(*as_cl(args))
 
 
-def infer_in_chunks(infer, feed: dict, n: int | None) -> dict | None:
-    """``infer`` of ``feed`` in chunks of :data:`CPU_CHUNK` samples, or None when the feed is
+def infer_in_chunks(infer, feed: dict, n: int | None, chunk: int = CPU_CHUNK) -> dict | None:
+    """``infer`` of ``feed`` in chunks of ``chunk`` samples (default :data:`CPU_CHUNK`,
+    PyTorch's; ORT's CPU EP uses ``deploykit.runners.ORT_CPU_CHUNK``), or None when the feed is
     no larger than a chunk or the model's outputs are not per sample (then the caller runs the
     whole batch; the runners record what they decided in ``chunked``).
 
@@ -78,12 +93,12 @@ def infer_in_chunks(infer, feed: dict, n: int | None) -> dict | None:
     Returns:
         ``{output name: array [n, ...]}``, the chunks' outputs concatenated, or None.
     """
-    if not n or n <= CPU_CHUNK:
+    if not n or n <= chunk:
         return None
-    starts = range(0, n, CPU_CHUNK)
-    parts = [infer({k: v[i:i + CPU_CHUNK] if np.ndim(v) and len(v) == n else v
+    starts = range(0, n, chunk)
+    parts = [infer({k: v[i:i + chunk] if np.ndim(v) and len(v) == n else v
                     for k, v in feed.items()}) for i in starts]
-    sizes = [min(CPU_CHUNK, n - i) for i in starts]
+    sizes = [min(chunk, n - i) for i in starts]
     if all(np.ndim(p[k]) and len(p[k]) == m for p, m in zip(parts, sizes) for k in p):
         return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
     return None

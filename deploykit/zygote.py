@@ -48,9 +48,12 @@ SOCKET_ENV = "PIPELINE_PRELOAD_SOCKET"
 
 #: Libraries the server imports, in this order (the first stages' first: stage 0 needs
 #: torchvision, stage 1 timm, stage 2 onnx and the exporter, stage 8 matplotlib). One that
-#: fails to import is left to the stage, which then reports it as it always would.
-PRELOAD = ("numpy", "PIL.Image", "torch", "torchvision", "timm", "onnx", "onnxscript", "tqdm",
-           "matplotlib", "matplotlib.pyplot")
+#: fails to import is left to the stage, which then reports it as it always would. The
+#: exporter's modules and onnxscript's torchlib (what ``torch.onnx.export(dynamo=True)``
+#: imports first) are 0.4 s of stage 2 otherwise (torch 2.11, measured).
+PRELOAD = ("numpy", "PIL.Image", "torch", "torchvision", "timm", "onnx", "onnxscript",
+           "onnxscript.function_libs.torch_lib.ops", "torch.onnx._internal.exporter._core",
+           "tqdm", "matplotlib", "matplotlib.pyplot")
 
 #: Libraries whose import leaves a forked child unable to exit: onnxruntime 1.32's import
 #: starts a thread that a child's exit then waits for forever (measured here: a child forked
@@ -347,11 +350,11 @@ def _become(req: dict) -> None:
     except KeyboardInterrupt:
         # as Python does: the traceback, then death by SIGINT (the caller sees the signal)
         sys.excepthook(*sys.exc_info())
-        _fast_exit(None, signal.SIGINT)
+        fast_exit(None, signal.SIGINT)
     except BaseException:  # noqa: BLE001 - reported as Python reports an uncaught exception
         sys.excepthook(*sys.exc_info())
         code = 1
-    _fast_exit(code)
+    fast_exit(code)
 
 
 def _set_title(argv: list[str]) -> None:
@@ -379,14 +382,20 @@ def _exit_code(code) -> int:
     return 1
 
 
-def _fast_exit(code: int | None, sig: int | None = None) -> None:
-    """End the child as Python ends a program, less the teardown of every module: wait for
+def fast_exit(code: int | None, sig: int | None = None) -> None:
+    """End this process as Python ends a program, less the teardown of every module: wait for
     its non-daemon threads, run its ``atexit`` functions, flush Python's and C's output
-    buffers, then ``os._exit``. The teardown of the thousands of modules the server preloaded
-    (torch's among them) takes 0.7-1.7 s per process here, measured; a plain ``python``
-    process that imports torch pays it too. An object that only the teardown would finalize
-    (an open file in a module global, flushed by its ``__del__``) is not: the stages close
-    their files (``deploykit.io``'s atomic writes)."""
+    buffers, then ``os._exit`` (a preloaded stage's child; stage 5's ModelOpt worker). The
+    teardown of the thousands of modules the server preloaded (torch's among them) takes
+    0.7-1.7 s per process here, measured; a plain ``python`` process that imports torch or
+    ModelOpt pays it too. An object that only the teardown would finalize (an open file in a
+    module global, flushed by its ``__del__``) is not: the stages close their files
+    (``deploykit.io``'s atomic writes).
+
+    Args:
+        code: the exit status (None: 1). sig: end by this signal instead (its default action),
+            as a process killed by it would.
+    Never returns."""
     import atexit
     import threading
 

@@ -86,7 +86,7 @@ def test_evaluation_of_a_static_batch_file_without_latency_flag(tmp_path):
 def test_the_row_says_how_the_accuracy_pass_ran(tmp_path):
     """The row's runtime block is read after the accuracy pass: an ORT CPU pass that ran in
     chunks says so (it said null, as it was read before the pass: code review of stop 41)."""
-    from deploykit.torch_cpu import CPU_CHUNK
+    from deploykit.runners import ORT_CHUNK_MIN_FEED, ORT_CPU_CHUNK
 
     g = helper.make_graph([helper.make_node("Tanh", ["x"], ["y"])], "tanh",
                           [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", 3])],
@@ -94,8 +94,8 @@ def test_the_row_says_how_the_accuracy_pass_ran(tmp_path):
     src = tmp_path / "tanh.onnx"
     onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8),
               str(src))
-    x = np.random.default_rng(0).standard_normal((5 * CPU_CHUNK, 3)).astype(np.float32)
-    for chunk, want in ((True, CPU_CHUNK), (False, None)):
+    x = np.random.default_rng(0).standard_normal((ORT_CHUNK_MIN_FEED + 16, 3)).astype(np.float32)
+    for chunk, want in ((True, ORT_CPU_CHUNK), (False, None)):
         with OrtRunner(src, cpu_chunk=chunk) as r:
             rec, out = evaluate(r, EvalData(feed={"x": x}, ref=None), stage="3_onnx_eval",
                                 precision="FP32", model="m", tag="t", args=argparse.Namespace(),

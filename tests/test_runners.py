@@ -211,30 +211,32 @@ def _count_runs(monkeypatch, runner):
 
 
 def test_ort_cpu_runs_a_large_batch_in_chunks_once_both_ways_agree(tmp_path, monkeypatch):
-    """With cpu_chunk, the first feed larger than CPU_CHUNK runs whole and in chunks; equal
+    """With cpu_chunk, the first feed of ORT_CHUNK_MIN_FEED or more samples runs whole and in
+    chunks of ORT_CPU_CHUNK; equal
     bits, dtypes and shapes: chunks from then on (the last one shorter), the graph's dtype kept
     with ``native``, said in describe(). Without cpu_chunk: never."""
     from onnx import TensorProto, helper
 
-    from deploykit.torch_cpu import CPU_CHUNK
+    from deploykit.runners import ORT_CHUNK_MIN_FEED, ORT_CPU_CHUNK as CPU_CHUNK
 
     path = _graph_file(tmp_path, "tanh", [helper.make_node("Tanh", ["x"], ["y"])],
                        ["N", 5], ["N", 5])
-    x = np.random.default_rng(0).standard_normal((4 * CPU_CHUNK + 3, 5)).astype(np.float32)
+    x = np.random.default_rng(0).standard_normal((ORT_CHUNK_MIN_FEED + 3, 5)).astype(np.float32)
     n = len(x)
+    full = ORT_CHUNK_MIN_FEED // CPU_CHUNK
     with OrtRunner(path, cpu_chunk=True) as r:
         sizes = _count_runs(monkeypatch, r)
         assert r.describe()["cpu_chunk"] is None  # not decided before a run
         y = r.infer({"x": x})["y"]
-        assert sizes == [n] + [CPU_CHUNK] * 4 + [3] and r.describe()["cpu_chunk"] == CPU_CHUNK
+        assert sizes == [n] + [CPU_CHUNK] * full + [3] and r.describe()["cpu_chunk"] == CPU_CHUNK
         np.testing.assert_allclose(y, np.tanh(x), atol=1e-6)
         sizes.clear()
         y2 = r.infer({"x": x})["y"]
-        assert sizes == [CPU_CHUNK] * 4 + [3]
+        assert sizes == [CPU_CHUNK] * full + [3]
         np.testing.assert_array_equal(y2, r.session.run(None, {"x": x})[0])
         sizes.clear()
-        r.infer({"x": x[:4 * CPU_CHUNK - 1]})  # fewer than 4 chunks: one run
-        assert sizes == [4 * CPU_CHUNK - 1]
+        r.infer({"x": x[:ORT_CHUNK_MIN_FEED - 1]})  # a shorter feed: one run
+        assert sizes == [ORT_CHUNK_MIN_FEED - 1]
     with OrtRunner(path) as r:
         sizes = _count_runs(monkeypatch, r)
         r.infer({"x": x})
@@ -331,9 +333,9 @@ def test_ort_cpu_never_chunks_a_fixed_batch_or_outputs_that_are_not_per_sample(
         tmp_path, monkeypatch):
     from onnx import helper
 
-    from deploykit.torch_cpu import CPU_CHUNK
+    from deploykit.runners import ORT_CHUNK_MIN_FEED
 
-    n = 4 * CPU_CHUNK
+    n = ORT_CHUNK_MIN_FEED
     x = np.random.default_rng(1).standard_normal((n, 4)).astype(np.float32)
     fixed = _graph_file(tmp_path, "fixed", [helper.make_node("Relu", ["x"], ["y"])], [n, 4],
                         [n, 4])
@@ -361,8 +363,7 @@ def test_chunks_are_compared_by_bytes_and_a_later_failing_chunk_runs_whole(tmp_p
     whose chunks fail runs whole instead of raising (re-review of stop 41)."""
     from onnx import helper
 
-    from deploykit.runners import _same_outputs
-    from deploykit.torch_cpu import CPU_CHUNK
+    from deploykit.runners import ORT_CHUNK_MIN_FEED, ORT_CPU_CHUNK, _same_outputs
 
     z = np.zeros(3, np.float32)
     assert not _same_outputs({"y": z}, {"y": -z})
@@ -371,14 +372,14 @@ def test_chunks_are_compared_by_bytes_and_a_later_failing_chunk_runs_whole(tmp_p
     assert not _same_outputs({"y": z}, {"y": z.astype(np.float64)})
     path = _graph_file(tmp_path, "relu", [helper.make_node("Relu", ["x"], ["y"])], ["N", 4],
                        ["N", 4])
-    x = np.random.default_rng(3).standard_normal((4 * CPU_CHUNK, 4)).astype(np.float32)
+    x = np.random.default_rng(3).standard_normal((ORT_CHUNK_MIN_FEED, 4)).astype(np.float32)
     with OrtRunner(path, cpu_chunk=True) as r:
         r.infer({"x": x})
         assert r.chunked is True
         real = r._infer_one
 
         def refuse_chunks(feed, native):
-            if len(feed["x"]) <= CPU_CHUNK:
+            if len(feed["x"]) <= ORT_CPU_CHUNK:
                 raise StageError("a chunk the model refuses")
             return real(feed, native)
 

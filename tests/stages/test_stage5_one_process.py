@@ -509,6 +509,9 @@ def _fake_scripts(monkeypatch, int4_status="ok"):
     """Stands in for deploykit.cli.run_script in stage 5: records (script, argv) and returns
     what that script's main would (a quant record for 5b, a row for 3_onnx_eval)."""
     calls: list[tuple[str, list[str]]] = []
+    # 5b in this process, after the others (the path of a machine without two CPUs); the
+    # child-process path has tests of its own below
+    monkeypatch.setattr(stage5, "beside_ok", lambda: (False, "tests: in turn"))
 
     def fake(name, argv):
         calls.append((name, list(argv)))
@@ -677,3 +680,84 @@ def test_a_files_record_names_the_command_that_remakes_it_alone(tiny, monkeypatc
                       )["source"]["made_by"]
     assert len(made) == 1 and "5_quantize.py --model tiny excl_dw" in made[0]
     assert "int8_hp32" not in made[0] and "--eval" not in made[0]
+
+
+# --------------------------------------------------------------------------------------------
+# INT4 beside the ModelOpt variants (deploykit.quant.beside): started first, printed after them
+# --------------------------------------------------------------------------------------------
+class FakeBeside:
+    """Stands in for ScriptBeside in stage 5: ``start`` is noted in ``events``, ``collect``
+    writes what 5b_quantize_int4.py would (its record, a line of output) and returns ``rc``."""
+
+    def __init__(self, events: list, rc: int = 0):
+        self.events, self.rc = events, rc
+
+    def __call__(self, script, argv):
+        self.script, self.argv = script, list(argv)
+        return self
+
+    def start(self):
+        self.events.append(("start", self.script, self.argv))
+        return self
+
+    def collect(self):
+        self.events.append(("collect",))
+        if self.rc == 0:
+            from deploykit.io import write_json
+            from deploykit.layout import model_results
+
+            write_json(model_results("tiny") / "quant_int4.json",
+                       {"variant": "int4", "status": "ok", "from": "the child"})
+        print("int4: the child's output")
+        return self.rc
+
+    def stop(self):
+        self.events.append(("stop",))
+
+
+def _beside(monkeypatch, rc=0):
+    events: list = []
+    fake = FakeBeside(events, rc)
+    monkeypatch.setattr(stage5, "beside_ok", lambda: (True, "2 CPU(s), tests"))
+    monkeypatch.setattr(stage5, "ScriptBeside", fake)
+    return events
+
+
+def test_int4_starts_beside_the_modelopt_variants_and_prints_after_them(tiny, monkeypatch,
+                                                                        capsys):
+    events = _beside(monkeypatch)
+    mo = FakeModelOpt(on_call=lambda calib: events.append(("modelopt",)))
+    monkeypatch.setattr(modelopt_runner, "run_modelopt", mo)
+    recs = stage5.main(_args("int8_hp32", "int4", "--calib-inputs", str(tiny / "calib.npz")))
+    assert events[0] == ("start", "5b_quantize_int4.py",
+                         ["--model", "tiny", "--no-eval", "--calib-inputs",
+                          str(tiny / "calib.npz")])
+    assert [e[0] for e in events] == ["start", "modelopt", "collect", "stop"]
+    assert recs[-1] == {"variant": "int4", "status": "ok", "from": "the child"}
+    out = capsys.readouterr().out
+    # its output after the ModelOpt variants', under its own header
+    assert out.index("finished int8_hp32") < out.index("Stage 5: quantize int4: 5b_quantize_"
+                                                       "int4.py in a process of its own") \
+        < out.index("int4: the child's output")
+
+
+@pytest.mark.parametrize("rc,exc", [(1, StageError), (2, UsageError)])
+def test_a_failed_int4_child_fails_the_stage_as_in_process(tiny, monkeypatch, capsys, rc, exc):
+    """Exit 1: the other rows are made, then the stage fails naming the command; exit 2 (a
+    usage error): the stage's usage error, before any row."""
+    _beside(monkeypatch, rc=rc)
+    monkeypatch.setattr(modelopt_runner, "run_modelopt", FakeModelOpt())
+    calls = _fake_scripts(monkeypatch)
+    monkeypatch.setattr(stage5, "beside_ok", lambda: (True, "tests"))
+    with pytest.raises(exc, match=f"5b_quantize_int4.py --model tiny --no-eval exited {rc}"):
+        stage5.main(_args("int8_hp32", "int4", "--eval"))
+    assert [c[0] for c in calls] == (["3_onnx_eval"] if rc == 1 else [])
+    assert not (tiny.parent.parent / "r" / "tiny" / "quant_int4.json").exists()
+
+
+def test_an_int8_failure_stops_the_int4_child(tiny, monkeypatch):
+    events = _beside(monkeypatch)
+    monkeypatch.setattr(modelopt_runner, "run_modelopt", FakeModelOpt(fail=True))
+    with pytest.raises(StageError, match="ModelOpt failed on int8_hp32"):
+        stage5.main(_args("int8_hp32", "int4"))
+    assert [e[0] for e in events] == ["start", "stop"]
