@@ -20,7 +20,7 @@ one ModelOpt child process, which imports ModelOpt once while this process reads
 data (deploykit.quant.modelopt_runner.ModelOptWorker). ``int4`` among the variants runs
 5b_quantize_int4.py: beside the ModelOpt variants, in a process of its own (it needs only
 fp32.onnx and calib.npz, and nothing in this phase is timed; its output is printed after
-theirs; deploykit.quant.beside), where the machine has two CPUs and 8 GiB available, else in
+theirs; deploykit.quant.beside), where the machine has two CPUs and 12 GiB available, else in
 this process after them, its ModelOpt run in the stage's ModelOpt process. ``--eval`` then gives
 each file, once every file is made, its results row, 3_onnx_eval.py --onnx <file> --tag ort_<variant> run in this process (the row
 records that command; ``--eval-args`` adds flags to every row; failure reproductions such as
@@ -294,9 +294,13 @@ def main(args: argparse.Namespace) -> list[dict]:
                         int4_rec = run_script("5b_quantize_int4", int4_argv)
                     except StageError as e:  # the other rows are still made, then it fails
                         int4_error = e
+    except BaseException as e:
+        if beside is not None:  # the stage failed first: end it (its output is printed)
+            beside.stop("the stage was interrupted" if isinstance(e, KeyboardInterrupt) else
+                        "the stage ended first: a signal" if isinstance(e, SystemExit) else
+                        "the stage failed first")
+        raise
     finally:
-        if beside is not None:
-            beside.stop()  # the stage failed first: end it (its output is printed)
         _restore_signals(old_handlers)
     rows: list[dict] = []
     if want_eval:
@@ -334,10 +338,11 @@ def _start_int4_beside(model: str, argv: list[str]) -> tuple[ScriptBeside | None
     ok, why = beside_ok()
     if not ok:
         return None, why
-    lock_folders(model_artifacts(model), layout.variant_onnx_path(model, INT4).parent,
-                 model_results(model))
+    folders = [model_artifacts(model), layout.variant_onnx_path(model, INT4).parent,
+               model_results(model)]
+    lock_folders(*folders)
     try:
-        return ScriptBeside("5b_quantize_int4.py", argv).start(), why
+        return ScriptBeside("5b_quantize_int4.py", argv, writes_in=folders).start(), why
     except OSError as e:
         return None, f"could not start it: {e}"
 
@@ -358,7 +363,8 @@ def _collect_int4(beside: ScriptBeside, model: str) -> tuple[dict | None, Except
             return load_json(path, "5b_quantize_int4.py"), None
         except StageError as e:
             return None, e
-    what = f"5b_quantize_int4.py {shlex.join(beside.argv)} exited {rc} (its output above)"
+    what = (f"5b_quantize_int4.py {shlex.join(beside.argv)} exited {rc}; its last lines (all "
+            f"above):\n{beside.tail()}")
     if rc == 2:
         raise UsageError(what)
     if rc in (130, -signal.SIGINT):

@@ -70,14 +70,20 @@ def keep_freed_memory(environ: dict | None = None) -> bool:
     Returns:
         True when the settings were applied; False on a C library other than glibc (musl,
         macOS, Windows), with an opt-out value (:data:`OPT_OUT_VALUES`), or when the user's
-        ``GLIBC_TUNABLES`` already sets a ``glibc.malloc`` tunable (theirs are kept).
-        Never raises.
+        ``GLIBC_TUNABLES`` already sets a ``glibc.malloc`` tunable (theirs are kept). True
+        without a call when this process's ``GLIBC_TUNABLES`` already hold the policy's own
+        (a child of a pipeline process: glibc applied them at its start). Never raises.
     """
     global _APPLIED
     env = os.environ if environ is None else environ
     if env.get(OPT_OUT_ENV, "").strip().lower() in OPT_OUT_VALUES:
         return False
     tunables = env.get("GLIBC_TUNABLES", "")
+    if _TUNABLES in tunables and environ is None:
+        # started by a pipeline process that applied the policy (stage 5's INT4 child, its
+        # ModelOpt worker): glibc read these tunables when this process started
+        _APPLIED = True
+        return True
     if "glibc.malloc." in tunables:
         return False
     libc = _libc()

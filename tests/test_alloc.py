@@ -122,6 +122,28 @@ def test_opt_out_values_release_and_the_recorded_policy():
 
 
 @glibc
+def test_a_child_of_a_pipeline_process_records_the_policy_it_inherited():
+    """Stage 5's INT4 child and ModelOpt worker start with the parent's GLIBC_TUNABLES: glibc
+    applied them, so the child's rows record the policy (they said "C library default": review
+    of stop 46); a user's own malloc tunables still win."""
+    from deploykit import alloc
+
+    code = textwrap.dedent("""
+        from deploykit import alloc
+        print(alloc.keep_freed_memory(), alloc.policy())
+    """)
+    base = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", OPT_OUT_ENV)}
+
+    def child(tunables):
+        env = dict(base, PYTHONPATH=str(ROOT), GLIBC_TUNABLES=tunables)
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                              text=True, check=True).stdout.strip()
+
+    assert child(alloc._TUNABLES) == "True keep freed memory (deploykit.alloc)"
+    assert child("glibc.malloc.trim_threshold=1") == "False C library default"
+
+
+@glibc
 def test_a_waiting_parent_hands_its_free_memory_back():
     """With the policy, 200 MB freed stay resident until release_freed_memory() returns them."""
     code = textwrap.dedent("""

@@ -8,20 +8,28 @@ INT4 run, the health checks between ModelOpt runs). INT4 needs only ``fp32.onnx`
 INT4 can run meanwhile. A child process, not a thread: a stage's code reads ``sys.argv`` and
 the environment for its provenance, which a thread would share.
 
-The child is an ordinary run of the script (``python 5b_quantize_int4.py ARGS``: its own
-interpreter, imports, provenance and rerun command), in the stage's process group (a Ctrl-C at
-the terminal, or a kill of the run's group, reaches it too), with stdin closed and stdout and
-stderr in one unnamed temporary file (nothing is left on disk). :meth:`ScriptBeside.collect`
-waits for it and prints that output, in order, to this process's stdout (its warnings
-included: the stage's log gets them where the script would have printed them had it run in
-turn). :meth:`ScriptBeside.stop` ends it when the stage fails first: SIGINT (the script's
-KeyboardInterrupt path removes its temporary files), SIGKILL after :data:`STOP_GRACE_S`.
+The child is an ordinary run of the script (``python -u 5b_quantize_int4.py ARGS``: its own
+interpreter, imports, provenance and rerun command), in the stage's process group (a kill of the
+run's group reaches it too) but with SIGINT ignored, as the stage's ModelOpt worker has it: a
+Ctrl-C at the terminal reaches the stage, which then stops the child itself (a KeyboardInterrupt
+landing inside the child's imports read as a broken onnxruntime install; review of stop 46). Its
+stdin is closed, its stdout and stderr (unbuffered, so in the order written) go to one unnamed
+temporary file, and its temporary files (``tempfile``: ModelOpt's) to a private folder removed
+when it ends. :meth:`ScriptBeside.collect` waits for it and prints that output to this
+process's stdout (its warnings included: the stage's log gets them where the script would
+have printed them had it run in turn). :meth:`ScriptBeside.stop` ends it when the stage fails
+first: SIGKILL, then the temporary names it left in the folders it writes (``.tmp-*``, new
+since it started) are removed.
 
-Whether it pays: :func:`beside_ok` (two CPUs and room for a second ModelOpt process).
+Whether it pays: :func:`beside_ok` (two CPUs and room for a second ModelOpt process). It
+does not where the INT4 run is short (a few calibration samples): the child's own imports of
+ModelOpt and onnxruntime, about 5 s of one CPU here, then outweigh it.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,13 +39,14 @@ from typing import Sequence
 
 from deploykit.layout import ROOT
 
-#: Seconds a stopped child gets to clean up after SIGINT before it is killed.
-STOP_GRACE_S = 10.0
+#: Memory available for a second ModelOpt process beside the stage's own, in GiB:
+#: EfficientNet-Lite0's INT4 run peaked at about 2 GiB here (AWQ-clip temporaries of 512 MB
+#: each, ModelOpt, ORT), and a ModelOpt INT8 run that makes entropy histograms at 7.1 GiB
+#: (README, stage 5; one calibration batch computed as max calibration: about 1.1 GB).
+MIN_AVAILABLE_GIB = 12.0
 
-#: Memory a second ModelOpt process may need beside the stage's own, in GiB: EfficientNet-Lite0's
-#: INT4 run peaked at about 2 GiB here (AWQ-clip temporaries of 512 MB each, ModelOpt, ORT),
-#: the stage's INT8 calibration at about 1.1 GB; twice that leaves room for larger models.
-MIN_AVAILABLE_GIB = 8.0
+#: Lines of the child's output a failure message quotes (its error is among its last lines).
+TAIL_LINES = 6
 
 
 def _available_gib() -> float | None:
@@ -76,17 +85,23 @@ class ScriptBeside:
     """``python <ROOT>/<script> ARGV`` in a child process (see the module docstring).
 
     Args:
-        script: the root script's file name, e.g. ``5b_quantize_int4.py``.
+        script: the root script's file name, e.g. ``5b_quantize_int4.py`` (or a path).
         argv: its arguments (paths as the stage got them: the child runs in this process's
             working directory).
+        writes_in: the folders it writes into (the stage holds their writer locks): where
+            :meth:`stop` removes the temporary names it left.
     """
 
-    def __init__(self, script: str, argv: Sequence[str]):
+    def __init__(self, script: str, argv: Sequence[str], writes_in: Sequence[Path] = ()):
         self.script, self.argv = script, list(argv)
-        self.command = [sys.executable, str(ROOT / script), *self.argv]
+        self.command = [sys.executable, "-u", str(ROOT / script), *self.argv]
+        self.writes_in = [Path(d) for d in writes_in]
         self._out = None
+        self._tmp: str | None = None
+        self._before: set[Path] = set()
         self._proc: subprocess.Popen | None = None
         self.returncode: int | None = None
+        self.output = ""  # what it printed, once collected or stopped
 
     def start(self) -> "ScriptBeside":
         """Start the child. Returns self.
@@ -96,57 +111,100 @@ class ScriptBeside:
         """
         sys.stdout.flush()
         sys.stderr.flush()
+        self._before = set(self._leftover_names())
         self._out = tempfile.TemporaryFile()
+        self._tmp = tempfile.mkdtemp(prefix="deploykit-beside-")
         try:
-            self._proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL,
-                                          stdout=self._out, stderr=subprocess.STDOUT)
+            self._proc = subprocess.Popen(
+                self.command, stdin=subprocess.DEVNULL, stdout=self._out,
+                stderr=subprocess.STDOUT, env=dict(os.environ, TMPDIR=self._tmp),
+                preexec_fn=_ignore_sigint)
         except OSError:
-            self._out.close()
-            self._out = None
+            self._end()
             raise
         return self
 
     def collect(self) -> int:
         """Wait for the child, print its output to stdout, return its exit status (negative:
-        the signal that ended it). A second call prints nothing and returns the same status."""
+        the signal that ended it, and then the temporary names it left in ``writes_in`` are
+        removed). A second call prints nothing and returns the same status."""
         if self._proc is None:
             return self.returncode if self.returncode is not None else -1
         self.returncode = self._proc.wait()
         self._proc = None
-        self._print_output()
+        if self.returncode < 0:  # killed by a signal (the OOM killer, a kill of the group)
+            self._remove_leftovers()
+        self._end()
+        self._print(self.output)
         return self.returncode
 
-    def stop(self) -> None:
-        """End a child still running (SIGINT, then SIGKILL after :data:`STOP_GRACE_S`) and print
-        what it wrote; nothing when it was collected. Never raises."""
+    def stop(self, why: str = "the stage failed first") -> None:
+        """End a child still running (SIGKILL), remove the temporary names it left in
+        ``writes_in`` and print what it wrote under a line saying so; nothing when it was
+        collected. Never raises."""
         proc = self._proc
         if proc is None:
             return
+        self._proc = None
         try:
             if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-                try:
-                    proc.wait(timeout=STOP_GRACE_S)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+                proc.kill()
             self.returncode = proc.wait()
         except OSError:
             pass
-        self._proc = None
-        try:
-            self._print_output()
-        except OSError:
-            pass
+        self._remove_leftovers()
+        self._end()
+        self._print(f"{self.script} stopped ({why}); what it printed:\n{self.output}")
 
-    def _print_output(self) -> None:
+    def tail(self, n: int = TAIL_LINES) -> str:
+        """The child's last ``n`` non-empty output lines (after :meth:`collect`), one string."""
+        lines = [x for x in self.output.replace("\r", "\n").splitlines() if x.strip()]
+        return "\n".join(lines[-n:])
+
+    def _remove_leftovers(self) -> None:
+        """Remove the temporary names (``.tmp-*``) that appeared in ``writes_in`` since the
+        child started: a killed child's (the stage holds those folders' writer locks, so no
+        other writer made them)."""
+        own = f"pid{os.getpid()}."  # this process's own work folder (5_quantize.py's)
+        for p in set(self._leftover_names()) - self._before:
+            if own in p.name:
+                continue
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    p.unlink()
+
+    def _leftover_names(self) -> list[Path]:
+        out = []
+        for d in self.writes_in:
+            with contextlib.suppress(OSError):
+                out += list(d.glob(".tmp-*"))
+        return out
+
+    def _end(self) -> None:
+        """Read and close the output file; remove the private temporary folder."""
         out, self._out = self._out, None
-        if out is None:
-            return
-        try:
-            out.seek(0)
-            text = out.read().decode(errors="replace")
-        finally:
-            out.close()
+        if out is not None:
+            try:
+                out.seek(0)
+                self.output = out.read().decode(errors="replace")
+            except OSError:
+                pass
+            finally:
+                out.close()
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+    @staticmethod
+    def _print(text: str) -> None:
         if text:
             sys.stdout.write(text if text.endswith("\n") else text + "\n")
             sys.stdout.flush()
+
+
+def _ignore_sigint() -> None:
+    """In the child, before Python starts: SIGINT ignored (Python then installs no
+    KeyboardInterrupt handler); the stage stops it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -692,8 +692,8 @@ class FakeBeside:
     def __init__(self, events: list, rc: int = 0):
         self.events, self.rc = events, rc
 
-    def __call__(self, script, argv):
-        self.script, self.argv = script, list(argv)
+    def __call__(self, script, argv, writes_in=()):
+        self.script, self.argv, self.writes_in = script, list(argv), list(writes_in)
         return self
 
     def start(self):
@@ -711,8 +711,11 @@ class FakeBeside:
         print("int4: the child's output")
         return self.rc
 
-    def stop(self):
-        self.events.append(("stop",))
+    def tail(self):
+        return "int4: the child's output"
+
+    def stop(self, why="the stage failed first"):
+        self.events.append(("stop", why))
 
 
 def _beside(monkeypatch, rc=0):
@@ -732,7 +735,15 @@ def test_int4_starts_beside_the_modelopt_variants_and_prints_after_them(tiny, mo
     assert events[0] == ("start", "5b_quantize_int4.py",
                          ["--model", "tiny", "--no-eval", "--calib-inputs",
                           str(tiny / "calib.npz")])
-    assert [e[0] for e in events] == ["start", "modelopt", "collect", "stop"]
+    assert [e[0] for e in events] == ["start", "modelopt", "collect"]
+    # the folders it writes: their locks taken first (this process holds them), its leftovers
+    # removed from there if it is stopped
+    from deploykit import lock
+
+    assert {str(p.resolve()) for p in stage5.ScriptBeside.writes_in} == {
+        str(tiny.resolve()), str((tiny / "onnx").resolve()),
+        str((tiny.parent.parent / "r" / "tiny").resolve())}
+    assert all(str(p.resolve()) in lock._HELD for p in stage5.ScriptBeside.writes_in)
     assert recs[-1] == {"variant": "int4", "status": "ok", "from": "the child"}
     out = capsys.readouterr().out
     # its output after the ModelOpt variants', under its own header
@@ -749,7 +760,8 @@ def test_a_failed_int4_child_fails_the_stage_as_in_process(tiny, monkeypatch, ca
     monkeypatch.setattr(modelopt_runner, "run_modelopt", FakeModelOpt())
     calls = _fake_scripts(monkeypatch)
     monkeypatch.setattr(stage5, "beside_ok", lambda: (True, "tests"))
-    with pytest.raises(exc, match=f"5b_quantize_int4.py --model tiny --no-eval exited {rc}"):
+    with pytest.raises(exc, match=f"5b_quantize_int4.py --model tiny --no-eval exited {rc}; "
+                                  "its last lines .*\n.*the child's output"):
         stage5.main(_args("int8_hp32", "int4", "--eval"))
     assert [c[0] for c in calls] == (["3_onnx_eval"] if rc == 1 else [])
     assert not (tiny.parent.parent / "r" / "tiny" / "quant_int4.json").exists()
@@ -760,4 +772,4 @@ def test_an_int8_failure_stops_the_int4_child(tiny, monkeypatch):
     monkeypatch.setattr(modelopt_runner, "run_modelopt", FakeModelOpt(fail=True))
     with pytest.raises(StageError, match="ModelOpt failed on int8_hp32"):
         stage5.main(_args("int8_hp32", "int4"))
-    assert [e[0] for e in events] == ["start", "stop"]
+    assert [e[0] for e in events] == ["start", "stop"] and events[1][1] == "the stage failed first"
