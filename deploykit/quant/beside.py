@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -118,7 +119,7 @@ class ScriptBeside:
             self._proc = subprocess.Popen(
                 self.command, stdin=subprocess.DEVNULL, stdout=self._out,
                 stderr=subprocess.STDOUT, env=dict(os.environ, TMPDIR=self._tmp),
-                preexec_fn=_ignore_sigint)
+                preexec_fn=_child_setup)
         except OSError:
             self._end()
             raise
@@ -140,26 +141,37 @@ class ScriptBeside:
 
     def stop(self, why: str = "the stage failed first") -> None:
         """End a child still running (SIGKILL), remove the temporary names it left in
-        ``writes_in`` and print what it wrote under a line saying so; nothing when it was
-        collected. Never raises."""
+        ``writes_in`` and print what it wrote under a line saying so (or that it had already
+        ended); nothing when it was collected. Never raises (a closed stdout included)."""
         proc = self._proc
         if proc is None:
             return
-        self._proc = None
         try:
-            if proc.poll() is None:
+            running = proc.poll() is None
+            if running:
                 proc.kill()
             self.returncode = proc.wait()
         except OSError:
-            pass
-        self._remove_leftovers()
+            running = True
+        self._proc = None
+        if running:
+            self._remove_leftovers()
         self._end()
-        self._print(f"{self.script} stopped ({why}); what it printed:\n{self.output}")
+        head = (f"{self.script} stopped ({why})" if running else
+                f"{self.script} had already ended (exit {self.returncode}; what it made is kept)")
+        with contextlib.suppress(OSError):  # a closed stdout (| head): the stage's error wins
+            self._print(f"{head}; what it printed:\n{self.output}")
 
     def tail(self, n: int = TAIL_LINES) -> str:
-        """The child's last ``n`` non-empty output lines (after :meth:`collect`), one string."""
+        """What a failure message quotes of the child's output (after :meth:`collect`): its last
+        line that states a failure (:data:`_REASON`), if any, then its last ``n`` non-empty
+        lines (a log tail after the reason must not hide it: review of stop 46)."""
         lines = [x for x in self.output.replace("\r", "\n").splitlines() if x.strip()]
-        return "\n".join(lines[-n:])
+        last = lines[-n:]
+        reason = next((x for x in reversed(lines) if _REASON.search(x)), None)
+        if reason is None or reason in last:
+            return "\n".join(last)
+        return "\n".join([reason, "...", *last])
 
     def _remove_leftovers(self) -> None:
         """Remove the temporary names (``.tmp-*``) that appeared in ``writes_in`` since the
@@ -204,7 +216,19 @@ class ScriptBeside:
             sys.stdout.flush()
 
 
-def _ignore_sigint() -> None:
+def _child_setup() -> None:
     """In the child, before Python starts: SIGINT ignored (Python then installs no
-    KeyboardInterrupt handler); the stage stops it."""
+    KeyboardInterrupt handler; the stage stops it), and SIGKILL when the stage's process dies
+    first (Linux ``PR_SET_PDEATHSIG``; elsewhere nothing)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+#: A line of the child's output that states its failure (``5b_quantize_int4.py: FAILED: ...``,
+#: ``... error: ...``, an exception's last line).
+_REASON = re.compile(r"(^|: )(FAILED|ERROR|error)\b|^[A-Za-z_.]*(Error|Exception): ")

@@ -82,6 +82,31 @@ def test_stop_kills_the_child_and_removes_what_it_left_in_its_folders(tmp_path, 
     assert capsys.readouterr().out == ""
 
 
+def test_a_failure_message_quotes_the_reason_before_a_log_tail(tmp_path, capsys):
+    """The child's FAILED line, then its last lines: a 15-line log tail after the reason must not
+    push it out (re-review of stop 46); and one that had ended when stopped is said so."""
+    path = _script(tmp_path, """
+        import sys
+        print("int4: ModelOpt awq_clip on 100 calibration samples")
+        print("child.py: FAILED: ModelOpt INT4 failed: RuntimeError: the reason", file=sys.stderr)
+        for i in range(15):
+            print(f"2026-12-07 - [modelopt][onnx] - INFO - log line {i}")
+        sys.exit(1)
+    """)
+    child = beside.ScriptBeside(str(path), []).start()
+    assert child.collect() == 1
+    lines = child.tail(3).splitlines()
+    assert lines[0] == "child.py: FAILED: ModelOpt INT4 failed: RuntimeError: the reason"
+    assert lines[1:] == ["...", *[f"2026-12-07 - [modelopt][onnx] - INFO - log line {i}"
+                                  for i in (12, 13, 14)]]
+    capsys.readouterr()
+    done = beside.ScriptBeside(str(_script(tmp_path, "print('made it')")), []).start()
+    done._proc.wait()
+    done.stop()
+    assert capsys.readouterr().out == (f"{tmp_path / 'child.py'} had already ended (exit 0; what "
+                                       "it made is kept); what it printed:\nmade it\n")
+
+
 def test_the_child_runs_with_this_interpreter_in_this_folder(tmp_path, monkeypatch, capsys):
     path = _script(tmp_path, """
         import os, sys
