@@ -110,8 +110,9 @@ _FORWARDED = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 _HEADER = 8  # bytes of the request's length prefix
 
 
-def _prctl_pdeathsig(sig: int) -> None:
-    """Ask the kernel for ``sig`` when this process's parent dies (Linux; elsewhere nothing)."""
+def die_with_parent(sig: int) -> None:
+    """Ask the kernel for ``sig`` when this process's parent dies (Linux ``PR_SET_PDEATHSIG``;
+    elsewhere nothing): the preload server, stage 5's INT4 child (deploykit.quant.beside)."""
     try:
         import ctypes
 
@@ -176,7 +177,7 @@ def serve(path: str, preload: tuple[str, ...] = PRELOAD) -> dict | None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the stages
     stopping: list[int] = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
-    _prctl_pdeathsig(signal.SIGTERM)
+    die_with_parent(signal.SIGTERM)
     server_env = dict(os.environ)
     try:  # now, before any child changes the environment: its first call claims the argv +
         # environ memory it writes titles into (later, a cleared environ leaves it none)

@@ -38,7 +38,9 @@ import tempfile
 from pathlib import Path
 from typing import Sequence
 
+from deploykit.io import LEFTOVER_PATTERNS
 from deploykit.layout import ROOT
+from deploykit.zygote import die_with_parent
 
 #: Memory available for a second ModelOpt process beside the stage's own, in GiB:
 #: EfficientNet-Lite0's INT4 run peaked at about 2 GiB here (AWQ-clip temporaries of 512 MB
@@ -174,9 +176,10 @@ class ScriptBeside:
         return "\n".join([reason, "...", *last])
 
     def _remove_leftovers(self) -> None:
-        """Remove the temporary names (``.tmp-*``) that appeared in ``writes_in`` since the
-        child started: a killed child's (the stage holds those folders' writer locks, so no
-        other writer made them)."""
+        """Remove the temporary names that appeared in ``writes_in`` since the child started
+        (:data:`deploykit.io.LEFTOVER_PATTERNS`, the names :func:`deploykit.io.remove_leftovers`
+        clears after a killed run): a killed child's (the stage holds those folders' writer
+        locks, so no other writer made them)."""
         own = f"pid{os.getpid()}."  # this process's own work folder (5_quantize.py's)
         for p in set(self._leftover_names()) - self._before:
             if own in p.name:
@@ -191,7 +194,7 @@ class ScriptBeside:
         out = []
         for d in self.writes_in:
             with contextlib.suppress(OSError):
-                out += list(d.glob(".tmp-*"))
+                out += [p for pattern in LEFTOVER_PATTERNS for p in d.glob(pattern)]
         return out
 
     def _end(self) -> None:
@@ -221,12 +224,7 @@ def _child_setup() -> None:
     KeyboardInterrupt handler; the stage stops it), and SIGKILL when the stage's process dies
     first (Linux ``PR_SET_PDEATHSIG``; elsewhere nothing)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    die_with_parent(signal.SIGKILL)
 
 
 #: A line of the child's output that states its failure (``5b_quantize_int4.py: FAILED: ...``,
