@@ -1,4 +1,4 @@
-"""Stage 7: evaluate one TensorRT engine: accuracy, GPU compute latency, parity, layer formats.
+"""Stage 7: evaluate TensorRT engines (a row each): accuracy, GPU compute latency, parity, layers.
 
 Reads  artifacts/<model>/engines/<variant>.plan (6_build_engines.sh), its <variant>.build.log
        (trtexec's own GPU Compute Time, for a cross-check), results/<model>/trt_build_<variant>.json
@@ -20,6 +20,8 @@ Without the TensorRT Python package or without a CUDA GPU it prints why, writes 
 
 Rerun alone:
     python 7_trt_eval.py --engine artifacts/mobilenet_v3_small/engines/fp16.plan --tag trt_fp16
+Several engines in one process (run_all.sh does so; each row records its one-engine command):
+    python 7_trt_eval.py --engine .../fp32.plan --tag trt_fp32 --engine .../fp16.plan --tag trt_fp16
 
 Runtime: ``deploykit.runners.TrtRunner`` (tensor-name API, ``execute_async_v3``; TensorRT 8.5+; device
 buffers are torch CUDA tensors, no pycuda), through the evaluation path shared with stages 1 and
@@ -39,7 +41,8 @@ from pathlib import Path
 import numpy as np
 from deploykit.layout import ref_outputs_path
 from deploykit.layout import fp32_onnx_path, ref_logits_path
-from deploykit.cli import add_shared_args, check_positive, cli, stage_parser
+from deploykit.cli import (add_shared_args, check_positive, cli, command_argv, run_script,
+                           stage_parser)
 from deploykit.io import require
 from deploykit.errors import StageError, UsageError
 from deploykit.evaluate import (
@@ -76,8 +79,12 @@ REF_PRODUCER = "1_pytorch_baseline.py"
 
 def get_args_parser() -> argparse.ArgumentParser:
     p = stage_parser(__doc__, prog="7_trt_eval.py")
-    p.add_argument("--engine", required=True, type=Path, help="TensorRT plan file")
-    p.add_argument("--tag", required=True, help="results row id (results/<model>/<tag>.json)")
+    p.add_argument("--engine", required=True, type=Path, action="append",
+                   help="TensorRT plan file; repeat it, each with its --tag in the same order, "
+                        "to evaluate several engines in one process (each row written and "
+                        "recorded as its one-engine command would write it)")
+    p.add_argument("--tag", required=True, action="append",
+                   help="results row id (results/<model>/<tag>.json), one per --engine")
     add_shared_args(p, "model", "inputs", "logits_output")
     p.add_argument("--precision", default=None,
                    help="label for the row (default: the precision of the engine's variant, "
@@ -115,9 +122,12 @@ def _row(args, status: str, reason: str | None, started: float, desc: dict | Non
     return rec
 
 
-def _skip(args, reason: str, started: float) -> None:
+def _skip(args, reason: str, started: float) -> dict:
+    """Write and return the ``status: skipped`` row of ``args.engine``, saying why."""
     print(f"{STAGE}: SKIPPED {args.tag}: {reason}")
-    print(f"  wrote {write_result(args.model, args.tag, _row(args, 'skipped', reason, started))}")
+    rec = _row(args, "skipped", reason, started)
+    print(f"  wrote {write_result(args.model, args.tag, rec)}")
+    return rec
 
 
 def trtexec_cross_check(model: str, variant, in_name: str, rec: dict) -> dict | None:
@@ -167,9 +177,62 @@ def batch_invariance_check(runner, data, batch: int) -> dict:
     return res
 
 
-def main(args) -> dict | None:
-    """Evaluate one engine and write ``results/<model>/<tag>.json`` (skipped rows without
-    TensorRT or CUDA).
+#: Flags that name one engine's files: refused with several --engine.
+ONE_ENGINE_FLAGS = {"onnx": "--onnx", "precision": "--precision"}
+
+
+def main(args) -> dict | list | None:
+    """Evaluate each ``--engine`` and write its ``results/<model>/<tag>.json`` (skipped rows
+    without TensorRT or CUDA). Several engines run one after another in this process, each as
+    its one-engine command (:func:`deploykit.cli.run_script` of the arguments
+    :func:`deploykit.cli.command_argv` writes back: its row records that command and reruns
+    it); one that fails does not stop the others.
+
+    Returns:
+        the row (one engine), or the list of them (several; the stage's last lines are one per
+        row written).
+    Raises:
+        UsageError: bad flags (not as many --tag as --engine, a tag twice, --onnx or
+            --precision with several engines). StageError: missing inputs, a plan the runtime
+            refuses (with several engines: after the others, naming the tags that failed).
+    """
+    engines, tags = list(args.engine), list(args.tag)
+    if len(engines) != len(tags):
+        raise UsageError(f"{len(engines)} --engine but {len(tags)} --tag: give one --tag per "
+                         "--engine, in the same order")
+    if len(engines) == 1:
+        one = argparse.Namespace(**vars(args))
+        one.engine, one.tag = engines[0], tags[0]
+        return _evaluate_one(one)
+    twice = sorted({t for t in tags if tags.count(t) > 1})
+    if twice:
+        raise UsageError(f"--tag {' '.join(twice)} given twice: each engine's row needs a tag "
+                         "of its own")
+    said = [flag for dest, flag in ONE_ENGINE_FLAGS.items() if getattr(args, dest)]
+    if said:
+        raise UsageError(f"{' and '.join(said)} name one engine's file: give one --engine "
+                         "with them")
+    parser = get_args_parser()
+    rows, failed = [], []
+    for engine, tag in zip(engines, tags):
+        argv = command_argv(parser, args, engine=engine, tag=tag)
+        try:
+            rows.append(run_script(STAGE, argv))
+        except StageError as e:
+            print(f"{STAGE}: FAILED {tag} ({engine}): {e}", file=sys.stderr)
+            failed.append(tag)
+    for rec in rows:  # the stage's last lines: one per row written
+        print(f"{rec['tag']}: skipped (why: above)" if rec["status"] == "skipped"
+              else summary_line(rec))
+    if failed:
+        raise StageError(f"{len(failed)} of {len(engines)} engines failed ({', '.join(failed)}; "
+                         "reasons above); the other rows are written")
+    return rows
+
+
+def _evaluate_one(args) -> dict:
+    """Evaluate one engine (``args.engine``, ``args.tag``: one each) and write
+    ``results/<model>/<tag>.json`` (skipped rows without TensorRT or CUDA).
 
     Raises:
         UsageError: bad flags. StageError: missing inputs, a plan the runtime refuses.
@@ -192,25 +255,22 @@ def main(args) -> dict | None:
         row = load_json(build_row) if build_row is not None and build_row.exists() else {}
         if isinstance(row, dict) and row.get("status") not in (None, "ok"):
             # e.g. no TensorRT here, INT4 on TensorRT 8.x, the int4_cli_broken reproduction
-            _skip(args, f"engine not built by 6_build_engines.sh ({row.get('status')}: "
-                  f"{row.get('reason')})", started)
-            return None
+            return _skip(args, f"engine not built by 6_build_engines.sh ({row.get('status')}: "
+                         f"{row.get('reason')})", started)
         raise StageError(f"--engine {args.engine}: no such file (build it with "
                          "6_build_engines.sh, or check the path); no row written")
     try:
         import tensorrt as trt  # noqa: F401 - availability check
     except ImportError as e:
-        _skip(args, f"TensorRT Python package not importable ({e}); TensorRT is not installed "
-              "on this machine", started)
-        return None
+        return _skip(args, f"TensorRT Python package not importable ({e}); TensorRT is not "
+                     "installed on this machine", started)
     try:
         import torch
         cuda = torch.cuda.is_available()
     except ImportError:
         cuda = False
     if not cuda:
-        _skip(args, "no CUDA GPU visible to torch (TensorRT needs one)", started)
-        return None
+        return _skip(args, "no CUDA GPU visible to torch (TensorRT needs one)", started)
 
     spec = model_spec(args.model)
     # stage 6's build row of this engine (the engine exists: checked above)

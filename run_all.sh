@@ -755,11 +755,18 @@ if want 7; then
   begin 7 "TensorRT eval: $ART/engines/*.plan -> $RES_DIR/trt_*.json (skips without TensorRT)"
   if have 7_trt_eval.py; then
     trt_out="$(python variants.py list --stage 7 "${auto[@]}")"
-    mapfile -t trt_variants <<<"$trt_out"
+    trt_variants=()
+    [ -z "$trt_out" ] || mapfile -t trt_variants <<<"$trt_out"
+    # every engine in one process, one after another (each row records, and reruns as, its
+    # own one-engine command); it ends with one line per row
+    engines=()
     for v in "${trt_variants[@]}"; do
-      run "7_trt_eval_$v" python 7_trt_eval.py --model "$MODEL" --engine "$ART/engines/$v.plan" \
-        --tag "${TRT_TAG[$v]}" "${lim[@]}" "${timing[@]}"
+      engines+=(--engine "$ART/engines/$v.plan" --tag "${TRT_TAG[$v]}")
     done
+    if [ "${#engines[@]}" -gt 0 ]; then
+      RUN_TAIL="${#trt_variants[@]}" run 7_trt_eval python 7_trt_eval.py --model "$MODEL" \
+        "${engines[@]}" "${lim[@]}" "${timing[@]}"
+    fi
   fi
   end 7
 fi

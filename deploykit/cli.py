@@ -132,6 +132,52 @@ def run_script(name: str, argv: Sequence[str]) -> Any:
         sys.stdout.flush()
 
 
+def command_argv(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                 **override: Any) -> list[str]:
+    """The arguments of a command line that ``parser`` reads back as ``args`` with ``override``
+    applied: each option whose value differs from its default (a default read from the
+    environment, e.g. ``$PREPROCESS``, stays unsaid: the same environment gives it again), by
+    its first option string; a ``store_true`` flag bare, a list one value after another, a
+    Path or number as ``str``. For one command of several made from one (7_trt_eval.py with
+    several engines: each row records, and reruns as, its own command).
+
+    Args:
+        parser: the script's parser (``get_args_parser()``). args: what it parsed.
+        override: ``dest=value`` pairs that replace values of ``args`` (``engine=Path(...)``).
+    Returns:
+        the arguments, without the program name.
+    Raises:
+        ValueError: a positional argument, or an option of a kind this cannot write back
+            (``count``, ``store_const`` other than ``store_true``/``store_false``).
+    """
+    out: list[str] = []
+    for a in parser._actions:  # argparse has no public list of its actions
+        if isinstance(a, argparse._HelpAction):
+            continue
+        if not a.option_strings:
+            raise ValueError(f"command_argv: positional argument {a.dest!r} not supported")
+        value = override[a.dest] if a.dest in override else getattr(args, a.dest, a.default)
+        if value == a.default:
+            continue
+        flag = a.option_strings[0]
+        if isinstance(a, argparse._StoreTrueAction):
+            out += [flag] if value else []
+        elif isinstance(a, argparse._StoreFalseAction):
+            out += [] if value else [flag]
+        elif isinstance(a, (argparse._StoreAction, argparse._AppendAction)):
+            if value is None:
+                continue
+            values = value if isinstance(value, (list, tuple)) else [value]
+            if isinstance(a, argparse._AppendAction) or a.nargs is None or a.nargs == "?":
+                for v in values:
+                    out += [flag, str(v)]
+            else:
+                out += [flag, *map(str, values)]
+        else:
+            raise ValueError(f"command_argv: option {flag} ({type(a).__name__}) not supported")
+    return out
+
+
 def stage_parser(doc: str, prog: str | None = None) -> argparse.ArgumentParser:
     """An argument parser whose description is the whole module docstring ``doc`` (what the
     stage reads, writes and how to rerun it, in whole sentences) and whose help shows defaults.

@@ -230,3 +230,34 @@ def test_number_in_refuses_out_of_range_nan_and_text_naming_the_flag(capsys):
             p.parse_args(["--pct", bad])
         assert e.value.code == 2
         assert "argument --pct: must be a percentage 0..100" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("stage,argv", [
+    ("7_trt_eval", ["--engine", "/x/fp16.plan", "--tag", "trt_fp16", "--iters", "7",
+                    "--max-seconds", "0", "--layerwise", "--limit", "32"]),
+    ("3_onnx_eval", ["--onnx", "/x/a b.onnx", "--tag", "t", "--disable-optimizer", "A", "--disable-optimizer", "B",
+                     "--threads", "1", "--full-eval"]),
+    ("1_pytorch_baseline", []),
+])
+def test_command_argv_reads_back_as_the_same_arguments(stage, argv):
+    """deploykit.cli.command_argv writes back what a script's parser read: parsing its output
+    gives the same namespace (stage 7's several engines record each row's own command so)."""
+    from deploykit.cli import command_argv
+
+    parser = load_stage(stage).get_args_parser()
+    args = parser.parse_args(argv)
+    back = command_argv(parser, args)
+    assert vars(parser.parse_args(back)) == vars(args)
+    assert len(back) <= len(argv)  # defaults stay unsaid
+
+
+def test_command_argv_override_replaces_an_appended_option():
+    from deploykit.cli import command_argv
+
+    parser = load_stage("7_trt_eval").get_args_parser()
+    args = parser.parse_args(["--engine", "a.plan", "--tag", "a", "--engine", "b.plan",
+                              "--tag", "b", "--warmup", "0"])
+    back = command_argv(parser, args, engine=Path("b.plan"), tag="b")
+    assert back == ["--engine", "b.plan", "--tag", "b", "--warmup", "0"]
+    one = parser.parse_args(back)
+    assert one.engine == [Path("b.plan")] and one.tag == ["b"] and one.warmup == 0

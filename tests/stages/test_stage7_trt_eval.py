@@ -75,6 +75,54 @@ def test_stage7_skips_without_tensorrt(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not _no_trt(), reason="TensorRT is importable here")
+def test_stage7_several_engines_one_process_each_row_its_own_command(tmp_path):
+    """Several --engine/--tag pairs: each row is written as its one-engine command would write
+    it and records that command; an engine that fails does not stop the next one (exit 1,
+    naming it)."""
+    eng = tmp_path / "a" / "mobilenet_v3_small" / "engines"
+    eng.mkdir(parents=True)
+    for v in ("fp16", "int8"):
+        (eng / f"{v}.plan").write_bytes(b"a plan file")
+    argv = ["7_trt_eval.py", "--engine", str(eng / "fp16.plan"), "--tag", "trt_fp16",
+            "--engine", str(eng / "fp32.plan"), "--tag", "trt_fp32",  # not there, not skipped
+            "--engine", str(eng / "int8.plan"), "--tag", "trt_int8", "--iters", "7"]
+    p = subprocess.run([sys.executable, *argv], cwd=ROOT, env=_env(tmp_path),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1, p.stderr
+    assert "FAILED trt_fp32" in p.stderr and "1 of 3 engines failed (trt_fp32" in p.stderr
+    res = tmp_path / "r" / "mobilenet_v3_small"
+    assert not (res / "trt_fp32.json").exists()
+    for v in ("fp16", "int8"):
+        rec = json.loads((res / f"trt_{v}.json").read_text())
+        assert rec["status"] == "skipped" and rec["variant"] == v
+        prov = rec["provenance"]
+        assert prov["command"] == (f"7_trt_eval.py --engine {eng / f'{v}.plan'} --tag trt_{v} "
+                                   "--iters 7")
+        assert prov["args"]["engine"] == str(eng / f"{v}.plan") and prov["args"]["tag"] == f"trt_{v}"
+        assert prov["rerun"]["argv"][-6:] == ["--engine", str(eng / f"{v}.plan"), "--tag",
+                                              f"trt_{v}", "--iters", "7"]
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--engine", "b.plan"], "2 --engine but 1 --tag"),
+    (["--engine", "b.plan", "--tag", "t"], "--tag t given twice"),
+    (["--engine", "b.plan", "--tag", "u", "--onnx", "x.onnx"], "--onnx name one engine's file"),
+    (["--engine", "b.plan", "--tag", "u", "--precision", "FP16"], "--precision name one"),
+])
+def test_stage7_several_engines_usage_errors(tmp_path, monkeypatch, extra, message):
+    from deploykit.errors import UsageError
+    mod = load_stage("7_trt_eval")
+    monkeypatch.setenv("RESULTS", str(tmp_path / "r"))
+    monkeypatch.setenv("ARTIFACTS", str(tmp_path / "a"))
+    args = mod.get_args_parser().parse_args(["--model", MODEL, "--engine", "a.plan", "--tag", "t",
+                                             *extra])
+    with pytest.raises(UsageError, match=message.replace("(", r"\(")):
+        mod.main(args)
+    assert not (tmp_path / "r").exists()  # refused before anything is written
+
+
+@pytest.mark.slow
 def test_stage7_usage_error_exit_2(tmp_path):
     p = subprocess.run([sys.executable, "7_trt_eval.py", "--engine", "x.plan", "--tag", "t",
                         "--iters", "0"], cwd=ROOT, env=_env(tmp_path), capture_output=True,
