@@ -88,7 +88,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add_shared_args(p, "model", "inputs", "logits_output")
     p.add_argument("--precision", default=None,
                    help="label for the row (default: the precision of the engine's variant, "
-                        "from its file name)")
+                        "from its file name); one engine only")
     add_shared_args(p, "batch_size", "limit", "latency_batch", "warmup", "iters",
                     "max_seconds")
     p.add_argument("--device", type=int, default=0, help="CUDA device index")
@@ -99,7 +99,7 @@ def get_args_parser() -> argparse.ArgumentParser:
                    help="eval images for --layerwise")
     p.add_argument("--onnx", type=Path, default=None,
                    help="ONNX the engine was built from (default: artifacts/<model>/onnx/"
-                        "<variant>.onnx), for --layerwise")
+                        "<variant>.onnx), for --layerwise; one engine only")
     return p
 
 
@@ -193,8 +193,10 @@ def main(args) -> dict | list | None:
         row written).
     Raises:
         UsageError: bad flags (not as many --tag as --engine, a tag twice, --onnx or
-            --precision with several engines). StageError: missing inputs, a plan the runtime
-            refuses (with several engines: after the others, naming the tags that failed).
+            --precision with several engines, an engine that is a folder, a tag no row may
+            have: all checked before any engine runs). StageError: missing inputs, a plan the
+            runtime refuses (with several engines: after the others, naming each engine that
+            failed and why; any error of one engine's run counts so).
     """
     engines, tags = list(args.engine), list(args.tag)
     if len(engines) != len(tags):
@@ -210,23 +212,37 @@ def main(args) -> dict | list | None:
                          "of its own")
     said = [flag for dest, flag in ONE_ENGINE_FLAGS.items() if getattr(args, dest)]
     if said:
-        raise UsageError(f"{' and '.join(said)} name one engine's file: give one --engine "
-                         "with them")
+        raise UsageError(f"{' and '.join(said)} apply to one engine: give one --engine with "
+                         "them")
+    # what each engine's own command would refuse, refused before any engine runs
+    check_positive(args, "iters", "batch_size", "latency_batch", "limit")
+    check_positive(args, "warmup", allow_zero=("warmup",))
+    for engine, tag in zip(engines, tags):
+        check_row_tag(args.model, tag, stage=STAGE)
+        if Path(engine).is_dir():
+            raise UsageError(f"--engine {engine} is a folder: give the .plan file")
     parser = get_args_parser()
     rows, failed = [], []
     for engine, tag in zip(engines, tags):
-        argv = command_argv(parser, args, engine=engine, tag=tag)
+        # written whenever set: the environment a rerun starts in may give other defaults
+        argv = command_argv(parser, args, keep=("model", "preprocess", "logits_output"),
+                            engine=engine, tag=tag)
         try:
             rows.append(run_script(STAGE, argv))
-        except StageError as e:
-            print(f"{STAGE}: FAILED {tag} ({engine}): {e}", file=sys.stderr)
-            failed.append(tag)
-    for rec in rows:  # the stage's last lines: one per row written
-        print(f"{rec['tag']}: skipped (why: above)" if rec["status"] == "skipped"
-              else summary_line(rec))
+        except Exception as e:  # noqa: BLE001 - TensorRT, CUDA, the file system: the next
+            # engine still runs; the stage fails at the end, naming this one
+            why = (str(e) or type(e).__name__).splitlines()[0]
+            print(f"{STAGE}: FAILED {tag} ({engine}): {type(e).__name__}: {e}", file=sys.stderr)
+            failed.append(f"{tag}: {why[:200]}")
+    for rec in rows:  # the stage's last lines: one per row written (a skip said above)
+        if rec["status"] == "skipped":  # lower case: run_all.sh shows each SKIPPED line once
+            print(f"{rec['tag']}: skipped (why: above)")
+        else:
+            print(f"{rec['tag']}: " + ("" if rec["status"] == "ok" else
+                                       f"{rec['status'].upper()}: ") + summary_line(rec))
     if failed:
-        raise StageError(f"{len(failed)} of {len(engines)} engines failed ({', '.join(failed)}; "
-                         "reasons above); the other rows are written")
+        raise StageError(f"{len(failed)} of {len(engines)} engines failed; the other rows are "
+                         "written:\n" + "\n".join(f"  {f}" for f in failed))
     return rows
 
 

@@ -133,22 +133,26 @@ def run_script(name: str, argv: Sequence[str]) -> Any:
 
 
 def command_argv(parser: argparse.ArgumentParser, args: argparse.Namespace,
-                 **override: Any) -> list[str]:
+                 keep: Iterable[str] = (), **override: Any) -> list[str]:
     """The arguments of a command line that ``parser`` reads back as ``args`` with ``override``
     applied: each option whose value differs from its default (a default read from the
     environment, e.g. ``$PREPROCESS``, stays unsaid: the same environment gives it again), by
     its first option string; a ``store_true`` flag bare, a list one value after another, a
-    Path or number as ``str``. For one command of several made from one (7_trt_eval.py with
+    Path or number as ``str``, a value that starts with ``-`` as ``--flag=value`` (else it
+    would read as an option). For one command of several made from one (7_trt_eval.py with
     several engines: each row records, and reruns as, its own command).
 
     Args:
         parser: the script's parser (``get_args_parser()``). args: what it parsed.
+        keep: dests written whenever they hold a value, default or not (``model``: a default
+            from ``$MODEL`` is another model in another shell).
         override: ``dest=value`` pairs that replace values of ``args`` (``engine=Path(...)``).
     Returns:
         the arguments, without the program name.
     Raises:
-        ValueError: a positional argument, or an option of a kind this cannot write back
-            (``count``, ``store_const`` other than ``store_true``/``store_false``).
+        ValueError: a positional argument, an option of a kind this cannot write back
+            (``count``, ``store_const`` other than ``store_true``/``store_false``), or a
+            several-value option (``nargs``) with a value that starts with ``-``.
     """
     out: list[str] = []
     for a in parser._actions:  # argparse has no public list of its actions
@@ -157,7 +161,7 @@ def command_argv(parser: argparse.ArgumentParser, args: argparse.Namespace,
         if not a.option_strings:
             raise ValueError(f"command_argv: positional argument {a.dest!r} not supported")
         value = override[a.dest] if a.dest in override else getattr(args, a.dest, a.default)
-        if value == a.default:
+        if value == a.default and (a.dest not in keep or value is None):
             continue
         flag = a.option_strings[0]
         if isinstance(a, argparse._StoreTrueAction):
@@ -167,12 +171,15 @@ def command_argv(parser: argparse.ArgumentParser, args: argparse.Namespace,
         elif isinstance(a, (argparse._StoreAction, argparse._AppendAction)):
             if value is None:
                 continue
-            values = value if isinstance(value, (list, tuple)) else [value]
+            values = [str(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
             if isinstance(a, argparse._AppendAction) or a.nargs is None or a.nargs == "?":
                 for v in values:
-                    out += [flag, str(v)]
+                    out += [f"{flag}={v}"] if v.startswith("-") else [flag, v]
+            elif any(v.startswith("-") for v in values):
+                raise ValueError(f"command_argv: {flag} takes several values and one starts "
+                                 f"with '-' ({values}): argparse cannot read that back")
             else:
-                out += [flag, *map(str, values)]
+                out += [flag, *values]
         else:
             raise ValueError(f"command_argv: option {flag} ({type(a).__name__}) not supported")
     return out

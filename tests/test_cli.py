@@ -261,3 +261,23 @@ def test_command_argv_override_replaces_an_appended_option():
     assert back == ["--engine", "b.plan", "--tag", "b", "--warmup", "0"]
     one = parser.parse_args(back)
     assert one.engine == [Path("b.plan")] and one.tag == ["b"] and one.warmup == 0
+
+
+def test_command_argv_values_that_start_with_a_dash_and_kept_defaults():
+    from deploykit.cli import command_argv
+
+    parser = load_stage("7_trt_eval").get_args_parser()
+    args = parser.parse_args(["--engine=-a.plan", "--tag", "a", "--logits-output=-out",
+                              "--device", "-1"])
+    back = command_argv(parser, args)
+    assert "--engine=-a.plan" in back and "--logits-output=-out" in back
+    assert vars(parser.parse_args(back)) == vars(args)
+    # a default is written when asked (the model: $MODEL is another model in another shell)
+    assert "--model" not in back
+    kept = command_argv(parser, args, keep=("model",))
+    assert kept[kept.index("--model") + 1] == args.model
+    # several values of one option, one starting with '-': argparse cannot read it back
+    multi = argparse.ArgumentParser()
+    multi.add_argument("--xs", nargs="+", default=[])
+    with pytest.raises(ValueError, match="starts with '-'"):
+        command_argv(multi, multi.parse_args(["--xs", "a", "b"]), xs=["a", "-b"])

@@ -90,7 +90,10 @@ def test_stage7_several_engines_one_process_each_row_its_own_command(tmp_path):
     p = subprocess.run([sys.executable, *argv], cwd=ROOT, env=_env(tmp_path),
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 1, p.stderr
-    assert "FAILED trt_fp32" in p.stderr and "1 of 3 engines failed (trt_fp32" in p.stderr
+    assert "FAILED trt_fp32" in p.stderr and "1 of 3 engines failed" in p.stderr
+    assert "\n  trt_fp32: --engine " in p.stderr  # each failed engine named with its reason
+    assert p.stdout.splitlines()[-2:] == ["trt_fp16: skipped (why: above)",
+                                          "trt_int8: skipped (why: above)"]
     res = tmp_path / "r" / "mobilenet_v3_small"
     assert not (res / "trt_fp32.json").exists()
     for v in ("fp16", "int8"):
@@ -98,17 +101,20 @@ def test_stage7_several_engines_one_process_each_row_its_own_command(tmp_path):
         assert rec["status"] == "skipped" and rec["variant"] == v
         prov = rec["provenance"]
         assert prov["command"] == (f"7_trt_eval.py --engine {eng / f'{v}.plan'} --tag trt_{v} "
-                                   "--iters 7")
+                                   "--model mobilenet_v3_small --iters 7")
         assert prov["args"]["engine"] == str(eng / f"{v}.plan") and prov["args"]["tag"] == f"trt_{v}"
-        assert prov["rerun"]["argv"][-6:] == ["--engine", str(eng / f"{v}.plan"), "--tag",
-                                              f"trt_{v}", "--iters", "7"]
+        assert prov["rerun"]["argv"][-8:] == ["--engine", str(eng / f"{v}.plan"), "--tag",
+                                              f"trt_{v}", "--model", "mobilenet_v3_small",
+                                              "--iters", "7"]
 
 
 @pytest.mark.parametrize("extra,message", [
     (["--engine", "b.plan"], "2 --engine but 1 --tag"),
     (["--engine", "b.plan", "--tag", "t"], "--tag t given twice"),
-    (["--engine", "b.plan", "--tag", "u", "--onnx", "x.onnx"], "--onnx name one engine's file"),
-    (["--engine", "b.plan", "--tag", "u", "--precision", "FP16"], "--precision name one"),
+    (["--engine", "b.plan", "--tag", "u", "--onnx", "x.onnx"], "--onnx apply to one engine"),
+    (["--engine", "b.plan", "--tag", "u", "--precision", "FP16"], "--precision apply to one"),
+    (["--engine", "b.plan", "--tag", "bad/tag"], "bad/tag"),
+    (["--engine", "b.plan", "--tag", "u", "--iters", "0"], "--iters"),
 ])
 def test_stage7_several_engines_usage_errors(tmp_path, monkeypatch, extra, message):
     from deploykit.errors import UsageError
@@ -153,3 +159,49 @@ def test_stage7_batch_invariance_check_on_eval_data():
     assert bad["ok"] is False and "NVIDIA/TensorRT#4796" in bad["note"]
     static = stage7.batch_invariance_check(_FakeRunner(w, batch_range=(4, 4)), data, 8)
     assert static["ok"] is None and "no batch-1 vs batch-N" in static["reason"]
+
+
+def test_stage7_several_engines_a_folder_is_refused_before_any_engine_runs(tmp_path, monkeypatch):
+    from deploykit.errors import UsageError
+    mod = load_stage("7_trt_eval")
+    monkeypatch.setenv("RESULTS", str(tmp_path / "r"))
+    monkeypatch.setenv("ARTIFACTS", str(tmp_path / "a"))
+    ran = []
+    monkeypatch.setattr(mod, "run_script", lambda name, argv: ran.append(argv))
+    args = mod.get_args_parser().parse_args(["--model", MODEL, "--engine", "a.plan", "--tag", "a",
+                                             "--engine", str(tmp_path), "--tag", "b"])
+    with pytest.raises(UsageError, match="is a folder"):
+        mod.main(args)
+    assert ran == []
+
+
+def test_stage7_several_engines_any_error_of_one_leaves_the_others_and_lines_name_each_row(
+        tmp_path, monkeypatch, capsys):
+    """An engine whose run raises anything (OSError, TensorRT's RuntimeError) is named with
+    its reason; the engines after it still run; the last lines name each row's tag and, when
+    not ok, its status."""
+    from deploykit.errors import StageError
+    mod = load_stage("7_trt_eval")
+    monkeypatch.setenv("RESULTS", str(tmp_path / "r"))
+    monkeypatch.setenv("ARTIFACTS", str(tmp_path / "a"))
+    ran = []
+
+    def fake(name, argv):
+        tag = argv[argv.index("--tag") + 1]
+        ran.append(tag)
+        if tag == "b":
+            raise OSError("File name too long")
+        return {"tag": tag, "status": "failed" if tag == "c" else "ok", "backend": "TensorRT",
+                "precision": "INT8", "device": "cuda", "n_images": 8,
+                "accuracy": {"top1": 50.0, "top5": 75.0}, "latency": None, "parity": None}
+    monkeypatch.setattr(mod, "run_script", fake)
+    monkeypatch.setattr(mod, "summary_line", lambda rec: f"summary of {rec['tag']}")
+    args = mod.get_args_parser().parse_args(
+        ["--model", MODEL, "--engine", "a.plan", "--tag", "a", "--engine", "b.plan", "--tag", "b",
+         "--engine", "c.plan", "--tag", "c"])
+    with pytest.raises(StageError, match=r"1 of 3 engines failed.*\n  b: File name too long"):
+        mod.main(args)
+    assert ran == ["a", "b", "c"]
+    out = capsys.readouterr()
+    assert out.out.splitlines()[-2:] == ["a: summary of a", "c: FAILED: summary of c"]
+    assert "FAILED b (b.plan): OSError: File name too long" in out.err
