@@ -231,9 +231,9 @@ def main(args) -> dict | list | None:
             rows.append(run_script(STAGE, argv))
         except Exception as e:  # noqa: BLE001 - TensorRT, CUDA, the file system: the next
             # engine still runs; the stage fails at the end, naming this one
-            why = (str(e) or type(e).__name__).splitlines()[0]
-            print(f"{STAGE}: FAILED {tag} ({engine}): {type(e).__name__}: {e}", file=sys.stderr)
-            failed.append(f"{tag}: {why[:200]}")
+            what = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            print(f"{STAGE}: FAILED {tag} ({engine}): {what}", file=sys.stderr)
+            failed.append(f"{tag}: {(str(e) or type(e).__name__).splitlines()[0][:200]}")
     for rec in rows:  # the stage's last lines: one per row written (a skip said above)
         if rec["status"] == "skipped":  # lower case: run_all.sh shows each SKIPPED line once
             print(f"{rec['tag']}: skipped (why: above)")
@@ -241,8 +241,9 @@ def main(args) -> dict | list | None:
             print(f"{rec['tag']}: " + ("" if rec["status"] == "ok" else
                                        f"{rec['status'].upper()}: ") + summary_line(rec))
     if failed:
-        raise StageError(f"{len(failed)} of {len(engines)} engines failed; the other rows are "
-                         "written:\n" + "\n".join(f"  {f}" for f in failed))
+        raise StageError(f"{len(failed)} of {len(engines)} engines failed; "
+                         + ("the other rows are written" if rows else "no row was written")
+                         + ":\n" + "\n".join(f"  {f}" for f in failed))
     return rows
 
 

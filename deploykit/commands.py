@@ -46,11 +46,19 @@ def _model_of(argv: Sequence[str]) -> str | None:
     return os.environ.get("MODEL") or None
 
 
-def absolute_value(value: str, cwd: Path | str | None = None) -> str:
+#: Flags whose value is a name, never a path: a folder of that name where the command ran
+#: (``cd results; ... --model mobilenet_v3_small``) must not make it one (review of stop 47).
+NAME_FLAGS = ("--model", "--tag")
+
+
+def absolute_value(value: str, cwd: Path | str | None = None, option_value: bool = False
+                   ) -> str:
     """``value`` made absolute against ``cwd`` (default: the current folder) when it names a
     file or folder there, or looks like a file path (has a ``/`` or a known file suffix) whose
-    folder exists; any other value (a model name, a tag, a number) is returned unchanged."""
-    if not value or os.path.isabs(value) or value.startswith("-"):
+    folder exists; any other value (a model name, a tag, a number) is returned unchanged. A word
+    that starts with ``-`` is an option, unless ``option_value`` (the value of a
+    ``--flag=value`` word, e.g. ``--engine=-x.plan``)."""
+    if not value or os.path.isabs(value) or (value.startswith("-") and not option_value):
         return value
     base = Path(cwd) if cwd is not None else Path.cwd()
     p = base / value
@@ -65,14 +73,21 @@ def absolute_value(value: str, cwd: Path | str | None = None) -> str:
 
 def absolute_args(args: Sequence[str], cwd: Path | str | None = None) -> list[str]:
     """``args`` with every path value made absolute (:func:`absolute_value`), including the
-    value of a ``--flag=value`` word; flags themselves stay as given."""
-    out = []
+    value of a ``--flag=value`` word; flags themselves stay as given, and so do the values of
+    :data:`NAME_FLAGS`."""
+    out: list[str] = []
+    name_next = False
     for a in args:
-        if a.startswith("--") and "=" in a:
+        if name_next:
+            out.append(a)
+            name_next = False
+        elif a.startswith("--") and "=" in a:
             flag, val = a.split("=", 1)
-            out.append(f"{flag}={absolute_value(val, cwd)}")
+            out.append(a if flag in NAME_FLAGS
+                       else f"{flag}={absolute_value(val, cwd, option_value=True)}")
         else:
             out.append(absolute_value(a, cwd))
+            name_next = a in NAME_FLAGS
     return out
 
 

@@ -38,6 +38,20 @@ def test_only_path_values_are_made_absolute(tmp_path):
     assert absolute_args(["-o", "out/new.onnx"], tmp_path)[1] == str(tmp_path / "out/new.onnx")
 
 
+def test_names_stay_names_and_dash_values_after_equals_are_paths(tmp_path):
+    """A rerun recorded in a folder holding a folder named like the model (``cd results``) or
+    a tag with a file suffix kept them as names; ``--engine=-x.plan`` (stage 7's several
+    engines write a value starting with '-' so) became absolute (review of stop 47)."""
+    (tmp_path / "mobilenet_v3_small").mkdir()
+    (tmp_path / "-x.plan").write_bytes(b"")
+    got = absolute_args(["--model", "mobilenet_v3_small", "--tag", "r1.log",
+                         "--model=mobilenet_v3_small", "--tag=r1.log", "--engine=-x.plan",
+                         "-x.plan"], tmp_path)
+    assert got == ["--model", "mobilenet_v3_small", "--tag", "r1.log",
+                   "--model=mobilenet_v3_small", "--tag=r1.log",
+                   f"--engine={tmp_path / '-x.plan'}", "-x.plan"]
+
+
 def test_run_env_has_artifacts_results_and_no_pythonpath_for_a_named_model(tmp_path,
                                                                            monkeypatch):
     monkeypatch.setenv("RESULTS", str(tmp_path / "r"))

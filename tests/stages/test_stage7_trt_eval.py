@@ -205,3 +205,19 @@ def test_stage7_several_engines_any_error_of_one_leaves_the_others_and_lines_nam
     out = capsys.readouterr()
     assert out.out.splitlines()[-2:] == ["a: summary of a", "c: FAILED: summary of c"]
     assert "FAILED b (b.plan): OSError: File name too long" in out.err
+
+
+def test_stage7_several_engines_all_failing_says_no_row_was_written(tmp_path, monkeypatch):
+    from deploykit.errors import StageError
+    mod = load_stage("7_trt_eval")
+    monkeypatch.setenv("RESULTS", str(tmp_path / "r"))
+    monkeypatch.setenv("ARTIFACTS", str(tmp_path / "a"))
+
+    def fake(name, argv):
+        raise MemoryError
+    monkeypatch.setattr(mod, "run_script", fake)
+    args = mod.get_args_parser().parse_args(["--model", MODEL, "--engine", "a.plan", "--tag", "a",
+                                             "--engine", "b.plan", "--tag", "b"])
+    with pytest.raises(StageError, match="2 of 2 engines failed; no row was written:\n  a: "
+                                         "MemoryError\n  b: MemoryError"):
+        mod.main(args)
