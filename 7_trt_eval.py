@@ -214,13 +214,8 @@ def main(args) -> dict | list | None:
     if said:
         raise UsageError(f"{' and '.join(said)} apply to one engine: give one --engine with "
                          "them")
-    # what each engine's own command would refuse, refused before any engine runs
-    check_positive(args, "iters", "batch_size", "latency_batch", "limit")
-    check_positive(args, "warmup", allow_zero=("warmup",))
-    for engine, tag in zip(engines, tags):
-        check_row_tag(args.model, tag, stage=STAGE)
-        if Path(engine).is_dir():
-            raise UsageError(f"--engine {engine} is a folder: give the .plan file")
+    for engine, tag in zip(engines, tags):  # refused before any engine runs
+        _check_flags(args, engine, tag)
     parser = get_args_parser()
     rows, failed = [], []
     for engine, tag in zip(engines, tags):
@@ -231,9 +226,10 @@ def main(args) -> dict | list | None:
             rows.append(run_script(STAGE, argv))
         except Exception as e:  # noqa: BLE001 - TensorRT, CUDA, the file system: the next
             # engine still runs; the stage fails at the end, naming this one
-            what = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-            print(f"{STAGE}: FAILED {tag} ({engine}): {what}", file=sys.stderr)
-            failed.append(f"{tag}: {(str(e) or type(e).__name__).splitlines()[0][:200]}")
+            what = str(e) or type(e).__name__
+            print(f"{STAGE}: FAILED {tag} ({engine}): "
+                  + (f"{type(e).__name__}: {e}" if str(e) else what), file=sys.stderr)
+            failed.append(f"{tag}: {what.splitlines()[0][:200]}")
     for rec in rows:  # the stage's last lines: one per row written (a skip said above)
         if rec["status"] == "skipped":  # lower case: run_all.sh shows each SKIPPED line once
             print(f"{rec['tag']}: skipped (why: above)")
@@ -247,6 +243,20 @@ def main(args) -> dict | list | None:
     return rows
 
 
+def _check_flags(args, engine: Path, tag: str) -> None:
+    """What one engine's command refuses before it reads anything: the tag, the counts, an
+    engine path that is a folder.
+
+    Raises:
+        UsageError: naming the flag and the fix.
+    """
+    check_row_tag(args.model, tag, stage=STAGE)
+    check_positive(args, "iters", "batch_size", "latency_batch", "limit")
+    check_positive(args, "warmup", allow_zero=("warmup",))
+    if Path(engine).is_dir():
+        raise UsageError(f"--engine {engine} is a folder: give the .plan file")
+
+
 def _evaluate_one(args) -> dict:
     """Evaluate one engine (``args.engine``, ``args.tag``: one each) and write
     ``results/<model>/<tag>.json`` (skipped rows without TensorRT or CUDA).
@@ -255,17 +265,13 @@ def _evaluate_one(args) -> dict:
         UsageError: bad flags. StageError: missing inputs, a plan the runtime refuses.
     """
     started = time.time()
-    check_row_tag(args.model, args.tag, stage=STAGE)
+    _check_flags(args, args.engine, args.tag)
     check_writable(model_results(args.model))
-    check_positive(args, "iters", "batch_size", "latency_batch", "limit")
-    check_positive(args, "warmup", allow_zero=("warmup",))
     # one writer per folder, held until this process exits (a second writer is refused)
     lock_folders(model_artifacts(args.model), model_results(args.model))
     # The engine file is checked before TensorRT, so a wrong path is named on any machine and
     # writes no row; a variant that stage 6 did not build on purpose is reported as skipped.
     variant = variant_of_file(args.engine)
-    if Path(args.engine).is_dir():
-        raise UsageError(f"--engine {args.engine} is a folder: give the .plan file")
     if not Path(args.engine).exists():
         build_row = (model_results(args.model) / f"{variant.build_tag}.json"
                      if variant else None)
