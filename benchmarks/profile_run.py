@@ -6,8 +6,16 @@ ARTIFACTS/RESULTS, then prints the wall time of every stage, of every command ru
 one run), and for each results row its inference pass, latency loop and diagnostics
 (``timings_s`` of the row).
 
+A run's wall time moves with the host (a shared VM drifted by 15-45 % within an hour here,
+benchmarks/README.md), so ``--repeat N`` makes N runs back to back, each in its own scratch
+folder, and records every one with their median, minimum and maximum: the figure a speed claim
+should quote. Each profile records the commit it ran and whether the checkout had changes to
+tracked files (``source``). A temporary scratch folder is removed after its run (about 280 MB
+for a default run); a failed run's is kept and named.
+
 Usage (project root, after ``source env.sh``):
     python benchmarks/profile_run.py -- MODEL=efficientnet_lite0            # the default run
+    python benchmarks/profile_run.py --repeat 3 -- MODEL=efficientnet_lite0  # 3 runs, median
     python benchmarks/profile_run.py --limit-run -- MODEL=efficientnet_lite0  # + --limit 64
     python benchmarks/profile_run.py --limit-run 32 -- MODEL=mypkg.nets:build PYTHONPATH=$PWD
     # a run made elsewhere: its console output and its results folder
@@ -22,6 +30,8 @@ import json
 import os
 import re
 import resource
+import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,13 +45,28 @@ from deploykit.envinfo import device_info  # noqa: E402
 from deploykit.io import write_json  # noqa: E402
 
 
-def main() -> None:
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1 (got {text!r})") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1 (got {n})")
+    return n
+
+
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)
     p.add_argument("--limit-run", type=int, nargs="?", const=64, default=None, metavar="N",
                    help="profile the smoke run `run_all.sh --limit N` (N default 64)")
     p.add_argument("--keep", type=Path, default=None,
-                   help="scratch folder to use and keep (default: a temporary one)")
+                   help="scratch folder to use and keep (default: a temporary one, removed "
+                        "after a run that succeeds); with --repeat N, one folder run_I in it "
+                        "per run")
+    p.add_argument("--repeat", type=_positive, default=1, metavar="N",
+                   help="N runs back to back; the JSON holds each (runs) and the median, "
+                        "minimum and maximum of their totals and stages (summary)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/profile_run.json"),
                    help="JSON output")
     p.add_argument("--parse", type=Path, default=None, metavar="LOG",
@@ -56,8 +81,10 @@ def main() -> None:
                    help="with --parse: the command that made the run (recorded)")
     p.add_argument("env", nargs="*", type=env_assignment,
                    help="VAR=value settings for the run (after --)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.parse:
+        if args.repeat != 1:
+            p.error("--repeat is for runs this script starts, not with --parse")
         if args.results is None:
             p.error("--parse needs --results (the RESULTS folder of that run)")
         try:
@@ -67,12 +94,46 @@ def main() -> None:
         m = re.search(r"^run_all\.sh: finished \[elapsed=([\d.]+)s\]", log, re.M)
         stages = parse_stages(log)
         total = float(m.group(1)) if m else sum(stages.values())
-        report(args, [args.command], log, total, args.results, load=None, times_root=args.logs)
+        write_json(args.out, report(args, [args.command], log, total, args.results, load=None,
+                                    times_root=args.logs, source=None))
+        print(f"-> {args.out}")
         return
-    scratch = args.keep or Path(tempfile.mkdtemp(prefix="profile-"))
+    cmd = ["bash", "run_all.sh"] + (["--limit", str(args.limit_run)] if args.limit_run else [])
+    runs = []
+    for i in range(1, args.repeat + 1):
+        if args.repeat > 1:
+            print(f"run {i} of {args.repeat}", flush=True)
+        keep = args.keep / f"run_{i}" if args.keep and args.repeat > 1 else args.keep
+        try:
+            runs.append(profile_once(args, cmd, keep, print_it=args.repeat == 1))
+        except RunFailed as e:
+            before = ", ".join(f"{r['total_s']:.0f}" for r in runs)
+            done = (f" (runs before it: {before} s; nothing written to {args.out})"
+                    if runs else "")
+            sys.exit(f"{e}{done}")
+        if args.repeat > 1:
+            print(f"run {i}: {runs[-1]['total_s']:.0f} s", flush=True)
+    out = runs[0] if args.repeat == 1 else {**summarize(runs), "runs": runs}
+    write_json(args.out, out)
+    if args.repeat > 1:
+        print_summary(out)
+    print(f"-> {args.out}")
+
+
+class RunFailed(Exception):
+    """run_all.sh exited non-zero (the message says where its scratch folder is kept)."""
+
+
+def profile_once(args, cmd: list[str], keep: Path | None, print_it: bool = True) -> dict:
+    """One ``run_all.sh`` run (``cmd``) in the scratch folder ``keep`` (None: a temporary one,
+    removed when the run succeeds) and its profile (:func:`report`).
+
+    Raises:
+        RunFailed: the run failed (its scratch folder kept and named, its last output shown).
+    """
+    scratch = keep or Path(tempfile.mkdtemp(prefix="profile-"))
     env = dict(os.environ, ARTIFACTS=str(scratch / "artifacts"), RESULTS=str(scratch / "results"))
     env.update(kv.split("=", 1) for kv in args.env)
-    cmd = ["bash", "run_all.sh"] + (["--limit", str(args.limit_run)] if args.limit_run else [])
     host = {"before": host_probe()}
     ticks0, cpu0 = proc_stat_ticks(), resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
@@ -87,10 +148,62 @@ def main() -> None:
                      "system": round(cpu1.ru_stime - cpu0.ru_stime, 1)}
     log = proc.stdout + proc.stderr
     if proc.returncode:
-        sys.exit(f"run_all.sh failed (rc={proc.returncode}):\n{log[-3000:]}")
+        raise RunFailed(f"run_all.sh failed (rc={proc.returncode}); its artifacts and results are "
+                 f"kept in {scratch}; its last output:\n{log[-3000:]}")
     art = Path(env["ARTIFACTS"]) / ("smoke" if args.limit_run else "")
-    report(args, args.env + cmd, log, total, Path(env["RESULTS"]), times_root=art / "logs",
-           host=host)
+    out = report(args, args.env + cmd, log, total, Path(env["RESULTS"]),
+                 times_root=art / "logs", host=host, print_it=print_it)
+    if keep is None:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return out
+
+
+def summarize(runs: list[dict]) -> dict:
+    """What several profiles of the same command have in common and their spread: the first
+    run's ``machine``/``date_utc``/``command``/``source``, ``total_s`` the median of the runs'
+    totals, ``totals_s`` each, and ``summary``: ``{"total_s" | "stage N" | "command NAME":
+    {"median", "min", "max"}}`` in seconds, over the runs that have that stage or command."""
+    keys = ("machine", "date_utc", "command", "source")
+    series: dict[str, list[float]] = {"total_s": [r["total_s"] for r in runs]}
+    for r in runs:
+        for k, v in r.get("stages_s", {}).items():
+            series.setdefault(f"stage {k}", []).append(v)
+        for k, v in r.get("commands_s", {}).items():
+            series.setdefault(f"command {k}", []).append(v)
+    return {**{k: runs[0].get(k) for k in keys},
+            "total_s": round(statistics.median(series["total_s"]), 1),
+            "totals_s": series["total_s"],
+            "summary": {k: {"median": round(statistics.median(v), 1), "min": min(v),
+                            "max": max(v)} for k, v in series.items()}}
+
+
+def print_summary(out: dict) -> None:
+    """Print :func:`summarize`'s figures, one line each: median (min-max)."""
+    runs = out["runs"]
+    print(f"{out['command']}: {len(runs)} runs, median {out['total_s']:.0f} s "
+          f"(each: {', '.join(f'{t:.0f}' for t in out['totals_s'])} s)")
+    for r in runs:
+        h = r.get("host") or {}
+        if h:
+            print(f"  {r['total_s']:.0f} s: host {h['before']['matmul_per_s']:.0f} -> "
+                  f"{h['after']['matmul_per_s']:.0f} matmuls/s, CPU {h['cpu_s']['user']:.0f} s "
+                  f"user + {h['cpu_s']['system']:.0f} s system")
+    for k, v in out["summary"].items():
+        if k != "total_s":
+            print(f"  {k}: median {v['median']:.1f} s ({v['min']:.1f}-{v['max']:.1f})")
+
+
+def source_info() -> dict | None:
+    """The checkout that ran: ``{"commit", "dirty"}`` (``dirty``: tracked files differ from
+    the commit; ``git status --porcelain --untracked-files=no``), or None without git."""
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True,
+                              check=True, timeout=30).stdout.strip()
+    try:
+        return {"commit": git("rev-parse", "HEAD"),
+                "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def host_probe(seconds: float = 0.5) -> dict:
@@ -153,13 +266,20 @@ def command_times(root: Path | None) -> dict[str, float]:
 
 def report(args, cmd: list[str], log: str, total: float, res_root: Path,
            load: tuple | None | str = "now", times_root: Path | None = None,
-           host: dict | None = None) -> None:
+           host: dict | None = None, print_it: bool = True,
+           source: dict | None | str = "here") -> dict:
     """Write and print the profile: stage times, command times (``times_root``'s
     ``times.tsv``), ModelOpt times (the quant records'; the console's ``finished`` lines when
     there are none), each row's ``timings_s``; ``load``: the load average to record ("now":
     this machine's, None: unknown, e.g. a run profiled afterwards with --parse); ``host``:
     :func:`host_probe` before and after the run, the run's ``steal_s`` and ``cpu_s`` (user and
-    system seconds of the processes it waited for), None with --parse."""
+    system seconds of the processes it waited for), None with --parse; ``source``: the
+    checkout that ran ("here": this one's, :func:`source_info`; None: unknown, --parse).
+
+    Returns:
+        the profile (``--parse``: also written to ``args.out``; a started run's caller
+        writes it); printed unless ``print_it`` is False.
+    """
     load = os.getloadavg() if load == "now" else load
     stages = parse_stages(log)
     quant = {m.group(1): float(m.group(2))
@@ -183,8 +303,10 @@ def report(args, cmd: list[str], log: str, total: float, res_root: Path,
     out = {"machine": device_info(), "date_utc": time.strftime("%Y-%m-%d"),
            "command": " ".join(cmd), "total_s": round(total, 1), "stages_s": stages,
            "commands_s": commands, "modelopt_s": quant, "rows_s": rows, "load_average": load,
-           "host": host}
-    write_json(args.out, out)
+           "host": host,
+           "source": source_info() if source == "here" else source}
+    if not print_it:
+        return out
     print(f"{' '.join(cmd)}: {total:.0f} s in all"
           + (f" (load average {load[0]:.1f} at the end)" if load else ""))
     if host:
@@ -201,7 +323,7 @@ def report(args, cmd: list[str], log: str, total: float, res_root: Path,
         print(f"    ModelOpt {k}: {v:.1f} s")
     for tag, t in rows.items():
         print(f"    {tag}: " + ", ".join(f"{k} {v:.1f} s" for k, v in t.items()))
-    print(f"-> {args.out}")
+    return out
 
 
 if __name__ == "__main__":

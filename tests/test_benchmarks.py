@@ -68,3 +68,89 @@ def test_profile_runs_record_how_fast_the_host_was(monkeypatch):
     b = profile_run.proc_stat_ticks()
     assert {"user", "system", "idle", "steal"} <= set(a)
     assert all(b[k] >= a[k] for k in a) and sum(b.values()) >= sum(a.values())
+
+
+# ----------------------------------------------------------------- profile_run.py --repeat
+def _fake_run_all(monkeypatch, fail_on: int | None = None):
+    """profile_run.py with run_all.sh replaced by a fake that writes one row and prints two
+    stage lines (the Nth call fails with ``fail_on``), and an instant host probe. Returns the
+    list of (ARTIFACTS, RESULTS) folders the runs were given."""
+    import json
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import profile_run
+
+    real = profile_run.subprocess.run
+    seen: list[tuple[Path, Path]] = []
+
+    def run(cmd, *a, **kw):
+        if cmd[:2] != ["bash", "run_all.sh"]:
+            return real(cmd, *a, **kw)  # git, for the source record
+        art, res = Path(kw["env"]["ARTIFACTS"]), Path(kw["env"]["RESULTS"])
+        seen.append((art, res))
+        (res / "m").mkdir(parents=True)
+        (art / "logs" / "m").mkdir(parents=True)
+        (art / "logs" / "m" / "times.tsv").write_text(f"1_pytorch_baseline\t{len(seen)}.5\n")
+        (res / "m" / "ort_fp32.json").write_text(json.dumps(
+            {"tag": "ort_fp32", "timings_s": {"inference": 1.0 * len(seen)}}))
+        rc = 1 if len(seen) == fail_on else 0
+        out = f"Stage 0: finished [elapsed={len(seen)}s]\nStage 1: finished [elapsed=2s]\n"
+        return subprocess.CompletedProcess(cmd, rc, out, "boom\n" if rc else "")
+
+    monkeypatch.setattr(profile_run.subprocess, "run", run)
+    monkeypatch.setattr(profile_run, "host_probe",
+                        lambda seconds=0.5: {"matmul_per_s": 1.0, "copy_gb_s": 1.0})
+    return profile_run, seen
+
+
+def test_profile_run_repeat_records_every_run_and_their_median(monkeypatch, tmp_path, capsys):
+    """--repeat 3: three runs, each in its own temporary scratch folder, removed afterwards;
+    the JSON holds every run, the median and spread of the totals and of each stage and
+    command, and the commit that ran."""
+    import json
+
+    profile_run, seen = _fake_run_all(monkeypatch)
+    out = tmp_path / "p.json"
+    profile_run.main(["--repeat", "3", "--out", str(out), "--", "MODEL=m"])
+    d = json.loads(out.read_text())
+    assert len(d["runs"]) == 3 and len(d["totals_s"]) == 3
+    assert d["total_s"] == sorted(d["totals_s"])[1]
+    assert d["summary"]["stage 0"] == {"median": 2.0, "min": 1.0, "max": 3.0}
+    assert d["summary"]["command 1_pytorch_baseline"]["max"] == 3.5
+    assert [r["rows_s"]["ort_fp32"]["inference"] for r in d["runs"]] == [1.0, 2.0, 3.0]
+    assert len({a for a, _ in seen}) == 3
+    assert not any(a.parent.exists() for a, _ in seen), "temporary scratch folders left"
+    src = d["source"]
+    if src is not None:  # a git checkout
+        assert len(src["commit"]) == 40 and isinstance(src["dirty"], bool)
+    text = capsys.readouterr().out
+    assert "3 runs, median" in text and "stage 0: median 2.0 s (1.0-3.0)" in text
+
+
+def test_profile_run_keeps_a_failed_runs_folder_and_writes_nothing(monkeypatch, tmp_path):
+    """The second of three runs fails: the command exits naming its kept scratch folder and
+    the first run's total; no JSON is written under --out; the first run's folder is gone."""
+    profile_run, seen = _fake_run_all(monkeypatch, fail_on=2)
+    out = tmp_path / "p.json"
+    with pytest.raises(SystemExit) as e:
+        profile_run.main(["--repeat", "3", "--out", str(out), "--", "MODEL=m"])
+    msg = str(e.value.code)
+    kept = seen[1][0].parent
+    assert "rc=1" in msg and str(kept) in msg and "boom" in msg
+    assert f"runs before it: 0 s; nothing written to {out}" in msg
+    assert kept.is_dir() and not seen[0][0].parent.exists()
+    assert len(seen) == 2 and not out.exists()
+
+
+def test_profile_run_keep_with_repeat_gives_each_run_a_folder(monkeypatch, tmp_path):
+    """--keep DIR --repeat 2: DIR/run_1 and DIR/run_2, both kept; a single run uses DIR."""
+    profile_run, seen = _fake_run_all(monkeypatch)
+    keep = tmp_path / "k"
+    profile_run.main(["--repeat", "2", "--keep", str(keep), "--out", str(tmp_path / "a.json"),
+                      "--", "MODEL=m"])
+    assert [a.parent for a, _ in seen] == [keep / "run_1", keep / "run_2"]
+    assert all((a.parent / "results" / "m" / "ort_fp32.json").is_file() for a, _ in seen)
+    profile_run.main(["--keep", str(tmp_path / "one"), "--out", str(tmp_path / "b.json"),
+                      "--", "MODEL=m"])
+    assert seen[-1][0] == tmp_path / "one" / "artifacts" and seen[-1][0].is_dir()
