@@ -9,8 +9,8 @@ one run), and for each results row its inference pass, latency loop and diagnost
 A run's wall time moves with the host (a shared VM drifted by 15-45 % within an hour here,
 benchmarks/README.md), so ``--repeat N`` makes N runs back to back, each in its own scratch
 folder, and records every one with their median, minimum and maximum: the figure a speed claim
-should quote. Each profile records the commit it ran and whether the checkout had changes to
-tracked files (``source``). A temporary scratch folder is removed after its run (about 280 MB
+should quote. Each profile records the commit it ran and the tracked files outside ``results/``
+that differed from it (``source``). A temporary scratch folder is removed after its run (about 280 MB
 for a default run); a failed run's is kept and named.
 
 Usage (project root, after ``source env.sh``):
@@ -126,7 +126,8 @@ class RunFailed(Exception):
 
 def profile_once(args, cmd: list[str], keep: Path | None, print_it: bool = True) -> dict:
     """One ``run_all.sh`` run (``cmd``) in the scratch folder ``keep`` (None: a temporary one,
-    removed when the run succeeds) and its profile (:func:`report`).
+    removed when the run succeeds or is interrupted, kept when it fails) and its profile
+    (:func:`report`).
 
     Raises:
         RunFailed: the run failed (its scratch folder kept and named, its last output shown).
@@ -137,7 +138,12 @@ def profile_once(args, cmd: list[str], keep: Path | None, print_it: bool = True)
     host = {"before": host_probe()}
     ticks0, cpu0 = proc_stat_ticks(), resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    except BaseException:  # Ctrl-C: an unfinished run's temporary folder is of no use
+        if keep is None:
+            shutil.rmtree(scratch, ignore_errors=True)
+        raise
     total = time.perf_counter() - t0
     ticks1, cpu1 = proc_stat_ticks(), resource.getrusage(resource.RUSAGE_CHILDREN)
     host["after"] = host_probe()
@@ -194,16 +200,20 @@ def print_summary(out: dict) -> None:
 
 
 def source_info() -> dict | None:
-    """The checkout that ran: ``{"commit", "dirty"}`` (``dirty``: tracked files differ from
-    the commit; ``git status --porcelain --untracked-files=no``), or None without git."""
+    """The checkout that ran: ``{"commit", "dirty", "changed"}``: ``changed`` the tracked files
+    that differ from the commit (``git status --porcelain --untracked-files=no``) outside
+    ``results/``, which every default run rewrites (first 20), ``dirty`` whether there are
+    any; None without git."""
     def git(*a: str) -> str:
         return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True,
-                              check=True, timeout=30).stdout.strip()
+                              check=True, timeout=30).stdout
     try:
-        return {"commit": git("rev-parse", "HEAD"),
-                "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+        commit = git("rev-parse", "HEAD").strip()
+        lines = git("status", "--porcelain", "--untracked-files=no").splitlines()
     except (OSError, subprocess.SubprocessError):
         return None
+    changed = [ln[3:] for ln in lines if len(ln) > 3 and not ln[3:].startswith("results/")]
+    return {"commit": commit, "dirty": bool(changed), "changed": changed[:20]}
 
 
 def host_probe(seconds: float = 0.5) -> dict:

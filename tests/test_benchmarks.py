@@ -123,7 +123,8 @@ def test_profile_run_repeat_records_every_run_and_their_median(monkeypatch, tmp_
     assert not any(a.parent.exists() for a, _ in seen), "temporary scratch folders left"
     src = d["source"]
     if src is not None:  # a git checkout
-        assert len(src["commit"]) == 40 and isinstance(src["dirty"], bool)
+        assert len(src["commit"]) == 40 and src["dirty"] == bool(src["changed"])
+        assert not any(c.startswith("results/") for c in src["changed"])
     text = capsys.readouterr().out
     assert "3 runs, median" in text and "stage 0: median 2.0 s (1.0-3.0)" in text
 
@@ -154,3 +155,20 @@ def test_profile_run_keep_with_repeat_gives_each_run_a_folder(monkeypatch, tmp_p
     profile_run.main(["--keep", str(tmp_path / "one"), "--out", str(tmp_path / "b.json"),
                       "--", "MODEL=m"])
     assert seen[-1][0] == tmp_path / "one" / "artifacts" and seen[-1][0].is_dir()
+
+
+def test_profile_run_interrupted_removes_its_temporary_folder(monkeypatch, tmp_path):
+    """Ctrl-C during a run: KeyboardInterrupt goes on, the temporary scratch folder goes."""
+    profile_run, seen = _fake_run_all(monkeypatch)
+    real = profile_run.subprocess.run
+
+    def interrupted(cmd, *a, **kw):
+        if cmd[:2] == ["bash", "run_all.sh"]:
+            real(cmd, *a, **kw)  # the fake writes its folders first
+            raise KeyboardInterrupt
+        return real(cmd, *a, **kw)
+
+    monkeypatch.setattr(profile_run.subprocess, "run", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        profile_run.main(["--out", str(tmp_path / "p.json"), "--", "MODEL=m"])
+    assert seen and not seen[0][0].parent.exists() and not (tmp_path / "p.json").exists()
