@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Where a pipeline run spends its time: runs ``run_all.sh`` (any arguments) in a scratch
-ARTIFACTS/RESULTS, then prints the wall time of every stage, of every command run_all.sh ran
-(its ``logs/<model>/times.tsv``) and, inside them, of every step: each ModelOpt run (the
+"""Where a pipeline run spends its time: runs ``run_all.sh`` (the default run, or the smoke run
+``--limit N``; the environment settings given after ``--``) in a scratch ARTIFACTS/RESULTS,
+then prints the wall time of every stage, of every command run_all.sh ran (its
+``logs/<model>/times.tsv``) and, inside them, of every step: each ModelOpt run (the
 ``wall_time_s`` of each ``quant_<variant>.json``; variants that share one calibration share
 one run), and for each results row its inference pass, latency loop and diagnostics
 (``timings_s`` of the row).
@@ -9,9 +10,11 @@ one run), and for each results row its inference pass, latency loop and diagnost
 A run's wall time moves with the host (a shared VM drifted by 15-45 % within an hour here,
 benchmarks/README.md), so ``--repeat N`` makes N runs back to back, each in its own scratch
 folder, and records every one with their median, minimum and maximum: the figure a speed claim
-should quote. Each profile records the commit it ran and the tracked files outside ``results/``
-that differed from it (``source``). A temporary scratch folder is removed after its run (about 280 MB
-for a default run); a failed run's is kept and named.
+should quote. Each run records the commit it ran and the files that differed from it, taken
+before it starts (``source``; the pipeline's and the benchmarks' own outputs, ``results/`` and
+``benchmarks/results/``, are not counted). A temporary scratch folder is removed after a run
+that succeeds or is interrupted (about 280 MB for a default run); a failed run's is kept and
+named when the run wrote anything there.
 
 Usage (project root, after ``source env.sh``):
     python benchmarks/profile_run.py -- MODEL=efficientnet_lite0            # the default run
@@ -21,7 +24,8 @@ Usage (project root, after ``source env.sh``):
     # a run made elsewhere: its console output and its results folder
     MODEL=efficientnet_lite0 bash run_all.sh 2>&1 | tee run.log
     python benchmarks/profile_run.py --parse run.log --results results --command "..."
-Arguments after ``--`` are VAR=value environment settings for the run.
+Arguments after ``--`` are VAR=value environment settings for the run (not ARTIFACTS or
+RESULTS: the scratch folder sets them; ``--keep`` names it).
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ import os
 import re
 import resource
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -44,6 +49,10 @@ from deploykit.cli import HelpFormatter, env_assignment  # noqa: E402
 from deploykit.envinfo import device_info  # noqa: E402
 from deploykit.io import write_json  # noqa: E402
 
+#: Folders of the checkout that runs write (the pipeline's results, the benchmarks' JSONs):
+#: changes there do not make a checkout's ``source`` dirty.
+OUTPUT_DIRS = ("results/", "benchmarks/results/")
+
 
 def _positive(text: str) -> int:
     try:
@@ -55,20 +64,20 @@ def _positive(text: str) -> int:
     return n
 
 
-def main(argv: list[str] | None = None) -> None:
+def get_args_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)
-    p.add_argument("--limit-run", type=int, nargs="?", const=64, default=None, metavar="N",
-                   help="profile the smoke run `run_all.sh --limit N` (N default 64)")
+    p.add_argument("--limit-run", type=_positive, nargs="?", const=64, default=None,
+                   metavar="N", help="profile the smoke run `run_all.sh --limit N` (N default 64)")
     p.add_argument("--keep", type=Path, default=None,
-                   help="scratch folder to use and keep (default: a temporary one, removed "
-                        "after a run that succeeds); with --repeat N, one folder run_I in it "
-                        "per run")
+                   help="scratch folder to use and keep, new or empty (default: a temporary "
+                        "one, removed after a run that succeeds or is interrupted); with "
+                        "--repeat N, one folder run_I in it per run")
     p.add_argument("--repeat", type=_positive, default=1, metavar="N",
                    help="N runs back to back; the JSON holds each (runs) and the median, "
-                        "minimum and maximum of their totals and stages (summary)")
+                        "minimum and maximum of their totals, stages and commands (summary)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/profile_run.json"),
-                   help="JSON output")
+                   help="JSON output (checked before any run starts)")
     p.add_argument("--parse", type=Path, default=None, metavar="LOG",
                    help="profile a finished run from its console output (run_all.sh's stdout "
                         "and stderr) instead of starting one; needs --results")
@@ -77,16 +86,56 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--logs", type=Path, default=None,
                    help="with --parse: that run's logs folder (ARTIFACTS/logs, "
                         "ARTIFACTS/smoke/logs): the per-command times.tsv")
-    p.add_argument("--command", default="run_all.sh",
-                   help="with --parse: the command that made the run (recorded)")
+    p.add_argument("--command", default=None,
+                   help="with --parse: the command that made the run (recorded; default "
+                        "run_all.sh)")
     p.add_argument("env", nargs="*", type=env_assignment,
                    help="VAR=value settings for the run (after --)")
+    return p
+
+
+def _check_out(p: argparse.ArgumentParser, out: Path) -> None:
+    """--out must be a file that can be written: checked before minutes of runs (exit 2)."""
+    if out.is_dir():
+        p.error(f"--out {out} is a folder: give a file name, e.g. {out / 'profile.json'}")
+    parent = out.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent  # write_json creates the missing folders below this one
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        p.error(f"--out {out}: {parent} is not a folder this user can write; give another path")
+
+
+def _check_keep(p: argparse.ArgumentParser, keep: Path) -> Path:
+    """--keep: a new or empty folder that can be made and written (exit 2 otherwise); returns
+    its absolute path (run_all.sh runs in the project root)."""
+    keep = keep.resolve()
+    if keep.exists() and not keep.is_dir():
+        p.error(f"--keep {keep} is a file: give a new or empty folder")
+    if keep.is_dir() and any(keep.iterdir()):
+        p.error(f"--keep {keep} is not empty (an earlier run's rows would be read as this "
+                "one's): give a new or empty folder")
+    try:
+        keep.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        p.error(f"--keep {keep}: cannot make it ({e.strerror}); give another folder")
+    if not os.access(keep, os.W_OK | os.X_OK):
+        p.error(f"--keep {keep}: this user cannot write there; give another folder")
+    return keep
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = get_args_parser()
     args = p.parse_args(argv)
+    _check_out(p, args.out)
     if args.parse:
-        if args.repeat != 1:
-            p.error("--repeat is for runs this script starts, not with --parse")
+        ignored = [f for f, v in (("--repeat", args.repeat != 1), ("--keep", args.keep),
+                                  ("--limit-run", args.limit_run), ("VAR=value", args.env)) if v]
+        if ignored:
+            p.error(f"{', '.join(ignored)}: for runs this script starts, not with --parse")
         if args.results is None:
             p.error("--parse needs --results (the RESULTS folder of that run)")
+        if not args.results.is_dir():
+            p.error(f"--results {args.results}: no such folder (the RESULTS folder of the run)")
         try:
             log = args.parse.read_text(errors="replace")
         except OSError as e:
@@ -94,25 +143,45 @@ def main(argv: list[str] | None = None) -> None:
         m = re.search(r"^run_all\.sh: finished \[elapsed=([\d.]+)s\]", log, re.M)
         stages = parse_stages(log)
         total = float(m.group(1)) if m else sum(stages.values())
-        write_json(args.out, report(args, [args.command], log, total, args.results, load=None,
-                                    times_root=args.logs, source=None))
+        write_json(args.out, report(args, [args.command or "run_all.sh"], log, total,
+                                    args.results, load=None, times_root=args.logs, source=None))
         print(f"-> {args.out}")
         return
+    given = [f for f, v in (("--results", args.results), ("--logs", args.logs),
+                            ("--command", args.command)) if v is not None]
+    if given:
+        p.error(f"{', '.join(given)}: only with --parse (a run made elsewhere)")
+    fixed = sorted({kv.split("=", 1)[0] for kv in args.env} & {"ARTIFACTS", "RESULTS"})
+    if fixed:
+        p.error(f"{' and '.join(fixed)} after --: each run gets its own scratch folder; "
+                "--keep DIR names it")
+    keep = _check_keep(p, args.keep) if args.keep else None
     cmd = ["bash", "run_all.sh"] + (["--limit", str(args.limit_run)] if args.limit_run else [])
-    runs = []
-    for i in range(1, args.repeat + 1):
-        if args.repeat > 1:
-            print(f"run {i} of {args.repeat}", flush=True)
-        keep = args.keep / f"run_{i}" if args.keep and args.repeat > 1 else args.keep
-        try:
-            runs.append(profile_once(args, cmd, keep, print_it=args.repeat == 1))
-        except RunFailed as e:
-            before = ", ".join(f"{r['total_s']:.0f}" for r in runs)
-            done = (f" (runs before it: {before} s; nothing written to {args.out})"
-                    if runs else "")
-            sys.exit(f"{e}{done}")
-        if args.repeat > 1:
-            print(f"run {i}: {runs[-1]['total_s']:.0f} s", flush=True)
+    runs: list[dict] = []
+    old = signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM ends runs as Ctrl-C does
+
+    def so_far() -> str:
+        return (f"; runs before it: {', '.join(format(r['total_s'], '.0f') for r in runs)} s"
+                if runs else "")
+
+    try:
+        for i in range(1, args.repeat + 1):
+            if args.repeat > 1:
+                print(f"run {i} of {args.repeat}", flush=True)
+            k = keep / f"run_{i}" if keep and args.repeat > 1 else keep
+            try:
+                runs.append(profile_once(args, cmd, k, print_it=args.repeat == 1))
+            except RunFailed as e:
+                sys.exit(f"{e}\n(run {i} of {args.repeat}{so_far()}; nothing written to "
+                         f"{args.out})")
+            except KeyboardInterrupt:
+                print(f"profile_run.py: interrupted in run {i} of {args.repeat}{so_far()}; "
+                      f"nothing written to {args.out}", file=sys.stderr, flush=True)
+                sys.exit(130)
+            if args.repeat > 1:
+                print(f"run {i}: {runs[-1]['total_s']:.0f} s", flush=True)
+    finally:
+        signal.signal(signal.SIGTERM, old)
     out = runs[0] if args.repeat == 1 else {**summarize(runs), "runs": runs}
     write_json(args.out, out)
     if args.repeat > 1:
@@ -120,45 +189,100 @@ def main(argv: list[str] | None = None) -> None:
     print(f"-> {args.out}")
 
 
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 class RunFailed(Exception):
-    """run_all.sh exited non-zero (the message says where its scratch folder is kept)."""
+    """run_all.sh exited non-zero (the message says whether its scratch folder is kept)."""
+
+
+def _run_group(cmd: list[str], env: dict) -> tuple[int, str]:
+    """``cmd`` in the project root in a process group of its own; ``(exit status, stdout +
+    stderr)``. On KeyboardInterrupt (Ctrl-C, or SIGTERM through main) the group gets SIGINT, as
+    a terminal's Ctrl-C would give it (run_all.sh's trap then stops its stage and its preload
+    server); once ``cmd`` has ended, or after 30 s, what is left of the group (a background
+    child, which ignores SIGINT) gets SIGTERM, and SIGKILL 5 s later; the interrupt goes on."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate()
+    except KeyboardInterrupt:
+        _stop_group(proc)
+        raise
+    return proc.returncode, out + err
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """SIGINT to ``proc``'s process group, then SIGTERM and SIGKILL to what is left of it (see
+    :func:`_run_group`); its pipes read to the end."""
+    def signal_group(sig: int) -> bool:
+        try:
+            os.killpg(proc.pid, sig)
+            return True
+        except ProcessLookupError:
+            return False  # nothing left of the group
+        except PermissionError:
+            return True
+
+    if signal_group(signal.SIGINT):
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+        for sig, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+            if not signal_group(sig):
+                break
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline and (proc.poll() is None or signal_group(0)):
+                time.sleep(0.05)
+    try:
+        proc.communicate(timeout=5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 def profile_once(args, cmd: list[str], keep: Path | None, print_it: bool = True) -> dict:
     """One ``run_all.sh`` run (``cmd``) in the scratch folder ``keep`` (None: a temporary one,
-    removed when the run succeeds or is interrupted, kept when it fails) and its profile
-    (:func:`report`).
+    removed when the run succeeds or is interrupted, kept when it fails and wrote something)
+    and its profile (:func:`report`), with the checkout's ``source`` taken before it starts.
 
     Raises:
-        RunFailed: the run failed (its scratch folder kept and named, its last output shown).
+        RunFailed: the run failed (its last output shown, its scratch folder named if kept).
+        KeyboardInterrupt: Ctrl-C or SIGTERM (the run's process group stopped).
     """
     scratch = keep or Path(tempfile.mkdtemp(prefix="profile-"))
     env = dict(os.environ, ARTIFACTS=str(scratch / "artifacts"), RESULTS=str(scratch / "results"))
     env.update(kv.split("=", 1) for kv in args.env)
-    host = {"before": host_probe()}
-    ticks0, cpu0 = proc_stat_ticks(), resource.getrusage(resource.RUSAGE_CHILDREN)
-    t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    except BaseException:  # Ctrl-C: an unfinished run's temporary folder is of no use
+        source = source_info()
+        host = {"before": host_probe()}
+        ticks0, cpu0 = proc_stat_ticks(), resource.getrusage(resource.RUSAGE_CHILDREN)
+        t0 = time.perf_counter()
+        rc, log = _run_group(cmd, env)
+        total = time.perf_counter() - t0
+        ticks1, cpu1 = proc_stat_ticks(), resource.getrusage(resource.RUSAGE_CHILDREN)
+        host["after"] = host_probe()
+    except BaseException:  # interrupted: an unfinished run's temporary folder is of no use
         if keep is None:
             shutil.rmtree(scratch, ignore_errors=True)
         raise
-    total = time.perf_counter() - t0
-    ticks1, cpu1 = proc_stat_ticks(), resource.getrusage(resource.RUSAGE_CHILDREN)
-    host["after"] = host_probe()
     hz = os.sysconf("SC_CLK_TCK")
     host["steal_s"] = (round((ticks1["steal"] - ticks0["steal"]) / hz, 1)
                        if ticks0 and ticks1 else None)
     host["cpu_s"] = {"user": round(cpu1.ru_utime - cpu0.ru_utime, 1),
                      "system": round(cpu1.ru_stime - cpu0.ru_stime, 1)}
-    log = proc.stdout + proc.stderr
-    if proc.returncode:
-        raise RunFailed(f"run_all.sh failed (rc={proc.returncode}); its artifacts and results are "
-                 f"kept in {scratch}; its last output:\n{log[-3000:]}")
+    if rc:
+        wrote = scratch.is_dir() and any(scratch.iterdir())
+        if keep is None and not wrote:
+            shutil.rmtree(scratch, ignore_errors=True)
+        where = (f"its artifacts and results are kept in {scratch}" if wrote else
+                 "it wrote nothing" + (f" in {scratch}" if keep else ""))
+        raise RunFailed(f"run_all.sh failed (rc={rc}); {where}; its last output:\n"
+                        f"{log[-3000:]}")
     art = Path(env["ARTIFACTS"]) / ("smoke" if args.limit_run else "")
     out = report(args, args.env + cmd, log, total, Path(env["RESULTS"]),
-                 times_root=art / "logs", host=host, print_it=print_it)
+                 times_root=art / "logs", host=host, print_it=print_it, source=source)
     if keep is None:
         shutil.rmtree(scratch, ignore_errors=True)
     return out
@@ -166,9 +290,10 @@ def profile_once(args, cmd: list[str], keep: Path | None, print_it: bool = True)
 
 def summarize(runs: list[dict]) -> dict:
     """What several profiles of the same command have in common and their spread: the first
-    run's ``machine``/``date_utc``/``command``/``source``, ``total_s`` the median of the runs'
-    totals, ``totals_s`` each, and ``summary``: ``{"total_s" | "stage N" | "command NAME":
-    {"median", "min", "max"}}`` in seconds, over the runs that have that stage or command."""
+    run's ``machine``/``date_utc``/``command``, ``source`` (the first run's; ``sources_differ``
+    says whether another run's differs), ``total_s`` the median of the runs' totals,
+    ``totals_s`` each, and ``summary``: ``{"total_s" | "stage N" | "command NAME": {"median",
+    "min", "max", "n"}}`` in seconds, over the ``n`` runs that have that stage or command."""
     keys = ("machine", "date_utc", "command", "source")
     series: dict[str, list[float]] = {"total_s": [r["total_s"] for r in runs]}
     for r in runs:
@@ -177,17 +302,29 @@ def summarize(runs: list[dict]) -> dict:
         for k, v in r.get("commands_s", {}).items():
             series.setdefault(f"command {k}", []).append(v)
     return {**{k: runs[0].get(k) for k in keys},
+            "sources_differ": any(r.get("source") != runs[0].get("source") for r in runs),
             "total_s": round(statistics.median(series["total_s"]), 1),
             "totals_s": series["total_s"],
             "summary": {k: {"median": round(statistics.median(v), 1), "min": min(v),
-                            "max": max(v)} for k, v in series.items()}}
+                            "max": max(v), "n": len(v)} for k, v in series.items()}}
+
+
+def _source_line(src: dict | None) -> str:
+    if src is None:
+        return "source: unknown (not a git checkout)"
+    return (f"source: {src['commit'][:12]}" + (f", changed: {' '.join(src['changed'])}"
+                                              if src["dirty"] else ", no changes"))
 
 
 def print_summary(out: dict) -> None:
-    """Print :func:`summarize`'s figures, one line each: median (min-max)."""
+    """Print :func:`summarize`'s figures, one line each: median (min-max), and in how many
+    of the runs when not all."""
     runs = out["runs"]
     print(f"{out['command']}: {len(runs)} runs, median {out['total_s']:.0f} s "
           f"(each: {', '.join(f'{t:.0f}' for t in out['totals_s'])} s)")
+    print(f"  {_source_line(out['source'])}"
+          + ("; WARNING: the runs' sources differ (each run's in runs[].source)"
+             if out["sources_differ"] else ""))
     for r in runs:
         h = r.get("host") or {}
         if h:
@@ -196,23 +333,40 @@ def print_summary(out: dict) -> None:
                   f"user + {h['cpu_s']['system']:.0f} s system")
     for k, v in out["summary"].items():
         if k != "total_s":
-            print(f"  {k}: median {v['median']:.1f} s ({v['min']:.1f}-{v['max']:.1f})")
+            part = f", in {v['n']} of {len(runs)} runs" if v["n"] != len(runs) else ""
+            print(f"  {k}: median {v['median']:.1f} s ({v['min']:.1f}-{v['max']:.1f}{part})")
 
 
 def source_info() -> dict | None:
-    """The checkout that ran: ``{"commit", "dirty", "changed"}``: ``changed`` the tracked files
-    that differ from the commit (``git status --porcelain --untracked-files=no``) outside
-    ``results/``, which every default run rewrites (first 20), ``dirty`` whether there are
-    any; None without git."""
+    """The checkout that runs: ``{"commit", "dirty", "changed"}``, or None when the project
+    root is no git checkout's top folder (no git, a copy without ``.git``, a copy inside
+    another repository).
+
+    ``changed``: the files that differ from the commit or are new and not ignored (``git
+    status --porcelain -z``), outside :data:`OUTPUT_DIRS` (first 20); ``dirty``: whether
+    there are any.
+    """
     def git(*a: str) -> str:
         return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True,
                               check=True, timeout=30).stdout
     try:
+        if Path(git("rev-parse", "--show-toplevel").strip()).resolve() != ROOT.resolve():
+            return None
         commit = git("rev-parse", "HEAD").strip()
-        lines = git("status", "--porcelain", "--untracked-files=no").splitlines()
+        entries = git("status", "--porcelain", "-z").split("\0")
     except (OSError, subprocess.SubprocessError):
         return None
-    changed = [ln[3:] for ln in lines if len(ln) > 3 and not ln[3:].startswith("results/")]
+    changed, skip = [], False
+    for e in entries:
+        if skip:  # the old name of a rename or copy (-z: its own field)
+            skip = False
+            continue
+        if len(e) < 4:
+            continue
+        skip = e[0] in "RC"
+        path = e[3:]
+        if not path.startswith(OUTPUT_DIRS):
+            changed.append(path)
     return {"commit": commit, "dirty": bool(changed), "changed": changed[:20]}
 
 
@@ -277,18 +431,14 @@ def command_times(root: Path | None) -> dict[str, float]:
 def report(args, cmd: list[str], log: str, total: float, res_root: Path,
            load: tuple | None | str = "now", times_root: Path | None = None,
            host: dict | None = None, print_it: bool = True,
-           source: dict | None | str = "here") -> dict:
-    """Write and print the profile: stage times, command times (``times_root``'s
+           source: dict | None = None) -> dict:
+    """The profile, printed unless ``print_it`` is False: stage times, command times (``times_root``'s
     ``times.tsv``), ModelOpt times (the quant records'; the console's ``finished`` lines when
     there are none), each row's ``timings_s``; ``load``: the load average to record ("now":
     this machine's, None: unknown, e.g. a run profiled afterwards with --parse); ``host``:
     :func:`host_probe` before and after the run, the run's ``steal_s`` and ``cpu_s`` (user and
     system seconds of the processes it waited for), None with --parse; ``source``: the
-    checkout that ran ("here": this one's, :func:`source_info`; None: unknown, --parse).
-
-    Returns:
-        the profile (``--parse``: also written to ``args.out``; a started run's caller
-        writes it); printed unless ``print_it`` is False.
+    checkout that ran (:func:`source_info`; None: unknown, e.g. --parse). The caller writes it.
     """
     load = os.getloadavg() if load == "now" else load
     stages = parse_stages(log)
@@ -313,8 +463,7 @@ def report(args, cmd: list[str], log: str, total: float, res_root: Path,
     out = {"machine": device_info(), "date_utc": time.strftime("%Y-%m-%d"),
            "command": " ".join(cmd), "total_s": round(total, 1), "stages_s": stages,
            "commands_s": commands, "modelopt_s": quant, "rows_s": rows, "load_average": load,
-           "host": host,
-           "source": source_info() if source == "here" else source}
+           "host": host, "source": source}
     if not print_it:
         return out
     print(f"{' '.join(cmd)}: {total:.0f} s in all"
@@ -325,6 +474,7 @@ def report(args, cmd: list[str], log: str, total: float, res_root: Path,
               f"{b['copy_gb_s']:.1f} -> {a['copy_gb_s']:.1f} GB/s copy (before -> after); "
               f"CPU {host['cpu_s']['user']:.0f} s user + {host['cpu_s']['system']:.0f} s "
               f"system; steal {host['steal_s']} s")
+        print(f"  {_source_line(source)}")
     for k, v in sorted(stages.items()):
         print(f"  stage {k}: {v:6.0f} s")
     for k, v in commands.items():

@@ -71,34 +71,37 @@ def test_profile_runs_record_how_fast_the_host_was(monkeypatch):
 
 
 # ----------------------------------------------------------------- profile_run.py --repeat
-def _fake_run_all(monkeypatch, fail_on: int | None = None):
-    """profile_run.py with run_all.sh replaced by a fake that writes one row and prints two
-    stage lines (the Nth call fails with ``fail_on``), and an instant host probe. Returns the
-    list of (ARTIFACTS, RESULTS) folders the runs were given."""
+def _fake_run_all(monkeypatch, fail_on: int | None = None, write: bool = True,
+                  stage5_on: int | None = None):
+    """profile_run.py with run_all.sh replaced by a fake (``_run_group``) that writes one row and
+    a times.tsv (unless ``write`` is False) and prints stage lines (stage 5 only in run
+    ``stage5_on``); the Nth run fails with ``fail_on``; an instant host probe. Returns the
+    module and the list of (ARTIFACTS, RESULTS) folders the runs were given."""
     import json
     from pathlib import Path
 
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import profile_run
 
-    real = profile_run.subprocess.run
     seen: list[tuple[Path, Path]] = []
 
-    def run(cmd, *a, **kw):
-        if cmd[:2] != ["bash", "run_all.sh"]:
-            return real(cmd, *a, **kw)  # git, for the source record
-        art, res = Path(kw["env"]["ARTIFACTS"]), Path(kw["env"]["RESULTS"])
+    def run_group(cmd, env):
+        assert cmd[:2] == ["bash", "run_all.sh"]
+        art, res = Path(env["ARTIFACTS"]), Path(env["RESULTS"])
         seen.append((art, res))
-        (res / "m").mkdir(parents=True)
-        (art / "logs" / "m").mkdir(parents=True)
-        (art / "logs" / "m" / "times.tsv").write_text(f"1_pytorch_baseline\t{len(seen)}.5\n")
-        (res / "m" / "ort_fp32.json").write_text(json.dumps(
-            {"tag": "ort_fp32", "timings_s": {"inference": 1.0 * len(seen)}}))
+        if write:
+            (res / "m").mkdir(parents=True)
+            (art / "logs" / "m").mkdir(parents=True)
+            (art / "logs" / "m" / "times.tsv").write_text(f"1_pytorch_baseline\t{len(seen)}.5\n")
+            (res / "m" / "ort_fp32.json").write_text(json.dumps(
+                {"tag": "ort_fp32", "timings_s": {"inference": 1.0 * len(seen)}}))
         rc = 1 if len(seen) == fail_on else 0
         out = f"Stage 0: finished [elapsed={len(seen)}s]\nStage 1: finished [elapsed=2s]\n"
-        return subprocess.CompletedProcess(cmd, rc, out, "boom\n" if rc else "")
+        if len(seen) == stage5_on:
+            out += "Stage 5: finished [elapsed=100s]\n"
+        return rc, out + ("boom\n" if rc else "")
 
-    monkeypatch.setattr(profile_run.subprocess, "run", run)
+    monkeypatch.setattr(profile_run, "_run_group", run_group)
     monkeypatch.setattr(profile_run, "host_probe",
                         lambda seconds=0.5: {"matmul_per_s": 1.0, "copy_gb_s": 1.0})
     return profile_run, seen
@@ -107,68 +110,191 @@ def _fake_run_all(monkeypatch, fail_on: int | None = None):
 def test_profile_run_repeat_records_every_run_and_their_median(monkeypatch, tmp_path, capsys):
     """--repeat 3: three runs, each in its own temporary scratch folder, removed afterwards;
     the JSON holds every run, the median and spread of the totals and of each stage and
-    command, and the commit that ran."""
+    command (with the number of runs that have it), and the checkout that ran."""
     import json
 
-    profile_run, seen = _fake_run_all(monkeypatch)
+    profile_run, seen = _fake_run_all(monkeypatch, stage5_on=3)
     out = tmp_path / "p.json"
     profile_run.main(["--repeat", "3", "--out", str(out), "--", "MODEL=m"])
     d = json.loads(out.read_text())
     assert len(d["runs"]) == 3 and len(d["totals_s"]) == 3
     assert d["total_s"] == sorted(d["totals_s"])[1]
-    assert d["summary"]["stage 0"] == {"median": 2.0, "min": 1.0, "max": 3.0}
+    assert d["summary"]["stage 0"] == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
+    assert d["summary"]["stage 5"]["n"] == 1
     assert d["summary"]["command 1_pytorch_baseline"]["max"] == 3.5
     assert [r["rows_s"]["ort_fp32"]["inference"] for r in d["runs"]] == [1.0, 2.0, 3.0]
     assert len({a for a, _ in seen}) == 3
     assert not any(a.parent.exists() for a, _ in seen), "temporary scratch folders left"
-    src = d["source"]
-    if src is not None:  # a git checkout
-        assert len(src["commit"]) == 40 and src["dirty"] == bool(src["changed"])
-        assert not any(c.startswith("results/") for c in src["changed"])
+    assert d["sources_differ"] is False and d["source"] == d["runs"][0]["source"]
     text = capsys.readouterr().out
-    assert "3 runs, median" in text and "stage 0: median 2.0 s (1.0-3.0)" in text
+    assert "3 runs, median" in text and "stage 0: median 2.0 s (1.0-3.0)\n" in text
+    assert "stage 5: median 100.0 s (100.0-100.0, in 1 of 3 runs)" in text
+    assert "source: " in text
 
 
 def test_profile_run_keeps_a_failed_runs_folder_and_writes_nothing(monkeypatch, tmp_path):
     """The second of three runs fails: the command exits naming its kept scratch folder and
-    the first run's total; no JSON is written under --out; the first run's folder is gone."""
+    the first run's total; no JSON is written under --out; the first run's folder is gone. A
+    run that fails before writing anything leaves no folder and says so."""
+    import shutil
+
     profile_run, seen = _fake_run_all(monkeypatch, fail_on=2)
     out = tmp_path / "p.json"
     with pytest.raises(SystemExit) as e:
         profile_run.main(["--repeat", "3", "--out", str(out), "--", "MODEL=m"])
     msg = str(e.value.code)
     kept = seen[1][0].parent
-    assert "rc=1" in msg and str(kept) in msg and "boom" in msg
-    assert f"runs before it: 0 s; nothing written to {out}" in msg
-    assert kept.is_dir() and not seen[0][0].parent.exists()
-    assert len(seen) == 2 and not out.exists()
+    try:
+        assert "rc=1" in msg and f"kept in {kept}" in msg and "boom" in msg
+        assert f"run 2 of 3; runs before it: 0 s; nothing written to {out}" in msg
+        assert kept.is_dir() and not seen[0][0].parent.exists()
+        assert len(seen) == 2 and not out.exists()
+    finally:
+        shutil.rmtree(kept, ignore_errors=True)
+    profile_run, seen = _fake_run_all(monkeypatch, fail_on=1, write=False)
+    with pytest.raises(SystemExit) as e:
+        profile_run.main(["--out", str(out), "--", "MODEL=m"])
+    assert "it wrote nothing;" in str(e.value.code) and not seen[0][0].parent.exists()
+    assert f"run 1 of 1; nothing written to {out}" in str(e.value.code)
 
 
 def test_profile_run_keep_with_repeat_gives_each_run_a_folder(monkeypatch, tmp_path):
-    """--keep DIR --repeat 2: DIR/run_1 and DIR/run_2, both kept; a single run uses DIR."""
+    """--keep DIR --repeat 2: DIR/run_1 and DIR/run_2, both kept; a single run uses DIR; a
+    relative --keep is taken from the current folder (run_all.sh runs in the project root)."""
     profile_run, seen = _fake_run_all(monkeypatch)
     keep = tmp_path / "k"
     profile_run.main(["--repeat", "2", "--keep", str(keep), "--out", str(tmp_path / "a.json"),
                       "--", "MODEL=m"])
     assert [a.parent for a, _ in seen] == [keep / "run_1", keep / "run_2"]
     assert all((a.parent / "results" / "m" / "ort_fp32.json").is_file() for a, _ in seen)
-    profile_run.main(["--keep", str(tmp_path / "one"), "--out", str(tmp_path / "b.json"),
-                      "--", "MODEL=m"])
+    monkeypatch.chdir(tmp_path)
+    profile_run.main(["--keep", "one", "--out", "b.json", "--", "MODEL=m"])
     assert seen[-1][0] == tmp_path / "one" / "artifacts" and seen[-1][0].is_dir()
+    assert (tmp_path / "b.json").is_file()
 
 
-def test_profile_run_interrupted_removes_its_temporary_folder(monkeypatch, tmp_path):
-    """Ctrl-C during a run: KeyboardInterrupt goes on, the temporary scratch folder goes."""
+@pytest.mark.parametrize("argv,says", [
+    (["--limit-run", "0"], "--limit-run: must be an integer >= 1 (got 0)"),
+    (["--limit-run", "-3"], "--limit-run"),
+    (["--out", "{tmp}"], "is a folder: give a file name"),
+    (["--out", "{tmp}/afile/x.json"], "is not a folder this user can write"),
+    (["--keep", "{tmp}/afile"], "is a file: give a new or empty folder"),
+    (["--keep", "{tmp}/full"], "is not empty"),
+    (["--", "MODEL=m", "RESULTS=/x"], "RESULTS after --: each run gets its own scratch folder"),
+    (["--results", "{tmp}"], "--results: only with --parse"),
+    (["--parse", "{tmp}/afile", "--results", "{tmp}", "--keep", "{tmp}/k"],
+     "--keep: for runs this script starts, not with --parse"),
+    (["--parse", "{tmp}/afile", "--results", "{tmp}/nope"], "--results"),
+])
+def test_profile_run_refuses_what_would_fail_after_the_runs(monkeypatch, tmp_path, capsys,
+                                                           argv, says):
+    """Flags that used to fail only after minutes of runs (an --out that cannot be written),
+    to start a different run than asked (--limit-run 0 ran the full run), or to mix another
+    run's rows into the profile (a non-empty --keep): usage errors (exit 2) before any run."""
     profile_run, seen = _fake_run_all(monkeypatch)
-    real = profile_run.subprocess.run
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "old.json").write_text("{}")
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    if "--out" not in argv:
+        argv = ["--out", str(tmp_path / "o.json")] + argv
+    with pytest.raises(SystemExit) as e:
+        profile_run.main(argv)
+    assert e.value.code == 2 and says in capsys.readouterr().err
+    assert not seen and not (tmp_path / "o.json").exists()
 
-    def interrupted(cmd, *a, **kw):
-        if cmd[:2] == ["bash", "run_all.sh"]:
-            real(cmd, *a, **kw)  # the fake writes its folders first
-            raise KeyboardInterrupt
-        return real(cmd, *a, **kw)
 
-    monkeypatch.setattr(profile_run.subprocess, "run", interrupted)
-    with pytest.raises(KeyboardInterrupt):
+def test_profile_run_interrupted_removes_its_temporary_folder(monkeypatch, tmp_path, capsys):
+    """Ctrl-C (or SIGTERM) during a run: exit 130 with one line naming the run; the temporary
+    scratch folder goes; nothing is written."""
+    profile_run, seen = _fake_run_all(monkeypatch)
+    fake = profile_run._run_group
+
+    def interrupted(cmd, env):
+        fake(cmd, env)  # the fake writes its folders first
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(profile_run, "_run_group", interrupted)
+    with pytest.raises(SystemExit) as e:
         profile_run.main(["--out", str(tmp_path / "p.json"), "--", "MODEL=m"])
+    assert e.value.code == 130 and "interrupted in run 1 of 1" in capsys.readouterr().err
     assert seen and not seen[0][0].parent.exists() and not (tmp_path / "p.json").exists()
+
+
+def test_profile_run_stops_the_whole_process_group_on_ctrl_c(monkeypatch, tmp_path):
+    """run_all.sh runs in a process group of its own; a KeyboardInterrupt while waiting sends
+    the group SIGINT (run_all.sh's trap runs, its background children get it too) and goes on."""
+    import signal
+    import time
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import profile_run
+
+    flag, child = tmp_path / "got-int", tmp_path / "child.pid"
+    real = profile_run.subprocess.Popen
+
+    class Interrupting(real):
+        calls = 0
+
+        def communicate(self, *a, **kw):
+            Interrupting.calls += 1
+            if Interrupting.calls == 1:
+                deadline = time.time() + 10
+                while not child.exists() and time.time() < deadline:
+                    time.sleep(0.05)  # the script's trap is set before it writes the pid
+                raise KeyboardInterrupt
+            return super().communicate(*a, **kw)
+
+    monkeypatch.setattr(profile_run.subprocess, "Popen", Interrupting)
+    script = (f"trap 'touch {flag}; exit 130' INT; sleep 30 & echo $! > {child}.tmp; "
+              f"mv {child}.tmp {child}; wait")
+    t0 = time.time()
+    with pytest.raises(KeyboardInterrupt):
+        profile_run._run_group(["bash", "-c", script], dict(__import__("os").environ))
+    assert flag.exists() and time.time() - t0 < 20
+    pid = int(child.read_text())
+    for _ in range(100):  # the background sleep got SIGINT too
+        try:
+            __import__("os").kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        __import__("os").kill(pid, signal.SIGKILL)
+        pytest.fail("the run's background child outlived the interrupt")
+
+
+def test_profile_run_source_names_the_checkout_and_its_changes(monkeypatch, tmp_path):
+    """source_info: the commit and the changed or new files (a rename under its new name, a
+    name with a space), not the outputs under results/ or benchmarks/results/; None for a
+    folder that is not the top of a git checkout (a copy inside another repository)."""
+    import shutil
+
+    if shutil.which("git") is None:
+        pytest.skip("no git here")
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import profile_run
+
+    repo = tmp_path / "r"
+    (repo / "results").mkdir(parents=True)
+    (repo / "sub").mkdir()
+
+    def git(*a):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a], cwd=repo,
+                       check=True, capture_output=True)
+
+    (repo / "a.py").write_text("a\n")
+    (repo / "results" / "r.json").write_text("{}\n")
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-qm", "x")
+    monkeypatch.setattr(profile_run, "ROOT", repo)
+    clean = profile_run.source_info()
+    assert len(clean["commit"]) == 40 and clean == {**clean, "dirty": False, "changed": []}
+    git("mv", "a.py", "b c.py")
+    (repo / "results" / "r.json").write_text("{1}\n")
+    (repo / "new.py").write_text("n\n")
+    src = profile_run.source_info()
+    assert src["dirty"] and sorted(src["changed"]) == ["b c.py", "new.py"]
+    monkeypatch.setattr(profile_run, "ROOT", repo / "sub")
+    assert profile_run.source_info() is None
