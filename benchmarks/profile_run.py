@@ -94,6 +94,16 @@ def get_args_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _can_create_in(folder: Path) -> str | None:
+    """None when a file can be made in ``folder`` (made and removed: permission bits say
+    nothing for root or /proc), else why not."""
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".profile_run-check-"):
+            return None
+    except OSError as e:
+        return e.strerror or str(e)
+
+
 def _check_out(p: argparse.ArgumentParser, out: Path) -> None:
     """--out must be a file that can be written: checked before minutes of runs (exit 2)."""
     if out.is_dir():
@@ -101,8 +111,9 @@ def _check_out(p: argparse.ArgumentParser, out: Path) -> None:
     parent = out.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent  # write_json creates the missing folders below this one
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        p.error(f"--out {out}: {parent} is not a folder this user can write; give another path")
+    why = "not a folder" if not parent.is_dir() else _can_create_in(parent)
+    if why:
+        p.error(f"--out {out}: cannot write in {parent} ({why}); give another path")
 
 
 def _check_keep(p: argparse.ArgumentParser, keep: Path) -> Path:
@@ -118,9 +129,27 @@ def _check_keep(p: argparse.ArgumentParser, keep: Path) -> Path:
         keep.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         p.error(f"--keep {keep}: cannot make it ({e.strerror}); give another folder")
-    if not os.access(keep, os.W_OK | os.X_OK):
-        p.error(f"--keep {keep}: this user cannot write there; give another folder")
+    why = _can_create_in(keep)
+    if why:
+        p.error(f"--keep {keep}: cannot write there ({why}); give another folder")
     return keep
+
+
+#: Signals that stop a profile as Ctrl-C does (the run's process group is stopped first); the
+#: command then exits 128 + the signal's number.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP arrived (``signum``); Ctrl-C is a plain KeyboardInterrupt."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_stopped(signum, frame):
+    raise Stopped(signum)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -158,7 +187,10 @@ def main(argv: list[str] | None = None) -> None:
     keep = _check_keep(p, args.keep) if args.keep else None
     cmd = ["bash", "run_all.sh"] + (["--limit", str(args.limit_run)] if args.limit_run else [])
     runs: list[dict] = []
-    old = signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM ends runs as Ctrl-C does
+    # SIGTERM and SIGHUP (a closed terminal: run_all.sh, in a session of its own, no longer
+    # gets it from the kernel) end the runs as Ctrl-C does
+    old = {sig: signal.signal(sig, _raise_stopped) for sig in STOP_SIGNALS[1:]}
+    exclude = [keep, args.out.resolve()] if keep else [args.out.resolve()]
 
     def so_far() -> str:
         return (f"; runs before it: {', '.join(format(r['total_s'], '.0f') for r in runs)} s"
@@ -170,18 +202,23 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"run {i} of {args.repeat}", flush=True)
             k = keep / f"run_{i}" if keep and args.repeat > 1 else keep
             try:
-                runs.append(profile_once(args, cmd, k, print_it=args.repeat == 1))
+                runs.append(profile_once(args, cmd, k, print_it=args.repeat == 1,
+                                         exclude=exclude))
             except RunFailed as e:
                 sys.exit(f"{e}\n(run {i} of {args.repeat}{so_far()}; nothing written to "
                          f"{args.out})")
-            except KeyboardInterrupt:
-                print(f"profile_run.py: interrupted in run {i} of {args.repeat}{so_far()}; "
+            except KeyboardInterrupt as e:
+                signum = getattr(e, "signum", signal.SIGINT)
+                what = "interrupted" if signum == signal.SIGINT else \
+                    f"stopped by {signal.Signals(signum).name}"
+                print(f"profile_run.py: {what} in run {i} of {args.repeat}{so_far()}; "
                       f"nothing written to {args.out}", file=sys.stderr, flush=True)
-                sys.exit(130)
+                sys.exit(128 + signum)
             if args.repeat > 1:
                 print(f"run {i}: {runs[-1]['total_s']:.0f} s", flush=True)
     finally:
-        signal.signal(signal.SIGTERM, old)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
     out = runs[0] if args.repeat == 1 else {**summarize(runs), "runs": runs}
     write_json(args.out, out)
     if args.repeat > 1:
@@ -189,20 +226,19 @@ def main(argv: list[str] | None = None) -> None:
     print(f"-> {args.out}")
 
 
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt
-
-
 class RunFailed(Exception):
     """run_all.sh exited non-zero (the message says whether its scratch folder is kept)."""
 
 
+#: Seconds :func:`_stop_group` waits for the run to end after SIGINT, then for what is left of
+#: its process group after SIGTERM and after SIGKILL.
+STOP_WAIT_S, TERM_GRACE_S = 30.0, 5.0
+
+
 def _run_group(cmd: list[str], env: dict) -> tuple[int, str]:
     """``cmd`` in the project root in a process group of its own; ``(exit status, stdout +
-    stderr)``. On KeyboardInterrupt (Ctrl-C, or SIGTERM through main) the group gets SIGINT, as
-    a terminal's Ctrl-C would give it (run_all.sh's trap then stops its stage and its preload
-    server); once ``cmd`` has ended, or after 30 s, what is left of the group (a background
-    child, which ignores SIGINT) gets SIGTERM, and SIGKILL 5 s later; the interrupt goes on."""
+    stderr)``. On KeyboardInterrupt (Ctrl-C, or SIGTERM/SIGHUP through main) the group is
+    stopped (:func:`_stop_group`) and the interrupt goes on."""
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -214,8 +250,11 @@ def _run_group(cmd: list[str], env: dict) -> tuple[int, str]:
 
 
 def _stop_group(proc: subprocess.Popen) -> None:
-    """SIGINT to ``proc``'s process group, then SIGTERM and SIGKILL to what is left of it (see
-    :func:`_run_group`); its pipes read to the end."""
+    """Stop ``proc``'s process group: SIGINT, as a terminal's Ctrl-C would give it (run_all.sh's
+    trap then stops its stage and its preload server); once ``proc`` has ended, or after
+    :data:`STOP_WAIT_S`, SIGTERM to what is left (a background child ignores SIGINT), and
+    SIGKILL after :data:`TERM_GRACE_S`; then its pipes are read to the end. A second Ctrl-C,
+    SIGTERM or SIGHUP meanwhile is ignored, so that the group is always stopped."""
     def signal_group(sig: int) -> bool:
         try:
             os.killpg(proc.pid, sig)
@@ -225,37 +264,45 @@ def _stop_group(proc: subprocess.Popen) -> None:
         except PermissionError:
             return True
 
-    if signal_group(signal.SIGINT):
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
-        for sig, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-            if not signal_group(sig):
-                break
-            deadline = time.monotonic() + grace
-            while time.monotonic() < deadline and (proc.poll() is None or signal_group(0)):
-                time.sleep(0.05)
+    old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOP_SIGNALS}
     try:
-        proc.communicate(timeout=5)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+        if signal_group(signal.SIGINT):
+            try:
+                proc.wait(timeout=STOP_WAIT_S)
+            except subprocess.TimeoutExpired:
+                pass
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                if not signal_group(sig):
+                    break
+                deadline = time.monotonic() + TERM_GRACE_S
+                while time.monotonic() < deadline and (proc.poll() is None or signal_group(0)):
+                    time.sleep(0.05)
+        try:
+            proc.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
-def profile_once(args, cmd: list[str], keep: Path | None, print_it: bool = True) -> dict:
+def profile_once(args, cmd: list[str], keep: Path | None, print_it: bool = True,
+                 exclude: list[Path] = ()) -> dict:
     """One ``run_all.sh`` run (``cmd``) in the scratch folder ``keep`` (None: a temporary one,
     removed when the run succeeds or is interrupted, kept when it fails and wrote something)
-    and its profile (:func:`report`), with the checkout's ``source`` taken before it starts.
+    and its profile (:func:`report`), with the checkout's ``source`` taken before it starts
+    (``exclude``: the tool's own output paths, not counted as changes).
 
     Raises:
         RunFailed: the run failed (its last output shown, its scratch folder named if kept).
-        KeyboardInterrupt: Ctrl-C or SIGTERM (the run's process group stopped).
+        KeyboardInterrupt: Ctrl-C, or :class:`Stopped` for SIGTERM/SIGHUP (the run's process
+            group stopped).
     """
     scratch = keep or Path(tempfile.mkdtemp(prefix="profile-"))
     env = dict(os.environ, ARTIFACTS=str(scratch / "artifacts"), RESULTS=str(scratch / "results"))
     env.update(kv.split("=", 1) for kv in args.env)
     try:
-        source = source_info()
+        source = source_info(exclude)
         host = {"before": host_probe()}
         ticks0, cpu0 = proc_stat_ticks(), resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.perf_counter()
@@ -337,14 +384,14 @@ def print_summary(out: dict) -> None:
             print(f"  {k}: median {v['median']:.1f} s ({v['min']:.1f}-{v['max']:.1f}{part})")
 
 
-def source_info() -> dict | None:
+def source_info(exclude: list[Path] = ()) -> dict | None:
     """The checkout that runs: ``{"commit", "dirty", "changed"}``, or None when the project
     root is no git checkout's top folder (no git, a copy without ``.git``, a copy inside
     another repository).
 
     ``changed``: the files that differ from the commit or are new and not ignored (``git
-    status --porcelain -z``), outside :data:`OUTPUT_DIRS` (first 20); ``dirty``: whether
-    there are any.
+    status --porcelain -z --untracked-files=all``), outside :data:`OUTPUT_DIRS` and the paths of ``exclude`` (the
+    tool's own output: ``--keep``, ``--out``) (first 20); ``dirty``: whether there are any.
     """
     def git(*a: str) -> str:
         return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True,
@@ -353,9 +400,15 @@ def source_info() -> dict | None:
         if Path(git("rev-parse", "--show-toplevel").strip()).resolve() != ROOT.resolve():
             return None
         commit = git("rev-parse", "HEAD").strip()
-        entries = git("status", "--porcelain", "-z").split("\0")
+        entries = git("status", "--porcelain", "-z", "--untracked-files=all").split("\0")
     except (OSError, subprocess.SubprocessError):
         return None
+    own = []
+    for e in exclude:
+        try:
+            own.append(Path(e).resolve().relative_to(ROOT.resolve()).as_posix())
+        except ValueError:
+            continue  # outside the checkout
     changed, skip = [], False
     for e in entries:
         if skip:  # the old name of a rename or copy (-z: its own field)
@@ -363,10 +416,12 @@ def source_info() -> dict | None:
             continue
         if len(e) < 4:
             continue
-        skip = e[0] in "RC"
+        skip = any(c in "RC" for c in e[:2])  # in the index (X) or the work tree (Y)
         path = e[3:]
-        if not path.startswith(OUTPUT_DIRS):
-            changed.append(path)
+        if path.startswith(OUTPUT_DIRS) or any(path == o or path.startswith(o + "/")
+                                               for o in own):
+            continue
+        changed.append(path)
     return {"commit": commit, "dirty": bool(changed), "changed": changed[:20]}
 
 

@@ -126,6 +126,11 @@ def test_profile_run_repeat_records_every_run_and_their_median(monkeypatch, tmp_
     assert len({a for a, _ in seen}) == 3
     assert not any(a.parent.exists() for a, _ in seen), "temporary scratch folders left"
     assert d["sources_differ"] is False and d["source"] == d["runs"][0]["source"]
+    if (ROOT / ".git").exists():  # a checkout: its commit, taken before each run
+        assert len(d["source"]["commit"]) == 40
+    other = [dict(r) for r in d["runs"][:2]]
+    other[1]["source"] = {"commit": "0" * 40, "dirty": True, "changed": ["x.py"]}
+    assert profile_run.summarize(other)["sources_differ"] is True
     text = capsys.readouterr().out
     assert "3 runs, median" in text and "stage 0: median 2.0 s (1.0-3.0)\n" in text
     assert "stage 5: median 100.0 s (100.0-100.0, in 1 of 3 runs)" in text
@@ -177,7 +182,9 @@ def test_profile_run_keep_with_repeat_gives_each_run_a_folder(monkeypatch, tmp_p
     (["--limit-run", "0"], "--limit-run: must be an integer >= 1 (got 0)"),
     (["--limit-run", "-3"], "--limit-run"),
     (["--out", "{tmp}"], "is a folder: give a file name"),
-    (["--out", "{tmp}/afile/x.json"], "is not a folder this user can write"),
+    (["--out", "{tmp}/afile/x.json"], "(not a folder); give another path"),
+    (["--out", "/proc/x.json"], "cannot write in /proc"),
+    (["--keep", "/proc/k"], "--keep /proc/k: cannot make it"),
     (["--keep", "{tmp}/afile"], "is a file: give a new or empty folder"),
     (["--keep", "{tmp}/full"], "is not empty"),
     (["--", "MODEL=m", "RESULTS=/x"], "RESULTS after --: each run gets its own scratch folder"),
@@ -198,10 +205,11 @@ def test_profile_run_refuses_what_would_fail_after_the_runs(monkeypatch, tmp_pat
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     if "--out" not in argv:
         argv = ["--out", str(tmp_path / "o.json")] + argv
+    before = sorted(tmp_path.rglob("*"))
     with pytest.raises(SystemExit) as e:
         profile_run.main(argv)
     assert e.value.code == 2 and says in capsys.readouterr().err
-    assert not seen and not (tmp_path / "o.json").exists()
+    assert not seen and sorted(tmp_path.rglob("*")) == before, "something was made"
 
 
 def test_profile_run_interrupted_removes_its_temporary_folder(monkeypatch, tmp_path, capsys):
@@ -221,16 +229,13 @@ def test_profile_run_interrupted_removes_its_temporary_folder(monkeypatch, tmp_p
     assert seen and not seen[0][0].parent.exists() and not (tmp_path / "p.json").exists()
 
 
-def test_profile_run_stops_the_whole_process_group_on_ctrl_c(monkeypatch, tmp_path):
-    """run_all.sh runs in a process group of its own; a KeyboardInterrupt while waiting sends
-    the group SIGINT (run_all.sh's trap runs, its background children get it too) and goes on."""
+def _interrupting_popen(profile_run, ready: "Path", seen: dict):
+    """A Popen whose first communicate() waits for ``ready`` and raises KeyboardInterrupt (a
+    Ctrl-C while profile_run waits for run_all.sh); its wait() records the handlers of the stop
+    signals at that moment in ``seen``."""
     import signal
     import time
 
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    import profile_run
-
-    flag, child = tmp_path / "got-int", tmp_path / "child.pid"
     real = profile_run.subprocess.Popen
 
     class Interrupting(real):
@@ -238,30 +243,110 @@ def test_profile_run_stops_the_whole_process_group_on_ctrl_c(monkeypatch, tmp_pa
 
         def communicate(self, *a, **kw):
             Interrupting.calls += 1
+            seen["pgid"] = self.pid
             if Interrupting.calls == 1:
                 deadline = time.time() + 10
-                while not child.exists() and time.time() < deadline:
-                    time.sleep(0.05)  # the script's trap is set before it writes the pid
+                while not ready.exists() and time.time() < deadline:
+                    time.sleep(0.05)  # the script's traps are set before it writes this
                 raise KeyboardInterrupt
             return super().communicate(*a, **kw)
 
-    monkeypatch.setattr(profile_run.subprocess, "Popen", Interrupting)
-    script = (f"trap 'touch {flag}; exit 130' INT; sleep 30 & echo $! > {child}.tmp; "
-              f"mv {child}.tmp {child}; wait")
+        def wait(self, *a, **kw):
+            seen.setdefault("handlers", {s: signal.getsignal(s) for s in
+                                         profile_run.STOP_SIGNALS})
+            return super().wait(*a, **kw)
+
+    return Interrupting
+
+
+def _group_gone(pgid: int) -> bool:
+    import os
+    import time
+
+    for _ in range(100):
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_profile_run_stops_the_whole_process_group_on_ctrl_c(monkeypatch, tmp_path):
+    """run_all.sh runs in a process group of its own; a KeyboardInterrupt while waiting sends
+    the group SIGINT (run_all.sh's trap runs), then SIGTERM to what is left (a background
+    child, which non-interactive bash starts with SIGINT ignored: its TERM trap runs), and the
+    interrupt goes on. A second Ctrl-C/SIGTERM/SIGHUP meanwhile is ignored; the handlers are
+    back afterwards."""
+    import os
+    import signal
+    import time
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import profile_run
+
+    got_int, got_term, ready = tmp_path / "int", tmp_path / "term", tmp_path / "ready"
+    seen: dict = {}
+    monkeypatch.setattr(profile_run.subprocess, "Popen",
+                        _interrupting_popen(profile_run, ready, seen))
+    script = (f"trap 'touch {got_int}; exit 130' INT; "
+              f"( trap 'touch {got_term}; exit 143' TERM; sleep 30 & wait ) & "
+              f"sleep 0.3; touch {ready}; wait")
+    before = {s: signal.getsignal(s) for s in profile_run.STOP_SIGNALS}
     t0 = time.time()
     with pytest.raises(KeyboardInterrupt):
-        profile_run._run_group(["bash", "-c", script], dict(__import__("os").environ))
-    assert flag.exists() and time.time() - t0 < 20
-    pid = int(child.read_text())
-    for _ in range(100):  # the background sleep got SIGINT too
-        try:
-            __import__("os").kill(pid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.05)
-    else:
-        __import__("os").kill(pid, signal.SIGKILL)
-        pytest.fail("the run's background child outlived the interrupt")
+        profile_run._run_group(["bash", "-c", script], dict(os.environ))
+    assert got_int.exists() and got_term.exists() and time.time() - t0 < 20
+    assert _group_gone(seen["pgid"])
+    assert all(h == signal.SIG_IGN for h in seen["handlers"].values()), seen["handlers"]
+    assert {s: signal.getsignal(s) for s in profile_run.STOP_SIGNALS} == before
+
+
+def test_profile_run_kills_what_ignores_sigint_and_sigterm(monkeypatch, tmp_path):
+    """A group member that ignores SIGINT and SIGTERM is killed (SIGKILL) after the grace."""
+    import os
+    import time
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import profile_run
+
+    ready, seen = tmp_path / "ready", {}
+    monkeypatch.setattr(profile_run.subprocess, "Popen",
+                        _interrupting_popen(profile_run, ready, seen))
+    monkeypatch.setattr(profile_run, "STOP_WAIT_S", 0.5)
+    monkeypatch.setattr(profile_run, "TERM_GRACE_S", 0.5)
+    t0 = time.time()
+    with pytest.raises(KeyboardInterrupt):
+        profile_run._run_group(["bash", "-c", f"trap '' INT TERM; touch {ready}; sleep 30"],
+                               dict(os.environ))
+    assert _group_gone(seen["pgid"]) and time.time() - t0 < 10
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+def test_profile_run_sigterm_and_sighup_stop_it_as_ctrl_c_does(monkeypatch, tmp_path, capsys,
+                                                               sig):
+    """SIGTERM, and SIGHUP (a closed terminal no longer reaches run_all.sh in its own session),
+    end the profile as Ctrl-C does: exit 128 + the signal's number, one line naming it,
+    nothing written, the temporary folder removed, the handlers back."""
+    import os
+    import signal
+
+    profile_run, seen = _fake_run_all(monkeypatch)
+    fake, num = profile_run._run_group, getattr(signal, sig)
+
+    def signalled(cmd, env):
+        fake(cmd, env)
+        os.kill(os.getpid(), num)
+        return 0, ""  # not reached: the handler raises
+
+    monkeypatch.setattr(profile_run, "_run_group", signalled)
+    before = signal.getsignal(num)
+    with pytest.raises(SystemExit) as e:
+        profile_run.main(["--out", str(tmp_path / "p.json"), "--", "MODEL=m"])
+    assert e.value.code == 128 + num
+    assert f"stopped by {sig} in run 1 of 1" in capsys.readouterr().err
+    assert not seen[0][0].parent.exists() and not (tmp_path / "p.json").exists()
+    assert signal.getsignal(num) == before
 
 
 def test_profile_run_source_names_the_checkout_and_its_changes(monkeypatch, tmp_path):
@@ -293,8 +378,18 @@ def test_profile_run_source_names_the_checkout_and_its_changes(monkeypatch, tmp_
     assert len(clean["commit"]) == 40 and clean == {**clean, "dirty": False, "changed": []}
     git("mv", "a.py", "b c.py")
     (repo / "results" / "r.json").write_text("{1}\n")
+    (repo / "benchmarks" / "results").mkdir(parents=True)
+    (repo / "benchmarks" / "results" / "p.json").write_text("{}\n")
+    (repo / "kk" / "run_1").mkdir(parents=True)  # the tool's own --keep folder
+    (repo / "kk" / "run_1" / "x.json").write_text("{}\n")
     (repo / "new.py").write_text("n\n")
-    src = profile_run.source_info()
+    src = profile_run.source_info([repo / "kk"])
     assert src["dirty"] and sorted(src["changed"]) == ["b c.py", "new.py"]
+    assert "kk/run_1/x.json" in profile_run.source_info()["changed"]
+    git("add", "-A")
+    git("commit", "-qm", "y")
+    (repo / "b c.py").rename(repo / "d.py")  # renamed in the work tree only (" R")
+    git("add", "-N", "d.py")
+    assert profile_run.source_info([repo / "kk"])["changed"] == ["d.py"]
     monkeypatch.setattr(profile_run, "ROOT", repo / "sub")
     assert profile_run.source_info() is None
