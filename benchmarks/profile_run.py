@@ -45,7 +45,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from deploykit.cli import HelpFormatter, env_assignment  # noqa: E402
+from deploykit.cli import HelpFormatter, env_assignment, int_at_least  # noqa: E402
 from deploykit.envinfo import device_info  # noqa: E402
 from deploykit.io import write_json  # noqa: E402
 
@@ -54,26 +54,16 @@ from deploykit.io import write_json  # noqa: E402
 OUTPUT_DIRS = ("results/", "benchmarks/results/")
 
 
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1 (got {text!r})") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1 (got {n})")
-    return n
-
-
 def get_args_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)
-    p.add_argument("--limit-run", type=_positive, nargs="?", const=64, default=None,
+    p.add_argument("--limit-run", type=int_at_least(1), nargs="?", const=64, default=None,
                    metavar="N", help="profile the smoke run `run_all.sh --limit N` (N default 64)")
     p.add_argument("--keep", type=Path, default=None,
                    help="scratch folder to use and keep, new or empty (default: a temporary "
                         "one, removed after a run that succeeds or is interrupted); with "
                         "--repeat N, one folder run_I in it per run")
-    p.add_argument("--repeat", type=_positive, default=1, metavar="N",
+    p.add_argument("--repeat", type=int_at_least(1), default=1, metavar="N",
                    help="N runs back to back; the JSON holds each (runs) and the median, "
                         "minimum and maximum of their totals, stages and commands (summary)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/profile_run.json"),
