@@ -47,7 +47,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from deploykit.cli import HelpFormatter, env_assignment, int_at_least  # noqa: E402
 from deploykit.envinfo import device_info  # noqa: E402
-from deploykit.io import write_json  # noqa: E402
+from deploykit.errors import StageError  # noqa: E402
+from deploykit.io import check_writable, write_json  # noqa: E402
 
 #: Folders of the checkout that runs write (the pipeline's results, the benchmarks' JSONs):
 #: changes there do not make a checkout's ``source`` dirty.
@@ -84,14 +85,16 @@ def get_args_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _can_create_in(folder: Path) -> str | None:
-    """None when a file can be made in ``folder`` (made and removed: permission bits say
-    nothing for root or /proc), else why not."""
+def _cannot_write(folder: Path) -> str | None:
+    """None when ``folder`` can be made (if missing) and a file made in it
+    (:func:`deploykit.io.check_writable`: a probe file, since permission bits say nothing for
+    root or /proc), else the operating system's reason."""
     try:
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".profile_run-check-"):
-            return None
-    except OSError as e:
-        return e.strerror or str(e)
+        check_writable(folder)
+        return None
+    except StageError as e:
+        cause = e.__cause__
+        return (getattr(cause, "strerror", None) or str(cause)) if cause else str(e)
 
 
 def _check_out(p: argparse.ArgumentParser, out: Path) -> None:
@@ -101,7 +104,7 @@ def _check_out(p: argparse.ArgumentParser, out: Path) -> None:
     parent = out.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent  # write_json creates the missing folders below this one
-    why = "not a folder" if not parent.is_dir() else _can_create_in(parent)
+    why = "not a folder" if not parent.is_dir() else _cannot_write(parent)
     if why:
         p.error(f"--out {out}: cannot write in {parent} ({why}); give another path")
 
@@ -115,13 +118,10 @@ def _check_keep(p: argparse.ArgumentParser, keep: Path) -> Path:
     if keep.is_dir() and any(keep.iterdir()):
         p.error(f"--keep {keep} is not empty (an earlier run's rows would be read as this "
                 "one's): give a new or empty folder")
-    try:
-        keep.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        p.error(f"--keep {keep}: cannot make it ({e.strerror}); give another folder")
-    why = _can_create_in(keep)
+    why = _cannot_write(keep)  # makes it when missing
     if why:
-        p.error(f"--keep {keep}: cannot write there ({why}); give another folder")
+        p.error(f"--keep {keep}: cannot {'write there' if keep.is_dir() else 'make it'} ({why}); "
+                "give another folder")
     return keep
 
 
