@@ -101,6 +101,8 @@ def _check_out(p: argparse.ArgumentParser, out: Path) -> None:
     """--out must be a file that can be written: checked before minutes of runs (exit 2)."""
     if out.is_dir():
         p.error(f"--out {out} is a folder: give a file name, e.g. {out / 'profile.json'}")
+    if out.exists() and not out.is_file():  # a device, a FIFO: the JSON would replace it
+        p.error(f"--out {out} is not a regular file: give a file name")
     parent = out.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent  # write_json creates the missing folders below this one
@@ -174,6 +176,10 @@ def main(argv: list[str] | None = None) -> None:
     if fixed:
         p.error(f"{' and '.join(fixed)} after --: each run gets its own scratch folder; "
                 "--keep DIR names it")
+    if args.keep and (args.keep.resolve() == args.out.resolve()
+                      or args.keep.resolve() in args.out.resolve().parents):
+        p.error(f"--out {args.out} is inside --keep {args.keep}, which the runs fill: give a "
+                "path outside it")
     keep = _check_keep(p, args.keep) if args.keep else None
     cmd = ["bash", "run_all.sh"] + (["--limit", str(args.limit_run)] if args.limit_run else [])
     runs: list[dict] = []
